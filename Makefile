@@ -1,0 +1,21 @@
+# The README's two commands: `make run` (main job) and `make test` (the whole test suite).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test clean
+
+run: $(VENV)/.installed
+	$(PY) -m jax_prefix_attn
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+clean:
+	rm -rf $(VENV)

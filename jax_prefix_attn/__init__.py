@@ -1,0 +1,14 @@
+"""jax-prefix-attn: exact, fast attention for batches of sequences that share prefixes.
+
+Public API:
+
+* :func:`attention` -- flash attention returning ``(out, lse)`` (Pallas on GPU).
+* :func:`merge_attention_states`, :func:`merge_two` -- exact LSE merging of partial states.
+* :mod:`jax_prefix_attn.reference` -- the pure-JAX oracle.
+"""
+from jax_prefix_attn import reference
+from jax_prefix_attn.attention import attention
+from jax_prefix_attn.merge import merge_attention_states, merge_two
+
+__all__ = ["attention", "merge_attention_states", "merge_two", "reference"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Flax Llama decoder using jax_prefix_attn."""
