@@ -1,0 +1,1 @@
+"""Benchmarks (run on the GPU machine with the repository on PYTHONPATH)."""

@@ -1,0 +1,70 @@
+"""Shared timing helpers for the benchmarks (GPU).
+
+* :func:`time_fn` -- median wall time of a jitted function after warm-up, with
+  ``jax.block_until_ready``; rotates among several argument sets so inputs that fit in
+  L2 are not timed hot.
+* :func:`measure_copy_bandwidth` / :func:`measure_matmul_rate` -- the two rates of the
+  floor ``max(bytes / bandwidth, flops / matmul rate)``, measured in the same run.
+* :func:`device_info` -- device name and versions for result JSON files.
+"""
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def time_fn(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 3, iters: int = 20) -> float:
+    """Median seconds of ``fn(*args)``, cycling through ``arg_sets``."""
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for i in range(iters):
+        args = arg_sets[i % len(arg_sets)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes/s of an XLA elementwise ``x + 1`` over ``nbytes`` of bf16 (read + write counted)."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + 1)
+    t = time_fn(f, [(x,)], warmup=3, iters=10)
+    del x
+    return 2 * nbytes / t
+
+
+def measure_matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of an XLA bf16 ``n^3`` matmul."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    t = time_fn(f, [(a, b)], warmup=3, iters=10)
+    return 2 * n ** 3 / t
+
+
+def device_info() -> dict:
+    dev = jax.devices()[0]
+    return {
+        "device": getattr(dev, "device_kind", str(dev)),
+        "platform": dev.platform,
+        "jax": jax.__version__,
+        "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def gpu_slug() -> str:
+    """Short device name for result file names, e.g. ``h100`` or ``h200``."""
+    kind = device_info()["device"].lower()
+    for name in ("h200", "h100", "a100", "l4", "cpu"):
+        if name in kind:
+            return name
+    return "".join(c if c.isalnum() else "_" for c in kind)[:24]
