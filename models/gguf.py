@@ -1,0 +1,298 @@
+"""Read a Llama-architecture GGUF file into a Hugging-Face-named state dict and config.
+
+`load_gguf(path, dtype="float32") -> (hf_config, state_dict)`:
+
+* `hf_config` is a plain dict with the keys of a Hugging Face `LlamaConfig` (`hidden_size`,
+  `num_attention_heads`, `num_key_value_heads`, `head_dim`, `rope_theta`, `rms_norm_eps`,
+  `tie_word_embeddings`, ...), built from the file's `llama.*` metadata.
+* `state_dict` maps Hugging Face Llama parameter names (`model.embed_tokens.weight`,
+  `model.layers.{i}.self_attn.q_proj.weight`, ...) to numpy arrays in the orientation of
+  `torch.nn.Linear.weight` (`[out_features, in_features]`), dequantised to `dtype`.
+
+llama.cpp's converter permutes the rows of the query and key projections (it regroups each
+head's rotary pairs from the "rotate half" layout of Hugging Face to the interleaved layout of
+GGML). `unpermute_qk_rows` undoes it, exactly as transformers' GGUF loader does, so the
+returned weights are the Hugging Face ones.
+
+The file is parsed by the `gguf` package (memory-mapped, no pickle). Dequantisation uses
+`gguf.quants.dequantize`; the supported tensor types are `SUPPORTED_TENSOR_TYPES`.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CheckpointError",
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_TENSOR_TYPES",
+    "load_gguf",
+    "read_gguf_metadata",
+    "gguf_config_to_hf",
+    "permute_qk_rows",
+    "unpermute_qk_rows",
+    "numpy_dtype",
+]
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+# GGML tensor types we dequantise (names of gguf.GGMLQuantizationType members).
+SUPPORTED_TENSOR_TYPES = (
+    "F32", "F16", "BF16",
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q4_K", "Q5_K", "Q6_K",
+)
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class CheckpointError(ValueError):
+    """A model file that cannot be used: missing, unreadable, or of an unsupported kind."""
+
+
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """`"float32" | "bfloat16" | "float16"` (or a numpy/jax dtype of those) -> numpy dtype."""
+    import ml_dtypes
+
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: received {dtype!r}, expected one of {list(_DTYPES)}")
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# q/k row permutation
+# ---------------------------------------------------------------------------------------------
+def permute_qk_rows(w_out_in: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (Hugging Face -> GGUF) of a q or k projection `[n_heads*D, in]`.
+
+    Within each head, rows `[0..D/2)` (first halves of the rotary pairs, "rotate half" layout)
+    and `[D/2..D)` are interleaved: GGUF row `2i` = HF row `i`, GGUF row `2i+1` = HF row `D/2+i`.
+    For k pass the number of key/value heads.
+    """
+    rows = w_out_in.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"w_out_in: {rows} rows do not split into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    w = w_out_in.reshape(n_heads, 2, half, *w_out_in.shape[1:])
+    return w.swapaxes(1, 2).reshape(w_out_in.shape)
+
+
+def unpermute_qk_rows(w_out_in: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of `permute_qk_rows`: GGUF q/k projection rows -> Hugging Face order."""
+    rows = w_out_in.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"w_out_in: {rows} rows do not split into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    w = w_out_in.reshape(n_heads, half, 2, *w_out_in.shape[1:])
+    return w.swapaxes(1, 2).reshape(w_out_in.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata
+# ---------------------------------------------------------------------------------------------
+def _open(path: str | os.PathLike):
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"model file not found: {path}")
+    if os.path.isdir(path):
+        raise CheckpointError(f"expected a .gguf file, got a directory: {path}")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except PermissionError as e:
+        raise CheckpointError(f"cannot read model file {path}: {e.strerror}") from None
+    except Exception as e:  # the reader raises ValueError/struct errors on garbage
+        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field_value(field) -> Any:
+    """A GGUF metadata field as a Python value (str, int, float, bool, or list of those)."""
+    return field.contents()
+
+
+def read_gguf_metadata(path_or_reader, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """All (or the named) metadata key/values of a GGUF file as Python values."""
+    reader = _open(path_or_reader) if isinstance(path_or_reader, (str, os.PathLike)) else path_or_reader
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if keys is not None and key not in keys:
+            continue
+        out[key] = _field_value(field)
+    return out
+
+
+def gguf_config_to_hf(meta: dict[str, Any], tensor_names: set[str] | None = None) -> dict[str, Any]:
+    """Hugging Face `LlamaConfig`-style dict from GGUF metadata (`llama.*`, `tokenizer.ggml.*`)."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def need(key):
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise CheckpointError(f"GGUF metadata lacks {full!r}")
+        return meta[full]
+
+    hidden = int(need("embedding_length"))
+    n_heads = int(need("attention.head_count"))
+    n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise CheckpointError(f"partial rotary embedding (rope.dimension_count={rope_dim} != head_dim={head_dim}) is not supported")
+    if f"{arch}.vocab_size" in meta:
+        vocab = int(meta[f"{arch}.vocab_size"])
+    elif "tokenizer.ggml.tokens" in meta:
+        vocab = len(meta["tokenizer.ggml.tokens"])
+    else:
+        raise CheckpointError("GGUF metadata gives no vocabulary size")
+
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_scaling": None,
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise CheckpointError(f"rope scaling type {scaling!r} is not supported (supported: linear)")
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    if tensor_names is not None:
+        cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
+    for hf_key, gg_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                           ("pad_token_id", "padding_token_id")):
+        if f"tokenizer.ggml.{gg_key}" in meta:
+            cfg[hf_key] = int(meta[f"tokenizer.ggml.{gg_key}"])
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors
+# ---------------------------------------------------------------------------------------------
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """Hugging Face Llama parameter name of a GGUF tensor name (CheckpointError if unknown)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    if gguf_name == "rope_freqs.weight":
+        raise CheckpointError("GGUF has 'rope_freqs.weight' (Llama-3.1-style rope scaling), which is not supported")
+    raise CheckpointError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
+
+
+def dequantize_tensor(tensor) -> np.ndarray:
+    """A `gguf.ReaderTensor` -> float32 numpy array in numpy (row-major, reversed-GGML) shape."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+    if qtype.name not in SUPPORTED_TENSOR_TYPES:
+        raise CheckpointError(
+            f"tensor {tensor.name!r} has unsupported type {qtype.name}; "
+            f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+    data = np.asarray(tensor.data)
+    if qtype.name == "F32":
+        out = np.array(data, dtype=np.float32)
+    elif qtype.name == "F16":
+        out = data.astype(np.float32)
+    else:
+        out = gguf.quants.dequantize(data, qtype).astype(np.float32, copy=False)
+    shape = tuple(int(s) for s in reversed(tensor.shape))
+    return out.reshape(shape)
+
+
+def load_gguf(path: str | os.PathLike, dtype: Any = "float32") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read a Llama GGUF: returns `(hf_config, state_dict)` (see module docstring).
+
+    `dtype` ("float32", "bfloat16", "float16") is the dtype of the returned arrays; tensors are
+    dequantised in float32 and cast once. Raises `CheckpointError` for a missing/unreadable
+    file, an architecture other than llama, or an unsupported tensor type (the message lists
+    the supported ones).
+    """
+    np_dtype = numpy_dtype(dtype)
+    reader = _open(path)
+    meta = read_gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    cfg = gguf_config_to_hf(meta, names)
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    state: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        w = dequantize_tensor(t)
+        if name.endswith("self_attn.q_proj.weight"):
+            w = unpermute_qk_rows(w, n_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            w = unpermute_qk_rows(w, n_kv)
+        state[name] = np.ascontiguousarray(w.astype(np_dtype, copy=False))
+
+    expected = _expected_shapes(cfg)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"GGUF lacks tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    for name, shape in expected.items():
+        if state[name].shape != shape:
+            raise CheckpointError(f"tensor {name} has shape {state[name].shape}, expected {shape} from the metadata")
+    return cfg, state
+
+
+def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    h, d, f = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    nq, nkv, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nq * d, h),
+            p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.weight": (nkv * d, h),
+            p + "self_attn.o_proj.weight": (h, nq * d),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        })
+    return shapes
