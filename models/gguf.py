@@ -296,3 +296,95 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (h, f),
         })
     return shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# writing (export, and tiny files for tests)
+# ---------------------------------------------------------------------------------------------
+_HF_TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
+_HF_TO_GGUF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_WRITABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+def gguf_name(hf_param_name: str) -> str:
+    """GGUF tensor name of a Hugging Face Llama parameter name (inverse of `hf_name`)."""
+    if hf_param_name in _HF_TO_GGUF_GLOBAL:
+        return _HF_TO_GGUF_GLOBAL[hf_param_name]
+    m = _HF_LAYER_RE.fullmatch(hf_param_name)
+    if m and m.group(2) in _HF_TO_GGUF_LAYER:
+        return f"blk.{int(m.group(1))}.{_HF_TO_GGUF_LAYER[m.group(2)]}"
+    raise ValueError(f"hf_param_name: {hf_param_name!r} is not a Llama parameter name")
+
+
+def write_llama_gguf(path: str | os.PathLike, hf_config: dict[str, Any], state_dict: dict[str, np.ndarray], *,
+                     tensor_type: Any = "F32", tokenizer: dict[str, Any] | None = None,
+                     name: str = "jax-prefix-attn export") -> None:
+    """Write a Llama GGUF that llama.cpp / transformers / `load_gguf` read back.
+
+    `state_dict` has Hugging Face names and `[out, in]` weights; q/k rows are permuted to
+    llama.cpp's layout. `tensor_type` is a type name from `F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0`
+    for the 2-D weights, or a callable `hf_name -> type name`; 1-D norm weights are F32.
+    `tokenizer` (optional) holds GGUF tokenizer metadata: `model` ("gpt2"), `pre`, `tokens`,
+    `token_types`, `merges`, `bos_token_id`, `eos_token_id`, `chat_template`, `add_bos_token`.
+    """
+    import gguf
+
+    c = hf_config
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    w.add_name(name)
+    w.add_block_count(int(c["num_hidden_layers"]))
+    w.add_context_length(int(c.get("max_position_embeddings", 2048)))
+    w.add_embedding_length(int(c["hidden_size"]))
+    w.add_feed_forward_length(int(c["intermediate_size"]))
+    w.add_head_count(int(c["num_attention_heads"]))
+    w.add_head_count_kv(int(c.get("num_key_value_heads", c["num_attention_heads"])))
+    head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    w.add_rope_dimension_count(head_dim)
+    if head_dim * int(c["num_attention_heads"]) != int(c["hidden_size"]):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_freq_base(float(c.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-5)))
+    w.add_vocab_size(int(c["vocab_size"]))
+    if tokenizer:
+        t = tokenizer
+        w.add_tokenizer_model(t.get("model", "gpt2"))
+        if "pre" in t:
+            w.add_tokenizer_pre(t["pre"])
+        w.add_token_list(list(t["tokens"]))
+        if "token_types" in t:
+            w.add_token_types([int(x) for x in t["token_types"]])
+        if "merges" in t:
+            w.add_token_merges(list(t["merges"]))
+        for key, adder in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                           ("padding_token_id", w.add_pad_token_id)):
+            if t.get(key) is not None:
+                adder(int(t[key]))
+        if "add_bos_token" in t:
+            w.add_add_bos_token(bool(t["add_bos_token"]))
+        if t.get("chat_template"):
+            w.add_chat_template(t["chat_template"])
+
+    n_heads = int(c["num_attention_heads"])
+    n_kv = int(c.get("num_key_value_heads", n_heads))
+    for hf, arr in state_dict.items():
+        arr = np.asarray(arr, dtype=np.float32)
+        if hf.endswith("self_attn.q_proj.weight"):
+            arr = permute_qk_rows(arr, n_heads)
+        elif hf.endswith("self_attn.k_proj.weight"):
+            arr = permute_qk_rows(arr, n_kv)
+        ttype = "F32" if arr.ndim == 1 else (tensor_type(hf) if callable(tensor_type) else tensor_type)
+        if ttype not in _WRITABLE_TYPES:
+            raise ValueError(f"tensor_type: received {ttype!r} for {hf}, expected one of {list(_WRITABLE_TYPES)}")
+        qtype = gguf.GGMLQuantizationType[ttype]
+        if ttype == "F32":
+            w.add_tensor(gguf_name(hf), np.ascontiguousarray(arr))
+        elif ttype == "F16":
+            w.add_tensor(gguf_name(hf), arr.astype(np.float16))
+        else:
+            w.add_tensor(gguf_name(hf), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
