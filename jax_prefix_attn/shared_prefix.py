@@ -1,0 +1,271 @@
+"""Shared-prefix attention (Hydragen / RelayAttention): public entry point and dispatch.
+
+Many sequences share a prompt (or one of ``G`` prompts).  Attention of each sequence over
+``[its prefix[:prefix_len]; its suffix[:suffix_len]]`` is split into attention over the
+prefix and attention over the suffix, merged exactly through the log-sum-exp (Hydragen
+section 3.1, RelayAttention section 3.3).  The prefix part is computed for all sequences
+that share a prefix as one matrix-matrix product per kv head (inter-sequence batching), so
+the prefix's keys and values are read about once per batch instead of once per sequence.
+
+Key visibility, derived from the project's causal convention on the concatenation
+(length ``L = pl + sl``, query ``i`` of ``Tq`` sees ``j < L`` and ``j <= i + L - Tq``),
+is a *per-row key limit* in both parts:
+
+* prefix keys ``j < lim_p[b, i] = clip(pl + sl - Tq + i + 1, 0, pl)``;
+* suffix keys ``j < lim_s[b, i] = clip(sl - Tq + i + 1, 0, sl)``.
+
+Every implementation below computes exactly these masks; ``suffix_lengths < Tq`` (queries
+that fall inside the prefix) is therefore handled too.
+
+``impl``:
+
+* ``"reference"``: pure JAX (prefix part + suffix part + :func:`merge_attention_states`);
+* ``"shared"``: two Pallas launches on the GPU: the inter-sequence batched prefix kernel,
+  then the suffix decode kernel that merges the prefix partials in its epilogue;
+* ``"flat"``: one ragged split-KV decode launch (plus a small reduction when the keys are
+  split) that reads the prefix through a per-sequence index for every sequence, without
+  copying it (the PagedAttention-style baseline);
+* ``"pallas_interpret"``: the shared path's kernels in Pallas interpret mode (CPU tests);
+  ``"flat_interpret"`` the flat path's;
+* ``"auto"``: on the GPU, the cheaper of ``"shared"`` and ``"flat"`` by the cost model in
+  :mod:`jax_prefix_attn.cost_model`; elsewhere ``"reference"``.
+
+Gradients: the Pallas paths have a ``custom_vjp`` whose backward is the autodiff of the
+reference decomposition (prefix part, suffix part, merge), so gradients are exact and equal
+to the reference path's.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_prefix_attn._validation import (_is_concrete, check_array, check_gqa, check_impl,
+                                         check_lengths, check_sm_scale)
+from jax_prefix_attn.merge import merge_attention_states
+
+__all__ = ["shared_prefix_attention", "IMPLS", "row_limits", "reference_shared_prefix"]
+
+IMPLS = ("auto", "shared", "flat", "reference", "pallas_interpret", "flat_interpret")
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _validate(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_lengths,
+              seq_to_prefix, sm_scale, return_lse, impl):
+    """Validate and canonicalise; returns ``(prefix_k, prefix_v [G, P, Hkv, D], seq_to_prefix [B],
+    prefix_lengths [G])``."""
+    check_impl(impl, IMPLS)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_array("q", q, 4, layout="[batch, seq_q, heads_q, head_dim]")
+    check_array("prefix_k", prefix_k, (3, 4), layout="[P, heads_kv, head_dim] or [G, P, heads_kv, head_dim]")
+    check_array("prefix_v", prefix_v, (3, 4), layout="[P, heads_kv, head_dim] or [G, P, heads_kv, head_dim]")
+    check_array("suffix_k", suffix_k, 4, layout="[batch, S_max, heads_kv, head_dim]")
+    check_array("suffix_v", suffix_v, 4, layout="[batch, S_max, heads_kv, head_dim]")
+    if prefix_k.shape != prefix_v.shape:
+        raise ValueError(f"prefix_k and prefix_v must have the same shape, got prefix_k "
+                         f"{tuple(prefix_k.shape)} and prefix_v {tuple(prefix_v.shape)}")
+    if suffix_k.shape != suffix_v.shape:
+        raise ValueError(f"suffix_k and suffix_v must have the same shape, got suffix_k "
+                         f"{tuple(suffix_k.shape)} and suffix_v {tuple(suffix_v.shape)}")
+    for name, x in (("prefix_k", prefix_k), ("prefix_v", prefix_v), ("suffix_k", suffix_k),
+                    ("suffix_v", suffix_v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    b, tq, hq, d = q.shape
+    single = prefix_k.ndim == 3
+    if single:
+        prefix_k, prefix_v = prefix_k[None], prefix_v[None]
+    g, p, hkv, dp = prefix_k.shape
+    if suffix_k.shape[0] != b:
+        raise ValueError(f"suffix_k must have q's batch size {b} on axis 0, got shape {tuple(suffix_k.shape)}")
+    if suffix_k.shape[2] != hkv:
+        raise ValueError(f"suffix_k must have the prefix's heads_kv={hkv} on axis 2, got shape "
+                         f"{tuple(suffix_k.shape)}")
+    if dp != d or suffix_k.shape[3] != d:
+        raise ValueError(f"prefix_k and suffix_k must have q's head_dim {d}, got prefix_k "
+                         f"{tuple(prefix_k.shape)} and suffix_k {tuple(suffix_k.shape)}")
+    if g < 1:
+        raise ValueError(f"prefix_k must hold at least one prefix group, got shape {tuple(prefix_k.shape)}")
+    check_gqa(hq, hkv)
+    check_sm_scale(sm_scale)
+    check_lengths("suffix_lengths", suffix_lengths, b, suffix_k.shape[1])
+    if prefix_lengths is None:
+        prefix_lengths = jnp.full((g,), p, jnp.int32)
+    else:
+        check_lengths("prefix_lengths", prefix_lengths, g, p)
+    if seq_to_prefix is None:
+        if g != 1:
+            raise ValueError(f"seq_to_prefix [batch={b}] is required when there are G={g} prefix "
+                             f"groups (prefix_k shape {tuple(prefix_k.shape)})")
+        seq_to_prefix = jnp.zeros((b,), jnp.int32)
+    else:
+        if not hasattr(seq_to_prefix, "shape"):
+            raise TypeError(f"seq_to_prefix must be an integer array of shape [{b}], got "
+                            f"{type(seq_to_prefix).__name__}")
+        check_array("seq_to_prefix", seq_to_prefix, 1, floating=False, layout=f"[batch={b}]")
+        if seq_to_prefix.shape[0] != b:
+            raise ValueError(f"seq_to_prefix must have shape [{b}], got {tuple(seq_to_prefix.shape)}")
+        if _is_concrete(seq_to_prefix):
+            vals = np.asarray(seq_to_prefix)
+            if vals.size and (vals.min() < 0 or vals.max() >= g):
+                raise ValueError(f"seq_to_prefix values must be in [0, {g}) (the number of prefix "
+                                 f"groups), got range [{int(vals.min())}, {int(vals.max())}]")
+    return (prefix_k, prefix_v, jnp.asarray(seq_to_prefix, jnp.int32),
+            jnp.asarray(prefix_lengths, jnp.int32), jnp.asarray(suffix_lengths, jnp.int32))
+
+
+# ----------------------------------------------------------------------------- masks
+
+def row_limits(tq: int, prefix_len_b: jax.Array, suffix_len_b: jax.Array):
+    """Per-row key limits ``(lim_prefix [B, Tq], lim_suffix [B, Tq])`` (int32).
+
+    Query ``i`` of sequence ``b`` sees prefix keys ``j < lim_prefix[b, i]`` and suffix keys
+    ``j < lim_suffix[b, i]`` (see the module docstring).
+    """
+    pl_ = prefix_len_b.astype(jnp.int32)[:, None]
+    sl_ = suffix_len_b.astype(jnp.int32)[:, None]
+    i = jnp.arange(tq, dtype=jnp.int32)[None, :]
+    lim_p = jnp.clip(pl_ + sl_ - tq + i + 1, 0, pl_)
+    lim_s = jnp.clip(sl_ - tq + i + 1, 0, sl_)
+    return lim_p, lim_s
+
+
+# ----------------------------------------------------------------------------- reference
+
+def _part_attention(q_bthd, k_nshd, v_nshd, kv_index_b, limit_bt, scale):
+    """Attention of each sequence's queries over keys ``k_nshd[kv_index_b[b], :limit_bt[b, i]]``.
+
+    Returns ``(out [B, Tq, Hq, D] float32, lse [B, Tq, Hq] float32)``; rows with no visible key
+    give ``out = 0``, ``lse = -inf`` with finite gradients (as :mod:`reference`).
+    """
+    b, tq, hq, d = q_bthd.shape
+    n, s, hkv, _ = k_nshd.shape
+    grp = hq // hkv
+    hi = jax.lax.Precision.HIGHEST
+    q = q_bthd.astype(jnp.float32).reshape(b, tq, hkv, grp, d)
+    k = k_nshd.astype(jnp.float32)
+    v = v_nshd.astype(jnp.float32)
+    if n == 1:  # one pool entry for everyone: no per-sequence copy
+        sc = jnp.einsum("bqhgd,khd->bhgqk", q, k[0], precision=hi)
+    else:
+        sc = jnp.einsum("bqhgd,bkhd->bhgqk", q, k[kv_index_b], precision=hi)
+    sc = sc * scale
+    mask = (jnp.arange(s, dtype=jnp.int32)[None, None, :] < limit_bt[:, :, None])[:, None, None]
+    sc = jnp.where(mask, sc, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(sc, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    pr = jnp.where(mask, jnp.exp(sc - m), 0.0)
+    l = jnp.sum(pr, axis=-1, keepdims=True)
+    has = l > 0
+    l_safe = jnp.where(has, l, 1.0)
+    if n == 1:
+        o = jnp.einsum("bhgqk,khd->bqhgd", pr / l_safe, v[0], precision=hi)
+    else:
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", pr / l_safe, v[kv_index_b], precision=hi)
+    lse = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)[..., 0]  # [B, Hkv, G, Tq]
+    return o.reshape(b, tq, hq, d), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, tq, hq)
+
+
+def reference_shared_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
+                            prefix_lengths, suffix_lengths, scale):
+    """Pure-JAX decomposition on canonical inputs (``prefix_k [G, P, Hkv, D]``).
+
+    Returns ``(out [B, Tq, Hq, D]`` in q's dtype, ``lse [B, Tq, Hq]`` float32).
+    """
+    b, tq = q.shape[:2]
+    lim_p, lim_s = row_limits(tq, prefix_lengths[seq_to_prefix], suffix_lengths)
+    o_p, l_p = _part_attention(q, prefix_k, prefix_v, seq_to_prefix, lim_p, scale)
+    o_s, l_s = _part_attention(q, suffix_k, suffix_v, jnp.arange(b, dtype=jnp.int32), lim_s, scale)
+    out, lse = merge_attention_states([o_p, o_s], [l_p, l_s])
+    return out.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------- kernels + vjp
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+                 suffix_lengths, scale, path, interpret):
+    lim_p, lim_s = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
+    if path == "shared":
+        from pallas_kernels import prefix_attention as pa  # noqa: PLC0415 (lazy import)
+        return pa.shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
+                                        lim_p, lim_s, scale=scale, interpret=interpret)
+    from pallas_kernels import decode_attention as da  # noqa: PLC0415 (lazy import)
+    return da.flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
+                           scale=scale, interpret=interpret)
+
+
+def _kernel_path_fwd(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+                     suffix_lengths, scale, path, interpret):
+    res = (q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+           suffix_lengths)
+    return _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+                        suffix_lengths, scale, path, interpret), res
+
+
+def _kernel_path_bwd(scale, path, interpret, res, cts):
+    q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths, suffix_lengths = res
+    _, vjp = jax.vjp(lambda q_, pk, pv, sk, sv: reference_shared_prefix(
+        q_, pk, pv, sk, sv, seq_to_prefix, prefix_lengths, suffix_lengths, scale),
+        q, prefix_k, prefix_v, suffix_k, suffix_v)
+    dq, dpk, dpv, dsk, dsv = vjp(cts)
+    f0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    return dq, dpk, dpv, dsk, dsv, f0(seq_to_prefix), f0(prefix_lengths), f0(suffix_lengths)
+
+
+_kernel_path.defvjp(_kernel_path_fwd, _kernel_path_bwd)
+
+
+# ----------------------------------------------------------------------------- public
+
+def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths,
+                            prefix_lengths=None, seq_to_prefix=None, sm_scale=None,
+                            return_lse: bool = False, impl: str = "auto"):
+    """Attention of each sequence over its (shared) prefix followed by its own suffix.
+
+    Args:
+      q: ``[B, Tq, Hq, D]``: the queries of the newest ``Tq`` tokens of each sequence
+        (``Tq == 1`` is decoding), causal among themselves.
+      prefix_k, prefix_v: one shared prefix ``[P, Hkv, D]``, or ``G`` prefix groups
+        ``[G, P, Hkv, D]`` (ragged prefixes padded to ``P``).
+      suffix_k, suffix_v: ``[B, S_max, Hkv, D]`` per-sequence keys/values after the prefix.
+      suffix_lengths: int ``[B]`` valid suffix lengths (dynamic: no recompilation).
+      prefix_lengths: int ``[G]`` valid prefix lengths (default ``P``).
+      seq_to_prefix: int ``[B]`` prefix group of each sequence (required when ``G > 1``).
+      sm_scale: score scale, default ``1/sqrt(D)``.
+      return_lse: also return the log-sum-exp.
+      impl: ``"auto"``, ``"shared"``, ``"flat"``, ``"reference"``, ``"pallas_interpret"``
+        (shared path's kernels in interpret mode), ``"flat_interpret"``.
+
+    Returns:
+      ``out [B, Tq, Hq, D]`` in q's dtype, exactly :func:`jax_prefix_attn.reference.attention`
+      over ``[prefix[:prefix_len]; suffix[:suffix_len]]`` with bottom-right causal masking;
+      with ``return_lse`` also ``lse [B, Tq, Hq]`` float32.
+    """
+    prefix_k, prefix_v, seq_to_prefix, prefix_lengths, suffix_lengths = _validate(
+        q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_lengths,
+        seq_to_prefix, sm_scale, return_lse, impl)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if impl == "auto":
+        if jax.default_backend() == "gpu":
+            from jax_prefix_attn.cost_model import choose_path  # noqa: PLC0415
+            impl = choose_path(batch=q.shape[0], tq=q.shape[1], heads_q=q.shape[2],
+                               heads_kv=prefix_k.shape[2], head_dim=q.shape[3],
+                               groups=prefix_k.shape[0], prefix_len=prefix_k.shape[1],
+                               suffix_len=suffix_k.shape[1], itemsize=q.dtype.itemsize)
+        else:
+            impl = "reference"
+    if impl == "reference":
+        out, lse = reference_shared_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v,
+                                           seq_to_prefix, prefix_lengths, suffix_lengths, scale)
+    else:
+        path = "flat" if impl in ("flat", "flat_interpret") else "shared"
+        interpret = impl in ("pallas_interpret", "flat_interpret")
+        out, lse = _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
+                                prefix_lengths, suffix_lengths, scale, path, interpret)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,205 @@
+"""shared_prefix_attention: parity with reference.attention on the explicit concatenation,
+gradients, validation; kernel paths in interpret mode (CPU) and compiled (GPU)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_prefix_attn import reference, shared_prefix_attention
+from conftest import rel_err
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def make_case(seed, *, b=3, tq=1, hq=4, hkv=2, d=16, g=0, p=20, s=9, dtype=jnp.float32,
+              suffix_lengths=None, prefix_lengths=None):
+    """Random inputs; ``g = 0`` means one prefix given as ``[P, Hkv, D]``."""
+    rng = np.random.default_rng(seed)
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    gg = max(g, 1)
+    q = jax.random.normal(ks[0], (b, tq, hq, d), jnp.float32).astype(dtype)
+    pk = jax.random.normal(ks[1], (gg, p, hkv, d), jnp.float32).astype(dtype)
+    pv = jax.random.normal(ks[2], (gg, p, hkv, d), jnp.float32).astype(dtype)
+    sk = jax.random.normal(ks[3], (b, s, hkv, d), jnp.float32).astype(dtype)
+    sv = jax.random.normal(ks[4], (b, s, hkv, d), jnp.float32).astype(dtype)
+    if suffix_lengths is None:
+        suffix_lengths = rng.integers(0, s + 1, size=b)
+    kw = dict(suffix_lengths=jnp.asarray(suffix_lengths, jnp.int32))
+    if g == 0:
+        pk, pv = pk[0], pv[0]
+        plen = np.full((1,), p)
+        s2p = np.zeros((b,), np.int64)
+    else:
+        plen = (rng.integers(0, p + 1, size=g) if prefix_lengths is None
+                else np.asarray(prefix_lengths))
+        s2p = rng.integers(0, g, size=b)
+        kw.update(prefix_lengths=jnp.asarray(plen, jnp.int32),
+                  seq_to_prefix=jnp.asarray(s2p, jnp.int32))
+    return (q, pk, pv, sk, sv), kw, (plen, s2p)
+
+
+def oracle(args, kw, meta):
+    """reference.attention over the explicit per-sequence concatenation (built in numpy)."""
+    q, pk, pv, sk, sv = args
+    plen, s2p = meta
+    pk4 = np.asarray(pk, np.float32).reshape((-1,) + pk.shape[-3:])
+    pv4 = np.asarray(pv, np.float32).reshape((-1,) + pv.shape[-3:])
+    b, s = sk.shape[:2]
+    p = pk4.shape[1]
+    sl = np.asarray(kw["suffix_lengths"])
+    kc = np.random.default_rng(0).normal(size=(b, p + s) + pk4.shape[2:]).astype(np.float32)
+    vc = np.random.default_rng(1).normal(size=(b, p + s) + pk4.shape[2:]).astype(np.float32)
+    lens = np.zeros((b,), np.int32)
+    for i in range(b):
+        L0 = int(plen[s2p[i]])
+        kc[i, :L0] = pk4[s2p[i], :L0]
+        vc[i, :L0] = pv4[s2p[i], :L0]
+        kc[i, L0:L0 + sl[i]] = np.asarray(sk[i, :sl[i]], np.float32)
+        vc[i, L0:L0 + sl[i]] = np.asarray(sv[i, :sl[i]], np.float32)
+        lens[i] = L0 + sl[i]
+    return reference.attention(q.astype(jnp.float32), jnp.asarray(kc), jnp.asarray(vc),
+                               causal=True, kv_lengths=jnp.asarray(lens))
+
+
+def check(out, lse, ref, dtype):
+    ro, rl = ref
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    assert rel_err(out, ro) < TOL[dtype], rel_err(out, ro)
+    fin = np.isfinite(np.asarray(rl))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    atol = 1e-4 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rl)[fin], rtol=atol, atol=atol)
+    np.testing.assert_array_equal(out[~fin], 0.0)
+
+
+# --------------------------------------------------------------------------- reference path
+
+@pytest.mark.parametrize("tq", [1, 4])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1), (8, 1)])
+@pytest.mark.parametrize("g", [0, 3])
+def test_reference_matches_concatenation(tq, hq, hkv, g):
+    args, kw, meta = make_case(10 * tq + hq + g, b=5, tq=tq, hq=hq, hkv=hkv, g=g,
+                               suffix_lengths=[0, 9, 3, 1, 5])
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl="reference")
+    check(out, lse, oracle(args, kw, meta), jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_reference_dtypes_head_dims(dtype, d):
+    args, kw, meta = make_case(3, b=2, tq=2, hq=4, hkv=2, d=d, p=12, s=5, dtype=dtype)
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl="reference")
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    check(out, lse, oracle(args, kw, meta), dtype)
+
+
+def test_auto_on_cpu_and_default_return():
+    args, kw, meta = make_case(4, g=2, tq=3)
+    out = shared_prefix_attention(*args, **kw)
+    assert out.shape == args[0].shape
+    check(out, shared_prefix_attention(*args, **kw, return_lse=True)[1], oracle(args, kw, meta),
+          jnp.float32)
+
+
+def test_reference_jit_dynamic_lengths_no_recompile():
+    args, kw, meta = make_case(5, b=3, tq=1, g=2)
+    traces = []
+
+    @jax.jit
+    def f(q, pk, pv, sk, sv, sl, plen, s2p):
+        traces.append(1)
+        return shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=sl, prefix_lengths=plen,
+                                       seq_to_prefix=s2p, return_lse=True, impl="reference")
+    for sl in ([0, 1, 2], [9, 9, 9], [4, 0, 7]):
+        kw2 = dict(kw, suffix_lengths=jnp.asarray(sl, jnp.int32))
+        out, lse = f(*args, kw2["suffix_lengths"], kw2["prefix_lengths"], kw2["seq_to_prefix"])
+        check(out, lse, oracle(args, kw2, meta), jnp.float32)
+    assert len(traces) == 1
+
+
+def _grad_check(impl):
+    args, kw, meta = make_case(6, b=3, tq=2, hq=4, hkv=2, d=16, g=2, p=10, s=6,
+                               suffix_lengths=[0, 6, 3], prefix_lengths=[7, 10])
+    q, pk, pv, sk, sv = args
+    plen, s2p = meta
+    w = jax.random.normal(jax.random.PRNGKey(9), q.shape)
+
+    def ours(q, pk, pv, sk, sv):
+        out, lse = shared_prefix_attention(q, pk, pv, sk, sv, **kw, return_lse=True, impl=impl)
+        return jnp.sum(out * w) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    # Oracle: reference.attention over the concatenation built with differentiable gathers.
+    sl = kw["suffix_lengths"]
+    p = pk.shape[1]
+    s = sk.shape[1]
+    j = jnp.arange(p + s)
+    pl_b = jnp.asarray(plen)[jnp.asarray(s2p)]
+
+    def concat(pre, suf):
+        pre_b = pre[jnp.asarray(s2p)]  # [B, P, H, D]
+        from_pre = j[None, :] < pl_b[:, None]
+        si = jnp.clip(j[None, :] - pl_b[:, None], 0, s - 1)
+        suf_g = jnp.take_along_axis(suf, si[:, :, None, None], axis=1)
+        pi = jnp.clip(j, 0, p - 1)
+        pre_g = pre_b[:, pi]
+        return jnp.where(from_pre[:, :, None, None], pre_g, suf_g)
+
+    def theirs(q, pk, pv, sk, sv):
+        out, lse = reference.attention(q, concat(pk, sk), concat(pv, sv), causal=True,
+                                       kv_lengths=pl_b + sl)
+        return jnp.sum(out * w) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    g1 = jax.grad(ours, argnums=(0, 1, 2, 3, 4))(*args)
+    g2 = jax.grad(theirs, argnums=(0, 1, 2, 3, 4))(*args)
+    for a, b_ in zip(g1, g2):
+        assert np.isfinite(np.asarray(a)).all()
+        assert rel_err(a, b_) < 1e-5, rel_err(a, b_)
+
+
+def test_reference_gradients():
+    _grad_check("reference")
+
+
+# --------------------------------------------------------------------------- validation
+
+def _base():
+    args, kw, _ = make_case(7, b=2, tq=1, hq=4, hkv=2, g=2)
+    return list(args), kw
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a, k: a.__setitem__(0, a[0][:, :, :3]), ValueError, "heads_q"),
+    (lambda a, k: a.__setitem__(3, a[3][:1]), ValueError, "suffix_k"),
+    (lambda a, k: a.__setitem__(4, a[4][:, :4]), ValueError, "suffix_k and suffix_v"),
+    (lambda a, k: a.__setitem__(2, a[2][:, :5]), ValueError, "prefix_k and prefix_v"),
+    (lambda a, k: a.__setitem__(1, a[1][..., :8]), ValueError, "prefix_k"),
+    (lambda a, k: a.__setitem__(1, a[1].astype(jnp.bfloat16)), TypeError, "prefix_k"),
+    (lambda a, k: a.__setitem__(3, a[3].astype(jnp.int32)), TypeError, "suffix_k"),
+    (lambda a, k: k.__setitem__("seq_to_prefix", jnp.array([0, 2], jnp.int32)), ValueError, "seq_to_prefix"),
+    (lambda a, k: k.__setitem__("seq_to_prefix", jnp.array([0, -1], jnp.int32)), ValueError, "seq_to_prefix"),
+    (lambda a, k: k.__setitem__("seq_to_prefix", jnp.array([0.0, 1.0])), TypeError, "seq_to_prefix"),
+    (lambda a, k: k.__setitem__("seq_to_prefix", jnp.array([0, 1, 1], jnp.int32)), ValueError, "seq_to_prefix"),
+    (lambda a, k: k.pop("seq_to_prefix"), ValueError, "seq_to_prefix"),
+    (lambda a, k: k.__setitem__("suffix_lengths", jnp.array([1, 99], jnp.int32)), ValueError, "suffix_lengths"),
+    (lambda a, k: k.__setitem__("suffix_lengths", jnp.array([1], jnp.int32)), ValueError, "suffix_lengths"),
+    (lambda a, k: k.__setitem__("prefix_lengths", jnp.array([1, 21], jnp.int32)), ValueError, "prefix_lengths"),
+    (lambda a, k: k.__setitem__("prefix_lengths", jnp.array([1, 2, 3], jnp.int32)), ValueError, "prefix_lengths"),
+    (lambda a, k: k.__setitem__("sm_scale", -1.0), ValueError, "sm_scale"),
+    (lambda a, k: k.__setitem__("impl", "fast"), ValueError, "impl"),
+    (lambda a, k: k.__setitem__("return_lse", 1), TypeError, "return_lse"),
+    (lambda a, k: a.__setitem__(0, a[0][0]), ValueError, "q"),
+])
+def test_validation_errors(mutate, exc, match):
+    a, k = _base()
+    mutate(a, k)
+    with pytest.raises(exc, match=match):
+        shared_prefix_attention(*a, **k)
+
+
+def test_seq_to_prefix_traced_is_accepted():
+    args, kw, meta = make_case(8, b=2, g=2)
+    f = jax.jit(lambda s2p: shared_prefix_attention(*args, **dict(kw, seq_to_prefix=s2p),
+                                                    impl="reference"))
+    out = f(kw["seq_to_prefix"])
+    assert rel_err(out, oracle(args, kw, meta)[0]) < 1e-5
