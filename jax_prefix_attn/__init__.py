@@ -5,10 +5,12 @@ Public API:
 * :func:`attention` -- flash attention returning ``(out, lse)`` (Pallas on GPU).
 * :func:`merge_attention_states`, :func:`merge_two` -- exact LSE merging of partial states.
 * :mod:`jax_prefix_attn.reference` -- the pure-JAX oracle.
+* :func:`shared_prefix_attention` -- decode/suffix attention over shared prefixes (Hydragen).
 """
 from jax_prefix_attn import reference
 from jax_prefix_attn.attention import attention
 from jax_prefix_attn.merge import merge_attention_states, merge_two
+from jax_prefix_attn.shared_prefix import shared_prefix_attention
 
-__all__ = ["attention", "merge_attention_states", "merge_two", "reference"]
+__all__ = ["attention", "merge_attention_states", "merge_two", "reference", "shared_prefix_attention"]
 __version__ = "0.1.0"
