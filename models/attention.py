@@ -1,0 +1,98 @@
+"""Attention of new tokens over a :class:`~models.kv_cache.KVCache` layer: the one place the
+decoder calls :mod:`jax_prefix_attn`.
+
+:func:`cache_attention` computes, for queries ``q [B, T, Hq, D]`` (the newest ``T`` tokens of
+each sequence, already written into the suffix buffer), exact causal attention over each
+sequence's prefix path followed by its suffix:
+
+* ``backend="flat"``: the buffer holds the whole sequence; one
+  :func:`jax_prefix_attn.attention` call (flash kernel on GPU) with ``kv_lengths``;
+* ``backend="shared"``: prefix levels are stored once (see :mod:`models.kv_cache`).  The deepest
+  level and the suffix go through :func:`jax_prefix_attn.shared_prefix_attention` (grouped
+  prefixes with ``seq_to_prefix``); every shallower level (e.g. the shared root of a two-level
+  batch) is attended with Hydragen's inter-sequence batching -- the queries of all ``n`` sequences
+  under one node are folded into one query block, ``q.reshape(G, n*T, Hq, D)`` against that
+  node's keys, one non-causal :func:`jax_prefix_attn.attention` call -- and all parts are merged
+  exactly with :func:`jax_prefix_attn.merge_attention_states`.  This composition is the single
+  switch point for a tree-attention kernel (``jax_prefix_attn.tree_attention``) later.
+
+``impl``: ``"auto"`` (Pallas kernels on GPU, pure-JAX reference elsewhere) or ``"reference"``
+(pure JAX everywhere).  The "none" backend never gets here (see :mod:`models.llama`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import jax_prefix_attn
+from jax_prefix_attn.merge import merge_attention_states
+
+__all__ = ["cache_attention", "level_attention"]
+
+
+def _shared_prefix_fn():
+    try:
+        from jax_prefix_attn.shared_prefix import shared_prefix_attention  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - only before the module existed
+        return None
+    return shared_prefix_attention
+
+
+def level_attention(q_bthd: jax.Array, k_gphd: jax.Array, v_gphd: jax.Array, lengths_g: jax.Array,
+                    *, impl: str) -> tuple[jax.Array, jax.Array]:
+    """Non-causal attention of ``B`` sequences over the ``G`` nodes of one prefix level.
+
+    Sequence ``b`` uses node ``b // (B // G)``.  The ``n = B // G`` sequences of a node are one
+    query block (inter-sequence batching), so each node's keys are read once.
+    Returns ``(out [B, T, Hq, D], lse [B, T, Hq])``.
+    """
+    b, t, hq, d = q_bthd.shape
+    g = k_gphd.shape[0]
+    qg = q_bthd.reshape(g, (b // g) * t, hq, d)
+    out, lse = jax_prefix_attn.attention(qg, k_gphd, v_gphd, causal=False, kv_lengths=lengths_g, impl=impl)
+    return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
+
+
+def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_lengths: tuple,
+                    k_bshd: jax.Array, v_bshd: jax.Array, lengths_b: jax.Array, *, backend: str,
+                    impl: str = "auto") -> jax.Array:
+    """Attention output ``[B, T, Hq, D]`` (q's dtype) of the newest ``T`` tokens over the cache.
+
+    Args:
+      q_bthd: queries ``[B, T, Hq, D]`` (RoPE applied).
+      prefix_k, prefix_v: tuples over levels of ``[G_l, P_l, Hkv, D]`` (empty for "flat").
+      prefix_lengths: tuple over levels of int32 ``[G_l]``.
+      k_bshd, v_bshd: suffix buffers ``[B, S_max, Hkv, D]`` including the new tokens.
+      lengths_b: valid suffix entries ``[B]`` (including the new tokens).
+    """
+    if backend == "flat":
+        if prefix_k:
+            raise ValueError("the flat backend keeps no prefix levels; build its cache with flatten_prefix")
+        out, _ = jax_prefix_attn.attention(q_bthd, k_bshd, v_bshd, causal=True, kv_lengths=lengths_b, impl=impl)
+        return out
+    if backend != "shared":
+        raise ValueError(f"cache_attention backend must be 'shared' or 'flat', got {backend!r}")
+    dtype = q_bthd.dtype
+    k_bshd, v_bshd = k_bshd.astype(dtype), v_bshd.astype(dtype)
+    b = q_bthd.shape[0]
+    outs, lses = [], []
+    levels = list(zip(prefix_k, prefix_v, prefix_lengths))
+    spa = _shared_prefix_fn()
+    if levels and spa is not None:
+        k_last, v_last, len_last = levels.pop()
+        g = k_last.shape[0]
+        out, lse = spa(q_bthd, k_last.astype(dtype), v_last.astype(dtype), k_bshd, v_bshd,
+                       suffix_lengths=lengths_b, prefix_lengths=len_last,
+                       seq_to_prefix=jnp.arange(b, dtype=jnp.int32) // (b // g), return_lse=True, impl=impl)
+    else:
+        out, lse = jax_prefix_attn.attention(q_bthd, k_bshd, v_bshd, causal=True, kv_lengths=lengths_b, impl=impl)
+    outs.append(out)
+    lses.append(lse)
+    for k_g, v_g, len_g in levels:
+        out, lse = level_attention(q_bthd, k_g.astype(dtype), v_g.astype(dtype), len_g, impl=impl)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0]
+    out, _ = merge_attention_states(outs, lses)
+    return out

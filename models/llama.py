@@ -1,0 +1,208 @@
+"""The Llama decoder over a functional KV cache.
+
+:class:`Llama` binds a static :class:`~models.config.LlamaConfig` (and the attention ``impl``);
+every method is a pure function of ``(params, cache, tokens)`` that returns a new cache, so
+all of them work inside user code under ``jax.jit``:
+
+* :meth:`Llama.forward(params, tokens)` -- full forward without a cache (logits ``[B, T, V]``);
+* :meth:`Llama.prefill_prefixes(params, level_tokens, level_lengths)` -> :class:`PrefixCache`
+  -- each distinct prefix node is prefilled once, batched over the nodes of a level, level after
+  level (a node attends to its ancestors and causally to itself);
+* :meth:`Llama.prefill(params, prefix, tokens, n_tokens, capacity, backend)` ->
+  ``(logits [B, V], KVCache)`` -- per-sequence continuations (left-padded ``[B, T]``, ``n_tokens``
+  real tokens each, possibly 0) against their prefix path and themselves, causally;
+* :meth:`Llama.decode_step(params, cache, tokens, active=None)` -> ``(logits [B, V], cache)``
+  -- one token per sequence; rows with ``active = False`` write nothing and do not advance.
+
+All three cache-writing paths share :meth:`Llama.extend`: embed the new tokens at positions
+``pos_offset + lengths + (0..n-1)``, run the layers (each writes its new keys/values into the
+suffix buffer, then attends through :func:`models.attention.cache_attention`), and return the
+logits of the last token (new tokens are left-padded, so it is always column ``T - 1``).
+
+Backends (static, stored in the cache): ``"shared"``, ``"flat"`` (see :mod:`models.kv_cache`)
+and ``"none"``: the attention product is skipped -- the attention output is replaced by
+``q + v`` of the token itself (GQA-repeated) so no projection is dead code -- a throughput upper
+bound for benchmarks that is **functionally wrong**.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import kv_cache as kvc
+from models.attention import cache_attention
+from models.config import LlamaConfig
+from models.kv_cache import KVCache, PrefixCache
+from models.layers import apply_rope, dense, embed, lm_head, rms_norm, rope_inv_freq, swiglu_mlp
+
+__all__ = ["Llama"]
+
+
+def _run_layers(body, x, params_layers, *caches):
+    """Layer loop: ``lax.scan`` for stacked layers, an unrolled loop for a list of layers."""
+    if kvc.is_stacked(params_layers):
+        return jax.lax.scan(lambda h, xs: body(h, *xs), x, (params_layers,) + caches)
+    outs = []
+    for i, lp in enumerate(params_layers):
+        x, out = body(x, lp, *(c[i] for c in caches))
+        outs.append(out)
+    return x, outs
+
+
+class Llama:
+    """A Llama decoder bound to ``config``; methods are pure functions (see module docstring).
+
+    ``impl`` picks the attention implementation: ``"auto"`` (Pallas kernels on GPU, pure JAX
+    elsewhere) or ``"reference"``.
+    """
+
+    def __init__(self, config: LlamaConfig, *, impl: str = "auto"):
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        if impl not in ("auto", "reference"):
+            raise ValueError(f"impl must be 'auto' or 'reference', got {impl!r}")
+        self.config = config
+        self.impl = impl
+        self.inv_freq = rope_inv_freq(config)
+        self.decode_step_jit = jax.jit(self.decode_step, donate_argnums=(1,))
+
+    def __hash__(self):
+        return hash((self.config, self.impl))
+
+    def __eq__(self, other):
+        return isinstance(other, Llama) and (self.config, self.impl) == (other.config, other.impl)
+
+    # ------------------------------------------------------------------ one layer
+    def _layer(self, x_bth, lp, prefix_kv, suffix_kv, *, pos_bt, n_new_b, lengths_b, new_lengths_b,
+               prefix_lengths, backend):
+        c = self.config
+        b, t, _ = x_bth.shape
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        h = rms_norm(x_bth, lp["attn_norm"], c.rms_norm_eps)
+        q = apply_rope(dense(h, lp["wq"]).reshape(b, t, hq, d), pos_bt, self.inv_freq)
+        k = apply_rope(dense(h, lp["wk"]).reshape(b, t, hkv, d), pos_bt, self.inv_freq)
+        v = dense(h, lp["wv"]).reshape(b, t, hkv, d)
+        k_buf = kvc.write_suffix(suffix_kv["k"], k, lengths_b, n_new_b)
+        v_buf = kvc.write_suffix(suffix_kv["v"], v, lengths_b, n_new_b)
+        if backend == "none":
+            attn = q + jnp.repeat(v, hq // hkv, axis=2).astype(q.dtype)
+        else:
+            attn = cache_attention(q, prefix_kv["k"], prefix_kv["v"], prefix_lengths, k_buf, v_buf,
+                                   new_lengths_b, backend=backend, impl=self.impl)
+        x_bth = x_bth + dense(attn.reshape(b, t, hq * d), lp["wo"]).astype(x_bth.dtype)
+        h = rms_norm(x_bth, lp["mlp_norm"], c.rms_norm_eps)
+        x_bth = x_bth + swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]).astype(x_bth.dtype)
+        return x_bth, {"k": k_buf, "v": v_buf}
+
+    # ------------------------------------------------------------------ shared core
+    def extend(self, params: dict, prefix: PrefixCache, layers: Any, lengths_b: jax.Array,
+               pos_offset_b: jax.Array, tokens_bt: jax.Array, n_new_b: jax.Array, *, backend: str,
+               all_logits: bool = False):
+        """Append ``n_new[b]`` tokens (the last ones of left-padded ``tokens [B, T]``).
+
+        Returns ``(logits, layers, new_lengths)``; logits are ``[B, V]`` for the last column, or
+        ``[B, T, V]`` with ``all_logits`` (pad columns hold garbage).
+        """
+        kvc.check_layout(params["layers"], prefix.layers, layers)
+        b, t = tokens_bt.shape
+        n_new_b = n_new_b.astype(jnp.int32)
+        dtype = params["embed"].dtype
+        x = embed(params["embed"], tokens_bt).astype(dtype)
+        ti = jnp.arange(t, dtype=jnp.int32)[None, :]
+        pos = jnp.maximum(pos_offset_b[:, None] + lengths_b[:, None] + ti - (t - n_new_b)[:, None], 0)
+        new_lengths = lengths_b + n_new_b
+        body = functools.partial(self._layer, pos_bt=pos, n_new_b=n_new_b, lengths_b=lengths_b,
+                                 new_lengths_b=new_lengths, prefix_lengths=prefix.lengths, backend=backend)
+        x, layers = _run_layers(body, x, params["layers"], prefix.layers, layers)
+        x = rms_norm(x if all_logits else x[:, -1], params["final_norm"], self.config.rms_norm_eps)
+        return lm_head(x, params), layers, new_lengths
+
+    # ------------------------------------------------------------------ public API
+    def forward(self, params: dict, tokens_bt: jax.Array) -> jax.Array:
+        """Logits ``[B, T, V]`` float32 of a plain causal forward pass (no prefix, no reuse)."""
+        tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
+        b, t = tokens_bt.shape
+        stacked = kvc.is_stacked(params["layers"])
+        prefix = kvc.empty_prefix_cache(self.config, params["embed"].dtype, stacked=stacked)
+        cache = kvc.init_kv_cache(self.config, prefix, b, t, params["embed"].dtype, backend="flat", stacked=stacked)
+        logits, _, _ = self.extend(params, prefix, cache.layers, cache.lengths, cache.pos_offset, tokens_bt,
+                                   jnp.full((b,), t, jnp.int32), backend="flat", all_logits=True)
+        return logits
+
+    def prefill_prefixes(self, params: dict, level_tokens: tuple, level_lengths: tuple) -> PrefixCache:
+        """Prefill every distinct prefix node once, level by level.
+
+        Args:
+          level_tokens: tuple over levels of int ``[G_l, P_l]`` *left-padded* node tokens
+            (``G_{l-1}`` divides ``G_l``; node ``g``'s parent is ``g // (G_l // G_{l-1})``).
+          level_lengths: tuple over levels of int ``[G_l]`` real tokens per node (>= 1).
+        """
+        stacked = kvc.is_stacked(params["layers"])
+        dtype = params["embed"].dtype
+        prefix = kvc.empty_prefix_cache(self.config, dtype, stacked=stacked)
+        logits = None
+        for toks, lens in zip(level_tokens, level_lengths):
+            toks = jnp.asarray(toks, jnp.int32)
+            lens = jnp.asarray(lens, jnp.int32)
+            g, p = toks.shape
+            cache = kvc.init_kv_cache(self.config, prefix, g, p, dtype, backend="shared", stacked=stacked)
+            logits, layers, _ = self.extend(params, prefix, cache.layers, cache.lengths, cache.pos_offset,
+                                            toks, lens, backend="shared")
+            add = lambda pl, new: {"k": pl["k"] + (new["k"],), "v": pl["v"] + (new["v"],)}
+            if stacked:
+                new_layers = add(prefix.layers, layers)
+            else:
+                new_layers = [add(pl, nl) for pl, nl in zip(prefix.layers, layers)]
+            prefix = PrefixCache(layers=new_layers, lengths=prefix.lengths + (lens,), last_logits=logits)
+        return prefix
+
+    def prefill(self, params: dict, prefix: PrefixCache, tokens_bt: jax.Array, n_tokens_b: jax.Array,
+                capacity: int, backend: str = "shared") -> tuple[jax.Array, KVCache]:
+        """Prefill per-sequence continuations against their prefix path.
+
+        Args:
+          prefix: a prefilled :class:`PrefixCache` (may have no level).
+          tokens_bt: int ``[B, T]`` left-padded continuations (``T`` may be 0).
+          n_tokens_b: int ``[B]`` real continuation tokens per sequence (0 = start from the prefix).
+          capacity: suffix buffer length ``S_max`` (for ``"flat"`` it includes the prefix copy).
+        Returns:
+          ``(logits [B, V]`` float32 of each sequence's last prompt token, ``KVCache)``.
+        """
+        if backend not in kvc.BACKENDS:
+            raise ValueError(f"backend must be one of {kvc.BACKENDS}, got {backend!r}")
+        tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
+        n_tokens_b = jnp.asarray(n_tokens_b, jnp.int32)
+        b, t = tokens_bt.shape
+        stacked = kvc.is_stacked(params["layers"])
+        dtype = params["embed"].dtype
+        if backend == "flat":
+            cache = kvc.flatten_prefix(self.config, prefix, b, capacity, dtype, stacked=stacked)
+        else:
+            cache = kvc.init_kv_cache(self.config, prefix, b, capacity, dtype, backend=backend, stacked=stacked)
+        if prefix.num_levels:
+            g = prefix.last_logits.shape[0]
+            start_logits = jnp.repeat(prefix.last_logits, b // g, axis=0, total_repeat_length=b)
+        else:
+            start_logits = jnp.zeros((b, self.config.vocab_size), jnp.float32)
+        if t == 0:
+            return start_logits, cache
+        logits, layers, lengths = self.extend(params, cache.prefix, cache.layers, cache.lengths, cache.pos_offset,
+                                              tokens_bt, n_tokens_b, backend=backend)
+        logits = jnp.where((n_tokens_b > 0)[:, None], logits, start_logits)
+        return logits, cache.replace(layers=layers, lengths=lengths)
+
+    def decode_step(self, params: dict, cache: KVCache, tokens_b: jax.Array,
+                    active_b: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Feed one token per sequence: ``(logits [B, V] float32, new cache)``.
+
+        Inactive rows (``active_b`` False) neither write the cache nor advance their length.
+        """
+        tokens_b = jnp.asarray(tokens_b, jnp.int32)
+        n_new = jnp.ones_like(tokens_b) if active_b is None else jnp.asarray(active_b).astype(jnp.int32)
+        logits, layers, lengths = self.extend(params, cache.prefix, cache.layers, cache.lengths, cache.pos_offset,
+                                              tokens_b[:, None], n_new, backend=cache.backend)
+        return logits, cache.replace(layers=layers, lengths=lengths)
