@@ -30,6 +30,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TENSOR_TYPES",
     "load_gguf",
+    "open_gguf",
     "read_gguf_metadata",
     "gguf_config_to_hf",
     "permute_qk_rows",
@@ -92,7 +93,8 @@ def unpermute_qk_rows(w_out_in: np.ndarray, n_heads: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # metadata
 # ---------------------------------------------------------------------------------------------
-def _open(path: str | os.PathLike):
+def open_gguf(path: str | os.PathLike):
+    """A memory-mapped `gguf.GGUFReader` of `path` (CheckpointError if missing/unreadable)."""
     import gguf
 
     path = os.fspath(path)
@@ -115,7 +117,7 @@ def _field_value(field) -> Any:
 
 def read_gguf_metadata(path_or_reader, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
     """All (or the named) metadata key/values of a GGUF file as Python values."""
-    reader = _open(path_or_reader) if isinstance(path_or_reader, (str, os.PathLike)) else path_or_reader
+    reader = open_gguf(path_or_reader) if isinstance(path_or_reader, (str, os.PathLike)) else path_or_reader
     out = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
@@ -241,8 +243,8 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return out.reshape(shape)
 
 
-def load_gguf(path: str | os.PathLike, dtype: Any = "float32") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a Llama GGUF: returns `(hf_config, state_dict)` (see module docstring).
+def load_gguf(path, dtype: Any = "float32") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read a Llama GGUF (path, or a reader from `open_gguf`): returns `(hf_config, state_dict)`.
 
     `dtype` ("float32", "bfloat16", "float16") is the dtype of the returned arrays; tensors are
     dequantised in float32 and cast once. Raises `CheckpointError` for a missing/unreadable
@@ -250,7 +252,7 @@ def load_gguf(path: str | os.PathLike, dtype: Any = "float32") -> tuple[dict[str
     the supported ones).
     """
     np_dtype = numpy_dtype(dtype)
-    reader = _open(path)
+    reader = path if hasattr(path, "tensors") else open_gguf(path)
     meta = read_gguf_metadata(reader)
     names = {t.name for t in reader.tensors}
     cfg = gguf_config_to_hf(meta, names)
