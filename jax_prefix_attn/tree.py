@@ -1,0 +1,632 @@
+"""Prefix trees (forests) over a flat KV pool, and their device-side metadata.
+
+A :class:`PrefixTree` describes hierarchical prefix sharing (Hydragen section 3.3, DeFT):
+node ``i`` has a parent ``parents[i]`` (``-1`` for a root) and a span
+``[starts[i], starts[i] + lengths[i])`` of a flat KV pool ``k_pool/v_pool [N_tokens, Hkv, D]``;
+sequence ``b`` is attached to node ``leaf_of_seq[b]`` and its context is the concatenation
+of the spans on the root-to-node path (then its own suffix, see ``tree_attention``).
+Several independent trees (a forest) are batched in one object.
+
+:func:`build_tree_metadata` turns a tree into a :class:`TreeMetadata`: static-shaped,
+padded int32 arrays (a registered pytree) that drive the kernels, so a decode step under
+``jax.jit`` does no host work and growing suffixes never need a rebuild.  It holds three
+schedules over the same tree:
+
+* ``flatten`` (DeFT-Flatten): node spans flattened depth-first into fixed-size chunks of
+  ``block_kv`` tokens (a chunk is one contiguous pool window; it may hold the end of one node
+  and the start of the next when their spans are adjacent in the pool, as the constructors
+  lay them out), each chunk paired with the contiguous range of query rows that see it
+  (KV-guided grouping: rows are sorted by the depth-first index of their node, so the rows
+  under any run of depth-first-consecutive nodes are contiguous), split in blocks of
+  ``block_rows`` rows.  Per-token visibility is an interval test on depth-first numbers
+  (token of node ``u`` is seen by a row of node ``x`` iff ``tin[u] <= tin[x] < tout[u]``) and
+  a path-position test (for ``Tq > 1`` when a suffix is shorter than ``Tq - 1``).
+* ``levels`` (Hydragen hierarchical): one schedule per tree depth; each item is
+  ``(node, block of the rows under it)`` and loops over the node's whole span.
+* ``nodes`` (DeFT-Node analogue): the same node items, all depths in one launch.
+
+Each schedule has an item table, per-chunk token tables (flatten only) and a reduction map
+``parts [B * Tq, P]``: for each query row (original order ``b * Tq + t``), the flat slots
+``item * block_rows + row_in_block`` of its partial results, ``-1`` padded.  The final
+per-row merge is a deterministic gather + log-sum-exp reduction (no atomics).
+
+Padding buckets (they bound recompilation: metadata of trees whose bucketed sizes agree has
+identical shapes and static fields):
+
+* number of items ``W`` of every schedule: next power of two (>= 8); padding items do no work;
+* number of chunks: next power of two (>= 1), padding chunks see nothing;
+* parts per row ``P``: next power of two;
+* ``block_rows``: power of two chosen from the largest row count of a chunk/node (bucketed);
+* ``max_tiles`` (node schedules, only used by the pure-JAX mirror): next power of two.
+
+The remaining shapes (``B * Tq`` query rows) are fixed by the query shape anyway.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["PrefixTree", "TreeMetadata", "Schedule", "build_tree_metadata", "ITEM_FIELDS"]
+
+# Columns of a schedule's item table ``items [W, 9]`` (int32).
+ITEM_FIELDS = ("kv_start", "ntiles", "row_start", "tin", "tout", "pos0", "length", "off0", "chunk")
+KV_START, NTILES, ROW_START, TIN, TOUT, POS0, LENGTH, OFF0, CHUNK = range(9)
+NEVER = 1 << 30  # ``tin`` of a token nobody sees
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _as_int_vector(name: str, x: Any) -> np.ndarray:
+    try:
+        arr = np.asarray(x)
+    except Exception as e:  # noqa: BLE001
+        raise TypeError(f"{name} must be a sequence of ints or an int array, got {type(x).__name__}") from e
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"{name} must be concrete (host) ints, got a traced array; build the tree outside jit")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {tuple(arr.shape)}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        if np.issubdtype(arr.dtype, np.floating) and np.all(arr == np.round(arr)):
+            arr = arr.astype(np.int64)
+        else:
+            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+class PrefixTree:
+    """A forest of shared prefixes over a flat KV pool (host-side, immutable, hashable).
+
+    Args:
+      parents: ``[num_nodes]`` parent of each node, ``-1`` for a root.  A parent may come
+        after its child in the list; it must exist and the parent links must not cycle.
+      starts: ``[num_nodes]`` first pool token of each node's span.
+      lengths: ``[num_nodes]`` span lengths (``>= 0``).
+      leaf_of_seq: ``[num_seqs]`` node each sequence hangs from (usually a leaf).  Every node
+        must have at least one sequence in its subtree.
+
+    Sequence ``b``'s shared context is ``concat(span(u) for u on root..leaf_of_seq[b])``.
+    """
+
+    __slots__ = ("parents", "starts", "lengths", "leaf_of_seq", "_info")
+
+    def __init__(self, parents, starts, lengths, leaf_of_seq):
+        p = _as_int_vector("parents", parents)
+        s = _as_int_vector("starts", starts)
+        ln = _as_int_vector("lengths", lengths)
+        leaf = _as_int_vector("leaf_of_seq", leaf_of_seq)
+        n = p.shape[0]
+        if n == 0:
+            raise ValueError("parents must describe at least one node, got 0 nodes")
+        if s.shape[0] != n or ln.shape[0] != n:
+            raise ValueError(f"parents, starts and lengths must have the same length, got "
+                             f"{n}, {s.shape[0]} and {ln.shape[0]}")
+        bad = np.nonzero((p < -1) | (p >= n))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"parents[{i}] = {int(p[i])} names a missing parent: expected -1 (root) "
+                             f"or a node index in [0, {n})")
+        selfp = np.nonzero(p == np.arange(n))[0]
+        if selfp.size:
+            raise ValueError(f"parents[{int(selfp[0])}] = {int(selfp[0])}: a node cannot be its own parent (cycle)")
+        if ln.min() < 0:
+            i = int(np.argmin(ln))
+            raise ValueError(f"lengths must be >= 0, got lengths[{i}] = {int(ln[i])}")
+        if s.min() < 0:
+            i = int(np.argmin(s))
+            raise ValueError(f"starts must be >= 0 (spans lie in the pool), got starts[{i}] = {int(s[i])}")
+        if leaf.shape[0] == 0:
+            raise ValueError("leaf_of_seq must attach at least one sequence, got 0 sequences")
+        badl = np.nonzero((leaf < 0) | (leaf >= n))[0]
+        if badl.size:
+            b = int(badl[0])
+            raise ValueError(f"leaf_of_seq[{b}] = {int(leaf[b])} is not a node index in [0, {n})")
+        # Cycle check: every node must reach a root within n steps.
+        depth = np.full(n, -1, np.int64)
+        for i in range(n):
+            path = []
+            u = i
+            while u != -1 and depth[u] < 0:
+                if u in path:
+                    cyc = path[path.index(u):]
+                    raise ValueError(f"parents has a cycle through nodes {cyc}: every node must lead to a root (-1)")
+                path.append(u)
+                if len(path) > n:
+                    raise ValueError(f"parents has a cycle through node {i}")
+                u = int(p[u])
+            d = 0 if u == -1 else int(depth[u]) + 1
+            for v in reversed(path):
+                depth[v] = d
+                d += 1
+        # Every node needs a sequence beneath it.
+        has_seq = np.zeros(n, bool)
+        for u in set(int(x) for x in leaf):
+            while u != -1 and not has_seq[u]:
+                has_seq[u] = True
+                u = int(p[u])
+        if not has_seq.all():
+            i = int(np.nonzero(~has_seq)[0][0])
+            raise ValueError(f"node {i} has no sequence beneath it (a leaf without sequences): every leaf must "
+                             f"appear in leaf_of_seq")
+        object.__setattr__(self, "parents", tuple(int(x) for x in p))
+        object.__setattr__(self, "starts", tuple(int(x) for x in s))
+        object.__setattr__(self, "lengths", tuple(int(x) for x in ln))
+        object.__setattr__(self, "leaf_of_seq", tuple(int(x) for x in leaf))
+        object.__setattr__(self, "_info", None)
+
+    def __setattr__(self, key, value):
+        raise AttributeError("PrefixTree is immutable")
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_parents(cls, parents: Sequence[int], lengths: Sequence[int],
+                     leaf_of_seq: Sequence[int] | None = None, *, starts: Sequence[int] | None = None,
+                     seqs_per_leaf: int = 1) -> "PrefixTree":
+        """Tree from a parent list and span lengths.
+
+        Without ``starts`` the spans are laid out contiguously in depth-first order (the
+        layout DeFT-Flatten chunks best).  Without ``leaf_of_seq`` every leaf (node without
+        children) gets ``seqs_per_leaf`` sequences, leaves in depth-first order.
+        """
+        p = _as_int_vector("parents", parents)
+        ln = _as_int_vector("lengths", lengths)
+        if p.shape != ln.shape:
+            raise ValueError(f"parents and lengths must have the same length, got {p.shape[0]} and {ln.shape[0]}")
+        if not isinstance(seqs_per_leaf, (int, np.integer)) or seqs_per_leaf < 1:
+            raise ValueError(f"seqs_per_leaf must be an int >= 1, got {seqs_per_leaf!r}")
+        # Validate structure first (dummy starts / leaves) so errors are about the input.
+        probe_leaf = list(range(p.shape[0])) if leaf_of_seq is None else leaf_of_seq
+        probe = cls(p, np.zeros_like(ln) if starts is None else starts, ln, probe_leaf)
+        order = probe.info["dfs_order"]
+        if starts is None:
+            st = np.zeros_like(ln)
+            st[order] = np.concatenate([[0], np.cumsum(ln[order])[:-1]])
+        else:
+            st = _as_int_vector("starts", starts)
+        if leaf_of_seq is None:
+            nchild = np.zeros(p.shape[0], np.int64)
+            for x in p:
+                if x >= 0:
+                    nchild[x] += 1
+            leaves = [int(u) for u in order if nchild[u] == 0]
+            leaf_of_seq = np.repeat(np.array(leaves, np.int64), int(seqs_per_leaf))
+        return cls(parents=p, starts=st, lengths=ln, leaf_of_seq=leaf_of_seq)
+
+    @classmethod
+    def from_nested(cls, forest: Sequence[Any], *, seqs_per_leaf: int = 1) -> "PrefixTree":
+        """Forest from nested lists of token counts.
+
+        ``forest`` is a list of trees; a tree is an int (a leaf with that many tokens) or a
+        list ``[length, child, child, ...]``.  Spans are laid out contiguously in depth-first
+        order; each leaf gets ``seqs_per_leaf`` sequences.  Example (Hydragen APPS shape: a
+        few-shot root with 8 problems, 16 samples each)::
+
+            PrefixTree.from_nested([[2400, 500, 620, 300, 410, 800, 700, 650, 512]], seqs_per_leaf=16)
+        """
+        if not isinstance(forest, (list, tuple)) or len(forest) == 0:
+            raise ValueError(f"forest must be a non-empty list of trees, got {forest!r}")
+        parents: list[int] = []
+        lengths: list[int] = []
+
+        def add(tree, parent, where):
+            if isinstance(tree, (int, np.integer)) and not isinstance(tree, bool):
+                parents.append(parent)
+                lengths.append(int(tree))
+                return
+            if not isinstance(tree, (list, tuple)) or len(tree) == 0 or isinstance(tree[0], bool) \
+                    or not isinstance(tree[0], (int, np.integer)):
+                raise ValueError(f"{where} must be an int (leaf length) or a list [length, child, ...], got {tree!r}")
+            me = len(parents)
+            parents.append(parent)
+            lengths.append(int(tree[0]))
+            for j, child in enumerate(tree[1:]):
+                add(child, me, f"{where}[{j + 1}]")
+
+        for i, t in enumerate(forest):
+            add(t, -1, f"forest[{i}]")
+        return cls.from_parents(parents, lengths, seqs_per_leaf=seqs_per_leaf)
+
+    # ------------------------------------------------------------------ derived info
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.leaf_of_seq)
+
+    @property
+    def info(self) -> dict:
+        """Derived host arrays: dfs order, tin/tout, depth, path starts, path lengths."""
+        if self._info is None:
+            object.__setattr__(self, "_info", _derive(self))
+        return self._info
+
+    def path(self, b: int) -> list[int]:
+        """Node ids on sequence ``b``'s root-to-node path."""
+        u = self.leaf_of_seq[b]
+        out = []
+        while u != -1:
+            out.append(u)
+            u = self.parents[u]
+        return out[::-1]
+
+    def path_token_indices(self, b: int) -> np.ndarray:
+        """Pool indices of sequence ``b``'s shared context, in order."""
+        parts = [np.arange(self.starts[u], self.starts[u] + self.lengths[u]) for u in self.path(b)]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros((0,), np.int64)
+
+    @property
+    def pool_extent(self) -> int:
+        """Smallest pool size that holds every span."""
+        return int(max(s + n for s, n in zip(self.starts, self.lengths)))
+
+    def check_pool(self, n_tokens: int, name: str = "k_pool") -> None:
+        """Raise ``ValueError`` if a span lies outside a pool of ``n_tokens`` tokens."""
+        for i, (s, n) in enumerate(zip(self.starts, self.lengths)):
+            if s + n > n_tokens:
+                raise ValueError(f"node {i}'s span [{s}, {s + n}) lies outside the pool: {name} has "
+                                 f"{n_tokens} tokens (expected starts[i] + lengths[i] <= {n_tokens})")
+
+    def _key(self):
+        return (self.parents, self.starts, self.lengths, self.leaf_of_seq)
+
+    def __eq__(self, other):
+        return isinstance(other, PrefixTree) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return (f"PrefixTree(num_nodes={self.num_nodes}, num_seqs={self.num_seqs}, "
+                f"tokens={sum(self.lengths)}, max_depth={int(self.info['depth'].max()) + 1})")
+
+
+def _derive(tree: PrefixTree) -> dict:
+    p = np.asarray(tree.parents, np.int64)
+    ln = np.asarray(tree.lengths, np.int64)
+    n = p.shape[0]
+    children: list[list[int]] = [[] for _ in range(n)]
+    roots = []
+    for i, x in enumerate(p):
+        (roots if x < 0 else children[x]).append(i)
+    order = []
+    tin = np.zeros(n, np.int64)
+    tout = np.zeros(n, np.int64)
+    depth = np.zeros(n, np.int64)
+    pstart = np.zeros(n, np.int64)
+    stack = [(r, 0, 0, False) for r in reversed(roots)]
+    while stack:
+        u, d, ps, done = stack.pop()
+        if done:
+            tout[u] = len(order)
+            continue
+        tin[u] = len(order)
+        order.append(u)
+        depth[u] = d
+        pstart[u] = ps
+        stack.append((u, d, ps, True))
+        for c in reversed(children[u]):
+            stack.append((c, d + 1, ps + ln[u], False))
+    leaf = np.asarray(tree.leaf_of_seq, np.int64)
+    return {
+        "dfs_order": np.asarray(order, np.int64), "tin": tin, "tout": tout, "depth": depth,
+        "path_start": pstart, "seq_path_len": pstart[leaf] + ln[leaf], "children": children,
+    }
+
+
+# ---------------------------------------------------------------------- metadata pytree
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One kernel launch's work list.
+
+    Arrays: ``items [W, 9]`` int32 (columns :data:`ITEM_FIELDS`), ``tok [NC, 3, C]`` int32
+    per-chunk token ``(tin, tout, path_pos)`` (flatten mode; ``[1, 3, C]`` dummy otherwise),
+    ``parts [B * Tq, P]`` int32 reduction slots (``-1`` = none).
+    Static: ``mode`` (``"flatten"`` or ``"node"``), ``block_rows``, ``block_kv``,
+    ``max_tiles`` (node mode: bucketed maximum tiles of one item), ``stats`` (host cost-model
+    numbers, bucketed).
+    """
+    items: Any
+    tok: Any
+    parts: Any
+    mode: str = "flatten"
+    block_rows: int = 16
+    block_kv: int = 128
+    max_tiles: int = 1
+    stats: tuple = ()
+
+    def tree_flatten(self):
+        return (self.items, self.tok, self.parts), (self.mode, self.block_rows, self.block_kv,
+                                                    self.max_tiles, self.stats)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class TreeMetadata:
+    """Device metadata of a :class:`PrefixTree` for queries with ``tq`` tokens per sequence.
+
+    Arrays: ``flatten``/``nodes`` (:class:`Schedule`), ``levels`` (tuple of
+    :class:`Schedule`, one per depth), ``sorted_rows [R_pad]`` (original row of each sorted
+    row, ``B * Tq`` for padding), ``row_key [R_pad]`` (dfs number of the sorted row's node,
+    ``-1`` padding), ``seq_path_len [B]`` (shared context length of each sequence).
+    Static: ``num_seqs``, ``tq``, ``group`` (``Hq // Hkv``), ``pool_size``, ``preferred``
+    (the cost model's schedule, ``"flatten"`` or ``"levelwise"``), ``single_level``.
+    """
+    flatten: Schedule
+    nodes: Schedule
+    levels: tuple
+    sorted_rows: Any
+    row_key: Any
+    seq_path_len: Any
+    num_seqs: int = 1
+    tq: int = 1
+    group: int = 1
+    pool_size: int = 0
+    preferred: str = "flatten"
+    single_level: bool = False
+
+    def tree_flatten(self):
+        return ((self.flatten, self.nodes, self.levels, self.sorted_rows, self.row_key, self.seq_path_len),
+                (self.num_seqs, self.tq, self.group, self.pool_size, self.preferred, self.single_level))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def rows_padded(self) -> int:
+        return int(self.row_key.shape[0])
+
+
+def _block_rows_for(max_rows: int, group: int, max_m: int) -> int:
+    """Rows per item: a power of two holding ``max_rows``, with ``16 <= rows * group <= max_m``."""
+    lo = max(1, _next_pow2(-(-16 // group)))
+    hi = max(lo, max_m // group)
+    return int(min(max(_next_pow2(max(max_rows, 1)), lo), _next_pow2(hi)))
+
+
+def _parts_map(item_rs: np.ndarray, item_lo: np.ndarray, item_hi: np.ndarray, block_rows: int,
+               sorted_rows: np.ndarray, n_rows: int) -> np.ndarray:
+    """``parts [n_rows, P]``: slots ``w * block_rows + i`` of each original row's partials."""
+    start = np.maximum(item_rs, item_lo)
+    stop = np.minimum(item_rs + block_rows, item_hi)
+    counts = np.maximum(stop - start, 0)
+    total = int(counts.sum())
+    if total == 0:
+        return np.full((n_rows, 1), -1, np.int32)
+    wid = np.repeat(np.arange(item_rs.shape[0]), counts)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    srow = start[wid] + (np.arange(total) - first[wid])
+    slot = wid * block_rows + (srow - item_rs[wid])
+    orow = sorted_rows[srow]
+    order = np.argsort(orow, kind="stable")
+    orow, slot = orow[order], slot[order]
+    grp_first = np.searchsorted(orow, orow, side="left")
+    rank = np.arange(total) - grp_first
+    p = _next_pow2(int(rank.max()) + 1)
+    parts = np.full((n_rows, p), -1, np.int32)
+    parts[orow, rank] = slot
+    return parts
+
+
+def _pad_items(items: np.ndarray) -> np.ndarray:
+    w = max(8, _next_pow2(items.shape[0]))
+    out = np.zeros((w, len(ITEM_FIELDS)), np.int32)
+    out[: items.shape[0]] = items
+    out[items.shape[0]:, TIN] = NEVER
+    return out
+
+
+def _node_schedule(nodes: np.ndarray, tree: PrefixTree, info: dict, seq_lo, seq_hi, tq: int, group: int,
+                   block_kv: int, max_m: int, sorted_rows: np.ndarray, n_rows: int) -> Schedule:
+    ln = np.asarray(tree.lengths, np.int64)
+    st = np.asarray(tree.starts, np.int64)
+    nodes = np.asarray([u for u in nodes if ln[u] > 0], np.int64)
+    rows_lo = seq_lo[nodes] * tq
+    rows_hi = seq_hi[nodes] * tq
+    br = _block_rows_for(int((rows_hi - rows_lo).max()) if nodes.size else 1, group, max_m)
+    items = []
+    for u, lo, hi in zip(nodes, rows_lo, rows_hi):
+        nt = -(-int(ln[u]) // block_kv)
+        for rs in range(int(lo), int(hi), br):
+            items.append((st[u], nt, rs, info["tin"][u], info["tout"][u], info["path_start"][u], ln[u], 0, 0))
+    items_arr = np.asarray(items, np.int64).reshape(-1, len(ITEM_FIELDS))
+    if items_arr.shape[0]:
+        ilo = np.repeat(rows_lo, [len(range(int(a), int(b), br)) for a, b in zip(rows_lo, rows_hi)])
+        ihi = np.repeat(rows_hi, [len(range(int(a), int(b), br)) for a, b in zip(rows_lo, rows_hi)])
+        parts = _parts_map(items_arr[:, ROW_START], ilo, ihi, br, sorted_rows, n_rows)
+        max_tiles = _next_pow2(int(items_arr[:, NTILES].max()))
+        kv_read = int((items_arr[:, LENGTH]).sum())
+        max_item = int(items_arr[:, LENGTH].max())
+    else:
+        parts = np.full((n_rows, 1), -1, np.int32)
+        max_tiles, kv_read, max_item = 1, 0, 0
+    w_real = int(items_arr.shape[0])
+    stats = (("items", w_real), ("kv_tokens_read", kv_read), ("max_item_tokens", max_item),
+             ("partial_rows", int((parts >= 0).sum())), ("parts", int(parts.shape[1])))
+    return Schedule(items=jnp.asarray(_pad_items(items_arr)), tok=jnp.full((1, 3, block_kv), NEVER, jnp.int32),
+                    parts=jnp.asarray(parts), mode="node", block_rows=br, block_kv=block_kv,
+                    max_tiles=max_tiles, stats=stats)
+
+
+def _flatten_schedule(tree: PrefixTree, info: dict, sorted_keys: np.ndarray, tq: int, group: int,
+                      block_kv: int, max_m: int, pool_size: int, sorted_rows: np.ndarray,
+                      n_rows: int) -> Schedule:
+    ln = np.asarray(tree.lengths, np.int64)
+    st = np.asarray(tree.starts, np.int64)
+    order = [u for u in info["dfs_order"] if ln[u] > 0]
+    c = block_kv
+    if order:
+        node_of_tok = np.repeat(np.asarray(order, np.int64), ln[order])
+        seg_first = np.concatenate([[0], np.cumsum(ln[order])[:-1]])
+        off = np.arange(node_of_tok.shape[0]) - np.repeat(seg_first, ln[order])
+        pool_pos = st[node_of_tok] + off
+        path_pos = info["path_start"][node_of_tok] + off
+        brk = np.ones(pool_pos.shape[0], bool)
+        brk[1:] = pool_pos[1:] != pool_pos[:-1] + 1
+        run_id = np.cumsum(brk) - 1
+        run_first = np.nonzero(brk)[0]
+        k = np.arange(pool_pos.shape[0]) - run_first[run_id]
+        new_chunk = brk | (k % c == 0)
+        chunk_id = np.cumsum(new_chunk) - 1
+        n_chunks = int(chunk_id[-1]) + 1
+        chunk_first = np.nonzero(new_chunk)[0]
+        ws_nominal = pool_pos[chunk_first]
+        ws = np.minimum(ws_nominal, max(pool_size, c) - c)
+        col = pool_pos - ws[chunk_id]
+        tok = np.zeros((_next_pow2(n_chunks), 3, c), np.int64)
+        tok[:, 0, :] = NEVER
+        tok[chunk_id, 0, col] = info["tin"][node_of_tok]
+        tok[chunk_id, 1, col] = info["tout"][node_of_tok]
+        tok[chunk_id, 2, col] = path_pos
+        tin_tok = info["tin"][node_of_tok]
+        tout_tok = info["tout"][node_of_tok]
+        c_lo = np.full(n_chunks, NEVER, np.int64)
+        c_hi = np.zeros(n_chunks, np.int64)
+        np.minimum.at(c_lo, chunk_id, tin_tok)
+        np.maximum.at(c_hi, chunk_id, tout_tok)
+        rows_lo = np.searchsorted(sorted_keys, c_lo, side="left") * tq
+        rows_hi = np.searchsorted(sorted_keys, c_hi, side="left") * tq
+        ntok = np.bincount(chunk_id, minlength=n_chunks)
+    else:
+        n_chunks = 0
+        tok = np.zeros((1, 3, c), np.int64)
+        tok[:, 0, :] = NEVER
+        rows_lo = rows_hi = ws = ntok = np.zeros((0,), np.int64)
+    br = _block_rows_for(int((rows_hi - rows_lo).max()) if n_chunks else 1, group, max_m)
+    items, ilo, ihi = [], [], []
+    for ci in range(n_chunks):
+        for rs in range(int(rows_lo[ci]), int(rows_hi[ci]), br):
+            items.append((ws[ci], 1, rs, 0, 0, 0, 0, 0, ci))
+            ilo.append(rows_lo[ci])
+            ihi.append(rows_hi[ci])
+    items_arr = np.asarray(items, np.int64).reshape(-1, len(ITEM_FIELDS))
+    if items_arr.shape[0]:
+        parts = _parts_map(items_arr[:, ROW_START], np.asarray(ilo), np.asarray(ihi), br, sorted_rows, n_rows)
+    else:
+        parts = np.full((n_rows, 1), -1, np.int32)
+    w_real = int(items_arr.shape[0])
+    stats = (("items", w_real), ("kv_tokens_read", w_real * c), ("max_item_tokens", c),
+             ("partial_rows", int((parts >= 0).sum())), ("parts", int(parts.shape[1])),
+             ("chunks", n_chunks), ("tokens", int(ntok.sum()) if n_chunks else 0))
+    return Schedule(items=jnp.asarray(_pad_items(items_arr)), tok=jnp.asarray(tok.astype(np.int32)),
+                    parts=jnp.asarray(parts), mode="flatten", block_rows=br, block_kv=c, max_tiles=1,
+                    stats=stats)
+
+
+# Cost model constants (H100/H200 class GPU; only their ratios matter for the choice).
+COST_MODEL = {
+    "num_sms": 132,          # programs running at once (one per SM at these tile sizes)
+    "hbm_bytes_per_s": 3.0e12,
+    "sm_bytes_per_s": 6.0e10,  # what one program streams alone (a long node read by one SM)
+    "flops_per_s": 2.5e14,   # Pallas/Triton attention matmul rate
+    "launch_s": 4e-6,        # per kernel launch
+    "program_s": 1.5e-6,     # fixed cost of one program (scheduling, q load, partial store)
+}
+
+
+def schedule_cost(sched: Schedule, *, group: int, head_dim: int = 128, heads_kv: int = 8,
+                  kv_bytes: int = 2) -> float:
+    """Estimated seconds of one schedule's kernel plus its share of the reduction.
+
+    ``time = launch + max(bytes / HBM, flops / rate, waves * program, longest item / SM rate)``
+    + partial-state traffic, with ``bytes`` the KV tiles streamed (every item re-reads its
+    KV; flatten items read a ``block_kv`` chunk, node items their whole span), ``flops`` the
+    ``4 * D`` per (query vector, token), and the longest item bounding the critical path
+    (this is what punishes node-granular schedules on unbalanced trees, DeFT section 3.3).
+    """
+    cm = COST_MODEL
+    s = dict(sched.stats)
+    if s.get("items", 0) == 0:
+        return 0.0
+    m = sched.block_rows * group
+    kv_bytes_read = s["kv_tokens_read"] * heads_kv * head_dim * 2 * kv_bytes
+    flops = s["kv_tokens_read"] * heads_kv * m * head_dim * 4
+    programs = s["items"] * heads_kv
+    waves = -(-programs // cm["num_sms"])
+    longest = s["max_item_tokens"] * head_dim * 2 * kv_bytes / cm["sm_bytes_per_s"]
+    partial_bytes = s["partial_rows"] * heads_kv * group * (head_dim + 1) * 4 * 2
+    return (cm["launch_s"] + max(kv_bytes_read / cm["hbm_bytes_per_s"], flops / cm["flops_per_s"],
+                                 waves * cm["program_s"], longest)
+            + partial_bytes / cm["hbm_bytes_per_s"])
+
+
+@functools.lru_cache(maxsize=64)
+def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_kv: int,
+                  max_block_m: int) -> TreeMetadata:
+    info = tree.info
+    b = tree.num_seqs
+    n_rows = b * tq
+    leaf = np.asarray(tree.leaf_of_seq, np.int64)
+    keys = info["tin"][leaf]
+    seq_order = np.argsort(keys, kind="stable")          # sorted position -> sequence
+    sorted_keys = keys[seq_order]
+    n = tree.num_nodes
+    seq_lo = np.searchsorted(sorted_keys, info["tin"], side="left")
+    seq_hi = np.searchsorted(sorted_keys, info["tout"], side="left")
+    sorted_rows_real = (seq_order[:, None] * tq + np.arange(tq)[None, :]).reshape(-1)
+    flat = _flatten_schedule(tree, info, sorted_keys, tq, group, block_kv, max_block_m, pool_size,
+                             sorted_rows_real, n_rows)
+    all_nodes = info["dfs_order"]
+    nodes = _node_schedule(all_nodes, tree, info, seq_lo, seq_hi, tq, group, block_kv, max_block_m,
+                           sorted_rows_real, n_rows)
+    levels = []
+    depth = info["depth"]
+    for d in range(int(depth.max()) + 1):
+        at = np.asarray([u for u in all_nodes if depth[u] == d], np.int64)
+        if not any(tree.lengths[u] > 0 for u in at):
+            continue
+        levels.append(_node_schedule(at, tree, info, seq_lo, seq_hi, tq, group, block_kv, max_block_m,
+                                     sorted_rows_real, n_rows))
+    max_br = max([flat.block_rows, nodes.block_rows] + [lv.block_rows for lv in levels])
+    r_pad = n_rows + max_br
+    sorted_rows = np.full((r_pad,), n_rows, np.int32)
+    sorted_rows[:n_rows] = sorted_rows_real
+    row_key = np.full((r_pad,), -1, np.int32)
+    row_key[:n_rows] = np.repeat(sorted_keys, tq)
+    cost_flat = schedule_cost(flat, group=group)
+    cost_lvl = sum(schedule_cost(lv, group=group) for lv in levels)
+    preferred = "flatten" if cost_flat < cost_lvl else "levelwise"
+    del n
+    return TreeMetadata(flatten=flat, nodes=nodes, levels=tuple(levels), sorted_rows=jnp.asarray(sorted_rows),
+                        row_key=jnp.asarray(row_key),
+                        seq_path_len=jnp.asarray(info["seq_path_len"].astype(np.int32)),
+                        num_seqs=b, tq=int(tq), group=int(group), pool_size=int(pool_size),
+                        preferred=preferred, single_level=bool(depth.max() == 0))
+
+
+def build_tree_metadata(tree: PrefixTree, *, tq: int, group: int, pool_size: int, block_kv: int = 128,
+                        max_block_m: int = 128) -> TreeMetadata:
+    """Build (once per tree shape; cached) the device metadata of ``tree``.
+
+    Args:
+      tree: the forest.
+      tq: query tokens per sequence (``q.shape[1]``).
+      group: query heads per kv head (``Hq // Hkv``).
+      pool_size: number of tokens in ``k_pool`` (chunk windows are clamped inside it).
+      block_kv: tokens per chunk / tile (power of two >= 16; DeFT uses 128).
+      max_block_m: largest query-vector block (``block_rows * group``) per item.
+    """
+    if not isinstance(tree, PrefixTree):
+        raise TypeError(f"tree must be a PrefixTree, got {type(tree).__name__}")
+    for name, val in (("tq", tq), ("group", group), ("block_kv", block_kv), ("max_block_m", max_block_m)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if block_kv < 16 or block_kv & (block_kv - 1):
+        raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv}")
+    tree.check_pool(int(pool_size))
+    return _build_cached(tree, int(tq), int(group), int(pool_size), int(block_kv), int(max_block_m))

@@ -1,0 +1,415 @@
+"""Tree attention: exact attention for a batch of sequences whose prefixes form a forest.
+
+``tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_lengths, ...)``
+computes, for every sequence ``b``, ``reference.attention`` of its ``Tq`` queries over its
+full context ``concat(spans of tree.path(b)) ++ suffix_k[b, :suffix_lengths[b]]`` with the
+bottom-right causal rule (queries are the last ``Tq`` context tokens), without ever
+materialising those contexts: shared spans are read once for all the rows below them.
+
+Schedules (``impl``):
+
+* ``"levelwise"`` (Hydragen section 3.3): one launch per tree depth; item = (node, block of
+  the rows of every sequence below it) looping over the node's span; partials merged along
+  each path.
+* ``"flatten"`` (DeFT-Flatten): node KV flattened depth-first into ``block_kv``-token chunks,
+  each paired with its rows; one launch computes a partial per (chunk, row block); a
+  tree-topology-aware static reduction merges them per row.
+* ``"auto"``: the cheaper of the two by :func:`jax_prefix_attn.tree.schedule_cost`
+  (decided when the metadata is built: KV-bytes, flops, program waves, and the longest
+  single item, which is what node-granular schedules lose on unbalanced trees).
+* ``"reference"``: gathers each sequence's context and calls ``reference.attention``.
+* ``"pallas_interpret"``: the flatten kernel in Pallas interpret mode (CPU tests).
+* ``"nodes"`` (benchmark baseline, DeFT-Node analogue): every node one item, one launch.
+
+Off-GPU, ``"auto"``, ``"flatten"``, ``"levelwise"`` and ``"nodes"`` run a pure-JAX mirror of
+the same schedule (same metadata, same reduction).  The per-sequence suffix is one more
+launch of the same kernel in node mode (split along the suffix, flash-decoding style).
+
+Differentiable: gradients (w.r.t. ``q``, pools and suffixes) come from the pure-JAX mirror of
+the flatten schedule through ``jax.custom_vjp`` (recomputed in the backward pass).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_prefix_attn import reference
+from jax_prefix_attn._validation import check_array, check_gqa, check_impl, check_lengths, check_sm_scale
+from jax_prefix_attn.tree import (CHUNK, KV_START, LENGTH, NEVER, NTILES, OFF0, POS0, ROW_START, TIN, TOUT,
+                                  PrefixTree, Schedule, TreeMetadata, build_tree_metadata)
+
+__all__ = ["tree_attention", "IMPLS"]
+
+IMPLS = ("auto", "levelwise", "flatten", "reference", "pallas_interpret", "nodes")
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_scale, impl):
+    check_impl(impl, IMPLS)
+    check_array("q", q, 4, layout="[batch, seq_q, heads_q, head_dim]")
+    check_array("k_pool", k_pool, 3, layout="[pool_tokens, heads_kv, head_dim]")
+    check_array("v_pool", v_pool, 3, layout="[pool_tokens, heads_kv, head_dim]")
+    check_array("suffix_k", suffix_k, 4, layout="[batch, suffix_len, heads_kv, head_dim]")
+    check_array("suffix_v", suffix_v, 4, layout="[batch, suffix_len, heads_kv, head_dim]")
+    if k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool and v_pool must have the same shape, got {tuple(k_pool.shape)} and "
+                         f"{tuple(v_pool.shape)}")
+    if suffix_k.shape != suffix_v.shape:
+        raise ValueError(f"suffix_k and suffix_v must have the same shape, got {tuple(suffix_k.shape)} and "
+                         f"{tuple(suffix_v.shape)}")
+    for name, x in (("k_pool", k_pool), ("v_pool", v_pool), ("suffix_k", suffix_k), ("suffix_v", suffix_v)):
+        if x.dtype != k_pool.dtype:
+            raise TypeError(f"{name} must have dtype {k_pool.dtype} like k_pool, got {x.dtype}")
+    b, tq, hq, d = q.shape
+    if k_pool.shape[2] != d or suffix_k.shape[3] != d:
+        raise ValueError(f"head_dim must agree: q has {d}, k_pool {k_pool.shape[2]}, suffix_k {suffix_k.shape[3]}")
+    if k_pool.shape[1] != suffix_k.shape[2]:
+        raise ValueError(f"k_pool and suffix_k must have the same heads_kv, got {k_pool.shape[1]} and "
+                         f"{suffix_k.shape[2]}")
+    check_gqa(hq, k_pool.shape[1])
+    if suffix_k.shape[0] != b:
+        raise ValueError(f"suffix_k must have batch {b} (one suffix per sequence, like q), got {suffix_k.shape[0]}")
+    if tq < 1:
+        raise ValueError(f"q must have at least one query per sequence, got seq_q={tq}")
+    check_lengths("suffix_lengths", suffix_lengths, b, suffix_k.shape[1])
+    check_sm_scale(sm_scale)
+    if isinstance(tree, PrefixTree):
+        if tree.num_seqs != b:
+            raise ValueError(f"tree attaches {tree.num_seqs} sequences (len(leaf_of_seq)) but q has batch {b}")
+        tree.check_pool(k_pool.shape[0])
+    elif isinstance(tree, TreeMetadata):
+        if tree.num_seqs != b or tree.tq != tq or tree.group != hq // k_pool.shape[1]:
+            raise ValueError(f"tree metadata was built for (num_seqs, tq, group) = "
+                             f"{(tree.num_seqs, tree.tq, tree.group)}, but the inputs have "
+                             f"{(b, tq, hq // k_pool.shape[1])}; rebuild it with build_tree_metadata")
+        if tree.pool_size != k_pool.shape[0]:
+            raise ValueError(f"tree metadata was built for a pool of {tree.pool_size} tokens, but k_pool has "
+                             f"{k_pool.shape[0]}")
+    else:
+        raise TypeError(f"tree must be a PrefixTree or a TreeMetadata, got {type(tree).__name__}")
+
+
+# --------------------------------------------------------------------------- row tables
+
+
+def _row_tables(meta: TreeMetadata, suffix_lengths):
+    """Sorted-order ``(row_key, row_limit)`` per row (``[R_pad]``) and suffix-order limits."""
+    b, tq = meta.num_seqs, meta.tq
+    n_rows = b * tq
+    srow = meta.sorted_rows                                    # [R_pad], n_rows for padding
+    real = srow < n_rows
+    seq = jnp.where(real, srow // tq, 0)
+    t = jnp.where(real, srow % tq, 0)
+    s_len = suffix_lengths.astype(jnp.int32)
+    limit = meta.seq_path_len[seq] + s_len[seq] - tq + t
+    limit = jnp.where(real, limit, -1)
+    return meta.row_key, limit
+
+
+def _q_sorted(q, meta: TreeMetadata, hkv: int):
+    """``q [B, Tq, Hq, D]`` -> sorted-row layout ``[Hkv, R_pad * G, D]`` (padding rows zero)."""
+    b, tq, hq, d = q.shape
+    g = hq // hkv
+    rows = q.reshape(b * tq, hkv, g, d)
+    rows = jnp.concatenate([rows, jnp.zeros((1, hkv, g, d), q.dtype)], axis=0)
+    qs = rows[meta.sorted_rows]                                # [R_pad, Hkv, G, D]
+    return jnp.transpose(qs, (1, 0, 2, 3)).reshape(hkv, -1, d)
+
+
+# --------------------------------------------------------------------------- partials
+
+
+def _mirror_partials(sched: Schedule, q_hmd, k_nhd, v_nhd, key_m, lim_m, *, group: int, scale: float):
+    """Pure-JAX twin of ``pallas_kernels.tree_attention.tree_partials`` (same metadata)."""
+    items = sched.items
+    c = sched.block_kv
+    m = sched.block_rows * group
+    hkv, _, d = q_hmd.shape
+    n_pool = k_nhd.shape[0]
+    hi = jax.lax.Precision.HIGHEST
+    mi = items[:, ROW_START][:, None] * group + jnp.arange(m)[None, :]    # [W, M]
+    q = q_hmd[:, mi]                                                      # [Hkv, W, M, D]
+    key = key_m[mi][..., None]                                            # [W, M, 1]
+    lim = lim_m[mi][..., None]
+    if sched.mode == "flatten":
+        pos = jnp.minimum(items[:, KV_START], n_pool - c)[:, None] + jnp.arange(c)[None, :]   # [W, C]
+        tok = sched.tok[items[:, CHUNK]]                                  # [W, 3, C]
+        vis = (tok[:, None, 0] <= key) & (key < tok[:, None, 1]) & (tok[:, None, 2] <= lim)
+        vis = vis & (items[:, NTILES] > 0)[:, None, None]
+    else:
+        nt = sched.max_tiles
+        t = jnp.arange(nt)
+        nominal = items[:, KV_START][:, None] + t[None, :] * c                # [W, T]
+        start = jnp.minimum(nominal, n_pool - c)
+        pos3 = start[:, :, None] + jnp.arange(c)[None, None, :]            # [W, T, C]
+        base = (items[:, KV_START] - items[:, OFF0])[:, None, None]
+        off = pos3 - base
+        lo = items[:, OFF0][:, None, None] + t[None, :, None] * c
+        ok = (off >= lo) & (off < jnp.minimum(lo + c, items[:, LENGTH][:, None, None]))
+        ok = ok & (t[None, :, None] < items[:, NTILES][:, None, None])
+        pos = pos3.reshape(pos3.shape[0], -1)                              # [W, T*C]
+        ok = ok.reshape(ok.shape[0], 1, -1)
+        tpos = (items[:, POS0][:, None, None] + off).reshape(off.shape[0], 1, -1)
+        node = (items[:, TIN][:, None, None] <= key) & (key < items[:, TOUT][:, None, None])
+        vis = node & ok & (tpos <= lim)                                    # [W, M, T*C]
+    k = k_nhd[pos]                                                         # [W, K, Hkv, D]
+    v = v_nhd[pos]
+    s = jnp.einsum("hwmd,wkhd->hwmk", q.astype(jnp.float32), k.astype(jnp.float32), precision=hi) * scale
+    s = jnp.where(vis[None], s, -jnp.inf)
+    mx = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.where(vis[None], jnp.exp(s - mx), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    has = l > 0
+    l_safe = jnp.where(has, l, 1.0)
+    o = jnp.einsum("hwmk,wkhd->hwmd", p / l_safe, v.astype(jnp.float32), precision=hi)
+    lse = jnp.where(has, mx + jnp.log(l_safe), -jnp.inf)[..., 0]
+    return jnp.transpose(o, (1, 0, 2, 3)), jnp.transpose(lse, (1, 0, 2))   # [W, Hkv, M, D], [W, Hkv, M]
+
+
+def _pad_pool(k_nhd, v_nhd, c: int):
+    n = k_nhd.shape[0]
+    if n >= c:
+        return k_nhd, v_nhd
+    pad = ((0, c - n), (0, 0), (0, 0))
+    return jnp.pad(k_nhd, pad), jnp.pad(v_nhd, pad)
+
+
+def _partials(sched: Schedule, q_hmd, k_nhd, v_nhd, key_m, lim_m, *, group, scale, backend):
+    k_nhd, v_nhd = _pad_pool(k_nhd, v_nhd, sched.block_kv)
+    if backend == "mirror":
+        return _mirror_partials(sched, q_hmd, k_nhd, v_nhd, key_m, lim_m, group=group, scale=scale)
+    from pallas_kernels.tree_attention import tree_partials  # noqa: PLC0415
+    return tree_partials(q_hmd, k_nhd, v_nhd, sched.items, sched.tok, key_m, lim_m, mode=sched.mode,
+                         group=group, block_rows=sched.block_rows, block_kv=sched.block_kv, sm_scale=scale,
+                         interpret=(backend == "interpret"))
+
+
+def _gather_parts(sched: Schedule, o, lse, group: int):
+    """Per original row: ``lse [R, P, Hkv, G]`` and ``o [R, P, Hkv, G, D]`` of its partials."""
+    w, hkv, m, d = o.shape
+    br = sched.block_rows
+    parts = sched.parts                                       # [R, P]
+    valid = parts >= 0
+    idx = jnp.where(valid, parts, 0)
+    wi, si = idx // br, idx % br
+    o5 = o.reshape(w, hkv, br, group, d)
+    l4 = lse.reshape(w, hkv, br, group)
+    og = o5[wi, :, si]                                        # [R, P, Hkv, G, D]
+    lg = l4[wi, :, si]                                        # [R, P, Hkv, G]
+    lg = jnp.where(valid[..., None, None], lg, -jnp.inf)
+    return og, lg
+
+
+def _suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta: TreeMetadata, *, scale, backend,
+                     block_kv: int):
+    """Suffix part: node-mode items (sequence, split) over the flattened suffix pool.
+
+    Returns ``o [B, Tq, S, Hkv, G, D]`` and ``lse [B, Tq, S, Hkv, G]`` (``S`` splits)."""
+    b, tq, hq, d = q.shape
+    smax, hkv = suffix_k.shape[1], suffix_k.shape[2]
+    g = hq // hkv
+    c = block_kv
+    lo_rows = max(1, -(-16 // g))
+    br = 1 << max(0, max(tq, lo_rows) - 1).bit_length()
+    tiles = -(-smax // c)
+    # Split long suffixes when there are few sequences (flash-decoding): aim for ~4 waves.
+    n_split = int(min(tiles, max(1, -(-(4 * 132) // max(1, b * hkv)))))
+    tiles_per = -(-tiles // n_split)
+    n_split = -(-tiles // tiles_per)
+    span = tiles_per * c
+    s_len = suffix_lengths.astype(jnp.int32)
+    bi = jnp.repeat(jnp.arange(b, dtype=jnp.int32), n_split)
+    si = jnp.tile(jnp.arange(n_split, dtype=jnp.int32), b)
+    off0 = si * span
+    remaining = jnp.maximum(s_len[bi] - off0, 0)
+    nt = jnp.minimum(-(-remaining // c), tiles_per)
+    z = jnp.zeros_like(bi)
+    items = jnp.stack([bi * smax + off0, nt, bi * tq, bi, bi + 1, z, s_len[bi], off0, z], axis=1)
+    n_rows = b * tq
+    rb = jnp.arange(n_rows + br, dtype=jnp.int32)
+    real = rb < n_rows
+    seq = jnp.where(real, rb // tq, 0)
+    key = jnp.where(real, seq, -1)
+    lim = jnp.where(real, s_len[seq] - tq + rb % tq, -1)
+    key_m = jnp.repeat(key, g)
+    lim_m = jnp.repeat(lim, g)
+    qo = jnp.concatenate([q.reshape(n_rows, hkv, g, d), jnp.zeros((br, hkv, g, d), q.dtype)], axis=0)
+    q_hmd = jnp.transpose(qo, (1, 0, 2, 3)).reshape(hkv, -1, d)
+    sched = Schedule(items=items, tok=jnp.full((1, 3, c), NEVER, jnp.int32), parts=None, mode="node",
+                     block_rows=br, block_kv=c, max_tiles=1 << max(0, tiles_per - 1).bit_length())
+    kf = suffix_k.reshape(b * smax, hkv, d)
+    vf = suffix_v.reshape(b * smax, hkv, d)
+    o, lse = _partials(sched, q_hmd, kf, vf, key_m, lim_m, group=g, scale=scale, backend=backend)
+    o = o.reshape(b, n_split, hkv, br, g, d)[:, :, :, :tq]
+    lse = lse.reshape(b, n_split, hkv, br, g)[:, :, :, :tq]
+    return jnp.transpose(o, (0, 3, 1, 2, 4, 5)), jnp.transpose(lse, (0, 3, 1, 2, 4))
+
+
+def _merge(parts_o, parts_l):
+    """Merge lists of ``o [..., P, Hkv, G, D]`` / ``lse [..., P, Hkv, G]`` over every P axis."""
+    m = None
+    for l in parts_l:
+        mm = jnp.max(l, axis=-3)
+        m = mm if m is None else jnp.maximum(m, mm)
+    m = jax.lax.stop_gradient(m)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    total, acc = 0.0, 0.0
+    for o, l in zip(parts_o, parts_l):
+        w = jnp.exp(l - m[..., None, :, :])
+        w = jnp.where(l == -jnp.inf, 0.0, w)
+        total = total + jnp.sum(w, axis=-3)
+        o = jnp.where((w > 0)[..., None], o.astype(jnp.float32), 0.0)
+        acc = acc + jnp.sum(w[..., None] * o, axis=-4)
+    has = total > 0
+    t_safe = jnp.where(has, total, 1.0)
+    return acc / t_safe[..., None], jnp.where(has, m + jnp.log(t_safe), -jnp.inf)
+
+
+def _forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, *, scale: float,
+             schedule: str, backend: str):
+    b, tq, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    g = hq // hkv
+    key, lim = _row_tables(meta, suffix_lengths)
+    key_m = jnp.repeat(key, g)
+    lim_m = jnp.repeat(lim, g)
+    q_hmd = _q_sorted(q, meta, hkv)
+    if schedule == "flatten":
+        scheds = [meta.flatten]
+    elif schedule == "nodes":
+        scheds = [meta.nodes]
+    else:
+        scheds = list(meta.levels)
+    parts_o, parts_l = [], []
+    for sc in scheds:
+        o, lse = _partials(sc, q_hmd, k_pool, v_pool, key_m, lim_m, group=g, scale=scale, backend=backend)
+        og, lg = _gather_parts(sc, o, lse, g)
+        parts_o.append(og.reshape(b, tq, *og.shape[1:]))
+        parts_l.append(lg.reshape(b, tq, *lg.shape[1:]))
+    if suffix_k.shape[1] > 0:
+        so, sl = _suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta, scale=scale, backend=backend,
+                                  block_kv=meta.flatten.block_kv)
+        parts_o.append(so)
+        parts_l.append(sl)
+    out, lse = _merge(parts_o, parts_l)                        # [B, Tq, Hkv, G, D], [B, Tq, Hkv, G]
+    return out.reshape(b, tq, hq, d).astype(q.dtype), lse.reshape(b, tq, hq)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale, schedule, backend):
+    return _forward(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
+                    schedule=schedule, backend=backend)
+
+
+def _tree_attn_fwd(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale, schedule, backend):
+    res = (q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths)
+    return _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale, schedule, backend), res
+
+
+def _tree_attn_bwd(scale, schedule, backend, res, cts):
+    q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths = res
+
+    def f(q, k_pool, v_pool, suffix_k, suffix_v):
+        return _forward(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
+                        schedule="flatten", backend="mirror")
+
+    _, vjp = jax.vjp(f, q, k_pool, v_pool, suffix_k, suffix_v)
+    dq, dkp, dvp, dks, dvs = vjp(cts)
+    zero_meta = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, jax.dtypes.float0), meta)
+    zero_len = np.zeros(suffix_lengths.shape, jax.dtypes.float0)
+    return dq, zero_meta, dkp, dvp, dks, dvs, zero_len
+
+
+_tree_attn.defvjp(_tree_attn_fwd, _tree_attn_bwd)
+
+
+def _reference_impl(q, tree: PrefixTree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale):
+    """Gather every sequence's context (path spans then suffix) and call the oracle."""
+    b = q.shape[0]
+    smax = suffix_k.shape[1]
+    paths = [tree.path_token_indices(i) for i in range(b)]
+    pmax = max(1, max(p.shape[0] for p in paths))
+    idx = np.zeros((b, pmax), np.int64)
+    plen = np.zeros((b,), np.int32)
+    for i, p in enumerate(paths):
+        idx[i, : p.shape[0]] = p
+        plen[i] = p.shape[0]
+    kp = k_pool[jnp.asarray(idx)]                              # [B, Pmax, Hkv, D]
+    vp = v_pool[jnp.asarray(idx)]
+    # Place each sequence's suffix right after its path: position p in [0, Pmax + Smax).
+    tot = pmax + smax
+    j = jnp.arange(tot)[None, :]
+    plen_j = jnp.asarray(plen)[:, None]
+    in_path = j < plen_j
+    sj = jnp.clip(j - plen_j, 0, max(smax - 1, 0))
+    if smax > 0:
+        ks = jnp.take_along_axis(suffix_k, sj[:, :, None, None], axis=1)
+        vs = jnp.take_along_axis(suffix_v, sj[:, :, None, None], axis=1)
+    else:
+        ks = jnp.zeros((b, tot) + k_pool.shape[1:], k_pool.dtype)
+        vs = ks
+    pj = jnp.clip(j, 0, pmax - 1)
+    kpp = jnp.take_along_axis(kp, pj[:, :, None, None], axis=1)
+    vpp = jnp.take_along_axis(vp, pj[:, :, None, None], axis=1)
+    k = jnp.where(in_path[..., None, None], kpp, ks)
+    v = jnp.where(in_path[..., None, None], vpp, vs)
+    lengths = jnp.asarray(plen) + suffix_lengths.astype(jnp.int32)
+    return reference.attention(q, k, v, causal=True, kv_lengths=lengths, sm_scale=scale)
+
+
+def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_lengths, sm_scale=None,
+                   return_lse: bool = False, impl: str = "auto"):
+    """Exact attention of a batch of sequences whose shared prefixes form a forest.
+
+    Args:
+      q: queries ``[B, Tq, Hq, D]``; the ``Tq`` queries of sequence ``b`` are the last ``Tq``
+        tokens of its context.
+      tree: a :class:`~jax_prefix_attn.tree.PrefixTree` with ``B`` sequences (metadata is built
+        and cached on the host; pass it as a static / closed-over value under ``jit``), or a
+        :class:`~jax_prefix_attn.tree.TreeMetadata` from ``build_tree_metadata`` (a pytree:
+        pass it as a ``jit`` argument).
+      k_pool, v_pool: flat shared KV pool ``[N_tokens, Hkv, D]`` holding every node's span.
+      suffix_k, suffix_v: per-sequence suffixes ``[B, S_max, Hkv, D]`` (``S_max`` may be 0).
+      suffix_lengths: int ``[B]`` valid suffix tokens (dynamic: no rebuild when they grow).
+      sm_scale: score scale, default ``1/sqrt(D)``.
+      return_lse: also return ``lse [B, Tq, Hq]`` (float32, natural log).
+      impl: ``"auto"``, ``"levelwise"``, ``"flatten"``, ``"reference"``,
+        ``"pallas_interpret"`` (or ``"nodes"``, the DeFT-Node baseline); see module doc.
+
+    Returns:
+      ``out [B, Tq, Hq, D]`` in ``q``'s dtype (and ``lse`` if ``return_lse``).  Semantics:
+      ``reference.attention(q, ctx_k, ctx_v, causal=True, kv_lengths=path_len + suffix_lengths)``
+      with ``ctx`` each sequence's concatenated path spans followed by its suffix.
+    """
+    _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_scale, impl)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    if impl == "reference":
+        if not isinstance(tree, PrefixTree):
+            raise TypeError("impl='reference' needs a PrefixTree (it gathers the paths on the host), "
+                            "got TreeMetadata")
+        out, lse = _reference_impl(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale)
+        return (out, lse) if return_lse else out
+    if isinstance(tree, PrefixTree):
+        meta = build_tree_metadata(tree, tq=q.shape[1], group=q.shape[2] // k_pool.shape[1],
+                                   pool_size=k_pool.shape[0])
+    else:
+        meta = tree
+    if impl == "pallas_interpret":
+        schedule, backend = "flatten", "interpret"
+    else:
+        schedule = meta.preferred if impl == "auto" else impl
+        backend = "pallas" if _on_gpu() else "mirror"
+    out, lse = _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale, schedule, backend)
+    return (out, lse) if return_lse else out

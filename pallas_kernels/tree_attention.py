@@ -1,0 +1,153 @@
+"""Tree attention partials in Pallas: one program per (work item, kv head).
+
+Public entry: :func:`tree_partials`.  A *work item* pairs a window of a flat KV pool with a
+block of ``block_rows`` query rows (KV-guided grouping, DeFT section 3.3) and produces the
+partial attention state ``(o, lse)`` of those rows over the tokens of the window they may see.
+Partials are merged afterwards by a deterministic gather + log-sum-exp reduction (done by
+the caller with a static reduction map; no atomics).
+
+Item table ``items [W, 9]`` int32, columns
+``(kv_start, ntiles, row_start, tin, tout, pos0, length, off0, chunk)``.  Two modes (static):
+
+* ``"flatten"`` (DeFT-Flatten): the item reads ``ntiles`` (0 or 1) window of ``block_kv``
+  tokens at ``kv_start``; per-token visibility data come from ``tok[chunk] [3, block_kv]``
+  = ``(tin, tout, pos)``.
+* ``"node"`` (one node / one sequence suffix per item): the item loops over ``ntiles``
+  tiles starting at pool token ``kv_start``, which is the node's offset ``off0``; token at
+  node offset ``o`` is valid iff ``off0 + t * C <= o < min(off0 + (t + 1) * C, length)`` and
+  carries ``(tin, tout, pos0 + o)``.  Tile windows are clamped inside the pool (so no
+  out-of-bounds reads); the nominal-offset test keeps clamped tiles from double counting.
+
+Query vector ``m`` (row ``r = m // group``) sees a token iff
+``tin_tok <= row_key[m] < tout_tok`` and ``pos_tok <= row_limit[m]`` (the interval test on
+depth-first numbers says "the token's node is an ancestor of the row's node"; the position
+test is the bottom-right causal rule on the path).
+
+Layouts: ``q [Hkv, Rq * group, D]`` (query vectors of row ``r``, heads ``h*group..``, at
+``r * group + g``), ``k/v [N, Hkv, D]``, ``row_key/row_limit [Rq * group]`` int32.
+Outputs ``o [W, Hkv, block_rows * group, D]`` float32 (normalised), ``lse [W, Hkv,
+block_rows * group]`` float32 (``-inf`` and ``o = 0`` where nothing is visible).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["tree_partials", "KV_START", "NTILES", "ROW_START", "TIN", "TOUT", "POS0", "LENGTH", "OFF0",
+           "CHUNK"]
+
+KV_START, NTILES, ROW_START, TIN, TOUT, POS0, LENGTH, OFF0, CHUNK = range(9)
+
+
+def _dot(a, b, fp32: bool, trans_b: bool = False):
+    dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
+    prec = lax.Precision.HIGHEST if fp32 else None
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _kernel(items_ref, tok_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+            mode: str, group: int, block_m: int, block_kv: int, scale: float, fp32: bool):
+    w = pl.program_id(0)
+    h = pl.program_id(1)
+    c = block_kv
+    n_pool = k_ref.shape[0]
+    kv_start = items_ref[w, KV_START]
+    ntiles = items_ref[w, NTILES]
+    m0 = items_ref[w, ROW_START] * group
+    q = q_ref[h, pl.ds(m0, block_m), :]                      # [M, D]
+    key = key_ref[pl.ds(m0, block_m)][:, None]                # [M, 1]
+    lim = lim_ref[pl.ds(m0, block_m)][:, None]
+    cols = lax.broadcasted_iota(jnp.int32, (1, c), 1)         # [1, C]
+
+    if mode == "flatten":
+        chunk = items_ref[w, CHUNK]
+        t_tin = tok_ref[chunk, 0, :][None, :]
+        t_tout = tok_ref[chunk, 1, :][None, :]
+        t_pos = tok_ref[chunk, 2, :][None, :]
+    else:
+        i_tin = items_ref[w, TIN]
+        i_tout = items_ref[w, TOUT]
+        pos0 = items_ref[w, POS0]
+        length = items_ref[w, LENGTH]
+        off0 = items_ref[w, OFF0]
+        base = kv_start - off0                                 # pool position of node offset 0
+        node_vis = (i_tin <= key) & (key < i_tout)              # [M, 1]
+
+    def body(t, carry):
+        acc, m, l = carry
+        nominal = kv_start + t * c
+        start = jnp.minimum(nominal, n_pool - c)
+        k = k_ref[pl.ds(start, c), h, :]                       # [C, D]
+        v = v_ref[pl.ds(start, c), h, :]
+        s = _dot(q, k, fp32, trans_b=True) * scale              # [M, C]
+        if mode == "flatten":
+            vis = (t_tin <= key) & (key < t_tout) & (t_pos <= lim)
+        else:
+            off = start - base + cols                          # node offsets of the window
+            lo = off0 + t * c
+            ok = (off >= lo) & (off < jnp.minimum(lo + c, length))
+            vis = node_vis & ok & (pos0 + off <= lim)
+        s = jnp.where(vis, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_use)
+        p = jnp.where(vis, jnp.exp(s - m_use[:, None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, fp32)
+        return acc, m_new, l
+
+    d = q_ref.shape[-1]
+    carry = (jnp.zeros((block_m, d), jnp.float32), jnp.full((block_m,), -jnp.inf, jnp.float32),
+             jnp.zeros((block_m,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, ntiles, body, carry)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = acc / l_safe[:, None]
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+
+
+def tree_partials(q_hmd, k_nhd, v_nhd, items_w9, tok_c3c, row_key_m, row_limit_m, *, mode: str,
+                  group: int, block_rows: int, block_kv: int, sm_scale: float, interpret: bool = False,
+                  num_warps: int = 4, num_stages: int = 2):
+    """Partial states of every (work item, kv head); see the module docstring for layouts.
+
+    Requirements (checked): ``block_kv`` and ``block_rows * group`` powers of two >= 16;
+    ``N >= block_kv``; ``q`` has at least ``max(row_start) + block_rows`` rows; every
+    ``kv_start`` of a flatten item is ``<= N - block_kv``.
+    """
+    if mode not in ("flatten", "node"):
+        raise ValueError(f"mode must be 'flatten' or 'node', got {mode!r}")
+    hkv, mq, d = q_hmd.shape
+    n = k_nhd.shape[0]
+    block_m = block_rows * group
+    for name, val in (("block_kv", block_kv), ("block_rows * group", block_m)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {val}")
+    if n < block_kv:
+        raise ValueError(f"the pool must hold at least block_kv={block_kv} tokens, got {n}")
+    if k_nhd.shape != (n, hkv, d) or v_nhd.shape != k_nhd.shape:
+        raise ValueError(f"k/v must have shape {(n, hkv, d)}, got {k_nhd.shape} and {v_nhd.shape}")
+    w = items_w9.shape[0]
+    fp32 = jnp.dtype(q_hmd.dtype) == jnp.float32
+    kernel = functools.partial(_kernel, mode=mode, group=group, block_m=block_m, block_kv=block_kv,
+                               scale=float(sm_scale), fp32=fp32)
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        grid=(w, hkv),
+        in_specs=[full(items_w9.shape), full(tok_c3c.shape), full(row_key_m.shape), full(row_limit_m.shape),
+                  full(q_hmd.shape), full(k_nhd.shape), full(v_nhd.shape)],
+        out_specs=[pl.BlockSpec((None, None, block_m, d), lambda i, j: (i, j, 0, 0)),
+                   pl.BlockSpec((None, None, block_m), lambda i, j: (i, j, 0))],
+        out_shape=[jax.ShapeDtypeStruct((w, hkv, block_m, d), jnp.float32),
+                   jax.ShapeDtypeStruct((w, hkv, block_m), jnp.float32)],
+        interpret=interpret,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"tree_partials_{mode}",
+    )(items_w9.astype(jnp.int32), tok_c3c.astype(jnp.int32), row_key_m.astype(jnp.int32),
+      row_limit_m.astype(jnp.int32), q_hmd, k_nhd, v_nhd)
