@@ -14,8 +14,9 @@ head's rotary pairs from the "rotate half" layout of Hugging Face to the interle
 GGML). `unpermute_qk_rows` undoes it, exactly as transformers' GGUF loader does, so the
 returned weights are the Hugging Face ones.
 
-The file is parsed by the `gguf` package (memory-mapped, no pickle). Dequantisation uses
-`gguf.quants.dequantize`; the supported tensor types are `SUPPORTED_TENSOR_TYPES`.
+The file is parsed here (`open_gguf`: header, metadata, tensor table; tensor data memory-mapped;
+no pickle). Dequantisation uses the `gguf` package's `gguf.quants.dequantize`; the supported
+tensor types are `SUPPORTED_TENSOR_TYPES`.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ __all__ = [
     "SUPPORTED_TENSOR_TYPES",
     "load_gguf",
     "open_gguf",
+    "GGUFFile",
     "read_gguf_metadata",
     "gguf_config_to_hf",
     "permute_qk_rows",
@@ -91,41 +93,139 @@ def unpermute_qk_rows(w_out_in: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# metadata
+# file parsing (our own: GGUFReader splits every array element into a numpy part, which takes
+# seconds for a 49k-token vocabulary; this reads numeric arrays with one frombuffer each)
 # ---------------------------------------------------------------------------------------------
-def open_gguf(path: str | os.PathLike):
-    """A memory-mapped `gguf.GGUFReader` of `path` (CheckpointError if missing/unreadable)."""
-    import gguf
+_GGUF_MAGIC = b"GGUF"
+_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+            10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY, _BOOL = 8, 9, 7
 
+
+class GGUFTensorInfo:
+    """One tensor of a GGUF file: `name`, `tensor_type` (GGML type id), `shape` (numpy order,
+    i.e. GGML's `ne` reversed) and `data` (a read-only memory-mapped view: the values for
+    F32/F16, raw bytes `[..., bytes_per_row]` for block-quantised and BF16 types)."""
+
+    __slots__ = ("name", "tensor_type", "shape", "data")
+
+    def __init__(self, name, tensor_type, shape, data):
+        self.name, self.tensor_type, self.shape, self.data = name, tensor_type, shape, data
+
+    @property
+    def type_name(self) -> str:
+        import gguf
+
+        try:
+            return gguf.GGMLQuantizationType(self.tensor_type).name
+        except ValueError:
+            return f"type#{self.tensor_type}"
+
+
+class GGUFFile:
+    """A parsed GGUF file: `metadata` (dict of Python values) and `tensors` (list of
+    `GGUFTensorInfo` over a read-only memory map). Little-endian GGUF v2/v3."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._mm = np.memmap(path, dtype=np.uint8, mode="r")
+        self._buf = memoryview(self._mm)
+        self._off = 0
+        if bytes(self._buf[:4]) != _GGUF_MAGIC:
+            raise ValueError("bad magic (not a GGUF file)")
+        self._off = 4
+        version = self._scalar(4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3; big-endian files are not supported)")
+        n_tensors, n_kv = self._scalar(10), self._scalar(10)
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._string()
+            self.metadata[key] = self._value(self._scalar(4))
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            n_dims = self._scalar(4)
+            ne = [self._scalar(10) for _ in range(n_dims)]
+            infos.append((name, ne, self._scalar(4), self._scalar(10)))
+        align = int(self.metadata.get("general.alignment", 32))
+        start = -(-self._off // align) * align
+        self.tensors = [self._tensor(start, *info) for info in infos]
+
+    # -- primitive readers --
+    def _scalar(self, vtype: int):
+        dt = np.dtype(_SCALARS[vtype])
+        v = np.frombuffer(self._buf, dtype=dt, count=1, offset=self._off)[0]
+        self._off += dt.itemsize
+        return bool(v) if vtype == _BOOL else v.item()
+
+    def _string(self) -> str:
+        n = self._scalar(10)
+        s = bytes(self._buf[self._off:self._off + n])
+        if len(s) != n:
+            raise ValueError("truncated string")
+        self._off += n
+        return s.decode("utf-8", errors="surrogateescape")
+
+    def _value(self, vtype: int):
+        if vtype == _STRING:
+            return self._string()
+        if vtype == _ARRAY:
+            etype, count = self._scalar(4), self._scalar(10)
+            if etype == _STRING:
+                return [self._string() for _ in range(count)]
+            if etype == _ARRAY:
+                return [self._value(_ARRAY) for _ in range(count)]
+            dt = np.dtype(_SCALARS[etype])
+            arr = np.frombuffer(self._buf, dtype=dt, count=count, offset=self._off)
+            self._off += dt.itemsize * count
+            return [bool(x) for x in arr] if etype == _BOOL else arr.tolist()
+        if vtype not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        return self._scalar(vtype)
+
+    def _tensor(self, start, name, ne, ttype, offset):
+        import gguf
+
+        shape = tuple(int(x) for x in reversed(ne))
+        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        try:
+            qt = gguf.GGMLQuantizationType(ttype)
+            block, type_size = gguf.GGML_QUANT_SIZES[qt]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} has unknown GGML type {ttype}") from None
+        nbytes = n // block * type_size
+        lo = start + offset
+        if lo + nbytes > len(self._mm):
+            raise ValueError(f"tensor {name!r} extends past the end of the file (truncated?)")
+        if qt.name in ("F32", "F16"):
+            data = np.frombuffer(self._buf, dtype="<f4" if qt.name == "F32" else "<f2", count=n, offset=lo)
+            data = data.reshape(shape)
+        else:
+            row = shape[-1] // block * type_size if shape else type_size
+            data = np.frombuffer(self._buf, dtype=np.uint8, count=nbytes, offset=lo).reshape(*shape[:-1], row)
+        return GGUFTensorInfo(name, ttype, shape, data)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse a GGUF file (memory-mapped; CheckpointError if missing, unreadable or malformed)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"model file not found: {path}")
     if os.path.isdir(path):
         raise CheckpointError(f"expected a .gguf file, got a directory: {path}")
     try:
-        return gguf.GGUFReader(path, "r")
+        return GGUFFile(path)
     except PermissionError as e:
         raise CheckpointError(f"cannot read model file {path}: {e.strerror}") from None
-    except Exception as e:  # the reader raises ValueError/struct errors on garbage
+    except Exception as e:  # garbage, truncation
         raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
-def _field_value(field) -> Any:
-    """A GGUF metadata field as a Python value (str, int, float, bool, or list of those)."""
-    return field.contents()
-
-
-def read_gguf_metadata(path_or_reader, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """All (or the named) metadata key/values of a GGUF file as Python values."""
-    reader = open_gguf(path_or_reader) if isinstance(path_or_reader, (str, os.PathLike)) else path_or_reader
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        if keys is not None and key not in keys:
-            continue
-        out[key] = _field_value(field)
-    return out
+def read_gguf_metadata(path_or_file, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """All (or the named) metadata key/values of a GGUF file (path or `GGUFFile`)."""
+    f = path_or_file if isinstance(path_or_file, GGUFFile) else open_gguf(path_or_file)
+    return {k: v for k, v in f.metadata.items() if keys is None or k in keys}
 
 
 def gguf_config_to_hf(meta: dict[str, Any], tensor_names: set[str] | None = None) -> dict[str, Any]:
@@ -222,25 +322,21 @@ def hf_name(gguf_name: str) -> str:
     raise CheckpointError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
 
 
-def dequantize_tensor(tensor) -> np.ndarray:
-    """A `gguf.ReaderTensor` -> float32 numpy array in numpy (row-major, reversed-GGML) shape."""
+def dequantize_tensor(tensor: GGUFTensorInfo) -> np.ndarray:
+    """A tensor of `open_gguf(...).tensors` -> float32 numpy array of shape `tensor.shape`."""
     import gguf
 
-    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
-    if qtype.name not in SUPPORTED_TENSOR_TYPES:
+    name = tensor.type_name
+    if name not in SUPPORTED_TENSOR_TYPES:
         raise CheckpointError(
-            f"tensor {tensor.name!r} has unsupported type {qtype.name}; "
-            f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+            f"tensor {tensor.name!r} has unsupported type {name}; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
         )
-    data = np.asarray(tensor.data)
-    if qtype.name == "F32":
-        out = np.array(data, dtype=np.float32)
-    elif qtype.name == "F16":
-        out = data.astype(np.float32)
+    if name in ("F32", "F16"):
+        out = np.asarray(tensor.data, dtype=np.float32)
     else:
-        out = gguf.quants.dequantize(data, qtype).astype(np.float32, copy=False)
-    shape = tuple(int(s) for s in reversed(tensor.shape))
-    return out.reshape(shape)
+        out = gguf.quants.dequantize(np.asarray(tensor.data), gguf.GGMLQuantizationType[name])
+        out = out.astype(np.float32, copy=False)
+    return out.reshape(tensor.shape)
 
 
 def load_gguf(path, dtype: Any = "float32") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -252,8 +348,8 @@ def load_gguf(path, dtype: Any = "float32") -> tuple[dict[str, Any], dict[str, n
     the supported ones).
     """
     np_dtype = numpy_dtype(dtype)
-    reader = path if hasattr(path, "tensors") else open_gguf(path)
-    meta = read_gguf_metadata(reader)
+    reader = path if isinstance(path, GGUFFile) else open_gguf(path)
+    meta = reader.metadata
     names = {t.name for t in reader.tensors}
     cfg = gguf_config_to_hf(meta, names)
     n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]

@@ -12,6 +12,7 @@ from models.gguf import (  # noqa: E402
     CheckpointError,
     dequantize_tensor,
     load_gguf,
+    open_gguf,
     permute_qk_rows,
     unpermute_qk_rows,
     write_llama_gguf,
@@ -193,8 +194,7 @@ def test_dequantize_matches_independent_numpy_on_random_blocks(tmp_path):
     w.write_tensors_to_file()
     w.close()
 
-    reader = gguf.GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in open_gguf(path).tensors}
     for name, raw in raws.items():
         t = tensors[f"t_{name}"]
         assert gguf.GGMLQuantizationType(t.tensor_type).name == name
@@ -376,6 +376,38 @@ def test_config_feeds_the_model_config(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------
+def test_parser_agrees_with_gguf_reader(tmp_path):
+    """Our GGUF parser vs the gguf package's GGUFReader: metadata values, tensor table, bytes."""
+    cfg = tiny_config()
+    path = tmp_path / "tiny.gguf"
+    tok = {"tokens": ["<s>", "a b", "\u00e9\U0001F600"] + [f"t{i}" for i in range(93)],
+           "token_types": [3] + [1] * 95, "merges": ["a b", "t 1"], "bos_token_id": 0, "eos_token_id": 0,
+           "add_bos_token": True, "chat_template": "{{ messages }}", "pre": "smollm"}
+    write_llama_gguf(path, cfg, tiny_state_dict(cfg), tensor_type=lambda n: "Q8_0" if "mlp" in n else "F16",
+                     tokenizer=tok)
+    ours, ref = open_gguf(path), gguf.GGUFReader(str(path))
+    ref_meta = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata == ref_meta
+    assert ours.metadata["tokenizer.ggml.tokens"][2] == "\u00e9\U0001F600"
+    assert ours.metadata["tokenizer.ggml.add_bos_token"] is True
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.tensor_type == int(b.tensor_type) and a.shape == tuple(int(x) for x in reversed(b.shape))
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+        assert a.data.shape == b.data.shape
+
+
+def test_truncated_file(tmp_path):
+    cfg = tiny_config()
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, cfg, tiny_state_dict(cfg))
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match="not a readable GGUF.*truncated"):
+        load_gguf(cut)
+
+
 def test_missing_file_and_directory_and_garbage(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
         load_gguf(tmp_path / "nope.gguf")
@@ -407,11 +439,10 @@ def test_unsupported_tensor_type_lists_supported(tmp_path):
     write_llama_gguf(path, cfg, sd, tensor_type="F32")
     # rewrite with one Q2_K tensor (84 bytes per 256 values)
     path2 = tmp_path / "q2k2.gguf"
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     w = gguf.GGUFWriter(str(path2), "llama")
-    for key, field in reader.fields.items():
+    for key, val in reader.metadata.items():
         if key.startswith("llama."):
-            val = field.contents()
             (w.add_uint32 if isinstance(val, int) else w.add_float32)(key, val)
     for t in reader.tensors:
         if t.name == "blk.0.ffn_up.weight":
