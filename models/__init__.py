@@ -1,1 +1,22 @@
-"""Flax Llama decoder using jax_prefix_attn."""
+"""Flax/JAX Llama decoder using jax_prefix_attn (functional params, functional KV cache).
+
+* :mod:`models.config` -- :class:`LlamaConfig` (presets, ``from_hf_config``);
+* :mod:`models.layers` -- embedding, RMSNorm, RoPE at explicit positions, SwiGLU, LM head;
+* :mod:`models.kv_cache` -- :class:`PrefixCache` (shared levels stored once) and :class:`KVCache`;
+* :mod:`models.attention` -- attention over the cache through ``jax_prefix_attn``;
+* :mod:`models.llama` -- :class:`Llama`: forward, prefill of prefixes and continuations, decode step;
+* :mod:`models.sampling` -- greedy / temperature / top-k / top-p;
+* :mod:`models.generate` -- :class:`PromptBatch`, validation, the jit-compiled decode loop;
+* :mod:`models.weights` -- HF safetensors loader, ``params_from_hf_state_dict``, random init.
+"""
+from models.config import Llama3RopeScaling, LlamaConfig, PRESETS
+from models.generate import GenerateOutput, PromptBatch, generate, generate_stream, prefill_prefix_cache
+from models.kv_cache import KVCache, PrefixCache
+from models.llama import Llama
+from models.sampling import SamplingConfig
+from models.weights import (init_params, load_hf_checkpoint, params_from_hf_state_dict, stack_layers,
+                            unstack_layers)
+
+__all__ = ["GenerateOutput", "KVCache", "Llama", "Llama3RopeScaling", "LlamaConfig", "PRESETS", "PrefixCache",
+           "PromptBatch", "SamplingConfig", "generate", "generate_stream", "init_params", "load_hf_checkpoint",
+           "params_from_hf_state_dict", "prefill_prefix_cache", "stack_layers", "unstack_layers"]

@@ -68,7 +68,21 @@ class Llama:
         self.config = config
         self.impl = impl
         self.inv_freq = rope_inv_freq(config)
-        self.decode_step_jit = jax.jit(self.decode_step, donate_argnums=(1,))
+        self._step_split = jax.jit(self._decode_step_split, static_argnames=("backend",),
+                                   donate_argnames=("layers",))
+
+    def decode_step_jit(self, params: dict, cache: KVCache, tokens_b, active_b=None):
+        """Jitted :meth:`decode_step` that donates the cache's suffix buffers (not its
+        :class:`PrefixCache`, which may be shared with other batches)."""
+        active_b = jnp.ones(jnp.shape(tokens_b), bool) if active_b is None else active_b
+        logits, layers, lengths = self._step_split(params, cache.prefix, cache.layers, cache.lengths,
+                                                   cache.pos_offset, tokens_b, active_b, backend=cache.backend)
+        return logits, cache.replace(layers=layers, lengths=lengths)
+
+    def _decode_step_split(self, params, prefix, layers, lengths, pos_offset, tokens_b, active_b, *, backend):
+        cache = KVCache(prefix=prefix, layers=layers, lengths=lengths, pos_offset=pos_offset, backend=backend)
+        logits, cache = self.decode_step(params, cache, tokens_b, active_b)
+        return logits, cache.layers, cache.lengths
 
     def __hash__(self):
         return hash((self.config, self.impl))
