@@ -1,0 +1,314 @@
+"""Ragged split-KV attention over KV pools (flash-decoding), Pallas with the Triton lowering.
+
+One kernel serves every decode-side pass of shared-prefix attention:
+
+* rows: queries arranged as ``q_hmd [Hkv, M, D]``; a row is one (sequence, query position,
+  query head of the GQA group).  The grid is ``(Hkv, M // block_m, num_splits)``; a program
+  owns ``block_m`` rows of one kv head (``block_m >= 16`` for the dot, padded rows have limit 0);
+* KV *sources*: each source is a pool ``k/v [N, S, Hkv, D]`` plus, per row, the pool entry
+  ``row_index[M]`` it reads and a key limit ``row_limit[M]`` (row ``r`` sees keys
+  ``j < row_limit[r]`` of entry ``row_index[r]``; causal masks and ragged lengths are both such
+  limits).  The pool is passed whole and indexed inside the kernel, so a shared prefix is read
+  for every sequence *without copying it* ("flat over shared storage", PagedAttention-style);
+  rows of one block may use several entries (the kernel loops over the entries present);
+* split-KV: every source's key axis is cut into ``num_splits`` chunks; program ``s`` handles
+  chunk ``s`` of each source (flash-decoding, for small ``B * Hkv``); chunks past a row block's
+  longest limit are skipped (zero trips);
+* outputs: either float32 partials ``(o [splits, Hkv, M, D], lse [splits, Hkv, M])`` for a
+  follow-up merge, or, with one split, the final ``(out [Hkv, M, D], lse [Hkv, M])`` after
+  merging ``incoming`` partial states in the epilogue (the fused merge of the shared path).
+
+LSE is natural log, float32; rows without a visible key get ``lse = -inf`` and ``out = 0``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["Source", "ragged_attention", "merge_partials", "flat_forward", "next_pow2",
+           "rows_from_q", "q_rows_layout", "rows_to_out"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A KV source: pools ``k/v [N, S, Hkv, D]``, per-row pool entry and key limit ``[M]``."""
+    k: jax.Array
+    v: jax.Array
+    row_index: jax.Array
+    row_limit: jax.Array
+
+
+def _kernel(*refs, n_src, chunks, block_k, seq_lens, scale_log2, n_in, in_stride,
+            finalize, precision):
+    q_ref = refs[0]
+    src_refs = [refs[1 + 4 * i: 5 + 4 * i] for i in range(n_src)]
+    pos = 1 + 4 * n_src
+    if n_in:
+        o_in_ref, lse_in_ref = refs[pos], refs[pos + 1]
+        pos += 2
+    o_ref, lse_ref = refs[pos], refs[pos + 1]
+
+    h = pl.program_id(0)
+    rb = pl.program_id(1)
+    sp = pl.program_id(2)
+    q = q_ref[...]  # [BM, D]
+    bm, d = q.shape
+    acc = jnp.zeros((bm, d), jnp.float32)
+    m_i = jnp.full((bm,), -jnp.inf, jnp.float32)
+    l_i = jnp.zeros((bm,), jnp.float32)
+    cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+
+    for si in range(n_src):
+        idx_ref, lim_ref, k_ref, v_ref = src_refs[si]
+        chunk, seq_len = chunks[si], seq_lens[si]
+        idx = idx_ref[...]
+        lim = lim_ref[...]
+        g_lo = jnp.min(idx)
+        g_hi = jnp.max(idx) + 1
+        k_start = sp * chunk
+        need_mask = seq_len % block_k != 0
+
+        def group_body(g, carry, idx=idx, lim=lim, k_start=k_start, k_ref=k_ref, v_ref=v_ref,
+                       chunk=chunk, seq_len=seq_len, need_mask=need_mask):
+            rl = jnp.where(idx == g, lim, 0)  # [BM] limits of this entry's rows
+            k_end = jnp.minimum(k_start + chunk, jnp.max(rl))
+            n_blk = jnp.maximum(k_end - k_start + block_k - 1, 0) // block_k
+
+            def kv_body(t, c):
+                acc, m_i, l_i = c
+                k0 = k_start + t * block_k
+                ks = pl.ds(pl.multiple_of(k0, block_k), block_k)
+                if need_mask:
+                    in_b = (k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)) < seq_len
+                    k = plgpu.load(k_ref.at[g, ks, h, :], mask=in_b, other=0.0)
+                    v = plgpu.load(v_ref.at[g, ks, h, :], mask=in_b, other=0.0)
+                else:
+                    k = k_ref[g, ks, h, :]
+                    v = v_ref[g, ks, h, :]
+                s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                    preferred_element_type=jnp.float32) * scale_log2
+                s = jnp.where((k0 + cols) < rl[:, None], s, -jnp.inf)
+                m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m_i - m_use)
+                p = jnp.exp2(s - m_use[:, None])
+                l_i = l_i * alpha + jnp.sum(p, axis=1)
+                pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                     precision=precision, preferred_element_type=jnp.float32)
+                acc = acc * alpha[:, None] + pv
+                return acc, m_new, l_i
+
+            return lax.fori_loop(0, n_blk, kv_body, carry)
+
+        acc, m_i, l_i = lax.fori_loop(g_lo, g_hi, group_body, (acc, m_i, l_i))
+
+    has = l_i > 0
+    l_safe = jnp.where(has, l_i, 1.0)
+    o_own = acc / l_safe[:, None]
+    lse_own = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+    if not finalize:
+        o_ref[...] = o_own
+        lse_ref[...] = lse_own
+        return
+    if n_in:
+        rows = pl.ds(rb * in_stride, bm)
+        lse_parts = [lse_own] + [lse_in_ref[i, rows] for i in range(n_in)]
+        o_parts = [o_own] + [o_in_ref[i, rows, :] for i in range(n_in)]
+        m_all = lse_parts[0]
+        for x in lse_parts[1:]:
+            m_all = jnp.maximum(m_all, x)
+        m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+        tot = jnp.zeros((bm,), jnp.float32)
+        out = jnp.zeros((bm, d), jnp.float32)
+        for o_x, l_x in zip(o_parts, lse_parts):
+            w = jnp.exp(l_x - m_all)
+            tot = tot + w
+            out = out + w[:, None] * jnp.where((w > 0)[:, None], o_x, 0.0)
+        nonempty = tot > 0
+        tot_safe = jnp.where(nonempty, tot, 1.0)
+        o_own = out / tot_safe[:, None]
+        lse_own = jnp.where(nonempty, m_all + jnp.log(tot_safe), -jnp.inf)
+    o_ref[...] = o_own.astype(o_ref.dtype)
+    lse_ref[...] = lse_own
+
+
+def ragged_attention(q_hmd: jax.Array, sources: list[Source], *, scale: float, block_m: int,
+                     block_k: int = 64, num_splits: int = 1, incoming: tuple[jax.Array, jax.Array] | None = None,
+                     in_stride: int = 0, finalize: bool = True, out_dtype=None,
+                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+    """Run the ragged split-KV kernel.
+
+    Args:
+      q_hmd: ``[Hkv, M, D]`` query rows, ``M % block_m == 0``.
+      sources: KV sources (see :class:`Source`), all attended by the same rows (one softmax).
+      num_splits: key chunks per source (grid axis 2); program ``s`` takes chunk ``s`` of each.
+      scale: score scale.
+      block_m, block_k: row and key tile sizes (powers of two, ``>= 16``).
+      incoming: optional float32 partial states ``(o [n_in, Hkv, M_in, D], lse [n_in, Hkv, M_in])``
+        merged in the epilogue (``finalize`` with one split only); row block ``rb`` reads rows
+        ``[rb * in_stride, rb * in_stride + block_m)`` of them (``M_in`` must cover that).
+      finalize: write final ``(out [Hkv, M, D] out_dtype, lse [Hkv, M])`` (requires one split in
+        total); otherwise float32 partials ``(o [splits, Hkv, M, D], lse [splits, Hkv, M])``.
+    """
+    hkv, m, d = q_hmd.shape
+    if m % block_m:
+        raise ValueError(f"rows M={m} must be a multiple of block_m={block_m}")
+    n_rb = m // block_m
+    total = int(num_splits)
+    if finalize and total != 1:
+        raise ValueError(f"finalize needs num_splits == 1, got {total}")
+    seq_lens = tuple(int(s.k.shape[1]) for s in sources)
+    chunks = tuple(cdiv(cdiv(sl, total), block_k) * block_k for sl in seq_lens)
+    precision = (lax.Precision.HIGHEST if q_hmd.dtype == jnp.float32 else lax.Precision.DEFAULT)
+    n_in = 0 if incoming is None else int(incoming[0].shape[0])
+    kernel = functools.partial(
+        _kernel, n_src=len(sources), chunks=chunks, block_k=block_k,
+        seq_lens=seq_lens, scale_log2=float(scale) * _LOG2E, n_in=n_in, in_stride=in_stride,
+        finalize=finalize, precision=precision)
+
+    in_specs = [pl.BlockSpec((None, block_m, d), lambda h, r, s: (h, r, 0))]
+    args = [q_hmd]
+    for src in sources:
+        n, sl = src.k.shape[:2]
+        in_specs += [pl.BlockSpec((block_m,), lambda h, r, s: (r,)),
+                     pl.BlockSpec((block_m,), lambda h, r, s: (r,)),
+                     pl.BlockSpec((n, sl, hkv, d), lambda h, r, s: (0, 0, 0, 0)),
+                     pl.BlockSpec((n, sl, hkv, d), lambda h, r, s: (0, 0, 0, 0))]
+        args += [src.row_index.astype(jnp.int32), src.row_limit.astype(jnp.int32), src.k, src.v]
+    if n_in:
+        o_in, lse_in = incoming
+        m_in = o_in.shape[2]
+        in_specs += [pl.BlockSpec((n_in, None, m_in, d), lambda h, r, s: (0, h, 0, 0)),
+                     pl.BlockSpec((n_in, None, m_in), lambda h, r, s: (0, h, 0))]
+        args += [o_in, lse_in]
+    if finalize:
+        out_shape = [jax.ShapeDtypeStruct((hkv, m, d), out_dtype or q_hmd.dtype),
+                     jax.ShapeDtypeStruct((hkv, m), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, block_m, d), lambda h, r, s: (h, r, 0)),
+                     pl.BlockSpec((None, block_m), lambda h, r, s: (h, r))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((total, hkv, m, d), jnp.float32),
+                     jax.ShapeDtypeStruct((total, hkv, m), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, block_m, d), lambda h, r, s: (s, h, r, 0)),
+                     pl.BlockSpec((None, None, block_m), lambda h, r, s: (s, h, r))]
+    return pl.pallas_call(
+        kernel, grid=(hkv, n_rb, total), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="ragged_split_kv_attention",
+    )(*args)
+
+
+def merge_partials(o_nhmd: jax.Array, lse_nhm: jax.Array):
+    """Merge float32 partial states over axis 0 (XLA; small follow-up reduction)."""
+    m = jnp.max(lse_nhm, axis=0)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse_nhm - m)
+    tot = jnp.sum(w, axis=0)
+    ok = tot > 0
+    tot_safe = jnp.where(ok, tot, 1.0)
+    o = jnp.sum(w[..., None] * jnp.where((w > 0)[..., None], o_nhmd, 0.0), axis=0) / tot_safe[..., None]
+    return o, jnp.where(ok, m + jnp.log(tot_safe), -jnp.inf)
+
+
+# ----------------------------------------------------------------------------- row layout
+
+def q_rows_layout(tq: int, hq: int, hkv: int, min_rows: int = 16) -> tuple[int, int]:
+    """``(R, R_pad)``: rows per sequence ``R = Tq * Hq / Hkv`` and its padded size."""
+    r = tq * (hq // hkv)
+    return r, max(min_rows, next_pow2(r))
+
+
+def rows_from_q(q_bthd: jax.Array, hkv: int, r_pad: int, order_b: jax.Array | None = None):
+    """``q [B, Tq, Hq, D] -> [Hkv, B * r_pad, D]``; row ``(b, t, g)`` in sequence order ``order_b``."""
+    b, tq, hq, d = q_bthd.shape
+    grp = hq // hkv
+    q = q_bthd if order_b is None else q_bthd[order_b]
+    q = q.reshape(b, tq, hkv, grp, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b, tq * grp, d)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, r_pad - tq * grp), (0, 0)))
+    return q.reshape(hkv, b * r_pad, d)
+
+
+def row_meta(values_bt: jax.Array, grp: int, r_pad: int, order_b: jax.Array | None = None,
+             pad_value=0):
+    """Per-row array ``[B * r_pad]`` from per-(sequence, position) values ``[B, Tq]``."""
+    v = values_bt if order_b is None else values_bt[order_b]
+    b, tq = v.shape
+    v = jnp.repeat(v, grp, axis=1)  # row t * grp + g
+    pad = jnp.broadcast_to(jnp.asarray(pad_value, v.dtype), (b, r_pad - tq * grp)) if jnp.ndim(
+        pad_value) == 0 else jnp.broadcast_to(pad_value[:, None], (b, r_pad - tq * grp))
+    return jnp.concatenate([v, pad], axis=1).reshape(b * r_pad)
+
+
+def rows_to_out(x_hm, b: int, tq: int, hq: int, r_pad: int, inv_order_b=None, d: int | None = None):
+    """Inverse of :func:`rows_from_q` for outputs ``[Hkv, B*r_pad(, D)]`` -> ``[B, Tq, Hq(, D)]``."""
+    hkv = x_hm.shape[0]
+    grp = hq // hkv
+    tail = x_hm.shape[2:]
+    x = x_hm.reshape((hkv, b, r_pad) + tail)[:, :, :tq * grp]
+    x = x.reshape((hkv, b, tq, grp) + tail)
+    x = jnp.moveaxis(x, 0, 2).reshape((b, tq, hq) + tail)
+    return x if inv_order_b is None else x[inv_order_b]
+
+
+# ----------------------------------------------------------------------------- flat path
+
+def _pick_splits(programs: int, seq_len: int, block_k: int, target: int = 264) -> int:
+    """Key splits so that ``programs * splits`` reaches ``target`` without chunks below a tile."""
+    if programs >= target:
+        return 1
+    return max(1, min(cdiv(target, programs), cdiv(seq_len, 2 * block_k)))
+
+
+def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s, *,
+                 scale, interpret=False, block_k=64, num_warps=4, num_stages=2, num_splits=None):
+    """Flat decode over shared storage: every sequence reads its prefix (through
+    ``seq_to_prefix``, no copy) and its suffix in one launch (plus an XLA merge of the key
+    splits when ``B * Hkv`` is too small to fill the GPU).
+
+    ``q [B, Tq, Hq, D]``, ``prefix_k/v [G, P, Hkv, D]``, ``suffix_k/v [B, S, Hkv, D]``,
+    ``lim_p/lim_s [B, Tq]`` per-row key limits.  Returns ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])``.
+    """
+    b, tq, hq, d = q.shape
+    hkv = prefix_k.shape[2]
+    grp = hq // hkv
+    _, r_pad = q_rows_layout(tq, hq, hkv)
+    p, s = prefix_k.shape[1], suffix_k.shape[1]
+    if num_splits is None:
+        num_splits = _pick_splits(b * hkv, p + s, block_k)
+    q_rows = rows_from_q(q.astype(prefix_k.dtype), hkv, r_pad)
+    b_idx = jnp.arange(b, dtype=jnp.int32)
+    src_p = Source(prefix_k, prefix_v,
+                   row_meta(jnp.broadcast_to(seq_to_prefix[:, None], (b, tq)), grp, r_pad,
+                            pad_value=seq_to_prefix),
+                   row_meta(lim_p, grp, r_pad))
+    src_s = Source(suffix_k, suffix_v,
+                   row_meta(jnp.broadcast_to(b_idx[:, None], (b, tq)), grp, r_pad, pad_value=b_idx),
+                   row_meta(lim_s, grp, r_pad))
+    kw = dict(scale=scale, block_m=r_pad, block_k=block_k, num_splits=num_splits,
+              num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    if num_splits == 1:
+        o, lse = ragged_attention(q_rows, [src_p, src_s], finalize=True, out_dtype=q.dtype, **kw)
+    else:
+        o, lse = ragged_attention(q_rows, [src_p, src_s], finalize=False, **kw)
+        o, lse = merge_partials(o, lse)
+        o = o.astype(q.dtype)
+    return rows_to_out(o, b, tq, hq, r_pad), rows_to_out(lse, b, tq, hq, r_pad)

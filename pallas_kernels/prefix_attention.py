@@ -1,0 +1,151 @@
+"""Inter-sequence batched prefix attention and the two-launch shared-prefix forward.
+
+Hydragen section 3.2: the queries of *all* sequences that share a prefix attend to the same
+keys, so for each kv head their rows ``(sequence, query position, query head of the GQA
+group)`` are stacked into the M dimension of one matrix-matrix product against the prefix.
+Each prefix tile is then loaded once per ``block_m`` rows instead of once per sequence, and the
+work runs on tensor cores.
+
+Layout: rows are ``q_hmd [Hkv, B_sorted * R2, D]`` with ``R2 = next_pow2(Tq * Hq / Hkv)`` rows
+per sequence (compact, so no 16-row padding per sequence is computed), sequences sorted by
+prefix group.  Row blocks of ``block_m`` rows are multiples of ``R2``; a block that straddles a
+group boundary loops over both groups' prefixes (the kernel of :mod:`decode_attention` loops
+over the pool entries present in a block), every other block reads one prefix.  When
+``Hkv * (rows / block_m)`` programs are too few to fill the GPU, the prefix is split across
+programs (split-KV) and the splits are merged by the suffix pass.
+
+:func:`shared_prefix_forward` is the shared path: launch 1 computes the prefix partials;
+launch 2 is the per-sequence suffix decode whose epilogue merges those partials (fused merge),
+writing the final output and LSE.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.decode_attention import (Source, cdiv, merge_partials, next_pow2,
+                                             q_rows_layout, ragged_attention, row_meta,
+                                             rows_from_q, rows_to_out)
+
+__all__ = ["prefix_partials", "shared_prefix_forward", "prefix_config"]
+
+
+def prefix_config(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
+                  target_programs: int = 264) -> dict:
+    """Static tiling for the prefix kernel: ``block_m``, ``block_k``, splits, warps, stages."""
+    r2 = next_pow2(rows_per_seq)
+    m = batch * r2
+    block_m = 128 if m >= 1024 else 64 if m >= 64 else max(16, next_pow2(m))
+    block_m = max(block_m, r2)
+    n_rb = cdiv(m + 16, block_m)  # +16: the suffix pass reads up to 16 rows past a sequence
+    programs = heads_kv * n_rb
+    block_k = 64
+    splits = 1
+    if programs < target_programs:
+        splits = max(1, min(cdiv(target_programs, programs), cdiv(prefix_len, 4 * block_k)))
+    return dict(block_m=block_m, block_k=block_k, num_splits=splits,
+                num_warps=8 if block_m >= 128 else 4, num_stages=2)
+
+
+def prefix_partials(q_hmd, prefix_k, prefix_v, row_group, row_limit, *, scale, block_m, block_k,
+                    num_splits, num_warps, num_stages, interpret=False):
+    """Batched prefix attention: float32 partials ``(o [splits, Hkv, M, D], lse [splits, Hkv, M])``.
+
+    ``q_hmd [Hkv, M, D]`` rows sorted by ``row_group [M]`` (prefix entry of ``prefix_k/v
+    [G, P, Hkv, D]``), ``row_limit [M]`` visible prefix keys per row (0 for padding rows).
+    """
+    return ragged_attention(q_hmd, [Source(prefix_k, prefix_v, row_group, row_limit)],
+                            scale=scale, block_m=block_m, block_k=block_k, num_splits=num_splits,
+                            finalize=False, num_warps=num_warps, num_stages=num_stages,
+                            interpret=interpret)
+
+
+def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
+                          *, scale, interpret=False, prefix_cfg=None, suffix_block_k=64,
+                          suffix_warps=4, suffix_stages=2):
+    """Shared path: batched prefix kernel, then suffix decode with the merge in its epilogue.
+
+    ``q [B, Tq, Hq, D]``, ``prefix_k/v [G, P, Hkv, D]``, ``suffix_k/v [B, S, Hkv, D]``,
+    ``seq_to_prefix [B]``, ``lim_p/lim_s [B, Tq]`` per-row key limits.
+    Returns ``(out [B, Tq, Hq, D] in q's dtype, lse [B, Tq, Hq] float32)``.
+    """
+    b, tq, hq, d = q.shape
+    g, p, hkv, _ = prefix_k.shape
+    grp = hq // hkv
+    r, r16 = q_rows_layout(tq, hq, hkv)
+    r2 = next_pow2(r)
+    cfg = prefix_config(b, r, hkv, p) if prefix_cfg is None else prefix_cfg
+    block_m = cfg["block_m"]
+    q = q.astype(prefix_k.dtype)
+
+    if g == 1:
+        order = inv = None
+        s2p_sorted = seq_to_prefix
+    else:
+        order = jnp.argsort(seq_to_prefix, stable=True).astype(jnp.int32)
+        inv = jnp.argsort(order).astype(jnp.int32)
+        s2p_sorted = seq_to_prefix[order]
+
+    # Launch 1: prefix partials over compact rows (R2 per sequence), sorted by group.
+    m = b * r2
+    m_pad = cdiv(m + r16, block_m) * block_m
+    qp = rows_from_q(q, hkv, r2, order)
+    qp = jnp.pad(qp, ((0, 0), (0, m_pad - m), (0, 0)))
+    grp_rows = row_meta(jnp.broadcast_to(s2p_sorted[:, None], (b, tq)), grp, r2,
+                        pad_value=s2p_sorted)
+    grp_rows = jnp.pad(grp_rows, (0, m_pad - m), mode="edge")
+    lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m))
+    o_pre, lse_pre = prefix_partials(qp, prefix_k, prefix_v, grp_rows, lim_rows, scale=scale,
+                                     block_m=block_m, block_k=cfg["block_k"],
+                                     num_splits=cfg["num_splits"], num_warps=cfg["num_warps"],
+                                     num_stages=cfg["num_stages"], interpret=interpret)
+
+    # Launch 2: per-sequence suffix decode (R16 rows per sequence, same sorted order); its
+    # epilogue merges the prefix partials of rows [rb * R2, rb * R2 + R16).
+    qs = rows_from_q(q, hkv, r16, order)
+    b_sorted = jnp.arange(b, dtype=jnp.int32) if order is None else order
+    src_s = Source(suffix_k, suffix_v,
+                   row_meta(jnp.broadcast_to(b_sorted[:, None], (b, tq)), grp, r16,
+                            pad_value=b_sorted),
+                   row_meta(lim_s, grp, r16, order))
+    o, lse = ragged_attention(qs, [src_s], scale=scale, block_m=r16, block_k=suffix_block_k,
+                              num_splits=1, incoming=(o_pre, lse_pre), in_stride=r2,
+                              finalize=True, out_dtype=q.dtype, num_warps=suffix_warps,
+                              num_stages=suffix_stages, interpret=interpret)
+    return rows_to_out(o, b, tq, hq, r16, inv), rows_to_out(lse, b, tq, hq, r16, inv)
+
+
+def shared_prefix_forward_unfused(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
+                                  lim_p, lim_s, *, scale, interpret=False):
+    """Three-stage variant (prefix kernel, suffix kernel, XLA merge) kept for comparison."""
+    b, tq, hq, d = q.shape
+    g, p, hkv, _ = prefix_k.shape
+    grp = hq // hkv
+    r, r16 = q_rows_layout(tq, hq, hkv)
+    r2 = next_pow2(r)
+    cfg = prefix_config(b, r, hkv, p)
+    q = q.astype(prefix_k.dtype)
+    order = None if g == 1 else jnp.argsort(seq_to_prefix, stable=True).astype(jnp.int32)
+    inv = None if g == 1 else jnp.argsort(order).astype(jnp.int32)
+    s2p_sorted = seq_to_prefix if order is None else seq_to_prefix[order]
+    m = b * r2
+    m_pad = cdiv(m, cfg["block_m"]) * cfg["block_m"]
+    qp = jnp.pad(rows_from_q(q, hkv, r2, order), ((0, 0), (0, m_pad - m), (0, 0)))
+    grp_rows = jnp.pad(row_meta(jnp.broadcast_to(s2p_sorted[:, None], (b, tq)), grp, r2,
+                                pad_value=s2p_sorted), (0, m_pad - m), mode="edge")
+    lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m))
+    o_pre, lse_pre = prefix_partials(qp, prefix_k, prefix_v, grp_rows, lim_rows, scale=scale,
+                                     interpret=interpret, **cfg)
+    o_pre, lse_pre = merge_partials(o_pre, lse_pre)
+    o_pre = rows_to_out(o_pre[:, :m], b, tq, hq, r2, inv)
+    lse_pre = rows_to_out(lse_pre[:, :m], b, tq, hq, r2, inv)
+    b_idx = jnp.arange(b, dtype=jnp.int32)
+    src_s = Source(suffix_k, suffix_v,
+                   row_meta(jnp.broadcast_to(b_idx[:, None], (b, tq)), grp, r16, pad_value=b_idx),
+                   row_meta(lim_s, grp, r16))
+    o_s, lse_s = ragged_attention(rows_from_q(q, hkv, r16), [src_s], scale=scale, block_m=r16,
+                                  finalize=False, interpret=interpret)
+    o_s = rows_to_out(o_s[0], b, tq, hq, r16)
+    lse_s = rows_to_out(lse_s[0], b, tq, hq, r16)
+    o, lse = merge_partials(jnp.stack([o_pre, o_s]), jnp.stack([lse_pre, lse_s]))
+    return o.astype(q.dtype), lse
