@@ -182,8 +182,8 @@ def load_model(path: str | None, dtype_name: str):
             config, params = load_hf_checkpoint(path, dtype)
         else:
             f = open_gguf(path)
+            hf_config, state = load_gguf(f)  # first: an unsupported architecture is the error to report
             tokenizer = Tokenizer.from_gguf(f)
-            hf_config, state = load_gguf(f)
             config = LlamaConfig.from_hf_config(hf_config)
             params = params_from_hf_state_dict(config, state, dtype)
     except (CheckpointError, TokenizerError) as e:
@@ -200,6 +200,19 @@ def load_model(path: str | None, dtype_name: str):
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
+_MODELS: dict = {}
+
+
+def _model(config):
+    """One `Llama` per config, so repeated in-process runs reuse its compiled functions."""
+    from models.llama import Llama
+
+    if config not in _MODELS:
+        _MODELS.clear()
+        _MODELS[config] = Llama(config)
+    return _MODELS[config]
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -248,7 +261,6 @@ def run(args) -> int:
     import numpy as np
 
     from models.generate import generate_stream, prefill_prefix_cache
-    from models.llama import Llama
     from models.sampling import SamplingConfig
 
     on_gpu = jax.default_backend() == "gpu"
@@ -271,7 +283,7 @@ def run(args) -> int:
         backend = "shared" if batch.levels and batch.batch > 1 else "flat"
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     stops = tuple(sorted(set(config.eos_token_ids) | set(tok.stop_token_ids)))
-    model = Llama(config)
+    model = _model(config)
     show = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
 
     b, m = batch.batch, args.max_new_tokens

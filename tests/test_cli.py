@@ -1,0 +1,240 @@
+"""`jpa-sample` end to end on a tiny generated GGUF (random weights, tiny byte-level BPE) and on
+the built-in SmolLM2 model; error paths exit with status 2 and a one-line message."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from models import cli
+from models.gguf import write_llama_gguf
+from test_gguf import tiny_config, tiny_state_dict
+from test_tokenizer import tiny_tokenizer_meta
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    meta = tiny_tokenizer_meta()
+    cfg = tiny_config(vocab_size=len(meta["tokens"]), bos_token_id=1, eos_token_id=2)
+    sd = tiny_state_dict(cfg, seed=7)
+    for k in sd:  # larger logits: sampled and greedy continuations then differ visibly
+        if k in ("lm_head.weight",):
+            sd[k] = sd[k] * 30
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_llama_gguf(path, cfg, sd, tensor_type=lambda n: "Q8_0" if "mlp" in n else "F32", tokenizer=meta)
+    return str(path)
+
+
+def SAMPLE_ARGV(model):
+    return ["--model", model, "-p", "the cat sat on", "-n", 3, "-m", 6, "-t", 1.0, "--top-k", 0, "--top-p", 1.0]
+
+
+def _run(argv, capsys):
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _records(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _naive_greedy(model_path, prompt_ids, steps):
+    """Greedy continuation by full recomputation (no cache), through the model's forward."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.config import LlamaConfig
+    from models.gguf import load_gguf
+    from models.llama import Llama
+    from models.weights import params_from_hf_state_dict
+
+    hf, sd = load_gguf(model_path)
+    config = LlamaConfig.from_hf_config(hf)
+    params = params_from_hf_state_dict(config, sd, jnp.float32)
+    model = Llama(config, impl="reference")
+    forward = jax.jit(model.forward)
+    ids = list(prompt_ids)
+    out = []
+    for _ in range(steps):  # right-padded to a fixed length (causal: padding after is not seen)
+        padded = np.zeros((1, 48), np.int32)
+        padded[0, :len(ids)] = ids
+        logits = np.asarray(forward(params, jnp.asarray(padded)))[0, len(ids) - 1]
+        t = int(np.argmax(logits))
+        out.append(t)
+        if t == 2:
+            break
+        ids.append(t)
+    return out
+
+
+def test_tiny_model_sampling_jsonl_and_seed(tiny_model, tmp_path, capsys):
+    out1, out2, out3 = (tmp_path / f"o{i}.jsonl" for i in range(3))
+    base = SAMPLE_ARGV(tiny_model)
+    rc, stdout, err = _run(base + ["--seed", 1, "-o", out1], capsys)
+    assert rc == 0, err
+    recs = _records(out1)
+    assert len(recs) == 3 and [r["sample"] for r in recs] == [0, 1, 2]
+    from models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(tiny_model)
+    for r in recs:
+        assert r["prompt"] == "the cat sat on" and r["question"] is None
+        assert 1 <= len(r["token_ids"]) <= 6
+        body = r["token_ids"][:-1] if r["finish_reason"] == "stop" else r["token_ids"]
+        assert r["finish_reason"] in ("stop", "length")
+        assert r["completion"] == tok.decode(body, skip_special_tokens=True)
+    assert "3 sequences" in stdout and "tok/s" in stdout and "KV cache" in stdout
+    assert len({tuple(r["token_ids"]) for r in recs}) > 1, "samples of one prompt should differ"
+    assert _run(base + ["--seed", 1, "-o", out2], capsys)[0] == 0
+    assert _records(out2) == recs, "same seed, same completions"
+    assert _run(base + ["--seed", 2, "-o", out3], capsys)[0] == 0
+    assert [r["token_ids"] for r in _records(out3)] != [r["token_ids"] for r in recs]
+
+
+def test_tiny_model_greedy_questions_shared_equals_flat_equals_naive(tiny_model, tmp_path, capsys):
+    qfile = tmp_path / "q.txt"
+    qfile.write_text("why is the sky blue\n\n  what is a cat  \n")
+    outs = {}
+    for backend in ("shared", "flat"):
+        o = tmp_path / f"{backend}.jsonl"
+        rc, _, err = _run(["--model", tiny_model, "-p", "Answer:", "--questions-file", qfile, "-n", 2, "-m", 5,
+                           "-t", 0, "--attention", backend, "-o", o], capsys)
+        assert rc == 0, err
+        outs[backend] = _records(o)
+    assert outs["shared"] == outs["flat"]
+    recs = outs["shared"]
+    assert [r["question"] for r in recs] == ["why is the sky blue"] * 2 + ["what is a cat"] * 2
+    assert recs[0]["prompt"] == "Answer:\nQ: why is the sky blue\nA:"
+    from models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(tiny_model)
+    for r in recs[::2]:
+        want = _naive_greedy(tiny_model, tok.encode(r["prompt"]), 5)
+        assert r["token_ids"] == want
+    assert recs[0]["token_ids"] == recs[1]["token_ids"]  # greedy: samples agree
+
+
+def test_tiny_model_chat_and_printed_output(tiny_model, tmp_path, capsys):
+    qfile = tmp_path / "q.txt"
+    qfile.write_text("hello there\nthe end\n")
+    rc, stdout, err = _run(["--model", tiny_model, "--chat", "-p", "Be brief.", "--questions-file", qfile,
+                            "-n", 2, "-m", 3, "-t", 0.7, "--progress", "on"], capsys)
+    assert rc == 0, err
+    assert "=== question 1: hello there ===" in stdout and "=== question 2: the end ===" in stdout
+    assert stdout.count("--- sample ") == 4
+    assert "decoding" in err and "4 sequences (2 prompts x 2 samples)" in err and "(shared)" in err
+
+
+def test_ctrl_c_keeps_finished_tokens(tiny_model, tmp_path, capsys, monkeypatch):
+    import importlib
+
+    gen = importlib.import_module("models.generate")
+    real = gen.generate_stream
+
+    def interrupted(*a, **k):
+        for i, toks in enumerate(real(*a, **k)):
+            if i == 2:
+                raise KeyboardInterrupt
+            yield toks
+
+    monkeypatch.setattr(gen, "generate_stream", interrupted)
+    o = tmp_path / "o.jsonl"
+    rc, _, err = _run(SAMPLE_ARGV(tiny_model) + ["-o", o], capsys)  # shapes compiled by the first test
+    assert rc == 130 and "interrupted" in err
+    recs = _records(o)
+    assert len(recs) == 3
+    for r in recs:
+        assert len(r["token_ids"]) <= 2
+        assert r["finish_reason"] in ("interrupted", "stop")
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["-p", "x", "--num-samples", "0"], "argument --num-samples/-n: must be >= 1, got 0"),
+    (["-p", "x", "--max-new-tokens", "abc"], "expected an integer, got 'abc'"),
+    (["-p", "x", "--temperature", "-1"], "argument --temperature/-t: must be a number in [0, 100]"),
+    (["-p", "x", "--temperature", "nan"], "must be a number in [0, 100], got nan"),
+    (["-p", "x", "--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+    (["-p", "x", "--top-p", "1.5"], "must be in (0, 1], got 1.5"),
+    (["-p", "x", "--top-k", "-3"], "must be >= 0, got -3"),
+    (["-p", "x", "--attention", "fast"], "invalid choice: 'fast'"),
+    (["-p", "x", "--bogus"], "unrecognized arguments: --bogus"),
+    (["-p", "x", "--prompt-file", "f"], "not allowed with argument"),
+    (["-p", "   "], "empty prompt"),
+    ([], "empty prompt"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found: /nonexistent/prompt.txt"),
+    (["-p", "x", "--model", "/nonexistent/m.gguf"], "model file not found: /nonexistent/m.gguf"),
+])
+def test_usage_errors_exit_2_with_one_line(argv, msg, capsys):
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2
+    assert err.startswith("jpa-sample: error: ") and msg in err, err
+    assert err.count("\n") == 1 and out == ""
+
+
+def test_file_errors_exit_2(tiny_model, tmp_path, capsys):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"\x00" * 64)
+    rc, _, err = _run(["-p", "x", "--model", junk], capsys)
+    assert rc == 2 and "is not a readable GGUF file" in err and err.count("\n") == 1
+
+    rc, _, err = _run(["-p", "x", "--model", tmp_path], capsys)  # a directory without a tokenizer.json
+    assert rc == 2 and "no tokenizer.json" in err
+
+    empty_q = tmp_path / "q.txt"
+    empty_q.write_text("\n  \n")
+    rc, _, err = _run(["-p", "x", "--model", tiny_model, "--questions-file", empty_q], capsys)
+    assert rc == 2 and "has no non-empty line" in err
+
+    rc, _, err = _run(["-p", "x", "--model", tiny_model, "-m", 1000], capsys)
+    assert rc == 2 and "exceeds the model's context of 128 tokens" in err
+
+    # a llama GGUF whose tokenizer has no chat template
+    meta = tiny_tokenizer_meta()
+    del meta["chat_template"]
+    cfg = tiny_config(vocab_size=len(meta["tokens"]))
+    nochat = tmp_path / "nochat.gguf"
+    write_llama_gguf(nochat, cfg, tiny_state_dict(cfg), tokenizer=meta)
+    rc, _, err = _run(["-p", "x", "--model", nochat, "--chat"], capsys)
+    assert rc == 2 and "no chat template" in err
+
+    # a GGUF of another architecture
+    import gguf
+
+    other = tmp_path / "qwen.gguf"
+    w = gguf.GGUFWriter(str(other), "qwen2")
+    w.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    rc, _, err = _run(["-p", "x", "--model", other], capsys)
+    assert rc == 2 and "unsupported GGUF architecture 'qwen2'; supported: llama" in err
+
+
+def test_subprocess_error_has_no_traceback_and_help_works():
+    env = dict(os.environ, PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-m", "models.cli", "-p", "hi", "--model", "/nonexistent.gguf"],
+                       capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr == "jpa-sample: error: model file not found: /nonexistent.gguf\n"
+    r = subprocess.run([sys.executable, "-m", "models.cli", "--help"], capture_output=True, text=True,
+                       cwd=REPO, env=env, timeout=120)
+    assert r.returncode == 0 and "--questions-file" in r.stdout and "--num-samples" in r.stdout
+
+
+@pytest.mark.slow
+def test_default_model_answers_paris(tmp_path, capsys):
+    o = tmp_path / "o.jsonl"
+    rc, stdout, err = _run(["--chat", "-p", "What is the capital of France?", "-t", 0, "-n", 2, "-m", 12,
+                            "-o", o], capsys)
+    assert rc == 0, err
+    recs = _records(o)
+    assert [r["completion"] for r in recs] == ["The capital of France is Paris."] * 2
+    assert all(r["finish_reason"] == "stop" for r in recs)
+    assert "2 sequences" in stdout and "(shared)" in stdout
