@@ -185,6 +185,9 @@ def reference_shared_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pr
     return out.astype(q.dtype), lse
 
 
+_reference_jit = jax.jit(reference_shared_prefix, static_argnames=("scale",))
+
+
 # ----------------------------------------------------------------------------- kernels + vjp
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
@@ -223,6 +226,20 @@ _kernel_path.defvjp(_kernel_path_fwd, _kernel_path_bwd)
 
 # ----------------------------------------------------------------------------- public
 
+def _kernel_supported(q, prefix_k, suffix_k) -> str | None:
+    """``None`` when the Pallas kernels handle these (canonical) shapes, else the reason."""
+    d = q.shape[-1]
+    if d < 16 or d & (d - 1):
+        return f"head_dim must be a power of two >= 16, got {d}"
+    if prefix_k.shape[1] == 0 or suffix_k.shape[1] == 0:
+        return (f"prefix and suffix axes must be non-empty, got P={prefix_k.shape[1]} and "
+                f"S_max={suffix_k.shape[1]}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return f"dtype must be float32, bfloat16 or float16, got {q.dtype}"
+    return None
+
+
+
 def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths,
                             prefix_lengths=None, seq_to_prefix=None, sm_scale=None,
                             return_lse: bool = False, impl: str = "auto"):
@@ -251,8 +268,9 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
         q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_lengths,
         seq_to_prefix, sm_scale, return_lse, impl)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    kernel_ok = _kernel_supported(q, prefix_k, suffix_k)
     if impl == "auto":
-        if jax.default_backend() == "gpu":
+        if jax.default_backend() == "gpu" and kernel_ok is None:
             from jax_prefix_attn.cost_model import choose_path  # noqa: PLC0415
             impl = choose_path(batch=q.shape[0], tq=q.shape[1], heads_q=q.shape[2],
                                heads_kv=prefix_k.shape[2], head_dim=q.shape[3],
@@ -260,9 +278,12 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
                                suffix_len=suffix_k.shape[1], itemsize=q.dtype.itemsize)
         else:
             impl = "reference"
+    if impl != "reference" and kernel_ok is not None:
+        raise ValueError(f"impl={impl!r} (Pallas kernels) cannot run these shapes: {kernel_ok}; "
+                         f"use impl='reference'")
     if impl == "reference":
-        out, lse = reference_shared_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v,
-                                           seq_to_prefix, prefix_lengths, suffix_lengths, scale)
+        out, lse = _reference_jit(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
+                                  prefix_lengths, suffix_lengths, scale=scale)
     else:
         path = "flat" if impl in ("flat", "flat_interpret") else "shared"
         interpret = impl in ("pallas_interpret", "flat_interpret")

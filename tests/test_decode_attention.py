@@ -1,0 +1,114 @@
+"""Ragged split-KV attention kernel (pallas_kernels.decode_attention), interpret mode on CPU."""
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.decode_attention import Source, flat_forward, merge_partials, ragged_attention
+from conftest import rel_err
+
+
+def rows_oracle(q_hmd, sources, scale):
+    """numpy: row r of head h attends to keys [:lim[r]] of entry idx[r] of every source."""
+    q = np.asarray(q_hmd, np.float64)
+    hkv, m, d = q.shape
+    o = np.zeros((hkv, m, d))
+    lse = np.full((hkv, m), -np.inf)
+    for h in range(hkv):
+        for r in range(m):
+            ks, vs = [], []
+            for k, v, idx, lim in sources:
+                ks.append(np.asarray(k, np.float64)[idx[r], :lim[r], h])
+                vs.append(np.asarray(v, np.float64)[idx[r], :lim[r], h])
+            kk, vv = np.concatenate(ks), np.concatenate(vs)
+            if len(kk) == 0:
+                continue
+            s = kk @ q[h, r] * scale
+            mx = s.max()
+            p = np.exp(s - mx)
+            o[h, r] = p @ vv / p.sum()
+            lse[h, r] = mx + np.log(p.sum())
+    return o, lse
+
+
+def _pool(rng, n, s, hkv, d, dtype):
+    return (jnp.asarray(rng.standard_normal((n, s, hkv, d), np.float32)).astype(dtype),
+            jnp.asarray(rng.standard_normal((n, s, hkv, d), np.float32)).astype(dtype))
+
+
+def _check(o, lse, ro, rl, tol):
+    o = np.asarray(o, np.float32)
+    assert np.isfinite(o).all()
+    assert rel_err(o, ro) < tol, rel_err(o, ro)
+    fin = np.isfinite(rl)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], rl[fin], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(o[~fin], 0.0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_two_sources_mixed_entries_and_splits(num_splits, dtype):
+    rng = np.random.default_rng(num_splits)
+    hkv, m, d, block_m = 2, 32, 16, 16
+    k1, v1 = _pool(rng, 3, 50, hkv, d, dtype)   # S % block_k != 0: masked loads
+    k2, v2 = _pool(rng, 4, 64, hkv, d, dtype)
+    # Rows of one block read different pool entries (several groups in a block).
+    idx1 = rng.integers(0, 3, size=m).astype(np.int32)
+    idx2 = np.sort(rng.integers(0, 4, size=m)).astype(np.int32)
+    lim1 = rng.integers(0, 51, size=m).astype(np.int32)
+    lim2 = rng.integers(0, 65, size=m).astype(np.int32)
+    lim1[:3] = [0, 50, 1]
+    lim2[:3] = [0, 0, 64]   # row 0 sees no key at all
+    q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32)).astype(dtype)
+    srcs = [Source(k1, v1, jnp.asarray(idx1), jnp.asarray(lim1)),
+            Source(k2, v2, jnp.asarray(idx2), jnp.asarray(lim2))]
+    kw = dict(scale=0.3, block_m=block_m, block_k=16, num_splits=num_splits, interpret=True)
+    if num_splits == 1:
+        o, lse = ragged_attention(q, srcs, finalize=True, out_dtype=dtype, **kw)
+        assert o.dtype == dtype
+    else:
+        po, pl_ = ragged_attention(q, srcs, finalize=False, **kw)
+        assert po.shape == (num_splits, hkv, m, d) and po.dtype == jnp.float32
+        o, lse = merge_partials(po, pl_)
+    ro, rl = rows_oracle(q, [(k1, v1, idx1, lim1), (k2, v2, idx2, lim2)], 0.3)
+    _check(o, lse, ro, rl, 1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_fused_merge_epilogue_with_incoming_partials():
+    rng = np.random.default_rng(7)
+    hkv, m, d, block_m, n_in, stride = 2, 32, 16, 16, 2, 8
+    k, v = _pool(rng, 2, 40, hkv, d, jnp.float32)
+    idx = np.repeat(np.arange(2), 16).astype(np.int32)
+    lim = rng.integers(0, 41, size=m).astype(np.int32)
+    lim[0] = 0
+    q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32))
+    m_in = 2 * stride + block_m
+    o_in = rng.standard_normal((n_in, hkv, m_in, d)).astype(np.float32)
+    lse_in = rng.standard_normal((n_in, hkv, m_in)).astype(np.float32)
+    lse_in[0, :, 1] = -np.inf      # an empty incoming partial ...
+    o_in[0, :, 1] = np.nan         # ... whose garbage must be ignored
+    lse_in[:, :, 0] = -np.inf      # row 0: nothing anywhere -> lse -inf, out 0
+    o, lse = ragged_attention(q, [Source(k, v, jnp.asarray(idx), jnp.asarray(lim))], scale=0.25,
+                              block_m=block_m, block_k=16, incoming=(jnp.asarray(o_in),
+                              jnp.asarray(lse_in)), in_stride=stride, finalize=True,
+                              interpret=True)
+    ro, rl = rows_oracle(q, [(k, v, idx, lim)], 0.25)
+    # Expected: merge own state with incoming rows [rb * stride + i] for row rb * block_m + i.
+    rows_in = (np.arange(m) // block_m) * stride + np.arange(m) % block_m
+    parts_o = np.stack([ro] + [o_in[i][:, rows_in] for i in range(n_in)])
+    parts_l = np.stack([rl] + [lse_in[i][:, rows_in] for i in range(n_in)])
+    eo, el = merge_partials(jnp.asarray(parts_o, jnp.float32), jnp.asarray(parts_l, jnp.float32))
+    _check(o, lse, np.asarray(eo), np.asarray(el), 1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_flat_forward_tq4_gqa(num_splits):
+    from test_shared_prefix import check, make_case, oracle
+    from jax_prefix_attn.shared_prefix import row_limits
+    args, kw, meta = make_case(11, b=3, tq=4, hq=8, hkv=2, d=16, g=2, p=40, s=24,
+                               suffix_lengths=[0, 24, 5])
+    q, pk, pv, sk, sv = args
+    lim_p, lim_s = row_limits(4, kw["prefix_lengths"][kw["seq_to_prefix"]], kw["suffix_lengths"])
+    out, lse = flat_forward(q, pk, pv, sk, sv, kw["seq_to_prefix"], lim_p, lim_s, scale=0.25,
+                            interpret=True, block_k=16, num_splits=num_splits)
+    check(out, lse, oracle(args, kw, meta), jnp.float32)

@@ -1,0 +1,52 @@
+"""Inter-sequence batched prefix attention and the two-launch shared forward (interpret mode)."""
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.decode_attention import merge_partials
+from pallas_kernels.prefix_attention import prefix_config, prefix_partials, shared_prefix_forward
+from test_decode_attention import _check, _pool, rows_oracle
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefix_partials_grouped_rows_across_blocks(num_splits):
+    rng = np.random.default_rng(num_splits)
+    hkv, m, d, g = 2, 64, 16, 3
+    k, v = _pool(rng, g, 72, hkv, d, jnp.float32)
+    # Rows sorted by group; group boundaries fall inside 32-row blocks; group 1 is empty of rows.
+    grp = np.array([0] * 20 + [2] * 44, np.int32)
+    lim = rng.integers(0, 73, size=m).astype(np.int32)
+    lim[[0, 21, 63]] = [72, 0, 72]
+    q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32))
+    o, lse = prefix_partials(q, k, v, jnp.asarray(grp), jnp.asarray(lim), scale=0.2, block_m=32,
+                             block_k=16, num_splits=num_splits, num_warps=4, num_stages=2,
+                             interpret=True)
+    assert o.shape == (num_splits, hkv, m, d)
+    o, lse = merge_partials(o, lse)
+    ro, rl = rows_oracle(q, [(k, v, grp, lim)], 0.2)
+    _check(o, lse, ro, rl, 1e-5)
+
+
+def test_prefix_config_fills_gpu_and_splits_small_batches():
+    small = prefix_config(batch=8, rows_per_seq=8, heads_kv=1, prefix_len=4096)
+    assert small["num_splits"] > 1 and small["block_m"] >= 16
+    big = prefix_config(batch=1024, rows_per_seq=4, heads_kv=8, prefix_len=4096)
+    assert big["num_splits"] == 1 and big["block_m"] == 128
+
+
+@pytest.mark.parametrize("tq,hq,hkv,g", [(1, 8, 1, 3), (4, 4, 2, 0)])
+def test_shared_forward_forced_splits(tq, hq, hkv, g):
+    from test_shared_prefix import check, make_case, oracle
+    from jax_prefix_attn.shared_prefix import row_limits
+    args, kw, meta = make_case(12 + tq, b=5, tq=tq, hq=hq, hkv=hkv, d=16, g=g, p=48, s=20,
+                               suffix_lengths=[0, 20, 2, 7, 1])
+    q, pk, pv, sk, sv = args
+    pk4 = pk if pk.ndim == 4 else pk[None]
+    pv4 = pv if pv.ndim == 4 else pv[None]
+    s2p = kw.get("seq_to_prefix", jnp.zeros((5,), jnp.int32))
+    plen = kw.get("prefix_lengths", jnp.full((1,), 48, jnp.int32))
+    lim_p, lim_s = row_limits(tq, plen[s2p], kw["suffix_lengths"])
+    cfg = dict(block_m=16, block_k=16, num_splits=2, num_warps=4, num_stages=2)
+    out, lse = shared_prefix_forward(q, pk4, pv4, sk, sv, s2p, lim_p, lim_s, scale=0.25,
+                                     interpret=True, prefix_cfg=cfg, suffix_block_k=16)
+    check(out, lse, oracle(args, kw, meta), jnp.float32)
