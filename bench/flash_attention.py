@@ -13,10 +13,11 @@ scores); forward+backward = 3.5 x forward (2 forward matmuls + 5 backward matmul
 recomputation of ``S`` counted).  Times are medians after warm-up (``bench.timing.time_fn``)
 rotating two input sets.  Errors (OOM, missing API) are recorded, not fatal.
 
-``--sweep`` first times a set of tile configurations of our kernel on the first shape and
-uses the best forward and backward ones for the comparison (written to the JSON).
+``--sweep 128,64,256`` first times tile configurations of our kernel per head_dim (written to
+the JSON) and uses the best D=128 one for the comparison; without it the defaults of
+:func:`pallas_kernels.flash_attention.default_config` are used.
 
-Usage: ``python bench/flash_attention.py --out bench/results/flash_attention_h100.json [--quick] [--sweep]``
+Usage: ``python bench/flash_attention.py --out bench/results/flash_attention_h200.json [--quick] [--sweep 128]``
 """
 from __future__ import annotations
 
@@ -86,59 +87,60 @@ def time_fwd_bwd(fn, sets, iters):
     return t_f, t_fb, None
 
 
-def sweep(shape, iters, log):
-    """Time tile configurations of our kernel; returns (results, best FlashConfig)."""
+# Candidate tiles (block_q, block_k, num_warps, num_stages) per head_dim and kernel.
+SWEEP = {
+    128: {"fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3),
+                  (256, 128, 8, 2), (128, 128, 8, 2)],
+          "dkv": [(32, 64, 4, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 2), (16, 64, 4, 3),
+                  (32, 64, 4, 4), (64, 64, 8, 3)],
+          "dq": [(128, 32, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3),
+                 (128, 32, 8, 4)]},
+    64: {"fwd": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
+         "dkv": [(32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
+         "dq": [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)]},
+    256: {"fwd": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 2)],
+          "dkv": [(32, 64, 4, 2), (32, 32, 4, 3), (64, 64, 8, 2), (16, 64, 4, 2)],
+          "dq": [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)]},
+}
+
+
+def sweep(d, iters, log):
+    """Time tile configurations of our kernel for head_dim ``d`` (causal bf16, B=4, T=4096,
+    H*D = 4096); each kernel is tuned with the others at their best so far.
+
+    Returns (records, best FlashConfig)."""
+    shape = dict(b=4, t=4096, h=4096 // d, d=d)
     sets = make_inputs(shape)
-    base = default_config(shape["d"], jnp.bfloat16)
+    best = default_config(d, jnp.bfloat16)
     flops = fwd_flops(**shape)
-    results = {"fwd": [], "dq": [], "dkv": []}
-    fwd_cands = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
-                 (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4),
-                 (128, 128, 4, 3)]
-    best_f = (None, base)
-    for bq, bk, w, s in fwd_cands:
-        cfg = dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=w, num_stages=s)
-        f = jax.jit(lambda q, k, v, cfg=cfg: flash_attention(q, k, v, causal=True, config=cfg)[0])
-        try:
-            t = time_fn(f, [x[:3] for x in sets], warmup=2, iters=iters)
-            rec = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s, ms=t * 1e3,
-                       tflops=flops / t / 1e12)
-            if best_f[0] is None or t < best_f[0]:
-                best_f = (t, cfg)
-        except Exception as e:  # noqa: BLE001
-            rec = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s,
-                       error=f"{type(e).__name__}: {str(e)[:200]}")
-        results["fwd"].append(rec)
-        log(f"sweep fwd {rec}")
-    best = best_f[1]
+    results = {"shape": shape}
 
-    def time_fb(cfg):
+    def time_cfg(part, cfg):
         fn = lambda q, k, v: flash_attention(q, k, v, causal=True, config=cfg)[0]  # noqa: E731
+        if part == "fwd":
+            t = time_fn(jax.jit(fn), [x[:3] for x in sets], warmup=2, iters=iters)
+            return t, dict(ms=t * 1e3, tflops=flops / t / 1e12)
         f = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
-        return time_fn(f, sets, warmup=2, iters=iters)
+        t = time_fn(f, sets, warmup=2, iters=iters)
+        return t, dict(fwd_bwd_ms=t * 1e3, tflops=3.5 * flops / t / 1e12)
 
-    bwd_cands = {
-        "dq": [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2), (64, 32, 4, 3),
-               (128, 32, 8, 3)],
-        "dkv": [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 2),
-                (128, 128, 8, 2), (32, 128, 8, 3)],
-    }
-    for part in ("dq", "dkv"):
+    for part in ("fwd", "dkv", "dq"):
+        prefix = "" if part == "fwd" else part + "_"
         best_t, best_cfg = None, best
-        for bq, bk, w, s in bwd_cands[part]:
-            cfg = dataclasses.replace(best, **{f"{part}_block_q": bq, f"{part}_block_k": bk,
-                                               f"{part}_num_warps": w, f"{part}_num_stages": s})
+        results[part] = []
+        for bq, bk, w, s in SWEEP[d][part]:
+            cfg = dataclasses.replace(best, **{f"{prefix}block_q": bq, f"{prefix}block_k": bk,
+                                               f"{prefix}num_warps": w, f"{prefix}num_stages": s})
+            rec = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
             try:
-                t = time_fb(cfg)
-                rec = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s, fwd_bwd_ms=t * 1e3,
-                           tflops=3.5 * flops / t / 1e12)
+                t, info = time_cfg(part, cfg)
+                rec.update(info)
                 if best_t is None or t < best_t:
                     best_t, best_cfg = t, cfg
             except Exception as e:  # noqa: BLE001
-                rec = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s,
-                           error=f"{type(e).__name__}: {str(e)[:200]}")
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             results[part].append(rec)
-            log(f"sweep {part} {rec}")
+            log(f"sweep d={d} {part} {rec}")
         best = best_cfg
     return results, best
 
@@ -147,7 +149,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="first shape only, fewer iterations")
-    ap.add_argument("--sweep", action="store_true", help="tune our tiles first (D=128, bf16)")
+    ap.add_argument("--sweep", default="", help="comma-separated head_dims to tune first, e.g. 128,64,256;"
+                    " the comparison then uses the tuned D=128 config")
     args = ap.parse_args()
     iters = 5 if args.quick else 20
     t_start = time.time()
@@ -166,11 +169,14 @@ def main():
 
     config = None
     if args.sweep:
-        res, config = sweep(SHAPES[0], 10, log)
-        result["sweep"] = res
-        result["tuned_config"] = dataclasses.asdict(config)
-        log(f"tuned config {config}")
-        save()
+        result["sweep"], result["tuned_config"] = {}, {}
+        for d in [int(x) for x in args.sweep.split(",")]:
+            res, cfg = sweep(d, 10, log)
+            result["sweep"][d], result["tuned_config"][d] = res, dataclasses.asdict(cfg)
+            log(f"tuned config d={d}: {cfg}")
+            if d == 128:
+                config = cfg
+            save()
     result["our_config"] = dataclasses.asdict(config or default_config(128, jnp.bfloat16))
 
     shapes = SHAPES[:1] if args.quick else SHAPES

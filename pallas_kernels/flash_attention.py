@@ -71,10 +71,11 @@ class FlashConfig:
     dkv_num_stages: int = 3
 
 
-# Per-(head_dim, dtype itemsize) defaults; tuned on an H100/H200 (see bench/flash_attention.py).
+# Per-(head_dim, dtype itemsize) defaults; 16-bit ones tuned on an H200 with
+# `bench/flash_attention.py --sweep` (causal, B=4, T=4096, H*D=4096).
 _DEFAULTS = {
-    (64, 2): FlashConfig(128, 64, 4, 3, 128, 32, 4, 3, 32, 128, 4, 3),
-    (128, 2): FlashConfig(128, 64, 4, 3, 128, 32, 4, 3, 32, 128, 4, 3),
+    (64, 2): FlashConfig(128, 64, 4, 3, 128, 32, 4, 3, 32, 64, 4, 3),
+    (128, 2): FlashConfig(128, 128, 8, 3, 128, 32, 8, 3, 32, 64, 4, 3),
     (256, 2): FlashConfig(64, 64, 4, 2, 64, 32, 4, 2, 32, 64, 4, 2),
     (64, 4): FlashConfig(64, 64, 4, 2, 64, 32, 4, 2, 32, 64, 4, 2),
     (128, 4): FlashConfig(64, 32, 4, 2, 64, 32, 4, 2, 32, 64, 4, 2),
@@ -142,20 +143,21 @@ def _fwd_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, nq
         start = pl.multiple_of(kb * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        s = _dot(q, k, st, trans_b=True) * scale2  # [bq, bk], log2 units
+        s = _dot(q, k, st, trans_b=True)  # [bq, bk] unscaled scores
         if masked:
             cols = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             vis = cols < length
             if st.causal:
                 vis = vis & (cols <= rows + diag)
             s = jnp.where(vis, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # m is kept in scaled log2 units; exp2(s * scale2 - m) is one FMA per score.
+        m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale2)
         if masked:  # a row may still have seen nothing: keep exp2 arguments NaN-free
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         else:
             m_use = m_new
         alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - m_use[:, None])
+        p = jnp.exp2(s * scale2 - m_use[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, st)
         return acc, m_new, l
@@ -238,14 +240,14 @@ def _dq_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
         start = pl.multiple_of(kb * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        s = _dot(q, k, st, trans_b=True) * scale2
+        s = _dot(q, k, st, trans_b=True)
         if masked:
             cols = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             vis = cols < length
             if st.causal:
                 vis = vis & (cols <= rows + diag)
             s = jnp.where(vis, s, -jnp.inf)
-        p = jnp.exp2(s - lse2[:, None])
+        p = jnp.exp2(s * scale2 - lse2[:, None])
         dp = _dot(do, v, st, trans_b=True)
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k, st)
@@ -287,14 +289,14 @@ def _dkv_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref
         do = do_ref[pl.ds(start, bq), g, :]
         lse2 = lse_ref[g, pl.ds(start, bq)] * _LOG2E
         delta = delta_ref[g, pl.ds(start, bq)]
-        s_t = _dot(k, q, st, trans_b=True) * scale2  # [bk, bq]
+        s_t = _dot(k, q, st, trans_b=True)  # [bk, bq] unscaled
         if masked:
             rows = start + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
             vis = cols < length
             if st.causal:
                 vis = vis & (cols <= rows + diag)
             s_t = jnp.where(vis, s_t, -jnp.inf)
-        p_t = jnp.exp2(s_t - lse2[None, :])
+        p_t = jnp.exp2(s_t * scale2 - lse2[None, :])
         dv = dv + _dot(p_t.astype(do.dtype), do, st)
         dp_t = _dot(v, do, st, trans_b=True)
         ds_t = p_t * (dp_t - delta[None, :])

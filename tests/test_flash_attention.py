@@ -196,8 +196,8 @@ def test_gpu_realistic_bf16(causal, lengths):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128, 256, 80])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("d,dtype", [(64, jnp.bfloat16), (128, jnp.float16), (256, jnp.bfloat16),
+                                     (80, jnp.bfloat16)])
 def test_gpu_head_dims_half(d, dtype):
     _gpu_case(2, 517, 1000, 8, 2, d, dtype, True, [1000, 0], 2e-2, seed=d)
 
