@@ -208,3 +208,68 @@ def test_seq_to_prefix_traced_is_accepted():
                                                     impl="reference"))
     out = f(kw["seq_to_prefix"])
     assert rel_err(out, oracle(args, kw, meta)[0]) < 1e-5
+
+
+# --------------------------------------------------------------------------- kernel paths (CPU)
+
+@pytest.mark.parametrize("impl", ["pallas_interpret", "flat_interpret"])
+@pytest.mark.parametrize("tq,hq,hkv,d,g,dtype", [
+    (1, 8, 1, 64, 0, jnp.bfloat16),
+    (4, 8, 2, 128, 3, jnp.float32),
+])
+def test_kernel_paths_interpret(impl, tq, hq, hkv, d, g, dtype):
+    args, kw, meta = make_case(20 + tq, b=4, tq=tq, hq=hq, hkv=hkv, d=d, g=g, p=40, s=18,
+                               dtype=dtype, suffix_lengths=[0, 18, 3, 9])
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl=impl)
+    assert out.dtype == dtype
+    check(out, lse, oracle(args, kw, meta), dtype)
+
+
+def test_kernel_path_gradients_interpret():
+    _grad_check("pallas_interpret")
+
+
+def test_kernel_paths_reject_unsupported_head_dim():
+    args, kw, _ = make_case(1, d=24)
+    with pytest.raises(ValueError, match="head_dim"):
+        shared_prefix_attention(*args, **kw, impl="shared")
+    shared_prefix_attention(*args, **kw, impl="auto")  # falls back to the reference
+
+
+def test_cost_model_prefers_shared_for_large_batches():
+    from jax_prefix_attn.cost_model import estimate
+    shapes = dict(tq=1, heads_q=32, heads_kv=8, head_dim=128, groups=1, suffix_len=128, itemsize=2)
+    big = estimate(batch=256, prefix_len=4096, **shapes)
+    assert big.choice == "shared" and big.flat_bytes > 10 * big.shared_bytes
+    # One sequence: nothing to share, flat reads the same bytes in one launch.
+    assert estimate(batch=1, prefix_len=4096, **shapes).choice == "flat"
+
+
+# --------------------------------------------------------------------------- GPU (compiled)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["shared", "flat", "auto"])
+@pytest.mark.parametrize("tq,hq,hkv,d,g,dtype", [
+    (1, 32, 8, 128, 0, jnp.bfloat16),
+    (1, 8, 1, 128, 0, jnp.bfloat16),
+    (4, 32, 8, 128, 3, jnp.bfloat16),
+    (1, 8, 8, 64, 2, jnp.float32),
+    (4, 16, 4, 64, 0, jnp.float32),
+])
+def test_gpu_parity(impl, tq, hq, hkv, d, g, dtype):
+    b = 24
+    sl = np.random.default_rng(3).integers(0, 301, size=b)
+    sl[:3] = [0, 300, 1]
+    args, kw, meta = make_case(30 + tq + hq, b=b, tq=tq, hq=hq, hkv=hkv, d=d, g=g, p=1000, s=300,
+                               dtype=dtype, suffix_lengths=sl)
+    out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, impl=impl))(*args)
+    check(out, lse, oracle(args, kw, meta), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_small_batch_splits():
+    args, kw, meta = make_case(40, b=2, tq=1, hq=8, hkv=1, d=128, p=4000, s=64,
+                               dtype=jnp.bfloat16, suffix_lengths=[64, 0])
+    for impl in ("shared", "flat"):
+        out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl=impl)
+        check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
