@@ -1,0 +1,417 @@
+"""Shared-prefix decode attention benchmark (Hydragen Fig. 4 grid), GPU.
+
+Columns, all measured in one run (bf16, Tq = 1, every suffix full):
+
+* ``shared``: ours, batched prefix kernel + suffix kernel with fused merge (2 launches);
+* ``flat``: ours, one ragged split-KV decode launch reading the prefix through
+  ``seq_to_prefix`` for every sequence (no copy: "flat over shared storage");
+* ``flat_gqa``: JAX's ``pallas.ops.gpu.decode_attention.gqa`` over materialised
+  per-sequence KV ``[B, P + S, Hkv, D]`` (built outside the timed region);
+* ``composed``: the Hydragen decomposition from JAX's deprecated ops:
+  ``attention.mha`` on the prefix (all sequences' query heads as rows) +
+  ``decode_attention.gqa`` on the suffixes + an XLA merge;
+* ``auto``: ours with ``impl="auto"`` (the cost model's pick; it runs exactly the chosen
+  path's jitted function, so its time is that path's time, measured again);
+* ``floor``: ``max(bytes / copy bandwidth, flops / bf16 matmul rate)`` with bytes = the prefix
+  once + every suffix + q and out, flops = ``4 * B * Hq * (P + S) * D``; both rates measured here.
+
+Timing: each function runs ``n`` times inside one jitted ``fori_loop`` whose iterations depend
+on each other (the output perturbs the next query), median of 3 such calls divided by ``n``.
+Points that do not fit in memory are recorded as ``"X"``; points not reached within the time
+budget as ``"skipped"``.  Each finished point is appended to the JSON as it completes.
+
+Usage: ``python bench/shared_prefix.py --out results.json [--quick] [--tune] [--budget-s 420]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.timing import device_info, gpu_slug, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+from jax_prefix_attn import shared_prefix_attention  # noqa: E402
+from jax_prefix_attn.cost_model import choose_path  # noqa: E402
+from jax_prefix_attn.shared_prefix import row_limits  # noqa: E402
+
+HEADS = [(32, 8, 128), (8, 1, 128)]
+BATCH = [16, 64, 256, 1024]
+PREFIX = [1024, 4096, 16384]
+SUFFIX = [64, 256, 1024]
+PROBES = [(256, 4096, 128), (512, 8192, 128), (1024, 4096, 128)]
+COLS = ["shared", "flat", "flat_gqa", "composed", "auto"]
+INTERPRET = False  # --smoke: every kernel in Pallas interpret mode on tiny shapes (CPU check)
+
+
+# ----------------------------------------------------------------------------- timing
+
+def loop_time(fn, q, rest, *, target_s=0.03, reps=3):
+    """Seconds per call of ``fn(q, *rest) -> out [B, Hq, D]`` via a dependent in-jit loop."""
+    @jax.jit
+    def run(q, n, *rest):
+        def body(_, q):
+            out = fn(q, *rest)
+            return (q + out.astype(q.dtype) * 1e-3).astype(q.dtype)
+        return jax.lax.fori_loop(0, n, body, q)
+
+    jax.block_until_ready(run(q, 1, *rest))  # compile + warm up
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(q, 2, *rest))
+    t1 = (time.perf_counter() - t0) / 2
+    n = int(min(200, max(2, target_s / max(t1, 1e-6))))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(q, n, *rest))
+        times.append((time.perf_counter() - t0) / n)
+    return float(np.median(times))
+
+
+# ----------------------------------------------------------------------------- columns
+
+def ours(impl):
+    if INTERPRET:
+        impl = {"shared": "pallas_interpret", "flat": "flat_interpret"}.get(impl, impl)
+
+    def f(q, pk, pv, sk, sv, sl):
+        out = shared_prefix_attention(q[:, None], pk, pv, sk, sv, suffix_lengths=sl, impl=impl)
+        return out[:, 0]
+    return f
+
+
+def _k_splits(n, block_k=64, want=16):
+    blocks = n // block_k
+    best = 1
+    for d in range(1, blocks + 1):
+        if blocks % d == 0 and abs(d - want) < abs(best - want):
+            best = d
+    return best
+
+
+def flat_gqa(q, k_full, v_full, lens):
+    from jax.experimental.pallas.ops.gpu import decode_attention as jda
+    n = k_full.shape[1]
+    return jda.gqa(q, k_full, v_full, kv_seq_len=lens, k_splits=_k_splits(n), block_k=64,
+                   interpret=INTERPRET)
+
+
+def composed(q, pk, pv, sk, sv, sl):
+    """Hydragen from JAX's deprecated ops: mha (prefix, inter-sequence rows) + gqa + XLA merge."""
+    from jax.experimental.pallas.ops.gpu import attention as jat
+    from jax.experimental.pallas.ops.gpu import decode_attention as jda
+    b, hq, d = q.shape
+    p, hkv = pk.shape[0], pk.shape[1]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    rows = b * g
+    qp = q.reshape(b, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, rows, d)
+    qp = qp.transpose(1, 0, 2)[None]  # [1, rows, Hkv, D]
+    bs = jat.BlockSizes(block_q=min(128, rows), block_k=min(128, p), block_q_dkv=32,
+                        block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
+    o_p, lse2 = jat.mha(qp, pk[None], pv[None], None, sm_scale=scale, block_sizes=bs,
+                        return_residuals=True, interpret=INTERPRET)
+    o_p = o_p[0].transpose(1, 0, 2).reshape(hkv, b, g, d).transpose(1, 0, 2, 3).reshape(b, hq, d)
+    lse_p = (lse2[0] * math.log(2.0)).reshape(hkv, b, g).transpose(1, 0, 2).reshape(b, hq)
+    s = sk.shape[1]
+    o_s, (l_s, m_s) = jda.gqa(q, sk, sv, kv_seq_len=sl, k_splits=_k_splits(s, 16, 16),
+                              block_k=16 if s < 256 else 64, return_residuals=True,
+                              interpret=INTERPRET)
+    lse_s = m_s + jnp.log(l_s)
+    m = jnp.maximum(lse_p, lse_s)
+    wp, ws = jnp.exp(lse_p - m), jnp.exp(lse_s - m)
+    out = (wp[..., None] * o_p.astype(jnp.float32) + ws[..., None] * o_s.astype(jnp.float32))
+    return (out / (wp + ws)[..., None]).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- one point
+
+def floor_s(b, p, s, hq, hkv, d, bw, mma, itemsize=2):
+    nbytes = (p + b * s) * 2 * hkv * d * itemsize + 2 * b * hq * d * itemsize
+    flops = 4.0 * b * hq * (p + s) * d
+    return max(nbytes / bw, flops / mma), nbytes, flops
+
+
+def make_inputs(b, p, s, hkv, hq, d, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    dt = jnp.bfloat16
+    q = jax.random.normal(ks[0], (b, hq, d), dt)
+    pk = jax.random.normal(ks[1], (p, hkv, d), dt)
+    pv = jax.random.normal(ks[2], (p, hkv, d), dt)
+    sk = jax.random.normal(ks[3], (b, s, hkv, d), dt)
+    sv = jax.random.normal(ks[4], (b, s, hkv, d), dt)
+    sl = jnp.full((b,), s, jnp.int32)
+    return q, pk, pv, sk, sv, sl
+
+
+def _is_oom(e):
+    msg = str(e)
+    return "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() or "Out of memory" in msg
+
+
+def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True):
+    rec = dict(batch=b, prefix=p, suffix=s, heads_q=hq, heads_kv=hkv, head_dim=d)
+    fl, nbytes, flops = floor_s(b, p, s, hq, hkv, d, bw, mma)
+    rec.update(floor_ms=fl * 1e3, bytes=nbytes, flops=flops)
+    rec["auto_choice"] = choose_path(batch=b, tq=1, heads_q=hq, heads_kv=hkv, head_dim=d,
+                                     groups=1, prefix_len=p, suffix_len=s, itemsize=2)
+    try:
+        q, pk, pv, sk, sv, sl = make_inputs(b, p, s, hkv, hq, d)
+    except Exception as e:  # noqa: BLE001
+        if _is_oom(e):
+            return {**rec, **{c + "_ms": "X" for c in cols}}
+        raise
+    ref = None
+    for c in cols:
+        try:
+            if c in ("shared", "flat", "auto"):
+                f = ours(c)
+                t = loop_time(f, q, (pk, pv, sk, sv, sl))
+                if check:
+                    out = jax.jit(f)(q, pk, pv, sk, sv, sl)
+                    if ref is None:
+                        ref = jax.jit(ours("shared"))(q, pk, pv, sk, sv, sl) if c != "shared" else out
+                    rec[c + "_maxdiff_vs_shared"] = float(jnp.max(jnp.abs(
+                        out.astype(jnp.float32) - ref.astype(jnp.float32))))
+            elif c == "flat_gqa":
+                k_full = jnp.concatenate([jnp.broadcast_to(pk[None], (b,) + pk.shape), sk], axis=1)
+                v_full = jnp.concatenate([jnp.broadcast_to(pv[None], (b,) + pv.shape), sv], axis=1)
+                lens = jnp.full((b,), p + s, jnp.int32)
+                t = loop_time(flat_gqa, q, (k_full, v_full, lens))
+                if check and ref is not None:
+                    rec[c + "_maxdiff_vs_shared"] = float(jnp.max(jnp.abs(jax.jit(flat_gqa)(
+                        q, k_full, v_full, lens).astype(jnp.float32) - ref.astype(jnp.float32))))
+                del k_full, v_full
+            elif c == "composed":
+                t = loop_time(composed, q, (pk, pv, sk, sv, sl))
+                if check and ref is not None:
+                    rec[c + "_maxdiff_vs_shared"] = float(jnp.max(jnp.abs(jax.jit(composed)(
+                        q, pk, pv, sk, sv, sl).astype(jnp.float32) - ref.astype(jnp.float32))))
+            rec[c + "_ms"] = t * 1e3
+        except Exception as e:  # noqa: BLE001
+            if _is_oom(e):
+                rec[c + "_ms"] = "X"
+            else:
+                rec[c + "_ms"] = "error"
+                rec[c + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc(limit=2)
+    sh = rec.get("shared_ms")
+    if isinstance(sh, float):
+        rec["shared_over_floor"] = sh / rec["floor_ms"]
+        for c in ("flat", "flat_gqa", "composed", "auto"):
+            if isinstance(rec.get(c + "_ms"), float):
+                rec[f"{c}_over_shared"] = rec[c + "_ms"] / sh
+    if isinstance(rec.get("flat_ms"), float):
+        flat_bytes = b * (p + s) * 2 * hkv * d * 2 + 2 * b * hq * d * 2
+        rec["flat_bw_frac_of_copy"] = flat_bytes / (rec["flat_ms"] * 1e-3) / bw
+    if isinstance(rec.get("flat_gqa_ms"), float):
+        flat_bytes = b * (p + s) * 2 * hkv * d * 2 + 2 * b * hq * d * 2
+        rec["flat_gqa_bw_frac_of_copy"] = flat_bytes / (rec["flat_gqa_ms"] * 1e-3) / bw
+    return rec
+
+
+# ----------------------------------------------------------------------------- tuning
+
+def tune(bw, mma, out):
+    """Time the prefix and suffix kernels alone for a few tilings at two probe shapes."""
+    from pallas_kernels import prefix_attention as pa
+    from pallas_kernels.decode_attention import (Source, q_rows_layout, ragged_attention,
+                                                 row_meta, rows_from_q)
+    res = []
+    for (b, p, s, hq, hkv) in [(256, 4096, 128, 32, 8), (64, 4096, 256, 8, 1)]:
+        d = 128
+        q, pk, pv, sk, sv, sl = make_inputs(b, p, s, hkv, hq, d)
+        q4 = q[:, None]
+        r, r16 = q_rows_layout(1, hq, hkv)
+        r2 = pa.next_pow2(r)
+        lim_p, lim_s = row_limits(1, jnp.full((b,), p, jnp.int32), sl)
+        base = pa.prefix_config(b, r, hkv, p)
+        for bm in (64, 128):
+            for bk in (32, 64, 128):
+                for nw, ns in ((4, 2), (8, 2), (8, 3)):
+                    if True:
+                        cfg = dict(base, block_m=max(bm, r2), block_k=bk, num_warps=nw, num_stages=ns)
+                        m = b * r2
+                        m_pad = -(-(m + r16) // cfg["block_m"]) * cfg["block_m"]
+                        qp = jnp.pad(rows_from_q(q4, hkv, r2), ((0, 0), (0, m_pad - m), (0, 0)))
+                        grp = jnp.zeros((m_pad,), jnp.int32)
+                        lim = jnp.pad(row_meta(lim_p, hq // hkv, r2), (0, m_pad - m))
+
+                        def f(qp, pk, pv, grp, lim, cfg=cfg):
+                            o, l = pa.prefix_partials(qp, pk[None], pv[None], grp, lim,
+                                                      scale=0.088, **cfg)
+                            return o[0, :, :qp.shape[1]].astype(qp.dtype)
+                        try:
+                            t = loop_time(f, qp, (pk, pv, grp, lim), target_s=0.02)
+                            fl = 4.0 * m * hkv * p * d
+                            res.append(dict(kind="prefix", batch=b, prefix=p, heads_q=hq, **cfg,
+                                            ms=t * 1e3, tflops=fl / t / 1e12))
+                        except Exception as e:  # noqa: BLE001
+                            res.append(dict(kind="prefix", batch=b, **cfg, error=str(e)[:200]))
+                        print(res[-1], flush=True)
+        for bk in (32, 64, 128):
+            for ns in (2, 3):
+                for nw in (4,):
+                    qs = rows_from_q(q4, hkv, r16)
+                    idx = row_meta(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, 1)),
+                                   hq // hkv, r16, pad_value=jnp.arange(b, dtype=jnp.int32))
+                    lim = row_meta(lim_s, hq // hkv, r16)
+
+                    def g(qs, sk, sv, idx, lim, bk=bk, ns=ns, nw=nw):
+                        o, l = ragged_attention(qs, [Source(sk, sv, idx, lim)], scale=0.088,
+                                                block_m=r16, block_k=bk, finalize=True,
+                                                num_warps=nw, num_stages=ns)
+                        return o
+                    try:
+                        t = loop_time(g, qs, (sk, sv, idx, lim), target_s=0.02)
+                        nb = b * s * 2 * hkv * d * 2
+                        res.append(dict(kind="suffix", batch=b, suffix=s, block_k=bk, num_stages=ns,
+                                        num_warps=nw, ms=t * 1e3, bw_frac=nb / t / bw))
+                    except Exception as e:  # noqa: BLE001
+                        res.append(dict(kind="suffix", batch=b, block_k=bk, error=str(e)[:200]))
+                    print(res[-1], flush=True)
+        # flat kernel tiling
+        for bk in (64, 128):
+            for ns in (2, 3):
+                for nw in (4, 8):
+                    from pallas_kernels.decode_attention import flat_forward
+
+                    def h(q, pk, pv, sk, sv, sl, bk=bk, ns=ns, nw=nw):
+                        lp, ls = row_limits(1, jnp.full((b,), p, jnp.int32), sl)
+                        o, _ = flat_forward(q[:, None], pk[None], pv[None], sk, sv,
+                                            jnp.zeros((b,), jnp.int32), lp, ls, scale=0.088,
+                                            block_k=bk, num_warps=nw, num_stages=ns)
+                        return o[:, 0]
+                    try:
+                        t = loop_time(h, q, (pk, pv, sk, sv, sl), target_s=0.02)
+                        nb = b * (p + s) * 2 * hkv * d * 2
+                        res.append(dict(kind="flat", batch=b, prefix=p, suffix=s, block_k=bk,
+                                        num_stages=ns, num_warps=nw, ms=t * 1e3, bw_frac=nb / t / bw))
+                    except Exception as e:  # noqa: BLE001
+                        res.append(dict(kind="flat", batch=b, block_k=bk, error=str(e)[:200]))
+                    print(res[-1], flush=True)
+    with open(out, "w") as fh:
+        json.dump(dict(info=device_info(), copy_bw=bw, matmul_rate=mma, tune=res), fh, indent=1)
+
+
+# ----------------------------------------------------------------------------- heat map
+
+def heatmap(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(HEADS), figsize=(7 * len(HEADS), 4.8))
+    for ax, (hq, hkv, d) in zip(np.atleast_1d(axes), HEADS):
+        cols = [(p, s) for p in PREFIX for s in SUFFIX]
+        grid = np.full((len(BATCH), len(cols)), np.nan)
+        labels = np.full(grid.shape, "", dtype=object)
+        for r in results:
+            if (r.get("heads_q"), r.get("heads_kv")) != (hq, hkv) or r.get("probe"):
+                continue
+            if r["batch"] not in BATCH or (r["prefix"], r["suffix"]) not in cols:
+                continue
+            i, j = BATCH.index(r["batch"]), cols.index((r["prefix"], r["suffix"]))
+            sp = r.get("flat_gqa_over_shared")
+            if sp is not None:
+                grid[i, j] = sp
+                labels[i, j] = f"{sp:.1f}"
+            else:
+                labels[i, j] = "X" if r.get("flat_gqa_ms") == "X" or r.get("shared_ms") == "X" else "-"
+        im = ax.imshow(np.log2(grid), cmap="viridis", aspect="auto")
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                ax.text(j, i, labels[i, j], ha="center", va="center", color="w", fontsize=8)
+        ax.set_xticks(range(len(cols)), [f"P{p // 1024}K\nS{s}" for p, s in cols], fontsize=7)
+        ax.set_yticks(range(len(BATCH)), [str(b) for b in BATCH])
+        ax.set_ylabel("batch")
+        ax.set_title(f"speedup shared vs flat gqa (JAX), Hq={hq} Hkv={hkv} D={d}")
+        fig.colorbar(im, ax=ax, label="log2 speedup")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="a small subset of the grid")
+    ap.add_argument("--tune", action="store_true", help="kernel tiling sweep only")
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    args = ap.parse_args()
+    global INTERPRET, HEADS, BATCH, PREFIX, SUFFIX, PROBES
+    if args.smoke:
+        INTERPRET = True
+        HEADS, BATCH, PREFIX, SUFFIX, PROBES = [(4, 2, 16)], [2], [128], [64], [(2, 128, 64)]
+    t_start = time.time()
+    out = args.out or f"bench/results/shared_prefix_{gpu_slug()}.json"
+    bw = measure_copy_bandwidth(1 << 24 if args.smoke else 2 << 30)
+    mma = measure_matmul_rate(256 if args.smoke else 8192)
+    print(f"device {device_info()['device']}: copy {bw / 1e12:.2f} TB/s, matmul {mma / 1e12:.0f} TFLOP/s",
+          flush=True)
+    if args.tune:
+        tune(bw, mma, out)
+        return
+    pts = []
+    for (b, p, s) in PROBES:
+        pts.append((b, p, s) + HEADS[0] + (True,))
+    grid = [(b, p, s, hq, hkv, d, False) for (hq, hkv, d) in HEADS for b in BATCH for p in PREFIX
+            for s in SUFFIX]
+    if args.quick:
+        grid = [x for x in grid if x[1] == 4096 and x[2] in (64, 1024) and x[0] in (16, 256)]
+    # Most informative first: large batch / prefix (the targets), then the rest.
+    grid.sort(key=lambda x: (-(x[0] >= 256 and x[1] >= 4096), x[3] != 32, -x[0], -x[1], x[2]))
+    pts += grid
+    doc = dict(info=device_info(), copy_bw_Bps=bw, matmul_flops=mma, columns=COLS,
+               notes=__doc__, results=[])
+    for (b, p, s, hq, hkv, d, probe) in pts:
+        if time.time() - t_start > args.budget_s:
+            doc["results"].append(dict(batch=b, prefix=p, suffix=s, heads_q=hq, heads_kv=hkv,
+                                       head_dim=d, probe=probe, status="skipped (time budget)"))
+            continue
+        t0 = time.time()
+        rec = run_point(b, p, s, hq, hkv, d, bw, mma, check=not args.no_check)
+        rec["probe"] = probe
+        rec["wall_s"] = time.time() - t0
+        doc["results"].append(rec)
+        with open(out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
+                          if k not in ("notes",)}), flush=True)
+    # Summary: probes and auto.
+    print("\nprobe points (Hq=32 Hkv=8 D=128 suffix 128):")
+    for r in doc["results"]:
+        if r.get("probe") and isinstance(r.get("shared_ms"), float):
+            ratios = ", ".join(f"{c}/shared={r[c + '_over_shared']:.2f}" for c in
+                               ("flat", "flat_gqa", "composed", "auto") if c + "_over_shared" in r)
+            print(f"  B={r['batch']} P={r['prefix']}: shared {r['shared_ms']:.3f} ms, floor "
+                  f"{r['floor_ms']:.3f} ms ({r['shared_over_floor']:.2f}x floor), {ratios}")
+    worst = None
+    for r in doc["results"]:
+        a, sh, fl = r.get("auto_ms"), r.get("shared_ms"), r.get("flat_ms")
+        if all(isinstance(x, float) for x in (a, sh, fl)):
+            ratio = a / min(sh, fl)
+            r["auto_over_best"] = ratio
+            worst = ratio if worst is None else max(worst, ratio)
+    doc["auto_worst_over_best"] = worst
+    print(f"auto worst ratio to the better path: {worst}")
+    with open(out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    try:
+        heatmap(doc["results"], os.path.splitext(out)[0] + ".png")
+    except Exception as e:  # noqa: BLE001
+        print("heat map failed:", e)
+
+
+if __name__ == "__main__":
+    main()
