@@ -3,7 +3,7 @@
 Tiny random HF models are saved with ``save_pretrained`` into a temp dir and loaded with our
 loader.  Prompts are longer than 256 tokens (so RoPE errors show), split into a shared prefix and
 per-sequence suffixes; we compare the full-forward (prefill) logits, the cached prefill's
-last-token logits and 16 teacher-forced decode steps, for the "shared" and "flat" backends.
+last-token logits and 16 teacher-forced decode steps (backend "shared"; "flat" on the GQA config).
 """
 import numpy as np
 import pytest
@@ -67,7 +67,8 @@ def test_parity_with_transformers(name, tmp_path):
     pc = prefill_prefix_cache(model, params, pb)
     toks, n = pb.suffix_arrays()
     errs = {}
-    for backend in ("shared", "flat"):
+    # "flat" is checked on one config here (and on every generation test); "shared" on all
+    for backend in (("shared", "flat") if name == "gqa" else ("shared",)):
         cap = max(SUFFIXES) + STEPS + (PREFIX if backend == "flat" else 0)
         logits, cache = _jits(model)["prefill"](params, pc, toks, n, capacity=cap, backend=backend)
         got = [np.asarray(logits)]
