@@ -16,7 +16,7 @@ of "shared" and "flat" after the same steps from identical cache contents are co
 Memory: 32 layers of 8B weights plus a flat cache of B=256 x 2176 tokens do not fit in 80 GB,
 so every backend is measured with the same reduced layer counts (``--layers``, default 8 and 16;
 per-layer time = difference / difference of layers, which removes embedding + LM head), plus the
-full 32 layers for shared/none when memory and the time budget allow.  Two layer layouts:
+full 32 layers when memory (flat: H200 only) and the time budget allow.  Two layer layouts:
 ``list`` (unrolled layers, each KV buffer its own array) and ``stacked`` (``lax.scan``).
 
 Usage: ``python bench/decode_step.py --out bench/results/decode_step_h100.json``
@@ -138,7 +138,7 @@ def main():
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--suffix", type=int, default=128)
     ap.add_argument("--layers", default="8,16", help="layer counts measured for all three backends")
-    ap.add_argument("--full-layers", type=int, default=32, help="also measure shared/none at this depth (0: off)")
+    ap.add_argument("--full-layers", type=int, default=32, help="also measure this depth (0: off)")
     ap.add_argument("--layouts", default="list,stacked")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--iters", type=int, default=5)
@@ -194,7 +194,7 @@ def main():
         for nl in [int(x) for x in args.layers.split(",")]:
             plan.append((layout, nl, ("flat", "shared", "none")))
         if i == 0 and args.full_layers:
-            plan.append((layout, args.full_layers, ("shared", "none")))
+            plan.append((layout, args.full_layers, ("flat", "shared", "none")))  # flat only if it fits
 
     key = jax.random.PRNGKey(0)
     tokens = jax.random.randint(jax.random.fold_in(key, 7), (b,), 0, cfg0.vocab_size, jnp.int32)
