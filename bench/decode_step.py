@@ -163,10 +163,12 @@ def main():
                                                        "num_key_value_heads", "head_dim", "vocab_size")},
               "batch": b, "prefix_len": p, "suffix_len": s, "steps_per_call": args.steps, "iters": args.iters,
               "device_info": device_info(), "memory_limit_bytes": mem_limit, "runs": [], "errors": [],
-              "notes": ("'none' skips the attention product (functionally wrong, upper bound). Every backend uses the "
-                        "same reduced layer counts because 32 layers of 8B weights + a flat cache of "
-                        f"{b}x{p + s} tokens do not fit in device memory; per_layer_ms = difference between "
-                        "two layer counts (embedding + LM head cancel).")}
+              "notes": ("'none' skips the attention product (functionally wrong, upper bound). Every backend is "
+                        "measured at the same reduced layer counts (per_layer_ms = difference between two layer "
+                        "counts: embedding + LM head cancel), and at the full depth where it fits (32 layers of 8B "
+                        f"weights + a flat cache of {b}x{p + cap} tokens need more than 80 GB). Layout 'list' = "
+                        "unrolled layers, one KV buffer per layer; 'stacked' = lax.scan over stacked arrays (XLA "
+                        "copies the per-layer slices).")}
     try:
         from jax_prefix_attn.cost_model import choose_path  # noqa: PLC0415
         result["shared_prefix_auto_path"] = choose_path(batch=b, tq=1, heads_q=cfg0.num_attention_heads,
