@@ -1,26 +1,29 @@
 """Cost model choosing between the shared and the flat path of shared-prefix attention.
 
-Both paths are exact; they differ in memory traffic, tensor-core work and launches.  With
-``B`` sequences, ``Tq`` queries each, ``Hq``/``Hkv`` heads of size ``D``, ``G`` prefix groups of
-padded length ``P``, suffix capacity ``S`` and ``e`` bytes per element, one token of K+V is
-``kv = 2 * Hkv * D * e`` bytes, and
+Both paths are exact; they differ in memory traffic, tensor-core work, parallelism and
+launches.  With ``B`` sequences, ``Tq`` queries each, ``Hq``/``Hkv`` heads of size ``D``, ``G``
+prefix groups of padded length ``P``, suffix capacity ``S`` and ``e`` bytes per element, one
+token of K+V is ``kv = 2 * Hkv * D * e`` bytes.  Each kernel costs
 
-* **flat** (one ragged split-KV decode launch, + one small merge when keys are split):
-  ``bytes = B * (P + S) * kv`` (every sequence reads its prefix through the index map),
-  flops are matrix-vector (never the bound);
-  ``t_flat = bytes / BW + launches * t_launch``.
-* **shared** (batched prefix kernel + suffix kernel with fused merge: 2 launches):
-  prefix ``bytes = G * P * kv * reread`` (each tile read about once per group, ``reread``
-  accounts for the row blocks that do not share it in L2), prefix
-  ``flops = 4 * B * R2 * Hkv * P * D`` (``R2`` = rows per sequence and kv head padded to a power
-  of two) at the Triton tensor-core rate ``MMA``, suffix ``bytes = B * S * kv`` plus the float32
-  partials written and read back; ``t_shared = max(bytes_p / BW, flops / MMA) + bytes_s / BW +
-  2 * t_launch``.
+    t = max(bytes / BW, flops / MMA) / util + T_LAUNCH,   util = min(1, programs / (2 * SMS))
 
-``BW``, ``MMA`` and ``t_launch`` default to values measured for these kernels on an H100/H200
-(see ``bench/results/shared_prefix_*.json``); the choice depends only on static shapes.
-RelayAttention's model ``p = (s + c + 2) / (s / b + c + 7)`` is the same comparison with the
-flops term dropped.
+(``util`` models a grid too small to fill the GPU), and
+
+* **flat** (one ragged split-KV decode launch over shared storage, + one small XLA merge when
+  the keys are split to fill the GPU): DRAM ``bytes = (G * P + B * S) * kv``; the other
+  ``(B - G) * P * kv`` bytes of prefix re-reads by every sequence come from L2 (all sequences
+  stream the same prefix at the same time), charged at ``L2_BW``.  Matrix-vector flops never
+  bind.
+* **shared** (batched prefix kernel + suffix kernel with fused merge: 2 launches; the suffix is
+  split, + 1 XLA merge, when ``B * Hkv`` is small): prefix ``bytes = G * P * kv``,
+  ``flops = 4 * B * R2 * Hkv * P * D`` (``R2`` = query rows per sequence and kv head, padded to a
+  power of two) at the Triton tensor-core rate ``MMA``; suffix ``bytes = B * S * kv`` plus the
+  float32 partials.
+
+The constants were measured for these kernels on an H200 (``bench/shared_prefix.py --tune``
+and the grid in ``bench/results/shared_prefix_h200.json``); only static shapes enter.
+RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
+without the flops, parallelism and L2 terms.
 """
 from __future__ import annotations
 
@@ -28,14 +31,25 @@ import dataclasses
 
 __all__ = ["PathCosts", "estimate", "choose_path"]
 
-BW = 2.6e12          # bytes/s the decode kernels stream at (about 80-85% of copy bandwidth)
-MMA = 1.8e14         # FLOP/s of the Triton-lowered prefix kernel's dots
-T_LAUNCH = 5e-6      # seconds per extra kernel launch / dependent stage
-REREAD = 1.25        # prefix tile traffic multiplier of the batched kernel (L2 misses)
+BW = 1.75e12         # bytes/s the decode kernels stream from DRAM (measured, ~70% of copy)
+L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kernel (measured)
+MMA = 2.05e14        # FLOP/s of the Triton-lowered prefix kernel's dots (measured)
+T_LAUNCH = 8e-6      # seconds per kernel launch / dependent stage (launch + ramp + tail)
+SMS = 132            # streaming multiprocessors (H100 / H200)
 
 
 def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kernel_s(nbytes: float, flops: float, programs: int, *, bw: float = BW, mma: float = MMA,
+              l2_bytes: float = 0.0) -> float:
+    util = min(1.0, programs / (2 * SMS))
+    return (max(nbytes / bw + l2_bytes / L2_BW, flops / mma)) / util + T_LAUNCH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,24 +66,43 @@ class PathCosts:
 
 
 def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int, groups: int,
-             prefix_len: int, suffix_len: int, itemsize: int, bw: float = BW, mma: float = MMA,
-             t_launch: float = T_LAUNCH) -> PathCosts:
+             prefix_len: int, suffix_len: int, itemsize: int) -> PathCosts:
     """Modelled seconds of both paths (see the module docstring)."""
+    b, p, s = batch, prefix_len, suffix_len
+    g = min(groups, b)
     kv = 2 * heads_kv * head_dim * itemsize
-    q_bytes = 2 * batch * tq * heads_q * head_dim * itemsize  # q in, out written
-    flat_bytes = batch * (prefix_len + suffix_len) * kv + q_bytes
-    flat_programs = batch * heads_kv
-    flat_launches = 1 if flat_programs >= 264 else 2
-    flat_s = flat_bytes / bw + flat_launches * t_launch
+    q_bytes = 2 * b * tq * heads_q * head_dim * itemsize  # q in, out written
+    r2 = _next_pow2(tq * heads_q // heads_kv)
 
-    rows = batch * _next_pow2(tq * heads_q // heads_kv)
-    prefix_bytes = min(groups, batch) * prefix_len * kv * REREAD
-    prefix_flops = 4.0 * rows * heads_kv * prefix_len * head_dim
-    partial_bytes = 2 * rows * heads_kv * (head_dim + 1) * 4 * 2
-    suffix_bytes = batch * suffix_len * kv + q_bytes + partial_bytes
-    shared_s = (max(prefix_bytes / bw, prefix_flops / mma) + suffix_bytes / bw + 2 * t_launch)
-    return PathCosts(flat_s=flat_s, shared_s=shared_s, flat_bytes=flat_bytes,
-                     shared_bytes=prefix_bytes / REREAD + suffix_bytes, shared_flops=prefix_flops)
+    # flat: one launch over (B, Hkv) programs, keys split to reach 2 * SMS programs.
+    flat_dram = (g * p + b * s) * kv + q_bytes
+    flat_l2 = (b - g) * p * kv
+    splits = 1 if b * heads_kv >= 2 * SMS else max(1, min(_cdiv(2 * SMS, b * heads_kv),
+                                                          _cdiv(p + s, 256)))
+    flat_s = _kernel_s(flat_dram, 0.0, b * heads_kv * splits, l2_bytes=flat_l2)
+    if splits > 1:
+        flat_s += _kernel_s(splits * b * tq * heads_q * (head_dim + 1) * 4, 0.0, 2 * SMS)
+
+    # shared: prefix kernel (row blocks of 128 or 64 rows, prefix split to fill the GPU).
+    rows = b * r2
+    block_m = 128 if rows >= 1024 else 64
+    n_rb = _cdiv(rows + 16, block_m)
+    p_splits = 1 if heads_kv * n_rb >= 2 * SMS else max(1, min(_cdiv(2 * SMS, heads_kv * n_rb),
+                                                               _cdiv(p, 256)))
+    partial_bytes = p_splits * n_rb * block_m * heads_kv * (head_dim + 1) * 4
+    prefix_flops = 4.0 * n_rb * block_m * heads_kv * p * head_dim
+    t_prefix = _kernel_s(g * p * kv + partial_bytes, prefix_flops,
+                         heads_kv * n_rb * p_splits)
+    s_splits = 1 if b * heads_kv >= 2 * SMS else max(1, min(_cdiv(2 * SMS, b * heads_kv),
+                                                            _cdiv(s, 128)))
+    suffix_bytes = b * s * kv + q_bytes + partial_bytes
+    t_suffix = _kernel_s(suffix_bytes, 0.0, b * heads_kv * s_splits)
+    shared_s = t_prefix + t_suffix
+    if s_splits > 1:
+        shared_s += _kernel_s((p_splits + s_splits) * b * tq * heads_q * (head_dim + 1) * 4, 0.0,
+                              2 * SMS)
+    return PathCosts(flat_s=flat_s, shared_s=shared_s, flat_bytes=flat_dram + flat_l2,
+                     shared_bytes=g * p * kv + suffix_bytes, shared_flops=prefix_flops)
 
 
 def choose_path(**shapes) -> str:

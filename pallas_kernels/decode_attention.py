@@ -279,7 +279,7 @@ def _pick_splits(programs: int, seq_len: int, block_k: int, target: int = 264) -
 
 
 def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s, *,
-                 scale, interpret=False, block_k=64, num_warps=4, num_stages=2, num_splits=None):
+                 scale, interpret=False, block_k=128, num_warps=4, num_stages=2, num_splits=None):
     """Flat decode over shared storage: every sequence reads its prefix (through
     ``seq_to_prefix``, no copy) and its suffix in one launch (plus an XLA merge of the key
     splits when ``B * Hkv`` is too small to fill the GPU).
