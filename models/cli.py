@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="parameter/cache dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--output", "-o", default=None, help="write one JSON object per completion to this .jsonl")
+    p.add_argument("--demo", action="store_true",
+                   help="built-in example: chat, a shared system prompt and three questions "
+                        "(--prompt / --questions-file still override them)")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress line on stderr (auto: when stderr is a terminal)")
     return p
@@ -239,6 +242,10 @@ def _progress(enabled, step, total, tokens, seconds):
         sys.stderr.flush()
 
 
+DEMO_SYSTEM = "You are a concise, friendly assistant. Answer in one or two sentences."
+DEMO_QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Give me one tip for learning to cook."]
+
+
 def run(args) -> int:
     t_start = time.perf_counter()
     if args.prompt_file is not None:
@@ -246,6 +253,12 @@ def run(args) -> int:
     else:
         prompt = args.prompt
     questions = None
+    if args.demo:
+        args.chat = True
+        if prompt is None:
+            prompt = DEMO_SYSTEM
+        if args.questions_file is None:
+            questions = list(DEMO_QUESTIONS)
     if args.questions_file is not None:
         questions = [q.strip() for q in _read_text(args.questions_file, "questions file").splitlines()]
         questions = [q for q in questions if q]
