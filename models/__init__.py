@@ -8,6 +8,21 @@
 * :mod:`models.sampling` -- greedy / temperature / top-k / top-p;
 * :mod:`models.generate` -- :class:`PromptBatch`, validation, the jit-compiled decode loop;
 * :mod:`models.weights` -- HF safetensors loader, ``params_from_hf_state_dict``, random init.
+
+Example::
+
+    config, params = load_hf_checkpoint("path/to/llama", jnp.bfloat16)
+    params = unstack_layers(params)        # on GPU: one KV buffer per layer, no slice copies
+    model = Llama(config)
+    prompts = PromptBatch.shared(doc_tokens, suffixes=question_tokens, num_samples=8)
+    out = generate(model, params, prompts, max_new_tokens=128, backend="shared",
+                   sampling=SamplingConfig(temperature=0.7, top_p=0.9), key=jax.random.PRNGKey(0))
+    out.tokens, out.lengths                # [B, 128] and [B]
+
+Layer layout: the loaders return layer-stacked parameters (``lax.scan`` layer loop, fastest to
+compile); :func:`unstack_layers` gives the unrolled layout, which measured about 3x faster per
+layer on an H200 (XLA copies the per-layer slices of stacked arrays inside the scan; see
+``bench/results/decode_step_h200.json``).
 """
 from models.config import Llama3RopeScaling, LlamaConfig, PRESETS
 from models.generate import GenerateOutput, PromptBatch, generate, generate_stream, prefill_prefix_cache
