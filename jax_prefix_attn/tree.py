@@ -8,7 +8,8 @@ of the spans on the root-to-node path (then its own suffix, see ``tree_attention
 Several independent trees (a forest) are batched in one object.
 
 :func:`build_tree_metadata` turns a tree into a :class:`TreeMetadata`: static-shaped,
-padded int32 arrays (a registered pytree) that drive the kernels, so a decode step under
+padded int32 arrays (a registered pytree; numpy on the host, device arrays once passed to a
+jitted function) that drive the kernels, so a decode step under
 ``jax.jit`` does no host work and growing suffixes never need a rebuild.  It holds three
 schedules over the same tree:
 
@@ -48,7 +49,6 @@ import functools
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["PrefixTree", "TreeMetadata", "Schedule", "build_tree_metadata", "ITEM_FIELDS"]
@@ -333,8 +333,8 @@ class Schedule:
     per-chunk token ``(tin, tout, path_pos)`` (flatten mode; ``[1, 3, C]`` dummy otherwise),
     ``parts [B * Tq, P]`` int32 reduction slots (``-1`` = none).
     Static: ``mode`` (``"flatten"`` or ``"node"``), ``block_rows``, ``block_kv``,
-    ``max_tiles`` (node mode: bucketed maximum tiles of one item), ``stats`` (host cost-model
-    numbers, bucketed).
+    ``max_tiles`` (node mode: bucketed maximum tiles of one item), ``stats`` (exact host
+    cost-model numbers; not static pytree data, so flatten/unflatten drops them).
     """
     items: Any
     tok: Any
@@ -346,8 +346,10 @@ class Schedule:
     stats: tuple = ()
 
     def tree_flatten(self):
+        # ``stats`` (exact host numbers) stay out of the static part so that trees in the same
+        # buckets share one compilation; they are only needed when the metadata is built.
         return (self.items, self.tok, self.parts), (self.mode, self.block_rows, self.block_kv,
-                                                    self.max_tiles, self.stats)
+                                                    self.max_tiles)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -458,8 +460,8 @@ def _node_schedule(nodes: np.ndarray, tree: PrefixTree, info: dict, seq_lo, seq_
     w_real = int(items_arr.shape[0])
     stats = (("items", w_real), ("kv_tokens_read", kv_read), ("max_item_tokens", max_item),
              ("partial_rows", int((parts >= 0).sum())), ("parts", int(parts.shape[1])))
-    return Schedule(items=jnp.asarray(_pad_items(items_arr)), tok=jnp.full((1, 3, block_kv), NEVER, jnp.int32),
-                    parts=jnp.asarray(parts), mode="node", block_rows=br, block_kv=block_kv,
+    return Schedule(items=_pad_items(items_arr), tok=np.full((1, 3, block_kv), NEVER, np.int32),
+                    parts=parts, mode="node", block_rows=br, block_kv=block_kv,
                     max_tiles=max_tiles, stats=stats)
 
 
@@ -523,8 +525,8 @@ def _flatten_schedule(tree: PrefixTree, info: dict, sorted_keys: np.ndarray, tq:
     stats = (("items", w_real), ("kv_tokens_read", w_real * c), ("max_item_tokens", c),
              ("partial_rows", int((parts >= 0).sum())), ("parts", int(parts.shape[1])),
              ("chunks", n_chunks), ("tokens", int(ntok.sum()) if n_chunks else 0))
-    return Schedule(items=jnp.asarray(_pad_items(items_arr)), tok=jnp.asarray(tok.astype(np.int32)),
-                    parts=jnp.asarray(parts), mode="flatten", block_rows=br, block_kv=c, max_tiles=1,
+    return Schedule(items=_pad_items(items_arr), tok=tok.astype(np.int32),
+                    parts=parts, mode="flatten", block_rows=br, block_kv=c, max_tiles=1,
                     stats=stats)
 
 
@@ -602,9 +604,9 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
     cost_lvl = sum(schedule_cost(lv, group=group) for lv in levels)
     preferred = "flatten" if cost_flat < cost_lvl else "levelwise"
     del n
-    return TreeMetadata(flatten=flat, nodes=nodes, levels=tuple(levels), sorted_rows=jnp.asarray(sorted_rows),
-                        row_key=jnp.asarray(row_key),
-                        seq_path_len=jnp.asarray(info["seq_path_len"].astype(np.int32)),
+    return TreeMetadata(flatten=flat, nodes=nodes, levels=tuple(levels), sorted_rows=sorted_rows,
+                        row_key=row_key,
+                        seq_path_len=info["seq_path_len"].astype(np.int32),
                         num_seqs=b, tq=int(tq), group=int(group), pool_size=int(pool_size),
                         preferred=preferred, single_level=bool(depth.max() == 0))
 

@@ -146,6 +146,7 @@ def _mirror_partials(sched: Schedule, q_hmd, k_nhd, v_nhd, key_m, lim_m, *, grou
         tok = sched.tok[items[:, CHUNK]]                                  # [W, 3, C]
         vis = (tok[:, None, 0] <= key) & (key < tok[:, None, 1]) & (tok[:, None, 2] <= lim)
         vis = vis & (items[:, NTILES] > 0)[:, None, None]
+        tok_ok = tok[:, 0] != NEVER                                       # [W, C]
     else:
         nt = sched.max_tiles
         t = jnp.arange(nt)
@@ -162,8 +163,9 @@ def _mirror_partials(sched: Schedule, q_hmd, k_nhd, v_nhd, key_m, lim_m, *, grou
         tpos = (items[:, POS0][:, None, None] + off).reshape(off.shape[0], 1, -1)
         node = (items[:, TIN][:, None, None] <= key) & (key < items[:, TOUT][:, None, None])
         vis = node & ok & (tpos <= lim)                                    # [W, M, T*C]
-    k = k_nhd[pos]                                                         # [W, K, Hkv, D]
-    v = v_nhd[pos]
+        tok_ok = ok[:, 0]                                                  # [W, T*C]
+    k = jnp.where(tok_ok[:, :, None, None], k_nhd[pos], 0)                # [W, K, Hkv, D]
+    v = jnp.where(tok_ok[:, :, None, None], v_nhd[pos], 0)                # garbage outside items
     s = jnp.einsum("hwmd,wkhd->hwmk", q.astype(jnp.float32), k.astype(jnp.float32), precision=hi) * scale
     s = jnp.where(vis[None], s, -jnp.inf)
     mx = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
@@ -406,6 +408,7 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
                                    pool_size=k_pool.shape[0])
     else:
         meta = tree
+    meta = jax.tree_util.tree_map(jnp.asarray, meta)
     if impl == "pallas_interpret":
         schedule, backend = "flatten", "interpret"
     else:

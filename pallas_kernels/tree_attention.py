@@ -42,6 +42,7 @@ __all__ = ["tree_partials", "KV_START", "NTILES", "ROW_START", "TIN", "TOUT", "P
            "CHUNK"]
 
 KV_START, NTILES, ROW_START, TIN, TOUT, POS0, LENGTH, OFF0, CHUNK = range(9)
+_NEVER = 1 << 30  # tin of a token nobody sees (jax_prefix_attn.tree.NEVER)
 
 
 def _dot(a, b, fp32: bool, trans_b: bool = False):
@@ -69,6 +70,7 @@ def _kernel(items_ref, tok_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, ls
         t_tin = tok_ref[chunk, 0, :][None, :]
         t_tout = tok_ref[chunk, 1, :][None, :]
         t_pos = tok_ref[chunk, 2, :][None, :]
+        v_ok = (tok_ref[chunk, 0, :] != _NEVER)[:, None]      # [C, 1] tokens of this chunk
     else:
         i_tin = items_ref[w, TIN]
         i_tout = items_ref[w, TOUT]
@@ -77,6 +79,7 @@ def _kernel(items_ref, tok_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, ls
         off0 = items_ref[w, OFF0]
         base = kv_start - off0                                 # pool position of node offset 0
         node_vis = (i_tin <= key) & (key < i_tout)              # [M, 1]
+        rows_c = lax.broadcasted_iota(jnp.int32, (c, 1), 0)    # [C, 1]
 
     def body(t, carry):
         acc, m, l = carry
@@ -87,11 +90,17 @@ def _kernel(items_ref, tok_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, ls
         s = _dot(q, k, fp32, trans_b=True) * scale              # [M, C]
         if mode == "flatten":
             vis = (t_tin <= key) & (key < t_tout) & (t_pos <= lim)
+            tok_ok = v_ok
         else:
             off = start - base + cols                          # node offsets of the window
             lo = off0 + t * c
-            ok = (off >= lo) & (off < jnp.minimum(lo + c, length))
+            hi = jnp.minimum(lo + c, length)
+            ok = (off >= lo) & (off < hi)
             vis = node_vis & ok & (pos0 + off <= lim)
+            off_r = start - base + rows_c
+            tok_ok = (off_r >= lo) & (off_r < hi)
+        # Tokens outside the item may hold anything (even NaN): never let them reach p @ v.
+        v = jnp.where(tok_ok, v, jnp.zeros_like(v))
         s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -113,7 +122,7 @@ def _kernel(items_ref, tok_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, ls
 
 def tree_partials(q_hmd, k_nhd, v_nhd, items_w9, tok_c3c, row_key_m, row_limit_m, *, mode: str,
                   group: int, block_rows: int, block_kv: int, sm_scale: float, interpret: bool = False,
-                  num_warps: int = 4, num_stages: int = 2):
+                  num_warps: int | None = None, num_stages: int = 2):
     """Partial states of every (work item, kv head); see the module docstring for layouts.
 
     Requirements (checked): ``block_kv`` and ``block_rows * group`` powers of two >= 16;
@@ -133,6 +142,8 @@ def tree_partials(q_hmd, k_nhd, v_nhd, items_w9, tok_c3c, row_key_m, row_limit_m
     if k_nhd.shape != (n, hkv, d) or v_nhd.shape != k_nhd.shape:
         raise ValueError(f"k/v must have shape {(n, hkv, d)}, got {k_nhd.shape} and {v_nhd.shape}")
     w = items_w9.shape[0]
+    if num_warps is None:  # [M, C] scores and [M, D] accumulator live in registers
+        num_warps = 8 if max(block_m * block_kv, block_m * d) >= 128 * 128 else 4
     fp32 = jnp.dtype(q_hmd.dtype) == jnp.float32
     kernel = functools.partial(_kernel, mode=mode, group=group, block_m=block_m, block_kv=block_kv,
                                scale=float(sm_scale), fp32=fp32)

@@ -1,0 +1,284 @@
+"""tree_attention vs reference.attention over explicitly concatenated paths (CPU)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from jax_prefix_attn import PrefixTree, reference, tree_attention
+from jax_prefix_attn.tree import build_tree_metadata
+from jax_prefix_attn.tree_attention import _forward
+from test_tree import random_forest
+
+
+def make_inputs(tree, *, tq, hq, hkv, d, smax, seed, dtype=jnp.float32, extra_pool=7):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    b = tree.num_seqs
+    n = tree.pool_extent + extra_pool
+    q = jax.random.normal(ks[0], (b, tq, hq, d), dtype)
+    kp = jax.random.normal(ks[1], (n, hkv, d), dtype)
+    vp = jax.random.normal(ks[2], (n, hkv, d), dtype)
+    sk = jax.random.normal(ks[3], (b, smax, hkv, d), dtype)
+    sv = jax.random.normal(ks[4], (b, smax, hkv, d), dtype)
+    sl = jax.random.randint(ks[5], (b,), 0, smax + 1).astype(jnp.int32)
+    return q, kp, vp, sk, sv, sl
+
+
+def concat_oracle(tree, q, kp, vp, sk, sv, sl, sm_scale=None, lmax=None):
+    """Independent oracle: per sequence, numpy-concatenate path spans and suffix (host), pad to a
+    common length, then one ``reference.attention`` call with ``kv_lengths``."""
+    kp, vp, sk, sv, sl = (np.asarray(x, np.float32) for x in (kp, vp, sk, sv, sl))
+    ctx_k, ctx_v = [], []
+    for b in range(tree.num_seqs):
+        idx = tree.path_token_indices(b)
+        s = int(sl[b])
+        ctx_k.append(np.concatenate([kp[idx], sk[b, :s]], axis=0))
+        ctx_v.append(np.concatenate([vp[idx], sv[b, :s]], axis=0))
+    lens = np.array([c.shape[0] for c in ctx_k], np.int32)
+    lmax = max(1, int(lens.max())) if lmax is None else lmax
+    pad = lambda c: np.concatenate([c, np.zeros((lmax - c.shape[0],) + c.shape[1:], c.dtype)])  # noqa: E731
+    k = jnp.asarray(np.stack([pad(c) for c in ctx_k]))
+    v = jnp.asarray(np.stack([pad(c) for c in ctx_v]))
+    o, l = reference.attention(q.astype(jnp.float32), k, v, causal=True, kv_lengths=jnp.asarray(lens),
+                               sm_scale=sm_scale)
+    return o.astype(q.dtype), l
+
+
+def run(tree, args, impl, **kw):
+    q, kp, vp, sk, sv, sl = args
+    f = jax.jit(lambda q, kp, vp, sk, sv, sl: tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,
+                                                             impl=impl, return_lse=True, **kw))
+    return f(q, kp, vp, sk, sv, sl)
+
+
+def check_close(out, lse, ref_out, ref_lse, tol):
+    assert not np.any(np.isnan(np.asarray(out, np.float32)))
+    assert not np.any(np.isnan(np.asarray(lse)))
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(ref_lse))
+    assert rel_err(out, ref_out) < tol, rel_err(out, ref_out)
+    fin = np.isfinite(np.asarray(ref_lse))
+    assert rel_err(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < tol
+
+
+# (n_trees, max_depth, max_branch, max_len): depth 1-4, branching 1-16, lengths 1-700.
+FORESTS = [(3, 1, 0, 700), (2, 2, 16, 60), (2, 3, 4, 200), (1, 4, 2, 90)]
+
+
+@pytest.mark.parametrize("seed, tq", [(0, 1), (1, 4), (2, 1), (3, 4)])
+def test_parity_random_forests(seed, tq):
+    rng = np.random.default_rng(100 + seed)
+    n_trees, depth, branch, max_len = FORESTS[seed]
+    tree = random_forest(rng, n_trees, depth, branch, max_len)
+    args = make_inputs(tree, tq=tq, hq=4, hkv=2, d=16, smax=9, seed=seed)
+    ref_out, ref_lse = concat_oracle(tree, *args)
+    impls = ("flatten", "levelwise") + (("reference",) if seed == 1 else ())
+    for impl in impls:
+        out, lse = run(tree, args, impl)
+        check_close(out, lse, ref_out, ref_lse, 1e-5)
+
+
+def test_length_one_nodes_and_block_size_16():
+    # Speculative-style: long root, many single-token leaves, chunk boundaries inside nodes.
+    tree = PrefixTree.from_nested([[37] + [1] * 12, [5, 1, [1, 1, 1]]])
+    args = make_inputs(tree, tq=1, hq=2, hkv=1, d=16, smax=3, seed=3)
+    ref_out, ref_lse = concat_oracle(tree, *args)
+    q, kp, vp, sk, sv, sl = args
+    meta = build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0], block_kv=16)
+    for impl in ("flatten", "nodes"):
+        out, lse = jax.jit(lambda q, m, kp, vp, sk, sv, sl, impl=impl: tree_attention(
+            q, m, kp, vp, sk, sv, suffix_lengths=sl, impl=impl, return_lse=True))(q, meta, kp, vp, sk, sv, sl)
+        check_close(out, lse, ref_out, ref_lse, 1e-5)
+
+
+def poison(tree, kp, vp, sk, sv, sl):
+    """NaN everywhere no sequence may look: pool tokens outside spans, suffix beyond lengths."""
+    used = np.zeros(kp.shape[0], bool)
+    for s, n in zip(tree.starts, tree.lengths):
+        used[s:s + n] = True
+    smask = (jnp.arange(sk.shape[1])[None, :] < sl[:, None])[..., None, None]
+    return (jnp.where(used[:, None, None], kp, jnp.nan), jnp.where(used[:, None, None], vp, jnp.nan),
+            jnp.where(smask, sk, jnp.nan), jnp.where(smask, sv, jnp.nan)), used
+
+
+def test_pallas_interpret_kernels_flatten_and_node_mode_with_nan_poison():
+    tree = PrefixTree(parents=[-1, 0, 0, 2, -1], starts=[40, 3, 90, 100, 130], lengths=[30, 5, 1, 20, 0],
+                      leaf_of_seq=[1, 3, 3, 2, 4])
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=4, hq=4, hkv=2, d=16, smax=6, seed=11, extra_pool=9)
+    ref_out, ref_lse = concat_oracle(tree, q, kp, vp, sk, sv, sl)
+    bad, _ = poison(tree, kp, vp, sk, sv, sl)
+    out, lse = run(tree, (q, *bad, sl), "pallas_interpret")
+    check_close(out, lse, ref_out, ref_lse, 1e-5)
+    meta = build_tree_metadata(tree, tq=4, group=2, pool_size=kp.shape[0])
+    out, lse = jax.jit(lambda *a: _forward(*a, scale=0.25, schedule="levelwise", backend="interpret"))(
+        q, meta, *bad, sl)
+    check_close(out, lse, ref_out, ref_lse, 1e-5)
+
+
+def test_hydragen_apps_shape():
+    """Few-shot root shared by all, 8 problems, 16 samples each (Hydragen section 4.4)."""
+    rng = np.random.default_rng(0)
+    problems = [int(x) for x in rng.integers(5, 40, size=8)]
+    tree = PrefixTree.from_nested([[96] + problems], seqs_per_leaf=16)
+    assert tree.num_seqs == 128 and tree.num_nodes == 9
+    args = make_inputs(tree, tq=1, hq=2, hkv=1, d=16, smax=8, seed=5)
+    ref_out, ref_lse = concat_oracle(tree, *args)
+    meta = build_tree_metadata(tree, tq=1, group=2, pool_size=args[1].shape[0])
+    other = "flatten" if meta.preferred == "levelwise" else "levelwise"
+    for impl in ("auto", other):
+        out, lse = run(tree, args, impl)
+        check_close(out, lse, ref_out, ref_lse, 1e-5)
+
+
+def test_bf16_and_sm_scale():
+    tree = PrefixTree.from_nested([[50, [20, 3, 4], 9], [30, 2]], seqs_per_leaf=2)
+    args = make_inputs(tree, tq=4, hq=8, hkv=2, d=32, smax=10, seed=2, dtype=jnp.bfloat16)
+    q, kp, vp, sk, sv, sl = args
+    ref_out, ref_lse = concat_oracle(tree, *args)
+    out, lse = run(tree, args, "levelwise")
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    check_close(out, lse, ref_out, ref_lse, 2e-2)
+    out, lse = run(tree, args, "auto", sm_scale=0.3)
+    ref_s, _ = concat_oracle(tree, *args, sm_scale=0.3)
+    assert rel_err(out, ref_s) < 2e-2
+    assert rel_err(ref_s, ref_out) > 1e-2  # the scale matters
+
+
+def test_gradients_match_reference():
+    tree = PrefixTree.from_nested([[9, [4, 2, 3], 5], 6], seqs_per_leaf=2)
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=2, hq=4, hkv=2, d=16, smax=5, seed=9)
+    ks = jax.random.split(jax.random.PRNGKey(42), 2)
+    w_o = jax.random.normal(ks[0], q.shape)
+    w_l = jax.random.normal(ks[1], q.shape[:3])
+
+    def loss(impl):
+        def f(q, kp, vp, sk, sv):
+            o, l = tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl, return_lse=True)
+            return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * w_l)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, kp, vp, sk, sv)
+
+    g_ref = loss("reference")
+    for impl in ("levelwise",):
+        g = loss(impl)
+        for a, r in zip(g, g_ref):
+            assert np.all(np.isfinite(np.asarray(a)))
+            assert rel_err(a, r) < 1e-5
+
+
+def test_jit_with_metadata_argument_no_retrace_when_suffix_grows():
+    tree = PrefixTree.from_nested([[20, 5, [6, 2, 1]]], seqs_per_leaf=3)
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=2, hkv=1, d=16, smax=6, seed=1)
+    meta = build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0])
+    traces = []
+
+    @jax.jit
+    def step(meta, q, sl):
+        traces.append(1)
+        return tree_attention(q, meta, kp, vp, sk, sv, suffix_lengths=sl, impl="flatten")
+
+    for s in range(3):
+        lens = jnp.minimum(sl + s, 6)
+        out = step(meta, q, lens)
+        ref_out, _ = concat_oracle(tree, q, kp, vp, sk, sv, lens, lmax=64)
+        assert rel_err(out, ref_out) < 1e-5
+    assert len(traces) == 1
+
+
+def test_empty_rows_and_nan_poison_outside_spans():
+    # Root of length 0 and a sequence with no suffix: it sees nothing (lse -inf, out 0).
+    tree = PrefixTree(parents=[-1, 0, -1], starts=[0, 3, 10], lengths=[0, 4, 0], leaf_of_seq=[1, 1, 2, 0])
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=2, hkv=1, d=16, smax=4, seed=4, extra_pool=20)
+    sl = jnp.array([2, 4, 0, 3], jnp.int32)
+    ref_out, ref_lse = concat_oracle(tree, q, kp, vp, sk, sv, sl)
+    assert not np.isfinite(ref_lse[2]).any()
+    (kp_bad, vp_bad, sk_bad, sv_bad), used = poison(tree, kp, vp, sk, sv, sl)
+
+    def f(q, kp, vp):
+        o, l = tree_attention(q, tree, kp, vp, sk_bad, sv_bad, suffix_lengths=sl, impl="flatten", return_lse=True)
+        return jnp.sum(o), (o, l)
+    g, (out, lse) = jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(q, kp_bad, vp_bad)
+    check_close(out, lse, ref_out, ref_lse, 1e-5)
+    assert np.all(np.asarray(out[2]) == 0)
+    assert np.all(np.isfinite(np.asarray(g[0])))
+    assert np.all(np.isfinite(np.asarray(g[1])[used])) and np.all(np.isfinite(np.asarray(g[2])[used]))
+    assert np.all(np.asarray(g[0][2]) == 0)
+
+
+def test_error_paths():
+    tree = PrefixTree.from_nested([[6, 2, 3]], seqs_per_leaf=2)
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=2, hkv=1, d=16, smax=3, seed=0)
+    call = lambda **kw: tree_attention(**{**dict(q=q, tree=tree, k_pool=kp, v_pool=vp, suffix_k=sk,  # noqa: E731
+                                                 suffix_v=sv, suffix_lengths=sl), **kw})
+    with pytest.raises(ValueError, match="impl"):
+        call(impl="fast")
+    with pytest.raises(ValueError, match="batch 3"):
+        call(q=jnp.zeros((3, 1, 2, 16)))
+    with pytest.raises(ValueError, match="outside the pool"):
+        call(k_pool=kp[:10], v_pool=vp[:10])
+    with pytest.raises(ValueError, match="k_pool and v_pool"):
+        call(v_pool=vp[:-1])
+    with pytest.raises(TypeError, match="v_pool"):
+        call(v_pool=vp.astype(jnp.bfloat16))
+    kp2 = jnp.zeros((kp.shape[0], 2, 16))
+    sk2 = jnp.zeros((4, 3, 2, 16))
+    with pytest.raises(ValueError, match="heads_q must be a multiple"):
+        call(q=jnp.zeros((4, 1, 3, 16)), k_pool=kp2, v_pool=kp2, suffix_k=sk2, suffix_v=sk2)
+    with pytest.raises(ValueError, match="suffix_lengths must be <= 3"):
+        call(suffix_lengths=jnp.array([1, 2, 4, 0], jnp.int32))
+    with pytest.raises(ValueError, match="suffix_k must have batch"):
+        call(suffix_k=sk[:2], suffix_v=sv[:2])
+    with pytest.raises(TypeError, match="tree must be"):
+        call(tree=[0, 1])
+    meta = build_tree_metadata(tree, tq=2, group=2, pool_size=kp.shape[0])
+    with pytest.raises(ValueError, match="rebuild"):
+        call(tree=meta)
+    with pytest.raises(TypeError, match="PrefixTree"):
+        call(tree=build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0]), impl="reference")
+    with pytest.raises(ValueError, match="rank 4"):
+        call(q=q[0])
+
+
+# ----------------------------------------------------------------------------- GPU (compiled Pallas)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol, tq, seeds", [(jnp.float32, 1e-5, 4, (0, 1, 2, 3)),
+                                                    (jnp.float32, 1e-5, 1, (2,)),
+                                                    (jnp.bfloat16, 2e-2, 1, (0, 1, 2, 3)),
+                                                    (jnp.bfloat16, 2e-2, 4, (1,))])
+def test_gpu_parity_random_forests(dtype, tol, tq, seeds):
+    for seed in seeds:
+        rng = np.random.default_rng(200 + seed)
+        tree = random_forest(rng, *FORESTS[seed])
+        args = make_inputs(tree, tq=tq, hq=8, hkv=2, d=64, smax=37, seed=seed, dtype=dtype)
+        ref_out, ref_lse = concat_oracle(tree, *args)
+        q, kp, vp, sk, sv, sl = args
+        f = jax.jit(lambda q, kp, vp, sk, sv, sl: [tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,
+                                                                  impl=impl, return_lse=True)
+                                                   for impl in ("flatten", "levelwise", "nodes")])
+        for out, lse in f(*args):
+            check_close(out, lse, ref_out, ref_lse, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_llama_heads_apps_like_and_speculative():
+    rng = np.random.default_rng(3)
+    for forest, per_leaf, smax in (([[700] + [int(x) for x in rng.integers(30, 200, 6)]], 24, 130),
+                                   ([[1500] + [1] * 64], 1, 0)):
+        tree = PrefixTree.from_nested(forest, seqs_per_leaf=per_leaf)
+        args = make_inputs(tree, tq=1, hq=32, hkv=8, d=128, smax=smax, seed=1, dtype=jnp.bfloat16)
+        ref_out, ref_lse = concat_oracle(tree, *args)
+        for impl in ("flatten", "levelwise", "nodes", "auto"):
+            out, lse = run(tree, args, impl)
+            check_close(out, lse, ref_out, ref_lse, 2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_nan_poison_outside_spans():
+    tree = PrefixTree(parents=[-1, 0, 0], starts=[200, 5, 140], lengths=[100, 33, 1],
+                      leaf_of_seq=[1, 1, 2, 0])
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=2, hq=4, hkv=2, d=64, smax=40, seed=4, extra_pool=50)
+    ref_out, ref_lse = concat_oracle(tree, q, kp, vp, sk, sv, sl)
+    bad, _ = poison(tree, kp, vp, sk, sv, sl)
+    for impl in ("flatten", "levelwise"):
+        out, lse = run(tree, (q, *bad, sl), impl)
+        check_close(out, lse, ref_out, ref_lse, 1e-5)
