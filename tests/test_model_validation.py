@@ -101,3 +101,35 @@ def test_sharded_checkpoint_loads_like_single(tmp_path):
 def jax_leaves(tree):
     import jax  # noqa: PLC0415
     return jax.tree_util.tree_leaves(tree)
+
+
+def test_cache_pytrees_and_abstract_shapes():
+    import jax  # noqa: PLC0415
+
+    from models.kv_cache import abstract_kv_cache, empty_prefix_cache, init_kv_cache  # noqa: PLC0415
+    for stacked in (True, False):
+        prefix = empty_prefix_cache(CFG, jnp.float32, stacked=stacked)
+        cache = init_kv_cache(CFG, prefix, 4, 10, jnp.bfloat16, backend="none", stacked=stacked)
+        abstract = abstract_kv_cache(CFG, prefix, 4, 10, jnp.bfloat16, backend="none", stacked=stacked)
+        leaves, treedef = jax.tree_util.tree_flatten(cache)
+        assert [l.shape for l in leaves] == [a.shape for a in jax.tree_util.tree_leaves(abstract)]
+        # k and v (stacked, or one pair per layer) + lengths + pos_offset; the empty prefix has no leaf
+        assert len(leaves) == (2 if stacked else 2 * CFG.num_hidden_layers) + 2
+        assert cache.capacity == 10 and cache.batch == 4
+        assert jax.tree_util.tree_unflatten(treedef, leaves).backend == "none"  # static metadata
+        if stacked:
+            assert cache.layers["k"].shape == (2, 4, 10, 2, 16) and cache.layers["k"].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="backend must be one of"):
+        init_kv_cache(CFG, prefix, 4, 10, jnp.float32, backend="paged")
+
+
+def test_layer_layout_mismatch_is_reported():
+    import jax  # noqa: PLC0415
+
+    from models import init_params  # noqa: PLC0415
+    from models.kv_cache import empty_prefix_cache, init_kv_cache  # noqa: PLC0415
+    params = init_params(CFG, jax.random.PRNGKey(0), jnp.float32)  # stacked
+    prefix = empty_prefix_cache(CFG, jnp.float32, stacked=False)
+    cache = init_kv_cache(CFG, prefix, 2, 8, jnp.float32, stacked=False)
+    with pytest.raises(ValueError, match="layer layout mismatch"):
+        Llama(CFG).decode_step(params, cache, jnp.zeros((2,), jnp.int32))
