@@ -238,3 +238,31 @@ def test_default_model_answers_paris(tmp_path, capsys):
     assert [r["completion"] for r in recs] == ["The capital of France is Paris."] * 2
     assert all(r["finish_reason"] == "stop" for r in recs)
     assert "2 sequences" in stdout and "(shared)" in stdout
+
+
+def test_hf_directory_model_gives_the_same_completions(tiny_model, tmp_path, capsys):
+    """`--model DIR` (config.json + model.safetensors + tokenizer.json) of the same weights and
+    tokenizer as the tiny GGUF: identical greedy completions."""
+    from safetensors.numpy import save_file
+
+    from models.gguf import load_gguf
+    from models.tokenizer import Tokenizer
+
+    hf_cfg, state = load_gguf(tiny_model)
+    d = tmp_path / "hfdir"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf_cfg))
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(d / "model.safetensors"))
+    tok = Tokenizer.from_gguf(tiny_model)
+    tok.backend.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+         "chat_template": tok.chat_template}))
+    outs = []
+    for model in (tiny_model, d):
+        o = tmp_path / f"{len(outs)}.jsonl"
+        rc, _, err = _run(SAMPLE_ARGV(model) + ["-t", 0, "-o", o], capsys)
+        assert rc == 0, err
+        outs.append(_records(o))
+    assert outs[0] == outs[1]
+    assert len(outs[0]) == 3
