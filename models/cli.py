@@ -361,7 +361,8 @@ def run(args) -> int:
     n_tokens = int(lengths.sum())
     itemsize = 2 if dtype_name == "bfloat16" else 4
     shared_b, flat_b = kv_cache_bytes(config, batch, m, itemsize)
-    used_b = shared_b if backend == "shared" else flat_b
+    kv = (f"KV cache {_fmt_bytes(shared_b)} (shared) vs {_fmt_bytes(flat_b)} flat" if backend == "shared" else
+          f"KV cache {_fmt_bytes(flat_b)} (flat; shared would need {_fmt_bytes(shared_b)})")
     prompt_tokens = sum(len(n) for lv in batch.levels for n in lv) + int(batch.suffix_lengths().sum())
     decode_s = (t_end - t_first) if t_first is not None else 0.0
     decode_tokens = n_tokens - int((lengths > 0).sum())  # tokens after each sequence's first
@@ -372,8 +373,7 @@ def run(args) -> int:
     summary = (f"{b} sequences ({len(group_ids)} prompt{'s' if len(group_ids) > 1 else ''} x {args.num_samples} "
                f"samples), {n_tokens} new tokens in {t_end - t_loaded:.2f} s | load {t_loaded - t_start:.2f} s | "
                f"prefill {prompt_tokens} prompt tokens {prefill_s:.2f} s | decode {decode_tokens} tokens "
-               f"{decode_s:.2f} s, {steady:.1f} tok/s after the first step | KV cache {_fmt_bytes(used_b)} ({backend}) vs flat "
-               f"{_fmt_bytes(flat_b)} | {jax.default_backend()} {dtype_name} | prefill and first step include JIT compilation")
+               f"{decode_s:.2f} s, {steady:.1f} tok/s after the first step | {kv} | {jax.default_backend()} {dtype_name} | prefill and first step include JIT compilation")
     print(summary, file=sys.stderr if args.output is None else sys.stdout)
     if interrupted:
         print(f"{PROG}: interrupted after {steps} steps; printed what was finished", file=sys.stderr)
