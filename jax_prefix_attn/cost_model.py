@@ -14,8 +14,10 @@ token of K+V is ``kv = 2 * Hkv * D * e`` bytes.  Each kernel costs
   ``(B - G) * P * kv`` bytes of prefix re-reads by every sequence come from L2 (all sequences
   stream the same prefix at the same time), charged at ``L2_BW``.  Matrix-vector flops never
   bind.
-* **shared** (batched prefix kernel + suffix kernel with fused merge: 2 launches; the suffix is
-  split, + 1 XLA merge, when ``B * Hkv`` is small): prefix ``bytes = G * P * kv``,
+* **shared**: either batched prefix kernel + suffix kernel with fused merge (2 launches; the
+  suffix is split, + 1 XLA merge, when ``B * Hkv`` is small), or, for large batches, one launch
+  of interleaved prefix and suffix programs + 1 XLA merge (``max`` of the two parts plus 30% of
+  the smaller for imperfect overlap): prefix ``bytes = G * P * kv``,
   ``flops = 4 * B * R2 * Hkv * P * D`` (``R2`` = query rows per sequence and kv head, padded to a
   power of two) at the Triton tensor-core rate ``MMA``; suffix ``bytes = B * S * kv`` plus the
   float32 partials.
@@ -97,7 +99,15 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
                                                             _cdiv(s, 128)))
     suffix_bytes = b * s * kv + q_bytes + partial_bytes
     t_suffix = _kernel_s(suffix_bytes, 0.0, b * heads_kv * s_splits)
-    shared_s = t_prefix + t_suffix
+    from pallas_kernels.prefix_attention import choose_variant  # noqa: PLC0415
+    if choose_variant(b, heads_kv, r2) == "overlap":
+        # One launch with interleaved prefix and suffix programs: the two overlap (imperfectly),
+        # then one XLA merge of the float32 partials.
+        shared_s = (max(t_prefix, t_suffix) + 0.3 * min(t_prefix, t_suffix)
+                    + _kernel_s(2 * (p_splits + 1) * b * tq * heads_q * (head_dim + 1) * 4, 0.0,
+                                2 * SMS))
+    else:
+        shared_s = t_prefix + t_suffix
     if s_splits > 1:
         shared_s += _kernel_s((p_splits + s_splits) * b * tq * heads_q * (head_dim + 1) * 4, 0.0,
                               2 * SMS)

@@ -56,6 +56,61 @@ class Source:
     row_limit: jax.Array
 
 
+def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k, seq_len,
+                scale_log2, precision):
+    """Online-softmax accumulation of rows ``q [BM, D]`` over keys ``[k_start, k_start + chunk)``
+    of pool entries ``idx [BM]`` (row ``r`` sees keys ``< lim[r]``) for kv head ``h``.
+
+    ``carry = (acc [BM, D], m [BM] (log2 units), l [BM])`` float32; returns the updated carry.
+    Loops over the pool entries present in the block, and for each over its key tiles up to
+    the longest limit of its rows (empty ranges run zero iterations).
+    """
+    cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    g_lo = jnp.min(idx)
+    g_hi = jnp.max(idx) + 1
+    need_mask = seq_len % block_k != 0
+
+    def group_body(g, carry):
+        rl = jnp.where(idx == g, lim, 0)  # [BM] limits of this entry's rows
+        k_end = jnp.minimum(k_start + chunk, jnp.max(rl))
+        n_blk = jnp.maximum(k_end - k_start + block_k - 1, 0) // block_k
+
+        def kv_body(t, c):
+            acc, m_i, l_i = c
+            k0 = k_start + t * block_k
+            ks = pl.ds(pl.multiple_of(k0, block_k), block_k)
+            if need_mask:
+                in_b = (k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)) < seq_len
+                k = plgpu.load(k_ref.at[g, ks, h, :], mask=in_b, other=0.0)
+                v = plgpu.load(v_ref.at[g, ks, h, :], mask=in_b, other=0.0)
+            else:
+                k = k_ref[g, ks, h, :]
+                v = v_ref[g, ks, h, :]
+            sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32) * scale_log2
+            sc = jnp.where((k0 + cols) < rl[:, None], sc, -jnp.inf)
+            m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(sc - m_use[:, None])
+            l_i = l_i * alpha + jnp.sum(p, axis=1)
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=precision, preferred_element_type=jnp.float32)
+            acc = acc * alpha[:, None] + pv
+            return acc, m_new, l_i
+
+        return lax.fori_loop(0, n_blk, kv_body, carry)
+
+    return lax.fori_loop(g_lo, g_hi, group_body, carry)
+
+
+def finish_state(acc, m_i, l_i):
+    """``(o [BM, D], lse [BM])`` (natural log) from an online-softmax state."""
+    has = l_i > 0
+    l_safe = jnp.where(has, l_i, 1.0)
+    return acc / l_safe[:, None], jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+
+
 def _kernel(*refs, n_src, chunks, block_k, seq_lens, scale_log2, n_in, in_stride,
             finalize, precision):
     q_ref = refs[0]
@@ -71,54 +126,14 @@ def _kernel(*refs, n_src, chunks, block_k, seq_lens, scale_log2, n_in, in_stride
     sp = pl.program_id(2)
     q = q_ref[...]  # [BM, D]
     bm, d = q.shape
-    acc = jnp.zeros((bm, d), jnp.float32)
-    m_i = jnp.full((bm,), -jnp.inf, jnp.float32)
-    l_i = jnp.zeros((bm,), jnp.float32)
-    cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-
+    carry = (jnp.zeros((bm, d), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
+             jnp.zeros((bm,), jnp.float32))
     for si in range(n_src):
         idx_ref, lim_ref, k_ref, v_ref = src_refs[si]
-        chunk, seq_len = chunks[si], seq_lens[si]
-        idx = idx_ref[...]
-        lim = lim_ref[...]
-        g_lo = jnp.min(idx)
-        g_hi = jnp.max(idx) + 1
-        k_start = sp * chunk
-        need_mask = seq_len % block_k != 0
-
-        def group_body(g, carry, idx=idx, lim=lim, k_start=k_start, k_ref=k_ref, v_ref=v_ref,
-                       chunk=chunk, seq_len=seq_len, need_mask=need_mask):
-            rl = jnp.where(idx == g, lim, 0)  # [BM] limits of this entry's rows
-            k_end = jnp.minimum(k_start + chunk, jnp.max(rl))
-            n_blk = jnp.maximum(k_end - k_start + block_k - 1, 0) // block_k
-
-            def kv_body(t, c):
-                acc, m_i, l_i = c
-                k0 = k_start + t * block_k
-                ks = pl.ds(pl.multiple_of(k0, block_k), block_k)
-                if need_mask:
-                    in_b = (k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)) < seq_len
-                    k = plgpu.load(k_ref.at[g, ks, h, :], mask=in_b, other=0.0)
-                    v = plgpu.load(v_ref.at[g, ks, h, :], mask=in_b, other=0.0)
-                else:
-                    k = k_ref[g, ks, h, :]
-                    v = v_ref[g, ks, h, :]
-                s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                    preferred_element_type=jnp.float32) * scale_log2
-                s = jnp.where((k0 + cols) < rl[:, None], s, -jnp.inf)
-                m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp2(m_i - m_use)
-                p = jnp.exp2(s - m_use[:, None])
-                l_i = l_i * alpha + jnp.sum(p, axis=1)
-                pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                     precision=precision, preferred_element_type=jnp.float32)
-                acc = acc * alpha[:, None] + pv
-                return acc, m_new, l_i
-
-            return lax.fori_loop(0, n_blk, kv_body, carry)
-
-        acc, m_i, l_i = lax.fori_loop(g_lo, g_hi, group_body, (acc, m_i, l_i))
+        carry = attend_pool(q, idx_ref[...], lim_ref[...], k_ref, v_ref, h, sp * chunks[si],
+                            carry, chunk=chunks[si], block_k=block_k, seq_len=seq_lens[si],
+                            scale_log2=scale_log2, precision=precision)
+    acc, m_i, l_i = carry
 
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)

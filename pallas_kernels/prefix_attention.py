@@ -23,11 +23,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode_attention import (Source, cdiv, merge_partials, next_pow2,
-                                             q_rows_layout, ragged_attention, row_meta,
-                                             rows_from_q, rows_to_out)
+import functools
+import math
 
-__all__ = ["prefix_partials", "shared_prefix_forward", "prefix_config"]
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.decode_attention import (Source, attend_pool, cdiv, finish_state,
+                                             merge_partials, next_pow2, q_rows_layout,
+                                             ragged_attention, row_meta, rows_from_q,
+                                             rows_to_out)
+
+# Shared-path variant used by ``shared_prefix_forward`` when none is given:
+# "fused": prefix kernel, then suffix kernel merging the prefix partials in its epilogue;
+# "overlap": one launch whose programs are interleaved prefix tiles and suffix decodes (the
+# compute-bound and memory-bound work overlap on the GPU), then one small XLA merge;
+# "auto": "overlap" when both parts are large enough to matter, else "fused".
+VARIANT = "auto"
+
+__all__ = ["prefix_partials", "shared_prefix_forward", "prefix_config", "overlap_partials"]
+
+
+def choose_variant(batch: int, heads_kv: int, rows_per_seq_pow2: int) -> str:
+    """``"overlap"`` when there are enough suffix programs (``B * Hkv``) and prefix rows to keep
+    both kinds of work busy side by side, else ``"fused"``."""
+    return "overlap" if (batch * heads_kv >= 264 and batch * rows_per_seq_pow2 >= 256) else "fused"
 
 
 def prefix_config(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
@@ -63,7 +84,7 @@ def prefix_partials(q_hmd, prefix_k, prefix_v, row_group, row_limit, *, scale, b
 
 def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
                           *, scale, interpret=False, prefix_cfg=None, suffix_block_k=64,
-                          suffix_warps=4, suffix_stages=3, suffix_splits=None):
+                          suffix_warps=4, suffix_stages=3, suffix_splits=None, variant=None):
     """Shared path: batched prefix kernel, then suffix decode with the merge in its epilogue.
 
     When ``B * Hkv`` is too small to fill the GPU the suffix keys are split across programs
@@ -82,6 +103,9 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     cfg = prefix_config(b, r, hkv, p) if prefix_cfg is None else prefix_cfg
     block_m = cfg["block_m"]
     q = q.astype(prefix_k.dtype)
+    variant = VARIANT if variant is None else variant
+    if variant == "auto":
+        variant = choose_variant(b, hkv, r2)
 
     if g == 1:
         order = inv = None
@@ -100,6 +124,10 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                         pad_value=s2p_sorted)
     grp_rows = jnp.pad(grp_rows, (0, m_pad - m), mode="edge")
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m))
+    if variant == "overlap":
+        return _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, lim_rows,
+                                lim_s, order, inv, cfg=cfg, scale=scale, interpret=interpret,
+                                suffix_block_k=suffix_block_k)
     o_pre, lse_pre = prefix_partials(qp, prefix_k, prefix_v, grp_rows, lim_rows, scale=scale,
                                      block_m=block_m, block_k=cfg["block_k"],
                                      num_splits=cfg["num_splits"], num_warps=cfg["num_warps"],
@@ -175,3 +203,114 @@ def shared_prefix_forward_unfused(q, prefix_k, prefix_v, suffix_k, suffix_v, seq
     lse_s = rows_to_out(lse_s[0], b, tq, hq, r16)
     o, lse = merge_partials(jnp.stack([o_pre, o_s]), jnp.stack([lse_pre, lse_s]))
     return o.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------- overlap variant
+
+def _overlap_kernel(q_pre_ref, grp_ref, limp_ref, pk_ref, pv_ref, q_suf_ref, sidx_ref, lims_ref,
+                    sk_ref, sv_ref, o_pre_ref, lse_pre_ref, o_suf_ref, lse_suf_ref, *, n_pre,
+                    stride, n_rb, p_splits, batch, s_splits, chunk_p, chunk_s, block_m, r16,
+                    block_k_p, block_k_s, seq_p, seq_s, scale_log2, precision):
+    pid = pl.program_id(0)
+    is_pre = jnp.logical_and(pid % stride == 0, pid // stride < n_pre)
+    d = q_pre_ref.shape[-1]
+
+    def init(bm):
+        return (jnp.zeros((bm, d), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
+                jnp.zeros((bm,), jnp.float32))
+
+    @pl.when(is_pre)
+    def _prefix():
+        i = pid // stride
+        h = i // (n_rb * p_splits)
+        rem = i % (n_rb * p_splits)
+        rb, sp = rem // p_splits, rem % p_splits
+        rows = pl.ds(pl.multiple_of(rb * block_m, block_m), block_m)
+        carry = attend_pool(q_pre_ref[h, rows, :], grp_ref[rows], limp_ref[rows], pk_ref, pv_ref,
+                            h, sp * chunk_p, init(block_m), chunk=chunk_p, block_k=block_k_p,
+                            seq_len=seq_p, scale_log2=scale_log2, precision=precision)
+        o, lse = finish_state(*carry)
+        o_pre_ref[sp, h, rows, :] = o
+        lse_pre_ref[sp, h, rows] = lse
+
+    @pl.when(jnp.logical_not(is_pre))
+    def _suffix():
+        j = pid - jnp.minimum(pid // stride + 1, n_pre)
+        h = j // (batch * s_splits)
+        rem = j % (batch * s_splits)
+        b, ss = rem // s_splits, rem % s_splits
+        rows = pl.ds(pl.multiple_of(b * r16, r16), r16)
+        carry = attend_pool(q_suf_ref[h, rows, :], sidx_ref[rows], lims_ref[rows], sk_ref, sv_ref,
+                            h, ss * chunk_s, init(r16), chunk=chunk_s, block_k=block_k_s,
+                            seq_len=seq_s, scale_log2=scale_log2, precision=precision)
+        o, lse = finish_state(*carry)
+        o_suf_ref[ss, h, rows, :] = o
+        lse_suf_ref[ss, h, rows] = lse
+
+
+def overlap_partials(q_pre, grp_rows, limp_rows, prefix_k, prefix_v, q_suf, sidx_rows, lims_rows,
+                     suffix_k, suffix_v, *, scale, block_m, block_k, num_splits, r16,
+                     suffix_block_k=64, suffix_splits=1, num_warps=4, num_stages=2,
+                     interpret=False):
+    """One launch computing prefix partials (batched rows, ``block_m`` per program) and suffix
+    partials (one sequence's ``r16`` rows per program) with the two kinds of programs
+    interleaved over the grid so tensor-core-bound and bandwidth-bound work run together.
+
+    Returns ``(o_pre [splits, Hkv, M, D], lse_pre, o_suf [suffix_splits, Hkv, B*r16, D], lse_suf)``.
+    """
+    hkv, m, d = q_pre.shape
+    batch = q_suf.shape[1] // r16
+    n_rb = m // block_m
+    p_len, s_len = prefix_k.shape[1], suffix_k.shape[1]
+    n_pre = hkv * n_rb * num_splits
+    n_suf = hkv * batch * suffix_splits
+    total = n_pre + n_suf
+    stride = max(1, total // n_pre)
+    chunk_p = cdiv(cdiv(p_len, num_splits), block_k) * block_k
+    chunk_s = cdiv(cdiv(s_len, suffix_splits), suffix_block_k) * suffix_block_k
+    precision = lax.Precision.HIGHEST if q_pre.dtype == jnp.float32 else lax.Precision.DEFAULT
+    kernel = functools.partial(
+        _overlap_kernel, n_pre=n_pre, stride=stride, n_rb=n_rb, p_splits=num_splits,
+        batch=batch, s_splits=suffix_splits, chunk_p=chunk_p, chunk_s=chunk_s, block_m=block_m,
+        r16=r16, block_k_p=block_k, block_k_s=suffix_block_k, seq_p=p_len, seq_s=s_len,
+        scale_log2=float(scale) * math.log2(math.e), precision=precision)
+    args = [q_pre, grp_rows.astype(jnp.int32), limp_rows.astype(jnp.int32), prefix_k, prefix_v,
+            q_suf, sidx_rows.astype(jnp.int32), lims_rows.astype(jnp.int32), suffix_k, suffix_v]
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, n=x.ndim: (0,) * n)  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((num_splits, hkv, m, d), jnp.float32),
+                 jax.ShapeDtypeStruct((num_splits, hkv, m), jnp.float32),
+                 jax.ShapeDtypeStruct((suffix_splits, hkv, batch * r16, d), jnp.float32),
+                 jax.ShapeDtypeStruct((suffix_splits, hkv, batch * r16), jnp.float32)]
+    return pl.pallas_call(
+        kernel, grid=(total,), in_specs=[whole(x) for x in args],
+        out_specs=[whole(x) for x in out_shape], out_shape=out_shape, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="shared_prefix_overlap",
+    )(*args)
+
+
+def _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, lim_rows, lim_s,
+                     order, inv, *, cfg, scale, interpret, suffix_block_k):
+    b, tq, hq, d = q.shape
+    hkv = prefix_k.shape[2]
+    grp = hq // hkv
+    r, r16 = q_rows_layout(tq, hq, hkv)
+    r2 = next_pow2(r)
+    m = b * r2
+    qs = rows_from_q(q, hkv, r16, order)
+    b_sorted = jnp.arange(b, dtype=jnp.int32) if order is None else order
+    sidx = row_meta(jnp.broadcast_to(b_sorted[:, None], (b, tq)), grp, r16, pad_value=b_sorted)
+    lims = row_meta(lim_s, grp, r16, order)
+    o_pre, lse_pre, o_s, lse_s = overlap_partials(
+        qp, grp_rows, lim_rows, prefix_k, prefix_v, qs, sidx, lims, suffix_k, suffix_v,
+        scale=scale, block_m=cfg["block_m"], block_k=cfg["block_k"],
+        num_splits=cfg["num_splits"], r16=r16, suffix_block_k=suffix_block_k,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=interpret)
+    npf, ns = o_pre.shape[0], o_s.shape[0]
+    o_all = jnp.concatenate([o_pre[:, :, :m].reshape(npf, hkv, b, r2, d)[:, :, :, :r],
+                             o_s.reshape(ns, hkv, b, r16, d)[:, :, :, :r]], axis=0)
+    l_all = jnp.concatenate([lse_pre[:, :, :m].reshape(npf, hkv, b, r2)[:, :, :, :r],
+                             lse_s.reshape(ns, hkv, b, r16)[:, :, :, :r]], axis=0)
+    o, lse = merge_partials(o_all, l_all)
+    o = o.astype(q.dtype).reshape(hkv, b * r, d)
+    return (rows_to_out(o, b, tq, hq, r, inv), rows_to_out(lse.reshape(hkv, b * r), b, tq, hq, r, inv))

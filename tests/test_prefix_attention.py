@@ -34,8 +34,9 @@ def test_prefix_config_fills_gpu_and_splits_small_batches():
     assert big["num_splits"] == 1 and big["block_m"] == 128
 
 
-@pytest.mark.parametrize("tq,hq,hkv,g,suffix_splits", [(1, 8, 1, 3, 1), (4, 4, 2, 0, 2)])
-def test_shared_forward_forced_splits(tq, hq, hkv, g, suffix_splits):
+@pytest.mark.parametrize("tq,hq,hkv,g,suffix_splits,variant", [
+    (1, 8, 1, 3, 1, "fused"), (4, 4, 2, 0, 2, "fused"), (4, 8, 2, 3, 1, "overlap")])
+def test_shared_forward_forced_splits(tq, hq, hkv, g, suffix_splits, variant):
     from test_shared_prefix import check, make_case, oracle
     from jax_prefix_attn.shared_prefix import row_limits
     args, kw, meta = make_case(12 + tq, b=5, tq=tq, hq=hq, hkv=hkv, d=16, g=g, p=48, s=20,
@@ -49,5 +50,5 @@ def test_shared_forward_forced_splits(tq, hq, hkv, g, suffix_splits):
     cfg = dict(block_m=16, block_k=16, num_splits=2, num_warps=4, num_stages=2)
     out, lse = shared_prefix_forward(q, pk4, pv4, sk, sv, s2p, lim_p, lim_s, scale=0.25,
                                      interpret=True, prefix_cfg=cfg, suffix_block_k=16,
-                                     suffix_splits=suffix_splits)
+                                     suffix_splits=suffix_splits, variant=variant)
     check(out, lse, oracle(args, kw, meta), jnp.float32)

@@ -273,3 +273,21 @@ def test_gpu_small_batch_splits():
     for impl in ("shared", "flat"):
         out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl=impl)
         check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fused", "overlap"])
+def test_gpu_shared_variants_large_batch(variant):
+    from pallas_kernels import prefix_attention as pa
+    b = 96
+    sl = np.random.default_rng(5).integers(0, 257, size=b)
+    sl[:2] = [0, 256]
+    args, kw, meta = make_case(50, b=b, tq=1, hq=32, hkv=8, d=128, g=2, p=1500, s=256,
+                               dtype=jnp.bfloat16, suffix_lengths=sl)
+    old, pa.VARIANT = pa.VARIANT, variant
+    try:
+        out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True,
+                                                              impl="shared"))(*args)
+    finally:
+        pa.VARIANT = old
+    check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
