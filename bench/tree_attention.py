@@ -295,6 +295,20 @@ def main():
         print(json.dumps(rec), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
+    summary = {}
+    for r in res["workloads"]:
+        if "times_ms" not in r:
+            continue
+        e = {k: round(v, 3) for k, v in r.items() if k.endswith(("speedup_vs_single_level", "over_floor",
+                                                                  "speedup_vs_nodes", "speedup_vs_flat"))}
+        if r["name"].startswith(("apps", "tot")):
+            e["target_auto_ge_1.5x_single_level"] = r.get("auto_speedup_vs_single_level", 0) >= 1.5
+            e["target_auto_within_2x_floor"] = r.get("auto_over_floor", 1e9) <= 2.0
+        if r["name"].startswith("spec"):
+            e["target_flatten_ge_1.5x_nodes"] = r.get("flatten_speedup_vs_nodes", 0) >= 1.5
+        summary[r["name"]] = e
+    res["summary"] = summary
+    print(json.dumps(summary, indent=1), flush=True)
     res["total_s"] = time.time() - t0
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

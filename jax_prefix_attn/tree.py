@@ -330,7 +330,9 @@ class Schedule:
     """One kernel launch's work list.
 
     Arrays: ``items [W, 9]`` int32 (columns :data:`ITEM_FIELDS`), ``tok [NC, 3, C]`` int32
-    per-chunk token ``(tin, tout, path_pos)`` (flatten mode; ``[1, 3, C]`` dummy otherwise),
+    per-chunk token ``(tin, tout, path_pos)`` and ``chunk_start [NC]`` (pool window of each
+    chunk) in flatten mode (a flatten item processes ``ntiles`` consecutive chunks from
+    ``chunk``; ``[1, 3, C]`` / ``[1]`` dummies otherwise),
     ``parts [B * Tq, P]`` int32 reduction slots (``-1`` = none).
     Static: ``mode`` (``"flatten"`` or ``"node"``), ``block_rows``, ``block_kv``,
     ``max_tiles`` (node mode: bucketed maximum tiles of one item), ``stats`` (exact host
@@ -344,16 +346,18 @@ class Schedule:
     block_kv: int = 128
     max_tiles: int = 1
     stats: tuple = ()
+    chunk_start: Any = None
 
     def tree_flatten(self):
         # ``stats`` (exact host numbers) stay out of the static part so that trees in the same
         # buckets share one compilation; they are only needed when the metadata is built.
-        return (self.items, self.tok, self.parts), (self.mode, self.block_rows, self.block_kv,
-                                                    self.max_tiles)
+        return (self.items, self.tok, self.parts, self.chunk_start), (self.mode, self.block_rows,
+                                                                      self.block_kv, self.max_tiles)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
+        items, tok, parts, chunk_start = children
+        return cls(items, tok, parts, *aux, chunk_start=chunk_start)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -366,7 +370,10 @@ class TreeMetadata:
     row, ``B * Tq`` for padding), ``row_key [R_pad]`` (dfs number of the sorted row's node,
     ``-1`` padding), ``seq_path_len [B]`` (shared context length of each sequence).
     Static: ``num_seqs``, ``tq``, ``group`` (``Hq // Hkv``), ``pool_size``, ``preferred``
-    (the cost model's schedule, ``"flatten"`` or ``"levelwise"``), ``single_level``.
+    (the cost model's schedule, ``"flatten"`` or ``"levelwise"``), ``single_level`` (every
+    sequence hangs from a root: plain shared-prefix attention), ``root_pad`` (power-of-two
+    bucket of the longest root).  ``root_span [G, 2]`` (start, length of each root) and
+    ``seq_root [B]`` (root index of each sequence's path) serve the single-level path.
     """
     flatten: Schedule
     nodes: Schedule
@@ -374,16 +381,21 @@ class TreeMetadata:
     sorted_rows: Any
     row_key: Any
     seq_path_len: Any
+    root_span: Any = None
+    seq_root: Any = None
     num_seqs: int = 1
     tq: int = 1
     group: int = 1
     pool_size: int = 0
     preferred: str = "flatten"
     single_level: bool = False
+    root_pad: int = 1
 
     def tree_flatten(self):
-        return ((self.flatten, self.nodes, self.levels, self.sorted_rows, self.row_key, self.seq_path_len),
-                (self.num_seqs, self.tq, self.group, self.pool_size, self.preferred, self.single_level))
+        return ((self.flatten, self.nodes, self.levels, self.sorted_rows, self.row_key, self.seq_path_len,
+                 self.root_span, self.seq_root),
+                (self.num_seqs, self.tq, self.group, self.pool_size, self.preferred, self.single_level,
+                 self.root_pad))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -462,12 +474,12 @@ def _node_schedule(nodes: np.ndarray, tree: PrefixTree, info: dict, seq_lo, seq_
              ("partial_rows", int((parts >= 0).sum())), ("parts", int(parts.shape[1])))
     return Schedule(items=_pad_items(items_arr), tok=np.full((1, 3, block_kv), NEVER, np.int32),
                     parts=parts, mode="node", block_rows=br, block_kv=block_kv,
-                    max_tiles=max_tiles, stats=stats)
+                    max_tiles=max_tiles, stats=stats, chunk_start=np.zeros((1,), np.int32))
 
 
 def _flatten_schedule(tree: PrefixTree, info: dict, sorted_keys: np.ndarray, tq: int, group: int,
                       block_kv: int, max_m: int, pool_size: int, sorted_rows: np.ndarray,
-                      n_rows: int) -> Schedule:
+                      n_rows: int, chunks_per_item: int | None = None, min_items: int = 64) -> Schedule:
     ln = np.asarray(tree.lengths, np.int64)
     st = np.asarray(tree.starts, np.int64)
     order = [u for u in info["dfs_order"] if ln[u] > 0]
@@ -510,10 +522,39 @@ def _flatten_schedule(tree: PrefixTree, info: dict, sorted_keys: np.ndarray, tq:
         tok[:, 0, :] = NEVER
         rows_lo = rows_hi = ws = ntok = np.zeros((0,), np.int64)
     br = _block_rows_for(int((rows_hi - rows_lo).max()) if n_chunks else 1, group, max_m)
+    # Chunk groups: consecutive chunks with the same row range whose windows follow each other
+    # (the inside of a long node) may be processed by one item, up to ``k`` chunks, so long
+    # shared nodes leave fewer partial states to reduce.  ``k`` is the largest power of two
+    # (<= max_chunks_per_item) that still leaves >= min_items items (load balance: items stay
+    # equal-sized, DeFT's point, only coarser).
+    def groups_for(k):
+        out = []
+        ci = 0
+        while ci < n_chunks:
+            cj = ci + 1
+            while (cj < n_chunks and cj - ci < k and rows_lo[cj] == rows_lo[ci] and rows_hi[cj] == rows_hi[ci]
+                   and ws[cj] == ws[cj - 1] + c):
+                cj += 1
+            out.append((ci, cj - ci))
+            ci = cj
+        return out
+
+    def n_items(groups):
+        return sum(len(range(int(rows_lo[g]), int(rows_hi[g]), br)) for g, _ in groups)
+
+    k = 1
+    if chunks_per_item is None:
+        for cand in (8, 4, 2):
+            if n_chunks and n_items(groups_for(cand)) >= min_items:
+                k = cand
+                break
+    else:
+        k = int(chunks_per_item)
+    groups = groups_for(k)
     items, ilo, ihi = [], [], []
-    for ci in range(n_chunks):
+    for ci, nt in groups:
         for rs in range(int(rows_lo[ci]), int(rows_hi[ci]), br):
-            items.append((ws[ci], 1, rs, 0, 0, 0, 0, 0, ci))
+            items.append((ws[ci], nt, rs, 0, 0, 0, 0, 0, ci))
             ilo.append(rows_lo[ci])
             ihi.append(rows_hi[ci])
     items_arr = np.asarray(items, np.int64).reshape(-1, len(ITEM_FIELDS))
@@ -522,12 +563,14 @@ def _flatten_schedule(tree: PrefixTree, info: dict, sorted_keys: np.ndarray, tq:
     else:
         parts = np.full((n_rows, 1), -1, np.int32)
     w_real = int(items_arr.shape[0])
-    stats = (("items", w_real), ("kv_tokens_read", w_real * c), ("max_item_tokens", c),
-             ("partial_rows", int((parts >= 0).sum())), ("parts", int(parts.shape[1])),
-             ("chunks", n_chunks), ("tokens", int(ntok.sum()) if n_chunks else 0))
+    starts = np.zeros((tok.shape[0],), np.int32)
+    starts[:n_chunks] = ws
+    stats = (("items", w_real), ("kv_tokens_read", int(items_arr[:, NTILES].sum()) * c if w_real else 0),
+             ("max_item_tokens", k * c), ("partial_rows", int((parts >= 0).sum())), ("parts", int(parts.shape[1])),
+             ("chunks", n_chunks), ("tokens", int(ntok.sum()) if n_chunks else 0), ("chunks_per_item", k))
     return Schedule(items=_pad_items(items_arr), tok=tok.astype(np.int32),
-                    parts=parts, mode="flatten", block_rows=br, block_kv=c, max_tiles=1,
-                    stats=stats)
+                    parts=parts, mode="flatten", block_rows=br, block_kv=c, max_tiles=_next_pow2(k),
+                    stats=stats, chunk_start=starts)
 
 
 # Cost model constants (H100/H200 class GPU; only their ratios matter for the choice).
@@ -561,7 +604,7 @@ def schedule_cost(sched: Schedule, *, group: int, head_dim: int = 128, heads_kv:
     programs = s["items"] * heads_kv
     waves = -(-programs // cm["num_sms"])
     longest = s["max_item_tokens"] * head_dim * 2 * kv_bytes / cm["sm_bytes_per_s"]
-    partial_bytes = s["partial_rows"] * heads_kv * group * (head_dim + 1) * 4 * 2
+    partial_bytes = s["partial_rows"] * heads_kv * group * (head_dim * kv_bytes + 4) * 2  # write + read
     return (cm["launch_s"] + max(kv_bytes_read / cm["hbm_bytes_per_s"], flops / cm["flops_per_s"],
                                  waves * cm["program_s"], longest)
             + partial_bytes / cm["hbm_bytes_per_s"])
@@ -569,7 +612,7 @@ def schedule_cost(sched: Schedule, *, group: int, head_dim: int = 128, heads_kv:
 
 @functools.lru_cache(maxsize=64)
 def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_kv: int,
-                  max_block_m: int) -> TreeMetadata:
+                  max_block_m: int, chunks_per_item: int | None = None) -> TreeMetadata:
     info = tree.info
     b = tree.num_seqs
     n_rows = b * tq
@@ -582,7 +625,7 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
     seq_hi = np.searchsorted(sorted_keys, info["tout"], side="left")
     sorted_rows_real = (seq_order[:, None] * tq + np.arange(tq)[None, :]).reshape(-1)
     flat = _flatten_schedule(tree, info, sorted_keys, tq, group, block_kv, max_block_m, pool_size,
-                             sorted_rows_real, n_rows)
+                             sorted_rows_real, n_rows, chunks_per_item=chunks_per_item)
     all_nodes = info["dfs_order"]
     nodes = _node_schedule(all_nodes, tree, info, seq_lo, seq_hi, tq, group, block_kv, max_block_m,
                            sorted_rows_real, n_rows)
@@ -604,15 +647,25 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
     cost_lvl = sum(schedule_cost(lv, group=group) for lv in levels)
     preferred = "flatten" if cost_flat < cost_lvl else "levelwise"
     del n
+    p_arr = np.asarray(tree.parents, np.int64)
+    roots = np.nonzero(p_arr < 0)[0]
+    root_index = np.full(tree.num_nodes, -1, np.int64)
+    root_index[roots] = np.arange(roots.shape[0])
+    seq_root = np.asarray([root_index[tree.path(i)[0]] for i in range(b)], np.int32)
+    root_span = np.stack([np.asarray(tree.starts)[roots], np.asarray(tree.lengths)[roots]], axis=1).astype(np.int32)
+    single = bool(np.all(p_arr[np.asarray(tree.leaf_of_seq)] < 0))
     return TreeMetadata(flatten=flat, nodes=nodes, levels=tuple(levels), sorted_rows=sorted_rows,
                         row_key=row_key,
                         seq_path_len=info["seq_path_len"].astype(np.int32),
+                        root_span=root_span, seq_root=seq_root,
                         num_seqs=b, tq=int(tq), group=int(group), pool_size=int(pool_size),
-                        preferred=preferred, single_level=bool(depth.max() == 0))
+                        preferred=preferred, single_level=single,
+                        root_pad=_next_pow2(max(16, int(root_span[:, 1].max()))))
 
 
 def build_tree_metadata(tree: PrefixTree, *, tq: int, group: int, pool_size: int, block_kv: int = 128,
-                        max_block_m: int = 128) -> TreeMetadata:
+                        max_block_m: int = 128, chunks_per_item: int | None = None,
+                        device: bool = True) -> TreeMetadata:
     """Build (once per tree shape; cached) the device metadata of ``tree``.
 
     Args:
@@ -622,6 +675,10 @@ def build_tree_metadata(tree: PrefixTree, *, tq: int, group: int, pool_size: int
       pool_size: number of tokens in ``k_pool`` (chunk windows are clamped inside it).
       block_kv: tokens per chunk / tile (power of two >= 16; DeFT uses 128).
       max_block_m: largest query-vector block (``block_rows * group``) per item.
+      chunks_per_item: consecutive chunks (same rows, adjacent windows) one flatten item may
+        process; ``None`` picks the largest of 8/4/2/1 that leaves >= 64 items.
+      device: return device arrays (``jax.device_put``; the default: pass them to the jitted
+        step as an argument), else the cached host (numpy) arrays.
     """
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"tree must be a PrefixTree, got {type(tree).__name__}")
@@ -631,4 +688,9 @@ def build_tree_metadata(tree: PrefixTree, *, tq: int, group: int, pool_size: int
     if block_kv < 16 or block_kv & (block_kv - 1):
         raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv}")
     tree.check_pool(int(pool_size))
-    return _build_cached(tree, int(tq), int(group), int(pool_size), int(block_kv), int(max_block_m))
+    if chunks_per_item is not None and (isinstance(chunks_per_item, bool) or int(chunks_per_item) < 1):
+        raise ValueError(f"chunks_per_item must be None or a positive int, got {chunks_per_item!r}")
+    meta = _build_cached(tree, int(tq), int(group), int(pool_size), int(block_kv), int(max_block_m),
+                         None if chunks_per_item is None else int(chunks_per_item))
+    # Device arrays: passing host (numpy) metadata to a jitted step would copy it every call.
+    return jax.device_put(meta) if device else meta

@@ -14,9 +14,11 @@ Schedules (``impl``):
 * ``"flatten"`` (DeFT-Flatten): node KV flattened depth-first into ``block_kv``-token chunks,
   each paired with its rows; one launch computes a partial per (chunk, row block); a
   tree-topology-aware static reduction merges them per row.
-* ``"auto"``: the cheaper of the two by :func:`jax_prefix_attn.tree.schedule_cost`
-  (decided when the metadata is built: KV-bytes, flops, program waves, and the longest
-  single item, which is what node-granular schedules lose on unbalanced trees).
+* ``"auto"``: on the GPU, a single-level forest (every sequence hangs from a root, non-empty
+  suffixes) goes to ``shared_prefix_attention`` (one prefix group per root); otherwise the
+  cheaper of the two schedules by :func:`jax_prefix_attn.tree.schedule_cost` (decided when
+  the metadata is built: KV bytes, flops, program waves, partial-state traffic, and the
+  longest single item, which is what node-granular schedules lose on unbalanced trees).
 * ``"reference"``: gathers each sequence's context and calls ``reference.attention``.
 * ``"pallas_interpret"``: the flatten kernel in Pallas interpret mode (CPU tests).
 * ``"nodes"`` (benchmark baseline, DeFT-Node analogue): every node one item, one launch.
@@ -142,11 +144,15 @@ def _mirror_partials(sched: Schedule, q_hmd, k_nhd, v_nhd, key_m, lim_m, *, grou
     key = key_m[mi][..., None]                                            # [W, M, 1]
     lim = lim_m[mi][..., None]
     if sched.mode == "flatten":
-        pos = jnp.minimum(items[:, KV_START], n_pool - c)[:, None] + jnp.arange(c)[None, :]   # [W, C]
-        tok = sched.tok[items[:, CHUNK]]                                  # [W, 3, C]
+        nt = sched.max_tiles
+        t = jnp.arange(nt)
+        live = t[None, :] < items[:, NTILES][:, None]                      # [W, T]
+        chunk = jnp.minimum(items[:, CHUNK][:, None] + t[None, :], sched.tok.shape[0] - 1)
+        pos = (sched.chunk_start[chunk][:, :, None] + jnp.arange(c)[None, None, :]).reshape(chunk.shape[0], -1)
+        tok = jnp.transpose(sched.tok[chunk], (0, 2, 1, 3)).reshape(chunk.shape[0], 3, -1)   # [W, 3, T*C]
+        tok_ok = (tok[:, 0] != NEVER) & jnp.repeat(live, c, axis=1)        # [W, T*C]
         vis = (tok[:, None, 0] <= key) & (key < tok[:, None, 1]) & (tok[:, None, 2] <= lim)
-        vis = vis & (items[:, NTILES] > 0)[:, None, None]
-        tok_ok = tok[:, 0] != NEVER                                       # [W, C]
+        vis = vis & tok_ok[:, None, :]
     else:
         nt = sched.max_tiles
         t = jnp.arange(nt)
@@ -187,14 +193,23 @@ def _pad_pool(k_nhd, v_nhd, c: int):
     return jnp.pad(k_nhd, pad), jnp.pad(v_nhd, pad)
 
 
+def _partial_dtype(dtype):
+    """Partial outputs are stored in the input dtype when it is 16-bit (half the traffic; they are
+    normalised, so this adds about one rounding of the output), float32 otherwise."""
+    return jnp.float32 if jnp.dtype(dtype).itemsize >= 4 else jnp.dtype(dtype)
+
+
 def _partials(sched: Schedule, q_hmd, k_nhd, v_nhd, key_m, lim_m, *, group, scale, backend):
     k_nhd, v_nhd = _pad_pool(k_nhd, v_nhd, sched.block_kv)
+    pdt = _partial_dtype(q_hmd.dtype)
     if backend == "mirror":
-        return _mirror_partials(sched, q_hmd, k_nhd, v_nhd, key_m, lim_m, group=group, scale=scale)
+        o, lse = _mirror_partials(sched, q_hmd, k_nhd, v_nhd, key_m, lim_m, group=group, scale=scale)
+        return o.astype(pdt), lse
     from pallas_kernels.tree_attention import tree_partials  # noqa: PLC0415
-    return tree_partials(q_hmd, k_nhd, v_nhd, sched.items, sched.tok, key_m, lim_m, mode=sched.mode,
+    return tree_partials(q_hmd, k_nhd, v_nhd, sched.items, sched.tok, sched.chunk_start, key_m, lim_m,
+                         mode=sched.mode,
                          group=group, block_rows=sched.block_rows, block_kv=sched.block_kv, sm_scale=scale,
-                         interpret=(backend == "interpret"))
+                         interpret=(backend == "interpret"), out_dtype=pdt)
 
 
 def _gather_parts(sched: Schedule, o, lse, group: int):
@@ -249,7 +264,8 @@ def _suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta: TreeMetadata, 
     qo = jnp.concatenate([q.reshape(n_rows, hkv, g, d), jnp.zeros((br, hkv, g, d), q.dtype)], axis=0)
     q_hmd = jnp.transpose(qo, (1, 0, 2, 3)).reshape(hkv, -1, d)
     sched = Schedule(items=items, tok=jnp.full((1, 3, c), NEVER, jnp.int32), parts=None, mode="node",
-                     block_rows=br, block_kv=c, max_tiles=1 << max(0, tiles_per - 1).bit_length())
+                     block_rows=br, block_kv=c, max_tiles=1 << max(0, tiles_per - 1).bit_length(),
+                     chunk_start=jnp.zeros((1,), jnp.int32))
     kf = suffix_k.reshape(b * smax, hkv, d)
     vf = suffix_v.reshape(b * smax, hkv, d)
     o, lse = _partials(sched, q_hmd, kf, vf, key_m, lim_m, group=g, scale=scale, backend=backend)
@@ -306,6 +322,28 @@ def _forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_l
         parts_l.append(sl)
     out, lse = _merge(parts_o, parts_l)                        # [B, Tq, Hkv, G, D], [B, Tq, Hkv, G]
     return out.reshape(b, tq, hq, d).astype(q.dtype), lse.reshape(b, tq, hq)
+
+
+def _single_level(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, *, scale: float,
+                  impl: str):
+    """Every sequence hangs from a root: ``shared_prefix_attention`` with one prefix group per root
+    (the roots' spans gathered into ``[G, root_pad, Hkv, D]``; a copy of the shared tokens only)."""
+    from jax_prefix_attn.shared_prefix import shared_prefix_attention  # noqa: PLC0415
+    start, length = meta.root_span[:, 0], meta.root_span[:, 1]
+    n = k_pool.shape[0]
+    idx = jnp.minimum(start[:, None] + jnp.arange(meta.root_pad)[None, :], n - 1)      # [G, P]
+    valid = (jnp.arange(meta.root_pad)[None, :] < length[:, None])[..., None, None]
+    pk = jnp.where(valid, k_pool[idx], 0)
+    pv = jnp.where(valid, v_pool[idx], 0)
+    return shared_prefix_attention(q, pk, pv, suffix_k, suffix_v, suffix_lengths=suffix_lengths,
+                                   prefix_lengths=length, seq_to_prefix=meta.seq_root, sm_scale=scale,
+                                   return_lse=True, impl=impl)
+
+
+def _use_single_level(meta: TreeMetadata, q, suffix_k) -> bool:
+    d = q.shape[-1]
+    return (meta.single_level and suffix_k.shape[1] > 0 and d >= 16 and not d & (d - 1)
+            and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
@@ -405,10 +443,15 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
         return (out, lse) if return_lse else out
     if isinstance(tree, PrefixTree):
         meta = build_tree_metadata(tree, tq=q.shape[1], group=q.shape[2] // k_pool.shape[1],
-                                   pool_size=k_pool.shape[0])
+                                   pool_size=k_pool.shape[0], device=False)  # host arrays: jit constants
     else:
         meta = tree
     meta = jax.tree_util.tree_map(jnp.asarray, meta)
+    if impl == "auto" and _on_gpu() and _use_single_level(meta, q, suffix_k):
+        # One level of sharing: the shared-prefix kernels (Hydragen's two-level case).
+        out, lse = _single_level(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
+                                 impl="auto")
+        return (out, lse) if return_lse else out
     if impl == "pallas_interpret":
         schedule, backend = "flatten", "interpret"
     else:

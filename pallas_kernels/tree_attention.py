@@ -9,9 +9,10 @@ the caller with a static reduction map; no atomics).
 Item table ``items [W, 9]`` int32, columns
 ``(kv_start, ntiles, row_start, tin, tout, pos0, length, off0, chunk)``.  Two modes (static):
 
-* ``"flatten"`` (DeFT-Flatten): the item reads ``ntiles`` (0 or 1) window of ``block_kv``
-  tokens at ``kv_start``; per-token visibility data come from ``tok[chunk] [3, block_kv]``
-  = ``(tin, tout, pos)``.
+* ``"flatten"`` (DeFT-Flatten): the item reads ``ntiles`` consecutive chunks
+  ``chunk, chunk + 1, ...``, each a window of ``block_kv`` pool tokens at
+  ``chunk_start[chunk]`` with per-token visibility data ``tok[chunk] [3, block_kv]`` =
+  ``(tin, tout, pos)`` (padding tokens have ``tin = 2**30``).
 * ``"node"`` (one node / one sequence suffix per item): the item loops over ``ntiles``
   tiles starting at pool token ``kv_start``, which is the node's offset ``off0``; token at
   node offset ``o`` is valid iff ``off0 + t * C <= o < min(off0 + (t + 1) * C, length)`` and
@@ -25,7 +26,8 @@ test is the bottom-right causal rule on the path).
 
 Layouts: ``q [Hkv, Rq * group, D]`` (query vectors of row ``r``, heads ``h*group..``, at
 ``r * group + g``), ``k/v [N, Hkv, D]``, ``row_key/row_limit [Rq * group]`` int32.
-Outputs ``o [W, Hkv, block_rows * group, D]`` float32 (normalised), ``lse [W, Hkv,
+Outputs ``o [W, Hkv, block_rows * group, D]`` in ``out_dtype`` (normalised; float32 by default,
+the caller passes bfloat16 for bfloat16 inputs to halve partial-state traffic), ``lse [W, Hkv,
 block_rows * group]`` float32 (``-inf`` and ``o = 0`` where nothing is visible).
 """
 from __future__ import annotations
@@ -51,7 +53,7 @@ def _dot(a, b, fp32: bool, trans_b: bool = False):
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
 
-def _kernel(items_ref, tok_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+def _kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
             mode: str, group: int, block_m: int, block_kv: int, scale: float, fp32: bool):
     w = pl.program_id(0)
     h = pl.program_id(1)
@@ -66,11 +68,7 @@ def _kernel(items_ref, tok_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, ls
     cols = lax.broadcasted_iota(jnp.int32, (1, c), 1)         # [1, C]
 
     if mode == "flatten":
-        chunk = items_ref[w, CHUNK]
-        t_tin = tok_ref[chunk, 0, :][None, :]
-        t_tout = tok_ref[chunk, 1, :][None, :]
-        t_pos = tok_ref[chunk, 2, :][None, :]
-        v_ok = (tok_ref[chunk, 0, :] != _NEVER)[:, None]      # [C, 1] tokens of this chunk
+        chunk0 = items_ref[w, CHUNK]
     else:
         i_tin = items_ref[w, TIN]
         i_tout = items_ref[w, TOUT]
@@ -83,8 +81,15 @@ def _kernel(items_ref, tok_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, ls
 
     def body(t, carry):
         acc, m, l = carry
-        nominal = kv_start + t * c
-        start = jnp.minimum(nominal, n_pool - c)
+        if mode == "flatten":
+            chunk = chunk0 + t
+            start = cs_ref[chunk]
+            t_tin = tok_ref[chunk, 0, :][None, :]
+            t_tout = tok_ref[chunk, 1, :][None, :]
+            t_pos = tok_ref[chunk, 2, :][None, :]
+            v_ok = (tok_ref[chunk, 0, :] != _NEVER)[:, None]  # [C, 1] tokens of this chunk
+        else:
+            start = jnp.minimum(kv_start + t * c, n_pool - c)
         k = k_ref[pl.ds(start, c), h, :]                       # [C, D]
         v = v_ref[pl.ds(start, c), h, :]
         s = _dot(q, k, fp32, trans_b=True) * scale              # [M, C]
@@ -116,18 +121,18 @@ def _kernel(items_ref, tok_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, ls
     acc, m, l = lax.fori_loop(0, ntiles, body, carry)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = acc / l_safe[:, None]
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
 
 
-def tree_partials(q_hmd, k_nhd, v_nhd, items_w9, tok_c3c, row_key_m, row_limit_m, *, mode: str,
+def tree_partials(q_hmd, k_nhd, v_nhd, items_w9, tok_c3c, chunk_start_c, row_key_m, row_limit_m, *, mode: str,
                   group: int, block_rows: int, block_kv: int, sm_scale: float, interpret: bool = False,
-                  num_warps: int | None = None, num_stages: int = 2):
+                  num_warps: int | None = None, num_stages: int = 2, out_dtype=jnp.float32):
     """Partial states of every (work item, kv head); see the module docstring for layouts.
 
     Requirements (checked): ``block_kv`` and ``block_rows * group`` powers of two >= 16;
     ``N >= block_kv``; ``q`` has at least ``max(row_start) + block_rows`` rows; every
-    ``kv_start`` of a flatten item is ``<= N - block_kv``.
+    ``chunk_start`` is ``<= N - block_kv``.
     """
     if mode not in ("flatten", "node"):
         raise ValueError(f"mode must be 'flatten' or 'node', got {mode!r}")
@@ -151,14 +156,15 @@ def tree_partials(q_hmd, k_nhd, v_nhd, items_w9, tok_c3c, row_key_m, row_limit_m
     return pl.pallas_call(
         kernel,
         grid=(w, hkv),
-        in_specs=[full(items_w9.shape), full(tok_c3c.shape), full(row_key_m.shape), full(row_limit_m.shape),
+        in_specs=[full(items_w9.shape), full(tok_c3c.shape), full(chunk_start_c.shape), full(row_key_m.shape),
+                  full(row_limit_m.shape),
                   full(q_hmd.shape), full(k_nhd.shape), full(v_nhd.shape)],
         out_specs=[pl.BlockSpec((None, None, block_m, d), lambda i, j: (i, j, 0, 0)),
                    pl.BlockSpec((None, None, block_m), lambda i, j: (i, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((w, hkv, block_m, d), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((w, hkv, block_m, d), out_dtype),
                    jax.ShapeDtypeStruct((w, hkv, block_m), jnp.float32)],
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"tree_partials_{mode}",
-    )(items_w9.astype(jnp.int32), tok_c3c.astype(jnp.int32), row_key_m.astype(jnp.int32),
+    )(items_w9.astype(jnp.int32), tok_c3c.astype(jnp.int32), chunk_start_c.astype(jnp.int32), row_key_m.astype(jnp.int32),
       row_limit_m.astype(jnp.int32), q_hmd, k_nhd, v_nhd)

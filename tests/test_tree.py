@@ -123,11 +123,14 @@ def _simulate_cover(tree: PrefixTree, meta: TreeMetadata, sched, tq: int, pool: 
             orow = sorted_rows[sr]
             hits = []
             for t in range(items[w, NTILES]):
-                start = min(items[w, KV_START] + t * c, max(pool, c) - c)
+                if sched.mode == "flatten":
+                    start = int(np.asarray(sched.chunk_start)[items[w, CHUNK] + t])
+                else:
+                    start = min(items[w, KV_START] + t * c, max(pool, c) - c)
                 for j in range(c):
                     p = start + j
                     if sched.mode == "flatten":
-                        ok = tok[items[w, CHUNK], 0, j] <= key < tok[items[w, CHUNK], 1, j]
+                        ok = tok[items[w, CHUNK] + t, 0, j] <= key < tok[items[w, CHUNK] + t, 1, j]
                     else:
                         off = p - (items[w, KV_START] - items[w, 7])
                         lo = items[w, 7] + t * c
@@ -151,7 +154,7 @@ def test_metadata_schedules_cover_each_path_exactly_once(seed):
     tree = random_forest(rng, n_trees=2, max_depth=3, max_branch=3, max_len=40)
     tq = 2
     pool = tree.pool_extent + 5
-    meta = build_tree_metadata(tree, tq=tq, group=2, pool_size=pool, block_kv=16)
+    meta = build_tree_metadata(tree, tq=tq, group=2, pool_size=pool, block_kv=16, chunks_per_item=2)
     expect = np.zeros((tree.num_seqs * tq, max(pool, 16)), np.int64)
     for b in range(tree.num_seqs):
         for t in range(tq):
@@ -182,7 +185,9 @@ def test_metadata_is_a_pytree_and_buckets_bound_shapes():
         assert np.all(np.asarray(sched.items)[:, 0] >= 0)
     assert m1.flatten.tok.shape[0] & (m1.flatten.tok.shape[0] - 1) == 0
     # Cached: the same tree shape builds once.
-    assert build_tree_metadata(t1, tq=1, group=4, pool_size=400) is m1
+    assert build_tree_metadata(t1, tq=1, group=4, pool_size=400, device=False) is \
+        build_tree_metadata(t1, tq=1, group=4, pool_size=400, device=False)
+    assert isinstance(m1.flatten.items, jax.Array)
     # Padding chunk tokens are never visible.
     assert int(np.asarray(m1.flatten.tok)[-1, 0, -1]) == NEVER
 
@@ -198,7 +203,7 @@ def test_metadata_flows_through_jit_unchanged():
 
 def test_cost_model_prefers_flatten_for_unbalanced_speculative_tree():
     spec = PrefixTree.from_nested([[5000] + [1] * 64])
-    m = build_tree_metadata(spec, tq=1, group=4, pool_size=spec.pool_extent)
+    m = build_tree_metadata(spec, tq=1, group=4, pool_size=spec.pool_extent, device=False)
     assert schedule_cost(m.flatten, group=4) < sum(schedule_cost(lv, group=4) for lv in m.levels)
     assert m.preferred == "flatten"
 

@@ -83,7 +83,9 @@ def test_length_one_nodes_and_block_size_16():
     args = make_inputs(tree, tq=1, hq=2, hkv=1, d=16, smax=3, seed=3)
     ref_out, ref_lse = concat_oracle(tree, *args)
     q, kp, vp, sk, sv, sl = args
-    meta = build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0], block_kv=16)
+    meta = build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0], block_kv=16, chunks_per_item=4)
+    assert dict(build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0], block_kv=16, chunks_per_item=4,
+                                    device=False).flatten.stats)["chunks_per_item"] == 4
     for impl in ("flatten", "nodes"):
         out, lse = jax.jit(lambda q, m, kp, vp, sk, sv, sl, impl=impl: tree_attention(
             q, m, kp, vp, sk, sv, suffix_lengths=sl, impl=impl, return_lse=True))(q, meta, kp, vp, sk, sv, sl)
@@ -106,7 +108,9 @@ def test_pallas_interpret_kernels_flatten_and_node_mode_with_nan_poison():
     q, kp, vp, sk, sv, sl = make_inputs(tree, tq=4, hq=4, hkv=2, d=16, smax=6, seed=11, extra_pool=9)
     ref_out, ref_lse = concat_oracle(tree, q, kp, vp, sk, sv, sl)
     bad, _ = poison(tree, kp, vp, sk, sv, sl)
-    out, lse = run(tree, (q, *bad, sl), "pallas_interpret")
+    meta16 = build_tree_metadata(tree, tq=4, group=2, pool_size=kp.shape[0], block_kv=16, chunks_per_item=2)
+    out, lse = jax.jit(lambda m, q, kp, vp, sk, sv, sl: tree_attention(
+        q, m, kp, vp, sk, sv, suffix_lengths=sl, impl="pallas_interpret", return_lse=True))(meta16, q, *bad, sl)
     check_close(out, lse, ref_out, ref_lse, 1e-5)
     meta = build_tree_metadata(tree, tq=4, group=2, pool_size=kp.shape[0])
     out, lse = jax.jit(lambda *a: _forward(*a, scale=0.25, schedule="levelwise", backend="interpret"))(
@@ -127,6 +131,19 @@ def test_hydragen_apps_shape():
     for impl in ("auto", other):
         out, lse = run(tree, args, impl)
         check_close(out, lse, ref_out, ref_lse, 1e-5)
+
+
+def test_single_level_forest_through_shared_prefix_path():
+    tree = PrefixTree(parents=[-1, -1], starts=[30, 2], lengths=[17, 25], leaf_of_seq=[0, 1, 1, 0, 1])
+    args = make_inputs(tree, tq=2, hq=4, hkv=2, d=16, smax=5, seed=8)
+    ref_out, ref_lse = concat_oracle(tree, *args)
+    q, kp, vp, sk, sv, sl = args
+    meta = build_tree_metadata(tree, tq=2, group=2, pool_size=kp.shape[0])
+    assert meta.single_level and meta.root_pad == 32
+    from jax_prefix_attn.tree_attention import _single_level
+    out, lse = jax.jit(lambda m, *a: _single_level(a[0], m, *a[1:], scale=0.25, impl="reference"))(
+        meta, q, kp, vp, sk, sv, sl)
+    check_close(out, lse, ref_out, ref_lse, 1e-5)
 
 
 def test_bf16_and_sm_scale():
