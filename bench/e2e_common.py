@@ -1,0 +1,256 @@
+"""Shared pieces of the end-to-end benchmarks (``e2e_decode``, ``long_document``, ``two_level``).
+
+* :class:`ResultStore` -- the result JSON of one benchmark on one device: header (device, jax
+  version, settings of every invocation) and a list of points; each finished point is appended
+  and the file rewritten atomically, so a run cut off keeps what it finished and a rerun skips
+  the points already present (resumable).
+* :func:`is_oom` -- whether an exception is XLA's out-of-memory error (points recorded as "X").
+* :func:`free_memory` -- drop garbage so the next point starts from a clean allocator.
+* :func:`smoke_config` / :func:`model_config` -- the model shapes the benchmarks use (random
+  bf16 weights; ``--layers`` keeps the first ``N`` layers of the preset's shape).
+* :func:`random_params` -- random bf16 parameters in the unrolled (list) layer layout, the
+  decoder's fast GPU path (see ``bench/decode_step.py``).
+* :func:`add_common_args` -- ``--out``, ``--smoke``, ``--quick``, ``--part``, ``--budget-min``,
+  ``--mem-limit-gb``, ``--force``.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+
+from bench.timing import device_info, gpu_slug
+from models.config import LlamaConfig
+from models.weights import init_params, unstack_layers
+
+__all__ = ["ResultStore", "add_common_args", "default_out_path", "free_memory", "is_oom", "memory_limit_bytes",
+           "model_config", "random_params", "smoke_config", "Budget"]
+
+SCHEMA_VERSION = 1
+
+#: Yi-6B-200K (Hydragen 4.3's long-document model) -- a Llama architecture with 4 KV heads.
+YI_6B_200K = LlamaConfig(vocab_size=64000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=4, rms_norm_eps=1e-5, rope_theta=5e6,
+                         max_position_embeddings=200000, bos_token_id=1, eos_token_ids=(2,))
+
+#: Model shapes by short name: name -> (preset description, config).
+MODELS: dict[str, tuple[str, LlamaConfig]] = {
+    "codellama-7b": ("CodeLlama-7B (multi-head, 32 KV heads)", LlamaConfig.preset("CodeLlama-7B")),
+    "llama3.1-8b": ("Llama-3.1-8B (grouped-query, 8 KV heads)", LlamaConfig.preset("Llama-3.1-8B")),
+    "yi-6b-200k": ("Yi-6B-200K (grouped-query, 4 KV heads)", YI_6B_200K),
+}
+
+
+def model_config(name: str, layers: int | None, *, smoke: bool = False) -> LlamaConfig:
+    """Config of model ``name`` with ``layers`` layers (None: the preset's depth).
+
+    ``smoke``: a tiny model with the same attention kind (MHA stays MHA, GQA stays GQA) for CPU runs.
+    """
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    cfg = MODELS[name][1]
+    if smoke:
+        return smoke_config(mha=cfg.num_key_value_heads == cfg.num_attention_heads, layers=layers or 2)
+    return cfg.replace(num_hidden_layers=layers or cfg.num_hidden_layers)
+
+
+def smoke_config(*, mha: bool, layers: int = 2) -> LlamaConfig:
+    """Tiny random model for CPU smoke runs (vocab 256, hidden 64, 4 query heads of 16)."""
+    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=4 if mha else 2, head_dim=16,
+                       max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,))
+
+
+def random_params(cfg: LlamaConfig, seed: int, dtype=jnp.bfloat16) -> dict:
+    """Random parameters (``models.weights.init_params``) in the unrolled list layout."""
+    params = unstack_layers(init_params(cfg, jax.random.PRNGKey(seed), dtype))
+    return jax.block_until_ready(params)
+
+
+def param_bytes(cfg: LlamaConfig, itemsize: int = 2) -> int:
+    return cfg.num_params() * itemsize
+
+
+def kv_bytes_per_token(cfg: LlamaConfig, itemsize: int = 2) -> int:
+    """Bytes of keys + values of one token over all layers."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+
+def memory_limit_bytes(override_gb: float | None = None) -> int | None:
+    """Allocator limit of device 0 (``--mem-limit-gb`` overrides; None when unknown, e.g. CPU)."""
+    if override_gb is not None:
+        return int(override_gb * 2 ** 30)
+    dev = jax.devices()[0]
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - CPU backends may not implement it
+        stats = {}
+    return stats.get("bytes_limit")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for XLA's resource-exhausted (out of memory) errors."""
+    msg = f"{type(exc).__name__}: {exc}"
+    return ("RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() or "Out of memory" in msg
+            or isinstance(exc, MemoryError))
+
+
+def free_memory() -> None:
+    """Collect garbage so device buffers of a failed point are released before the next one
+    (XLA's allocator keeps working after a RESOURCE_EXHAUSTED error once they are dropped)."""
+    gc.collect()
+
+
+def default_out_path(name: str, smoke: bool) -> str:
+    """``bench/results/<name>_<gpu>.json`` (smoke runs go to a temporary directory instead)."""
+    if smoke:
+        import tempfile  # noqa: PLC0415
+        return os.path.join(tempfile.gettempdir(), "jpa_bench_smoke", f"{name}_{gpu_slug()}.json")
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(here, "results", f"{name}_{gpu_slug()}.json")
+
+
+def add_common_args(ap, parts: Iterable[str]) -> None:
+    ap.add_argument("--out", default=None, help="result JSON (default bench/results/<name>_<gpu>.json)")
+    ap.add_argument("--smoke", action="store_true", help="tiny random model and shapes (CPU, < 1 minute)")
+    ap.add_argument("--quick", action="store_true", help="a small grid")
+    ap.add_argument("--part", default="all", choices=("all",) + tuple(parts), help="run only this subset")
+    ap.add_argument("--budget-min", type=float, default=None,
+                    help="start no new point after this many minutes (rerun the same command to resume)")
+    ap.add_argument("--mem-limit-gb", type=float, default=None,
+                    help="memory limit used to predict out-of-memory points (default: the allocator's)")
+    ap.add_argument("--force", action="store_true",
+                    help="append to a result file written on another device / with other fixed settings")
+    ap.add_argument("--list", action="store_true", help="print the planned points and exit")
+
+
+class Budget:
+    """Wall-clock budget of one invocation (``--budget-min``)."""
+
+    def __init__(self, minutes: float | None):
+        self.t0 = time.perf_counter()
+        self.limit = None if minutes is None else 60.0 * minutes
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def spent(self) -> bool:
+        return self.limit is not None and self.elapsed() > self.limit
+
+
+class ResultStore:
+    """Result JSON of one benchmark: ``{"benchmark", "schema", "device_info", "fixed", "runs", "points"}``.
+
+    ``fixed`` holds the settings every point of the file must share (model shapes, generated
+    tokens...); reopening a file whose ``fixed`` or device differs raises unless ``force``.
+    ``key_fields`` name the fields that identify a point (used to skip finished points).
+    """
+
+    def __init__(self, path: str, benchmark: str, key_fields: tuple[str, ...], fixed: dict, settings: dict,
+                 *, force: bool = False):
+        self.path = os.path.abspath(path)
+        self.key_fields = key_fields
+        info = device_info()
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.data = json.load(f)
+            if self.data.get("benchmark") != benchmark:
+                raise ValueError(f"{self.path} holds benchmark {self.data.get('benchmark')!r}, not {benchmark!r}")
+            old_dev = self.data.get("device_info", {}).get("device")
+            if not force and old_dev != info["device"]:
+                raise ValueError(f"{self.path} was written on {old_dev!r}, this is {info['device']!r} "
+                                 f"(use another --out, or --force)")
+            old_fixed = self.data.get("fixed", {})
+            if not force and json.loads(json.dumps(fixed)) != old_fixed:
+                raise ValueError(f"{self.path} has fixed settings {old_fixed} but this run has {fixed} "
+                                 f"(use another --out, or --force)")
+        else:
+            self.data = {"benchmark": benchmark, "schema": SCHEMA_VERSION, "device_info": info,
+                         "fixed": fixed, "runs": [], "points": []}
+        self.data["runs"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                  "argv": sys.argv[1:], "settings": settings, "jax": jax.__version__,
+                                  "device": info["device"]})
+        self.save()
+
+    def key(self, point: dict) -> tuple:
+        return tuple(json.dumps(point.get(k)) for k in self.key_fields)
+
+    def done(self, point: dict) -> dict | None:
+        """The stored point with ``point``'s key (finished or out of memory), else None."""
+        k = self.key(point)
+        for p in self.data["points"]:
+            if self.key(p) == k and p.get("status") in ("ok", "oom"):
+                return p
+        return None
+
+    def add(self, point: dict) -> None:
+        """Append (replacing a stored point of the same key, e.g. an earlier error) and save."""
+        k = self.key(point)
+        self.data["points"] = [p for p in self.data["points"] if self.key(p) != k] + [point]
+        self.save()
+
+    def note(self, key: str, value: Any) -> None:
+        self.data["runs"][-1][key] = value
+        self.save()
+
+    def save(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def run_points(store: ResultStore, plan: list[dict], measure: Callable[[dict], dict], budget: Budget,
+               *, predict_oom: Callable[[dict], str | None] | None = None, log=print) -> dict:
+    """Measure every planned point not yet in ``store``; returns counts.
+
+    ``measure(point)`` returns the fields to add (it may raise; out-of-memory errors become
+    ``status: "oom"``, anything else ``status: "error"`` with the message, and the run goes on).
+    ``predict_oom(point)`` may return a reason to record the point as "oom" without trying.
+    """
+    counts = {"measured": 0, "skipped_existing": 0, "oom": 0, "errors": 0, "not_started_budget": 0}
+    for point in plan:
+        if store.done(point) is not None:
+            counts["skipped_existing"] += 1
+            continue
+        if budget.spent():
+            counts["not_started_budget"] += 1
+            continue
+        reason = predict_oom(point) if predict_oom else None
+        t0 = time.perf_counter()
+        if reason:
+            rec = dict(point, status="oom", oom="predicted: " + reason)
+            counts["oom"] += 1
+        else:
+            try:
+                rec = dict(point, status="ok", **measure(point))
+                counts["measured"] += 1
+            except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
+                msg = f"{type(e).__name__}: {e}"[:1000]
+                if is_oom(e):
+                    rec = dict(point, status="oom", oom="measured: " + msg)
+                    counts["oom"] += 1
+                else:
+                    import traceback  # noqa: PLC0415
+                    traceback.print_exc()
+                    rec = dict(point, status="error", error=msg)
+                    counts["errors"] += 1
+            free_memory()
+        rec["wall_s"] = round(time.perf_counter() - t0, 3)
+        store.add(rec)
+        log(_brief(rec), f"[{budget.elapsed():.0f}s]", flush=True)
+    store.note("counts", counts)
+    store.note("elapsed_s", round(budget.elapsed(), 1))
+    return counts
+
+
+def _brief(rec: dict) -> str:
+    keep = {k: v for k, v in rec.items() if not isinstance(v, (list, dict))}
+    return json.dumps(keep)[:400]
