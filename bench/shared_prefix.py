@@ -2,7 +2,10 @@
 
 Columns, all measured in one run (bf16, Tq = 1, every suffix full):
 
-* ``shared``: ours, batched prefix kernel + suffix kernel with fused merge (2 launches);
+* ``shared``: ours (``impl="shared"``): batched prefix kernel + suffix kernel with fused merge
+  (2 launches) or, below 2048 (sequence, kv head) pairs, one launch of interleaved prefix and
+  suffix programs + XLA merge (``shared_variant``); ``shared_fused`` / ``shared_overlap``
+  force one variant (``--cols``);
 * ``flat``: ours, one ragged split-KV decode launch reading the prefix through
   ``seq_to_prefix`` for every sequence (no copy: "flat over shared storage");
 * ``flat_gqa``: JAX's ``pallas.ops.gpu.decode_attention.gqa`` over materialised
@@ -14,8 +17,11 @@ Columns, all measured in one run (bf16, Tq = 1, every suffix full):
   static shapes.  It runs exactly the chosen path's code, so by default its time is recorded as
   that path's measured time (``auto_ms_source``) instead of compiling the same kernels again
   (``--measure-auto`` times it separately);
+* ``flat_materialised``: our flat kernel over materialised per-sequence KV (each sequence its
+  own prefix copy, so no L2 reuse): the decode kernel's bandwidth, at a few points;
 * ``floor``: ``max(bytes / copy bandwidth, flops / bf16 matmul rate)`` with bytes = the prefix
-  once + every suffix + q and out, flops = ``4 * B * Hq * (P + S) * D``; both rates measured here.
+  once + every suffix + q and out, flops = ``4 * B * Hq * (P + S) * D``; both rates measured here
+  (``floor_read_ms``: the same with the read-only bandwidth of an XLA reduction).
 
 Timing: each function runs ``n`` times inside one jitted ``fori_loop`` whose iterations depend
 on each other (the output perturbs the next query), median of 3 such calls divided by ``n``.
@@ -50,8 +56,58 @@ BATCH = [16, 64, 256, 1024]
 PREFIX = [1024, 4096, 16384]
 SUFFIX = [64, 256, 1024]
 PROBES = [(256, 4096, 128), (512, 8192, 128), (1024, 4096, 128)]
-COLS = ["shared_fused", "shared_overlap", "shared", "flat", "flat_gqa", "composed", "auto"]
+COLS = ["shared", "flat", "flat_gqa", "composed", "auto", "flat_materialised"]
+# Our flat kernel over materialised per-sequence KV (no L2 reuse of a shared prefix): the
+# bandwidth test of the decode kernel, measured at these (batch, prefix) points only.
+MATERIALISED_AT = {(64, 4096), (256, 4096)}
 INTERPRET = False  # --smoke: every kernel in Pallas interpret mode on tiny shapes (CPU check)
+READ_BW = [0.0]    # read-only bandwidth (bytes/s) measured in this run, for the second floor
+
+
+def measure_read_bandwidth(nbytes: int) -> float:
+    """Bytes/s of an XLA read-only reduction (sum) over ``nbytes`` of bf16."""
+    from bench.timing import time_fn
+    x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    t = time_fn(f, [(x,)], warmup=3, iters=10)
+    del x
+    return nbytes / t
+
+
+def tune_large_m(doc):
+    """Pick the prefix kernel's tiling for unsplit (large-M) prefixes on this GPU."""
+    from pallas_kernels import prefix_attention as pa
+    from pallas_kernels.decode_attention import q_rows_layout, row_meta, rows_from_q
+    b, p, hq, hkv, d = 1024, 4096, 32, 8, 128
+    q, pk, pv, _, _, _ = make_inputs(b, p, 64, hkv, hq, d)
+    r, r16 = q_rows_layout(1, hq, hkv)
+    r2 = pa.next_pow2(r)
+    m = b * r2
+    m_pad = -(-(m + r16) // 128) * 128
+    qp = jnp.pad(rows_from_q(q[:, None], hkv, r2), ((0, 0), (0, m_pad - m), (0, 0)))
+    grp = jnp.zeros((m_pad,), jnp.int32)
+    lim = jnp.pad(jnp.full((m,), p, jnp.int32), (0, m_pad - m))
+    res = []
+    for bk, nw, ns in [(64, 4, 2), (64, 8, 3), (128, 8, 2), (128, 8, 3), (64, 8, 2)]:
+        cfg = dict(block_m=128, block_k=bk, num_splits=1, num_warps=nw, num_stages=ns)
+
+        def f(qp, pk, pv, grp, lim, cfg=cfg):
+            o, _ = pa.prefix_partials(qp, pk[None], pv[None], grp, lim, scale=0.088, **cfg)
+            return o[0].astype(qp.dtype)
+        try:
+            t = loop_time(f, qp, (pk, pv, grp, lim), target_s=0.02)
+            res.append(dict(block_k=bk, num_warps=nw, num_stages=ns, ms=t * 1e3,
+                            tflops=4.0 * m * hkv * p * d / t / 1e12))
+        except Exception as e:  # noqa: BLE001
+            res.append(dict(block_k=bk, num_warps=nw, num_stages=ns, error=str(e)[:200]))
+        print("large-M tiling", res[-1], flush=True)
+    ok = [x for x in res if "ms" in x]
+    if ok:
+        best = min(ok, key=lambda x: x["ms"])
+        pa.LARGE_M_TILING = dict(block_k=best["block_k"], num_warps=best["num_warps"],
+                                 num_stages=best["num_stages"])
+    doc["large_m_tiling_sweep"] = res
+    doc["large_m_tiling"] = pa.LARGE_M_TILING
 
 
 # ----------------------------------------------------------------------------- timing
@@ -182,18 +238,30 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
         raise
     ref = None
     for c in cols:
-        if c == "shared":
+        if c == "shared" and "shared_" + rec["shared_variant"] in cols:
             rec["shared_ms"] = rec.get("shared_" + rec["shared_variant"] + "_ms", "not measured")
             rec["shared_ms_source"] = "shared_" + rec["shared_variant"] + " (same code path)"
-            if "shared_" + rec["shared_variant"] + "_maxdiff_vs_shared" in rec:
-                rec["shared_maxdiff_vs_shared"] = 0.0
+            continue
+        if c == "flat_materialised" and (b, p) not in MATERIALISED_AT:
             continue
         if c == "auto" and not measure_auto:
             rec["auto_ms"] = rec.get(rec["auto_choice"] + "_ms", "not measured")
             rec["auto_ms_source"] = rec["auto_choice"] + " (same code path)"
             continue
         try:
-            if c in ("shared_fused", "shared_overlap", "flat", "auto"):
+            if c == "flat_materialised":
+                pk_b = jnp.broadcast_to(pk[None], (b,) + pk.shape) + 0  # a real copy per sequence
+                pv_b = jnp.broadcast_to(pv[None], (b,) + pv.shape) + 0
+                s2p = jnp.arange(b, dtype=jnp.int32)
+
+                def fm(q, pk_b, pv_b, sk, sv, sl, s2p):
+                    out = shared_prefix_attention(q[:, None], pk_b, pv_b, sk, sv, suffix_lengths=sl,
+                                                  seq_to_prefix=s2p,
+                                                  impl="flat_interpret" if INTERPRET else "flat")
+                    return out[:, 0]
+                t = loop_time(fm, q, (pk_b, pv_b, sk, sv, sl, s2p))
+                del pk_b, pv_b
+            elif c in ("shared", "shared_fused", "shared_overlap", "flat", "auto"):
                 f = (ours("shared", c.split("_")[1]) if c.startswith("shared_") else ours(c))
                 t = loop_time(f, q, (pk, pv, sk, sv, sl))
                 if check:
@@ -237,6 +305,12 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
     if isinstance(rec.get("flat_ms"), float):
         flat_bytes = b * (p + s) * 2 * hkv * d * 2 + 2 * b * hq * d * 2
         rec["flat_bw_frac_of_copy"] = flat_bytes / (rec["flat_ms"] * 1e-3) / bw
+    if isinstance(rec.get("flat_materialised_ms"), float):
+        flat_bytes = b * (p + s) * 2 * hkv * d * 2 + 2 * b * hq * d * 2
+        rec["flat_materialised_bw_frac_of_copy"] = flat_bytes / (rec["flat_materialised_ms"] * 1e-3) / bw
+        rec["flat_materialised_bw_frac_of_read"] = flat_bytes / (rec["flat_materialised_ms"] * 1e-3) / READ_BW[0]
+    if READ_BW[0]:
+        rec["floor_read_ms"] = floor_s(b, p, s, hq, hkv, d, READ_BW[0], mma)[0] * 1e3
     if isinstance(rec.get("flat_gqa_ms"), float):
         flat_bytes = b * (p + s) * 2 * hkv * d * 2 + 2 * b * hq * d * 2
         rec["flat_gqa_bw_frac_of_copy"] = flat_bytes / (rec["flat_gqa_ms"] * 1e-3) / bw
@@ -374,6 +448,7 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--measure-auto", action="store_true")
+    ap.add_argument("--tune-large-m", action="store_true")
     ap.add_argument("--cols", default=",".join(COLS))
     args = ap.parse_args()
     global INTERPRET, HEADS, BATCH, PREFIX, SUFFIX, PROBES
@@ -384,6 +459,8 @@ def main():
     out = args.out or f"bench/results/shared_prefix_{gpu_slug()}.json"
     bw = measure_copy_bandwidth(1 << 24 if args.smoke else 2 << 30)
     mma = measure_matmul_rate(256 if args.smoke else 8192)
+    READ_BW[0] = measure_read_bandwidth(1 << 24 if args.smoke else 4 << 30)
+    print(f"read-only bandwidth {READ_BW[0] / 1e12:.2f} TB/s", flush=True)
     print(f"device {device_info()['device']}: copy {bw / 1e12:.2f} TB/s, matmul {mma / 1e12:.0f} TFLOP/s",
           flush=True)
     if args.tune:
@@ -399,8 +476,10 @@ def main():
     # Most informative first: large batch / prefix (the targets), then the rest.
     grid.sort(key=lambda x: (-(x[0] >= 256 and x[1] >= 4096), x[3] != 32, -x[0], -x[1], x[2]))
     pts += grid
-    doc = dict(info=device_info(), copy_bw_Bps=bw, matmul_flops=mma, columns=COLS,
-               notes=__doc__, results=[])
+    doc = dict(info=device_info(), copy_bw_Bps=bw, matmul_flops=mma, read_bw_Bps=READ_BW[0],
+               columns=args.cols.split(","), notes=__doc__, results=[])
+    if not args.smoke and args.tune_large_m:
+        tune_large_m(doc)
     for (b, p, s, hq, hkv, d, probe) in pts:
         if time.time() - t_start > args.budget_s:
             doc["results"].append(dict(batch=b, prefix=p, suffix=s, heads_q=hq, heads_kv=hkv,

@@ -46,9 +46,15 @@ __all__ = ["prefix_partials", "shared_prefix_forward", "prefix_config", "overlap
 
 
 def choose_variant(batch: int, heads_kv: int, rows_per_seq_pow2: int) -> str:
-    """``"overlap"`` when there are enough suffix programs (``B * Hkv``) and prefix rows to keep
-    both kinds of work busy side by side, else ``"fused"``."""
-    return "overlap" if (batch * heads_kv >= 264 and batch * rows_per_seq_pow2 >= 256) else "fused"
+    """``"overlap"`` below 2048 (sequence, kv head) suffix programs, else ``"fused"``.
+
+    Measured on an H200 (``bench/results/shared_prefix_h200_variants.json``, both variants at
+    48 grid points): with many suffix programs (Hq=32/Hkv=8, B >= 256) the fused two-launch
+    path is 5-25% faster; with fewer (Hkv=1, or B <= 64) the single interleaved launch is
+    5-20% faster (the prefix matmul and the suffix streaming overlap).
+    """
+    del rows_per_seq_pow2
+    return "overlap" if batch * heads_kv < 2048 else "fused"
 
 
 def prefix_config(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
@@ -65,8 +71,17 @@ def prefix_config(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
     if programs < target_programs:
         splits = max(1, min(cdiv(target_programs, programs), cdiv(prefix_len, 4 * block_k)))
     # Tiling measured on an H200 (bench/shared_prefix.py --tune): 128 x 64 tiles, 4 warps,
-    # 2 stages reach ~205 TFLOP/s at B=256, P=4K, Hq=32, Hkv=8.
-    return dict(block_m=block_m, block_k=block_k, num_splits=splits, num_warps=4, num_stages=2)
+    # 2 stages reach ~205 TFLOP/s at B=256, P=4K, Hq=32, Hkv=8 (prefix split 4 ways).
+    cfg = dict(block_m=block_m, block_k=block_k, num_splits=splits, num_warps=4, num_stages=2)
+    if splits == 1 and block_m == 128:
+        cfg.update(LARGE_M_TILING)
+    return cfg
+
+
+# Tiling of the prefix kernel when there are enough rows that the prefix is not split
+# (e.g. B=1024, Hq=32, Hkv=8); chosen by the H200 sweep at the start of the benchmark run
+# that produced bench/results/shared_prefix_h200.json (recorded there as "large_m_tiling").
+LARGE_M_TILING = dict(block_k=64, num_warps=4, num_stages=2)
 
 
 def prefix_partials(q_hmd, prefix_k, prefix_v, row_group, row_limit, *, scale, block_m, block_k,
