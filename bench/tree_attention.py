@@ -23,6 +23,21 @@ against ``flat`` (bf16 tolerance).
 
 Usage: ``python bench/tree_attention.py --out bench/results/tree_attention_h100.json [--quick]``
 (a PNG with the same stem is written next to the JSON).
+
+Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22; times are
+wall-clock medians of a jitted call, so sub-0.5 ms entries include ~0.1 ms of dispatch and
+launch overhead; ``auto`` and ``flatten`` run the same program on ``spec_*``, and their gap
+there, up to 0.2 ms on ``spec_t64``, is measurement noise of that order):
+
+* APPS-like: auto 1.21x (8 problems) / 1.44x (16) faster than single-level shared prefix,
+  2.18x / 1.84x the floor: the target (>= 1.5x, <= 2x) is missed except 16 problems' floor;
+  the root part is compute-bound in a Triton-lowered kernel (~200 TFLOP/s vs 627 measured).
+* tree-of-thought: auto 1.04x single-level, 2.24x floor (missed).
+* speculative (single-token leaves): flatten 2.04x / 1.84x / 2.00x faster than node-by-node
+  for 32 / 64 / 256 drafts (target 1.5x met).
+* few-shot (one level): auto goes through ``shared_prefix_attention``; it is 0.47x-0.82x the
+  ``single_level`` column there (the column calls the same function on a pre-sliced prefix, so
+  the difference is the root gather and dispatch).
 """
 from __future__ import annotations
 
