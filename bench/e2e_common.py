@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.timing import device_info, gpu_slug
 from models.config import LlamaConfig
@@ -67,9 +68,28 @@ def smoke_config(*, mha: bool, layers: int = 2) -> LlamaConfig:
                        max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,))
 
 
-def random_params(cfg: LlamaConfig, seed: int, dtype=jnp.bfloat16) -> dict:
-    """Random parameters (``models.weights.init_params``) in the unrolled list layout."""
-    params = unstack_layers(init_params(cfg, jax.random.PRNGKey(seed), dtype))
+def random_params(cfg: LlamaConfig, seed: int, dtype=jnp.bfloat16, *, host: bool = False) -> dict:
+    """Random parameters with the layout of ``models.weights.init_params``, as a layer list.
+
+    ``host``: draw the values with numpy (for CPU smoke runs: compiling the random-number program
+    takes XLA:CPU ~10 s); otherwise one jitted ``init_params`` (dozens of eager ops would each
+    compile on their own).
+    """
+    if host:
+        shapes = jax.eval_shape(lambda k: init_params(cfg, k, dtype), jax.random.PRNGKey(seed))
+        rng = np.random.default_rng(seed)
+
+        def fill(path, leaf):
+            name = str(getattr(path[-1], "key", path[-1]))
+            x = rng.standard_normal(leaf.shape, np.float32)
+            x = 1 + 0.1 * x if name.endswith("norm") else x if name == "embed" else 0.02 * x
+            return jnp.asarray(x, leaf.dtype)
+
+        stacked = jax.tree_util.tree_map_with_path(fill, shapes)
+    else:
+        stacked = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.PRNGKey(seed), dtype)
+    params = jax.jit(unstack_layers)(stacked)
+    del stacked
     return jax.block_until_ready(params)
 
 

@@ -117,7 +117,7 @@ class Bench:
             ec.free_memory()
             cfg = self.cfg(point)
             t0 = time.perf_counter()
-            self.params = ec.random_params(cfg, seed=0, dtype=self.dtype)
+            self.params = ec.random_params(cfg, seed=0, dtype=self.dtype, host=self.args.smoke)
             self.model_obj = Llama(cfg)
             self.runner = make_runner(self.model_obj)
             self.loaded = key
@@ -143,6 +143,13 @@ class Bench:
         return None
 
     # -- one point --------------------------------------------------------------------------
+    def normal(self, key, i: int, shape) -> jax.Array:
+        """Standard normal values (numpy in smoke runs: XLA:CPU compiles random programs slowly)."""
+        if self.args.smoke:
+            seed = int(np.asarray(jax.random.key_data(jax.random.fold_in(key, i))).sum())
+            return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), self.dtype)
+        return jax.random.normal(jax.random.fold_in(key, i), shape, self.dtype)
+
     def caches(self, point, cfg):
         """Prefix cache + suffix buffers for shared/none, or the flat buffers (prompt copied)."""
         b, k, backend = point["batch"], self.k, point["backend"]
@@ -153,9 +160,7 @@ class Bench:
         fill_flat = jax.jit(lambda pk: jnp.zeros((b, p + k, hkv, d), self.dtype).at[:, :p].set(
             jnp.broadcast_to(pk, (b, p, hkv, d))))
         for i in range(nl):
-            k1, k2 = jax.random.split(jax.random.fold_in(key, i))
-            pk = jax.random.normal(k1, (1, p, hkv, d), self.dtype)
-            pv = jax.random.normal(k2, (1, p, hkv, d), self.dtype)
+            pk, pv = self.normal(key, 2 * i, (1, p, hkv, d)), self.normal(key, 2 * i + 1, (1, p, hkv, d))
             if backend == "flat":
                 layers.append({"k": fill_flat(pk), "v": fill_flat(pv)})
             else:
@@ -169,7 +174,7 @@ class Bench:
             prefix = PrefixCache(layers=pre_layers, lengths=(jnp.full((1,), p, jnp.int32),),
                                  last_logits=jnp.zeros((1, cfg.vocab_size), jnp.float32))
             lengths0, pos0 = jnp.zeros((b,), jnp.int32), jnp.full((b,), p, jnp.int32)
-        tokens0 = jax.random.randint(jax.random.fold_in(key, 10_000), (b,), 0, cfg.vocab_size, jnp.int32)
+        tokens0 = jnp.asarray(np.random.default_rng(b * 7 + p).integers(0, cfg.vocab_size, b), jnp.int32)
         return jax.block_until_ready((prefix, layers, lengths0, pos0, tokens0))
 
     def measure(self, point) -> dict:
@@ -201,9 +206,11 @@ class Bench:
         del layers, prefix
         m1, mk = statistics.median(t1), statistics.median(tk)
         decode_s = mk - m1
-        rec = {"gen_tokens": k, "t1_s": t1, "tk_s": tk, "decode_s": decode_s,
-               "step_ms": 1e3 * decode_s / (k - 1), "tokens_per_s": b * (k - 1) / decode_s,
-               "tokens_per_s_reps": [b * (k - 1) / (t - m1) for t in tk],
+        valid = decode_s > 0    # False only when timing noise exceeds the decode time (tiny smoke shapes)
+        rec = {"gen_tokens": k, "t1_s": t1, "tk_s": tk, "decode_s": decode_s, "timing_valid": valid,
+               "step_ms": 1e3 * decode_s / (k - 1) if valid else None,
+               "tokens_per_s": b * (k - 1) / decode_s if valid else None,
+               "tokens_per_s_reps": [b * (k - 1) / (t - m1) if t > m1 else None for t in tk],
                "compile_and_first_call_s": compile_s, "logits_finite": bool(finite),
                "predicted_bytes": int(self.predicted_bytes(point))}
         # same cache contents and first tokens for shared and flat: their first-step logits agree
@@ -254,7 +261,7 @@ def parse_args(argv=None):
     if args.smoke:
         args.layers = args.layers or 1
         args.probe_layers = args.probe_layers or 1
-        args.gen_tokens = args.gen_tokens or 4
+        args.gen_tokens = args.gen_tokens or 8
     args.layers = args.layers or 16
     args.probe_layers = args.probe_layers or 4
     args.gen_tokens = args.gen_tokens or 128

@@ -69,7 +69,7 @@ class Bench:
     def load(self):
         if self.model is None:
             t0 = time.perf_counter()
-            self.params = ec.random_params(self.cfg, seed=0, dtype=self.dtype)
+            self.params = ec.random_params(self.cfg, seed=0, dtype=self.dtype, host=self.args.smoke)
             self.model = Llama(self.cfg)
             t1 = time.perf_counter()
             self.prefix_cache = jax.block_until_ready(

@@ -1,0 +1,231 @@
+"""Smoke tests of the end-to-end benchmark scripts (bench/e2e_decode.py, long_document.py,
+two_level.py, plots.py) on CPU with tiny random models: they run, write the documented JSON,
+resume without redoing finished points, record out-of-memory points as "X", and the tables,
+plots and target ratios are regenerated from the JSON alone."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# faster XLA:CPU compiles for the subprocesses (the numbers are not measurements anyway)
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+SMOKE_ARGS = {
+    "e2e_decode": ["--part", "gqa", "--batches", "2", "--prefixes", "8"],
+    "long_document": ["--questions", "2", "--backends", "shared", "flat"],
+    "two_level": [],
+}
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    """Run the three scripts' smoke modes (in parallel subprocesses); return their JSON paths."""
+    d = tmp_path_factory.mktemp("bench_results")
+    env = dict(os.environ, XLA_FLAGS=FAST_XLA, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    procs, outs = {}, {}
+    for name, extra in SMOKE_ARGS.items():
+        outs[name] = str(d / f"{name}_cpu.json")
+        cmd = [sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), "--smoke", "--out", outs[name]] + extra
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
+    logs = {name: p.communicate(timeout=600)[0] for name, p in procs.items()}
+    for name, p in procs.items():
+        assert p.returncode == 0, f"{name} failed:\n{logs[name][-4000:]}"
+    return {"dir": d, "outs": outs, "logs": logs}
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _check_header(data, benchmark):
+    assert data["benchmark"] == benchmark
+    assert data["schema"] == 1
+    assert data["device_info"]["device"] and data["device_info"]["jax"]
+    assert data["fixed"]["smoke"] is True
+    assert len(data["runs"]) >= 1 and "settings" in data["runs"][0] and "jax" in data["runs"][0]
+
+
+def test_e2e_decode_json(smoke_runs):
+    data = _load(smoke_runs["outs"]["e2e_decode"])
+    _check_header(data, "e2e_decode")
+    pts = data["points"]
+    assert sorted((p["backend"], p["prefix"]) for p in pts) == [("flat", 8), ("none", None), ("shared", 8)]
+    for p in pts:
+        assert p["status"] == "ok", p
+        assert p["part"] == "gqa" and p["model"] == "llama3.1-8b" and p["layers"] == 1 and p["batch"] == 2
+        assert p["gen_tokens"] == data["fixed"]["gen_tokens"] == 8
+        assert len(p["t1_s"]) == 3 and len(p["tk_s"]) == (1 if p["backend"] == "flat" else 2)
+        assert all(t > 0 for t in p["t1_s"] + p["tk_s"])
+        assert p["decode_s"] == pytest.approx(statistics.median(p["tk_s"]) - statistics.median(p["t1_s"]))
+        assert p["logits_finite"] is True
+        if p["timing_valid"]:
+            assert p["tokens_per_s"] == pytest.approx(2 * 7 / p["decode_s"])
+        else:
+            assert p["tokens_per_s"] is None
+    # identical cache contents: flat's first-step logits equal shared's (float32 smoke model)
+    flat = next(p for p in pts if p["backend"] == "flat")
+    assert flat["rel_err_first_logits_vs_shared"] < 1e-5
+    assert "targets" in data["runs"][-1]
+
+
+def test_long_document_json(smoke_runs):
+    data = _load(smoke_runs["outs"]["long_document"])
+    _check_header(data, "long_document")
+    pts = data["points"]
+    assert sorted(p["backend"] for p in pts) == ["flat", "shared"]
+    for p in pts:
+        assert p["status"] == "ok" and p["questions"] == 2 and p["model"] == "yi-6b-200k"
+        assert p["all_answers_full_length"] is True
+        assert len(p["times_s"]) == 2 and p["time_s"] > 0
+        assert p["tokens_per_s"] == pytest.approx(2 * data["fixed"]["answer_tokens"] / p["time_s"])
+        assert 2 * 3 <= p["question_tokens"] <= 2 * 5
+    assert data["runs"][-1]["doc_prefill_s_excluded"] > 0
+
+
+def test_two_level_json(smoke_runs):
+    data = _load(smoke_runs["outs"]["two_level"])
+    _check_header(data, "two_level")
+    pts = {(p["method"], p["problems"]): p for p in data["points"]}
+    assert set(pts) == {("single", 1), ("tree", 1), ("tree", 2)}
+    assert pts[("single", 1)]["role"] == pts[("tree", 1)]["role"] == "equal_batch"
+    assert pts[("tree", 2)]["role"] == "larger_batch"
+    samples = data["fixed"]["samples"]
+    for (method, prob), p in pts.items():
+        assert p["status"] == "ok" and p["all_full_length"] is True
+        assert p["batch"] == prob * samples
+        assert p["per_problem_s"] == pytest.approx(p["total_s"] / prob)
+        assert len(p["problem_tokens"]) == prob and all(6 <= n <= 12 for n in p["problem_tokens"])
+    assert data["runs"][-1]["p_equal_p_large"] == [1, 2]
+
+
+def test_rerun_skips_finished_points_and_redoes_missing(smoke_runs):
+    from bench import e2e_decode  # noqa: PLC0415
+    out = smoke_runs["outs"]["e2e_decode"]
+    argv = ["--smoke", "--out", out] + SMOKE_ARGS["e2e_decode"]
+    before = _load(out)
+    res = e2e_decode.main(argv)
+    assert res["counts"]["measured"] == 0 and res["counts"]["skipped_existing"] == 3
+    after = _load(out)
+    assert after["points"] == before["points"] and len(after["runs"]) == len(before["runs"]) + 1
+    # a run cut off before the "none" point: only that point is measured again
+    after["points"] = [p for p in after["points"] if p["backend"] != "none"]
+    with open(out, "w") as f:
+        json.dump(after, f)
+    res = e2e_decode.main(argv)
+    assert res["counts"]["measured"] == 1 and res["counts"]["skipped_existing"] == 2
+    final = _load(out)
+    assert sorted(p["backend"] for p in final["points"]) == ["flat", "none", "shared"]
+    assert [p for p in final["points"] if p["backend"] != "none"] == after["points"]
+
+
+def test_mismatched_settings_refused(smoke_runs):
+    from bench import e2e_decode  # noqa: PLC0415
+    out = smoke_runs["outs"]["e2e_decode"]
+    n = len(_load(out)["runs"])
+    with pytest.raises(ValueError, match="fixed settings"):
+        e2e_decode.main(["--smoke", "--out", out, "--gen-tokens", "5"] + SMOKE_ARGS["e2e_decode"])
+    assert len(_load(out)["runs"]) == n
+
+
+def test_predicted_out_of_memory_is_recorded_as_x(tmp_path):
+    from bench import e2e_decode, long_document, plots  # noqa: PLC0415
+    out = str(tmp_path / "e2e_decode_cpu.json")
+    res = e2e_decode.main(["--smoke", "--out", out, "--mem-limit-gb", "0.001", "--part", "mha"])
+    assert res["counts"] == {"measured": 0, "skipped_existing": 0, "oom": 3, "errors": 0, "not_started_budget": 0}
+    data = _load(out)
+    assert all(p["status"] == "oom" and p["oom"].startswith("predicted") for p in data["points"])
+    # a rerun does not retry out-of-memory points
+    assert e2e_decode.main(["--smoke", "--out", out, "--mem-limit-gb", "0.001", "--part", "mha"])["counts"][
+        "skipped_existing"] == 3
+    table = plots.e2e_table_md(plots.e2e_index(data)["mha"])
+    assert table.splitlines()[2] == "| 4 | X | X | X | - |"
+    out2 = str(tmp_path / "long_document_cpu.json")
+    res = long_document.main(["--smoke", "--out", out2, "--mem-limit-gb", "0.001", "--questions", "4"])
+    assert res["counts"]["oom"] == 3
+    assert "| 4 | X | X | X | X | - |" in plots.long_document_table_md(_load(out2))
+
+
+def test_budget_stops_before_new_points(tmp_path):
+    from bench import two_level  # noqa: PLC0415
+    out = str(tmp_path / "two_level_cpu.json")
+    res = two_level.main(["--smoke", "--out", out, "--budget-min", "0", "--part", "equal"])
+    assert res["counts"]["measured"] == 0 and res["counts"]["not_started_budget"] == 2
+    assert _load(out)["points"] == []
+
+
+def test_is_oom():
+    from bench.e2e_common import is_oom  # noqa: PLC0415
+    assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 38.76GiB"))
+    assert is_oom(MemoryError())
+    assert not is_oom(ValueError("shapes do not match"))
+
+
+def _e2e_point(part, b, p, backend, tps, status="ok"):
+    return {"part": part, "model": "m", "layers": 16, "batch": b, "prefix": p, "backend": backend,
+            "status": status, "tokens_per_s": tps}
+
+
+def test_targets_from_constructed_results():
+    from bench import plots  # noqa: PLC0415
+    pts = [_e2e_point("gqa", 256, None, "none", 100.0), _e2e_point("gqa", 1024, None, "none", 400.0),
+           _e2e_point("gqa", 256, 1024, "shared", 90.0), _e2e_point("gqa", 256, 8192, "shared", 85.0),
+           _e2e_point("gqa", 1024, 1024, "shared", 360.0), _e2e_point("gqa", 1024, 8192, "shared", 300.0),
+           _e2e_point("gqa", 256, 1024, "flat", 50.0), _e2e_point("gqa", 256, 8192, "flat", 5.0),
+           _e2e_point("gqa", 1024, 8192, "flat", None, status="oom")]
+    t = plots.e2e_targets({"points": pts})
+    assert t["shared_vs_none"]["min"] == pytest.approx(0.75)
+    assert t["shared_vs_none"]["at"] == {"part": "gqa", "batch": 1024, "prefix": 8192}
+    assert t["shared_vs_none"]["points_meeting"] == 3 and not t["shared_vs_none"]["met"]
+    loss = t["prefix_loss_at_largest_batch"]["gqa"]
+    assert loss["shared"] == pytest.approx(1 - 300 / 360) and not loss["met"] and loss["flat"] is None
+    assert t["shared_vs_flat"]["min"] == pytest.approx(17.0) and t["shared_vs_flat"]["met"]
+    assert t["shared_vs_flat"]["points"] == 1
+
+    tl = {"fixed": {"samples": 128}, "points": [
+        {"method": "single", "problems": 1, "batch": 128, "role": "equal_batch", "status": "ok",
+         "per_problem_s": 6.0, "decode_per_problem_s": 5.0},
+        {"method": "tree", "problems": 1, "batch": 128, "role": "equal_batch", "status": "ok",
+         "per_problem_s": 4.0, "decode_per_problem_s": 2.5},
+        {"method": "tree", "problems": 4, "batch": 512, "role": "larger_batch", "status": "ok",
+         "per_problem_s": 2.0, "decode_per_problem_s": 1.5}]}
+    t2 = plots.two_level_targets(tl)
+    assert t2["tree_vs_single_equal_batch"]["total"] == pytest.approx(1.5)
+    assert t2["tree_vs_single_equal_batch"]["decode_only"] == pytest.approx(2.0)
+    assert t2["tree_vs_single_equal_batch"]["met"]
+    assert t2["tree_large_vs_single"]["total"] == pytest.approx(3.0)
+
+
+def test_plots_and_readme_from_json(smoke_runs, tmp_path):
+    from bench import plots  # noqa: PLC0415
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# bench\n\n{plots.BEGIN}\nold\n{plots.END}\n\nafter\n")
+    pdir = tmp_path / "plots"
+    # smoke results are skipped unless asked for: the tables say "not yet run on GPU"
+    res = plots.main(["--results", str(smoke_runs["dir"]), "--plots", str(pdir), "--readme", str(readme)])
+    text = readme.read_text()
+    assert text.count("_Not yet run on GPU._") == 3 and "old" not in text and text.endswith("after\n")
+    assert res["lines"] == []
+    res = plots.main(["--results", str(smoke_runs["dir"]), "--plots", str(pdir), "--readme", str(readme),
+                      "--include-smoke"])
+    text = readme.read_text()
+    assert "Not yet run on GPU" not in text and "CPU smoke run, not a measurement" in text
+    assert "| batch | flat 8 | shared 8 | none (all) | shared/none min |" in text
+    assert "| questions | shared (s) | flat (s) | none (s)" in text and "| single | equal_batch | 1 | 2 |" in text
+    names = sorted(os.listdir(pdir))
+    assert names == ["e2e_decode_cpu_vs_batch.png", "e2e_decode_cpu_vs_prefix.png", "long_document_cpu.png",
+                     "two_level_cpu.png"]
+    for n in names:
+        with open(pdir / n, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert f"![{n}](plots/{n})" in text
+    assert any("two-level vs single-level at equal batch 2" in ln for ln in res["lines"])
