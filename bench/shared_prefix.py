@@ -88,7 +88,7 @@ def tune_large_m(doc):
     grp = jnp.zeros((m_pad,), jnp.int32)
     lim = jnp.pad(jnp.full((m,), p, jnp.int32), (0, m_pad - m))
     res = []
-    for bk, nw, ns in [(64, 4, 2), (64, 8, 3), (128, 8, 2), (128, 8, 3), (64, 8, 2)]:
+    for bk, nw, ns in [(64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 4, 2)]:
         cfg = dict(block_m=128, block_k=bk, num_splits=1, num_warps=nw, num_stages=ns)
 
         def f(qp, pk, pv, grp, lim, cfg=cfg):

@@ -68,38 +68,46 @@ def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k,
     cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     g_lo = jnp.min(idx)
     g_hi = jnp.max(idx) + 1
+    # Tiles below every row's limit need no mask (only when the block reads a single entry).
+    single = g_lo + 1 == g_hi
+    all_see = jnp.where(single, jnp.min(lim), 0)
     need_mask = seq_len % block_k != 0
+
+    def kv_body(t, c, *, g, rl, masked):
+        acc, m_i, l_i = c
+        k0 = k_start + t * block_k
+        ks = pl.ds(pl.multiple_of(k0, block_k), block_k)
+        if need_mask:  # (also in full tiles: a static tile larger than the axis must be masked)
+            in_b = (k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)) < seq_len
+            k = plgpu.load(k_ref.at[g, ks, h, :], mask=in_b, other=0.0)
+            v = plgpu.load(v_ref.at[g, ks, h, :], mask=in_b, other=0.0)
+        else:
+            k = k_ref[g, ks, h, :]
+            v = v_ref[g, ks, h, :]
+        sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32) * scale_log2
+        if masked:
+            sc = jnp.where((k0 + cols) < rl[:, None], sc, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + pv
+        return acc, m_new, l_i
 
     def group_body(g, carry):
         rl = jnp.where(idx == g, lim, 0)  # [BM] limits of this entry's rows
         k_end = jnp.minimum(k_start + chunk, jnp.max(rl))
         n_blk = jnp.maximum(k_end - k_start + block_k - 1, 0) // block_k
-
-        def kv_body(t, c):
-            acc, m_i, l_i = c
-            k0 = k_start + t * block_k
-            ks = pl.ds(pl.multiple_of(k0, block_k), block_k)
-            if need_mask:
-                in_b = (k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)) < seq_len
-                k = plgpu.load(k_ref.at[g, ks, h, :], mask=in_b, other=0.0)
-                v = plgpu.load(v_ref.at[g, ks, h, :], mask=in_b, other=0.0)
-            else:
-                k = k_ref[g, ks, h, :]
-                v = v_ref[g, ks, h, :]
-            sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                 preferred_element_type=jnp.float32) * scale_log2
-            sc = jnp.where((k0 + cols) < rl[:, None], sc, -jnp.inf)
-            m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(sc - m_use[:, None])
-            l_i = l_i * alpha + jnp.sum(p, axis=1)
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 precision=precision, preferred_element_type=jnp.float32)
-            acc = acc * alpha[:, None] + pv
-            return acc, m_new, l_i
-
-        return lax.fori_loop(0, n_blk, kv_body, carry)
+        full_end = jnp.minimum(k_start + chunk, all_see)
+        n_full = jnp.minimum(jnp.maximum(full_end - k_start, 0) // block_k, n_blk)
+        carry = lax.fori_loop(0, n_full, functools.partial(kv_body, g=g, rl=rl, masked=False),
+                              carry)
+        return lax.fori_loop(n_full, n_blk, functools.partial(kv_body, g=g, rl=rl, masked=True),
+                             carry)
 
     return lax.fori_loop(g_lo, g_hi, group_body, carry)
 
@@ -263,10 +271,17 @@ def rows_from_q(q_bthd: jax.Array, hkv: int, r_pad: int, order_b: jax.Array | No
 
 
 def row_meta(values_bt: jax.Array, grp: int, r_pad: int, order_b: jax.Array | None = None,
-             pad_value=0):
-    """Per-row array ``[B * r_pad]`` from per-(sequence, position) values ``[B, Tq]``."""
+             pad_value=None):
+    """Per-row array ``[B * r_pad]`` from per-(sequence, position) values ``[B, Tq]``.
+
+    Padding rows get ``pad_value`` (scalar or ``[B]`` in the output order); by default each
+    sequence's largest value, so a padding row's key limit never shortens the unmasked tiles
+    (padding rows are computed from zero queries and discarded).
+    """
     v = values_bt if order_b is None else values_bt[order_b]
     b, tq = v.shape
+    if pad_value is None:
+        pad_value = jnp.max(v, axis=1)
     v = jnp.repeat(v, grp, axis=1)  # row t * grp + g
     pad = jnp.broadcast_to(jnp.asarray(pad_value, v.dtype), (b, r_pad - tq * grp)) if jnp.ndim(
         pad_value) == 0 else jnp.broadcast_to(pad_value[:, None], (b, r_pad - tq * grp))

@@ -138,7 +138,8 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     grp_rows = row_meta(jnp.broadcast_to(s2p_sorted[:, None], (b, tq)), grp, r2,
                         pad_value=s2p_sorted)
     grp_rows = jnp.pad(grp_rows, (0, m_pad - m), mode="edge")
-    lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m))
+    # tail padding rows: full limit (their zero queries' results are never used)
+    lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
     if variant == "overlap":
         return _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, lim_rows,
                                 lim_s, order, inv, cfg=cfg, scale=scale, interpret=interpret,
@@ -202,7 +203,8 @@ def shared_prefix_forward_unfused(q, prefix_k, prefix_v, suffix_k, suffix_v, seq
     qp = jnp.pad(rows_from_q(q, hkv, r2, order), ((0, 0), (0, m_pad - m), (0, 0)))
     grp_rows = jnp.pad(row_meta(jnp.broadcast_to(s2p_sorted[:, None], (b, tq)), grp, r2,
                                 pad_value=s2p_sorted), (0, m_pad - m), mode="edge")
-    lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m))
+    # tail padding rows: full limit (their zero queries' results are never used)
+    lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
     o_pre, lse_pre = prefix_partials(qp, prefix_k, prefix_v, grp_rows, lim_rows, scale=scale,
                                      interpret=interpret, **cfg)
     o_pre, lse_pre = merge_partials(o_pre, lse_pre)

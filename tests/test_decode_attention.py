@@ -112,3 +112,22 @@ def test_flat_forward_tq4_gqa(num_splits):
     out, lse = flat_forward(q, pk, pv, sk, sv, kw["seq_to_prefix"], lim_p, lim_s, scale=0.25,
                             interpret=True, block_k=16, num_splits=num_splits)
     check(out, lse, oracle(args, kw, meta), jnp.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_unmasked_full_tiles_then_masked_tail(num_splits):
+    """One pool entry per row block and limits >= several tiles: the kernel runs the tiles every
+    row sees without masks, then the ragged tail with masks."""
+    rng = np.random.default_rng(30 + num_splits)
+    hkv, m, d, block_m = 2, 32, 16, 16
+    k, v = _pool(rng, 2, 80, hkv, d, jnp.float32)
+    idx = np.repeat(np.arange(2), 16).astype(np.int32)
+    lim = rng.integers(37, 81, size=m).astype(np.int32)
+    lim[16:] = 80
+    q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32))
+    po, pl_ = ragged_attention(q, [Source(k, v, jnp.asarray(idx), jnp.asarray(lim))], scale=0.3,
+                               block_m=block_m, block_k=16, num_splits=num_splits,
+                               finalize=False, interpret=True)
+    o, lse = merge_partials(po, pl_)
+    ro, rl = rows_oracle(q, [(k, v, idx, lim)], 0.3)
+    _check(o, lse, ro, rl, 1e-5)
