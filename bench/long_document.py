@@ -28,6 +28,8 @@ import os
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+if "--smoke" in sys.argv[1:]:   # tiny CPU run: cheaper XLA:CPU compiles (timings are not measurements)
+    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402

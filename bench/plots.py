@@ -247,7 +247,8 @@ def two_level_targets(data) -> dict:
     if single and tree_large:
         r = single["per_problem_s"] / tree_large["per_problem_s"]
         res["tree_large_vs_single"] = {"total": r, "batch": tree_large["batch"]}
-        res["lines"].append(f"two-level at the larger batch {tree_large['batch']} vs single-level: {r:.2f}x per problem")
+        res["lines"].append(f"two-level at the larger batch {tree_large['batch']} vs single-level: "
+                            f"{r:.2f}x per problem")
     return res
 
 
@@ -301,6 +302,11 @@ def plot_e2e(data, slug: str, plots_dir: str) -> list[str]:
                 key = lambda x, backend: (b, None if backend == "none" else x, backend)  # noqa: E731
                 title = f"{PART_TITLES.get(part, part)}\nbatch {b}"
             for backend in ("shared", "flat", "none"):
+                if kind == "vs_prefix" and backend == "none":   # prefix-independent: one horizontal line
+                    v = _tps(d, b, None, "none")
+                    if v is not None:
+                        ax.axhline(v / 1e3, color=COLORS["none"], linestyle="--", label="none (upper bound)")
+                    continue
                 ok = [(x, d["pts"][key(x, backend)]["tokens_per_s"] / 1e3) for x in xs
                       if _ok(d["pts"].get(key(x, backend))) and d["pts"][key(x, backend)].get("tokens_per_s")]
                 oom = [x for x in xs if (d["pts"].get(key(x, backend)) or {}).get("status") == "oom"]
@@ -419,7 +425,8 @@ def render_markdown(results: dict, plots_dir: str, readme_dir: str, make_plots: 
                 for part, d in sorted(e2e_index(data).items(), key=lambda kv: _part_order(kv[0])):
                     md.append(f"**{PART_TITLES.get(part, part)}**, {d['layers']} layers, "
                               f"{data['fixed'].get('gen_tokens')} generated tokens; thousands of tokens/s "
-                              f"(X = out of memory, - = not measured):\n\n{e2e_table_md(d)}\n")
+                              f"(X = out of memory, - = not measured, n/a = timing below noise, err = failed: "
+                              f"see the JSON):\n\n{e2e_table_md(d)}\n")
                 if make_plots:
                     pngs = plot_e2e(data, slug, plots_dir)
             elif bench == "long_document":

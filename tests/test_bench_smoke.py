@@ -229,3 +229,38 @@ def test_plots_and_readme_from_json(smoke_runs, tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         assert f"![{n}](plots/{n})" in text
     assert any("two-level vs single-level at equal batch 2" in ln for ln in res["lines"])
+
+
+def test_run_points_records_runtime_oom_and_errors_and_goes_on(tmp_path):
+    from bench import e2e_common as ec  # noqa: PLC0415
+    path = str(tmp_path / "x_cpu.json")
+    store = ec.ResultStore(path, "x", ("n",), {"a": 1}, {})
+    calls = []
+
+    def measure(point):
+        calls.append(point["n"])
+        if point["n"] == 0:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.00GiB")
+        if point["n"] == 1:
+            raise ValueError("some bug")
+        return {"value": 10 * point["n"]}
+
+    plan = [{"n": i} for i in range(3)]
+    counts = ec.run_points(store, plan, measure, ec.Budget(None), log=lambda *a, **k: None)
+    assert counts == {"measured": 1, "skipped_existing": 0, "oom": 1, "errors": 1, "not_started_budget": 0}
+    pts = {p["n"]: p for p in _load(path)["points"]}
+    assert pts[0]["status"] == "oom" and pts[0]["oom"].startswith("measured: RuntimeError: RESOURCE_EXHAUSTED")
+    assert pts[1]["status"] == "error" and "some bug" in pts[1]["error"]
+    assert pts[2] == {"n": 2, "status": "ok", "value": 20, "wall_s": pts[2]["wall_s"]}
+    # reopening: the error point is retried (and replaced), finished and out-of-memory points are not
+    store = ec.ResultStore(path, "x", ("n",), {"a": 1}, {})
+    calls.clear()
+    counts = ec.run_points(store, plan, lambda p: {"value": -1}, ec.Budget(None), log=lambda *a, **k: None)
+    assert counts["measured"] == 1 and counts["skipped_existing"] == 2
+    data = _load(path)
+    assert [p["n"] for p in data["points"]] == [0, 2, 1] and data["points"][-1]["value"] == -1
+    assert len(data["runs"]) == 2
+    with pytest.raises(ValueError, match="fixed settings"):
+        ec.ResultStore(path, "x", ("n",), {"a": 2}, {})
+    with pytest.raises(ValueError, match="holds benchmark"):
+        ec.ResultStore(path, "y", ("n",), {"a": 1}, {})
