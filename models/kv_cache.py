@@ -59,10 +59,14 @@ def num_layers(layers: Any) -> int:
     return leaves[0].shape[0]
 
 
-def layer_map(fn: Callable, *trees: Any, stacked: bool) -> Any:
-    """Apply ``fn`` per layer to trees in the stacked (vmapped) or list layout."""
+def layer_map(fn: Callable, *trees: Any, stacked: bool, num_layers: int | None = None) -> Any:
+    """Apply ``fn`` per layer to trees in the stacked (vmapped) or list layout.
+
+    ``num_layers`` is required for the stacked layout when the trees may hold no array (e.g. the
+    prefix cache of a plain batch, whose levels are empty tuples): ``vmap`` cannot infer ``L``.
+    """
     if stacked:
-        return jax.vmap(fn)(*trees)
+        return jax.vmap(fn, axis_size=num_layers)(*trees)
     return [fn(*xs) for xs in zip(*trees)]
 
 
@@ -191,7 +195,7 @@ def flatten_prefix(config: LlamaConfig, prefix: PrefixCache, batch: int, capacit
             out[name] = buf
         return out
 
-    layers = layer_map(one_layer, prefix.layers, stacked=stacked)
+    layers = layer_map(one_layer, prefix.layers, stacked=stacked, num_layers=config.num_hidden_layers)
     empty = empty_prefix_cache(config, dtype, stacked=stacked)
     return KVCache(prefix=empty, layers=layers, lengths=path, pos_offset=jnp.zeros((batch,), jnp.int32),
                    backend="flat")
