@@ -215,6 +215,8 @@ class Bench:
                "tokens_per_s_reps": [b * (k - 1) / (t - m1) if t > m1 else None for t in tk],
                "compile_and_first_call_s": compile_s, "logits_finite": bool(finite),
                "predicted_bytes": int(self.predicted_bytes(point))}
+        if backend == "shared":    # which kernel path impl="auto" picks for the first decode step
+            rec["shared_prefix_auto_path"] = auto_path(cfg, b, point["prefix"], k)
         # same cache contents and first tokens for shared and flat: their first-step logits agree
         ckey = (point["part"], point["model"], point["layers"], b, point["prefix"])
         if backend in ("shared", "flat"):
@@ -225,6 +227,16 @@ class Bench:
                                                                    max(np.linalg.norm(ref), 1e-30))
             self.first_logits[ckey] = (backend, head)
         return rec
+
+
+def auto_path(cfg, batch: int, prefix: int, suffix: int) -> str:
+    """The cost model's choice ("shared" / "flat" kernel path) for one decode step, or why not known."""
+    try:
+        from jax_prefix_attn.cost_model import choose_path  # noqa: PLC0415
+        return choose_path(batch=batch, tq=1, heads_q=cfg.num_attention_heads, heads_kv=cfg.num_key_value_heads,
+                           head_dim=cfg.head_dim, groups=1, prefix_len=prefix, suffix_len=suffix, itemsize=2)
+    except Exception as e:  # noqa: BLE001 - informative only
+        return f"unknown: {e!r}"[:200]
 
 
 def make_runner(model: Llama):

@@ -26,6 +26,7 @@ Usage::
 
     python bench/two_level.py --budget-min 8.5        # -> bench/results/two_level_<gpu>.json
     python bench/two_level.py --gen-tokens 256         # shorter completions (recorded)
+    python bench/two_level.py --quick                  # the equal-batch pair only
     python bench/two_level.py --smoke                  # tiny model on CPU
 """
 from __future__ import annotations
@@ -161,6 +162,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-problems", type=int, default=None, help="cap of problems per batch (default 8)")
     ap.add_argument("--reps", type=int, default=1, help="timed gen-token calls per point (after a warm-up call)")
     args = ap.parse_args(argv)
+    if args.quick and args.part == "all":   # quick: the equal-batch pair only
+        args.part = "equal"
     if args.smoke:
         args.layers = args.layers or 1
         args.root_tokens = args.root_tokens or 24
