@@ -29,6 +29,11 @@ launch of the same kernel in node mode (split along the suffix, flash-decoding s
 
 Differentiable: gradients (w.r.t. ``q``, pools and suffixes) come from the pure-JAX mirror of
 the flatten schedule through ``jax.custom_vjp`` (recomputed in the backward pass).
+
+Speculative decoding token trees (``draft_parents``): the ``Tq`` queries of a sequence may be
+draft tokens forming a tree (the last ``Tq`` suffix tokens); each then sees the shared path,
+the committed suffix, and only its ancestors among the drafts (the shared path is still read
+once per chunk for every draft of every sequence; the draft-masked suffix part is pure JAX).
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn import reference
-from jax_prefix_attn._validation import check_array, check_gqa, check_impl, check_lengths, check_sm_scale
+from jax_prefix_attn._validation import (_is_concrete, check_array, check_gqa, check_impl, check_lengths,
+                                         check_sm_scale)
 from jax_prefix_attn.tree import (CHUNK, KV_START, LENGTH, NEVER, NTILES, OFF0, POS0, ROW_START, TIN, TOUT,
                                   PrefixTree, Schedule, TreeMetadata, build_tree_metadata)
 
@@ -99,6 +105,30 @@ def _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_sc
                              f"{k_pool.shape[0]}")
     else:
         raise TypeError(f"tree must be a PrefixTree or a TreeMetadata, got {type(tree).__name__}")
+
+
+def _check_draft_parents(draft_parents, b: int, tq: int, suffix_lengths):
+    """Validate ``draft_parents`` (``[Tq]`` or ``[B, Tq]`` ints) and return it as ``[B, Tq]`` int32."""
+    if draft_parents is None:
+        return None
+    if not hasattr(draft_parents, "shape"):
+        draft_parents = np.asarray(draft_parents)
+    check_array("draft_parents", draft_parents, (1, 2), floating=False, layout="[seq_q] or [batch, seq_q]")
+    if draft_parents.shape[-1] != tq or (draft_parents.ndim == 2 and draft_parents.shape[0] != b):
+        raise ValueError(f"draft_parents must have shape [{tq}] or [{b}, {tq}], got {tuple(draft_parents.shape)}")
+    if _is_concrete(draft_parents):
+        vals = np.asarray(draft_parents).reshape(-1, tq)
+        t = np.arange(tq)[None, :]
+        bad = (vals < -1) | (vals >= t)
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            raise ValueError(f"draft_parents[..., {j}] = {int(vals[i, j])}: a draft's parent must be -1 or an "
+                             f"earlier draft in [0, {j})")
+    if _is_concrete(suffix_lengths) and np.asarray(suffix_lengths).size and np.asarray(suffix_lengths).min() < tq:
+        raise ValueError(f"with draft_parents the {tq} draft tokens are the last suffix tokens: suffix_lengths must "
+                         f"be >= {tq}, got minimum {int(np.asarray(suffix_lengths).min())}")
+    dp = jnp.asarray(draft_parents, jnp.int32)
+    return jnp.broadcast_to(dp, (b, tq)) if dp.ndim == 1 else dp
 
 
 # --------------------------------------------------------------------------- row tables
@@ -274,6 +304,57 @@ def _suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta: TreeMetadata, 
     return jnp.transpose(o, (0, 3, 1, 2, 4, 5)), jnp.transpose(lse, (0, 3, 1, 2, 4))
 
 
+def draft_ancestors(draft_parents_bt, tq: int):
+    """``anc [B, Tq, Tq]`` bool: ``anc[b, t, u]`` iff draft token ``u`` is ``t`` or an ancestor of ``t``
+    (parents ``-1`` attach to the committed context).  Pointer closure by repeated squaring."""
+    par = draft_parents_bt.astype(jnp.int32)
+    u = jnp.arange(tq)
+    a = (u[None, None, :] == u[None, :, None]) | (u[None, None, :] == par[:, :, None])
+    a = a.astype(jnp.float32)
+    for _ in range(max(1, (tq - 1).bit_length())):
+        a = jnp.minimum(a + jnp.einsum("btu,buv->btv", a, a), 1.0)
+    return a > 0
+
+
+def _masked_attention(q_bthd, k_bshd, v_bshd, mask_bts, scale: float):
+    """Exact attention with an explicit visibility mask ``[B, Tq, S]`` (float32 math, reference rules:
+    ``lse=-inf``, ``out=0`` where nothing is visible)."""
+    b, tq, hq, d = q_bthd.shape
+    hkv = k_bshd.shape[2]
+    g = hq // hkv
+    hi = jax.lax.Precision.HIGHEST
+    qf = q_bthd.astype(jnp.float32).reshape(b, tq, hkv, g, d)
+    vis = mask_bts[:, None, None]                                          # [B, 1, 1, Tq, S]
+    kf = jnp.where(jnp.any(mask_bts, axis=1)[:, :, None, None], k_bshd.astype(jnp.float32), 0.0)
+    vf = jnp.where(jnp.any(mask_bts, axis=1)[:, :, None, None], v_bshd.astype(jnp.float32), 0.0)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf, precision=hi) * scale
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(vis, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    has = l > 0
+    l_safe = jnp.where(has, l, 1.0)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / l_safe, vf, precision=hi)      # [B, Tq, Hkv, G, D]
+    lse = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)[..., 0]           # [B, Hkv, G, Tq]
+    return o, jnp.transpose(lse, (0, 3, 1, 2))
+
+
+def _draft_suffix_partials(q, suffix_k, suffix_v, suffix_lengths, draft_anc, scale: float):
+    """Suffix part when the ``Tq`` queries form a draft token tree (the last ``Tq`` suffix tokens):
+    query ``t`` sees committed suffix tokens ``j < S_b - Tq`` and draft tokens on its own branch."""
+    b, tq = q.shape[:2]
+    smax = suffix_k.shape[1]
+    s_len = suffix_lengths.astype(jnp.int32)[:, None, None]
+    j = jnp.arange(smax)[None, None, :]
+    first = s_len - tq                                                     # first draft position
+    du = jnp.clip(j - first, 0, tq - 1)                                    # [B, 1, S]
+    on_branch = jnp.take_along_axis(draft_anc, jnp.broadcast_to(du, (b, tq, smax)), axis=2)
+    mask = (j < s_len) & ((j < first) | on_branch)
+    o, lse = _masked_attention(q, suffix_k, suffix_v, mask, scale)
+    return o[:, :, None], lse[:, :, None]
+
+
 def _merge(parts_o, parts_l):
     """Merge lists of ``o [..., P, Hkv, G, D]`` / ``lse [..., P, Hkv, G]`` over every P axis."""
     m = None
@@ -294,8 +375,8 @@ def _merge(parts_o, parts_l):
     return acc / t_safe[..., None], jnp.where(has, m + jnp.log(t_safe), -jnp.inf)
 
 
-def _forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, *, scale: float,
-             schedule: str, backend: str):
+def _forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents=None, *,
+             scale: float, schedule: str, backend: str):
     b, tq, hq, d = q.shape
     hkv = k_pool.shape[1]
     g = hq // hkv
@@ -315,7 +396,12 @@ def _forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_l
         og, lg = _gather_parts(sc, o, lse, g)
         parts_o.append(og.reshape(b, tq, *og.shape[1:]))
         parts_l.append(lg.reshape(b, tq, *lg.shape[1:]))
-    if suffix_k.shape[1] > 0:
+    if draft_parents is not None:
+        so, sl = _draft_suffix_partials(q, suffix_k, suffix_v, suffix_lengths,
+                                        draft_ancestors(draft_parents, tq), scale)
+        parts_o.append(so)
+        parts_l.append(sl)
+    elif suffix_k.shape[1] > 0:
         so, sl = _suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta, scale=scale, backend=backend,
                                   block_kv=meta.flatten.block_kv)
         parts_o.append(so)
@@ -346,35 +432,41 @@ def _use_single_level(meta: TreeMetadata, q, suffix_k) -> bool:
             and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale, schedule, backend):
-    return _forward(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale, schedule,
+               backend):
+    return _forward(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale=scale,
                     schedule=schedule, backend=backend)
 
 
-def _tree_attn_fwd(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale, schedule, backend):
-    res = (q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths)
-    return _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale, schedule, backend), res
+def _tree_attn_fwd(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale, schedule,
+                   backend):
+    res = (q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents)
+    out = _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale, schedule,
+                     backend)
+    return out, res
 
 
 def _tree_attn_bwd(scale, schedule, backend, res, cts):
-    q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths = res
+    q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents = res
 
     def f(q, k_pool, v_pool, suffix_k, suffix_v):
-        return _forward(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
+        return _forward(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale=scale,
                         schedule="flatten", backend="mirror")
 
     _, vjp = jax.vjp(f, q, k_pool, v_pool, suffix_k, suffix_v)
     dq, dkp, dvp, dks, dvs = vjp(cts)
-    zero_meta = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, jax.dtypes.float0), meta)
-    zero_len = np.zeros(suffix_lengths.shape, jax.dtypes.float0)
-    return dq, zero_meta, dkp, dvp, dks, dvs, zero_len
+    f0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    zero_meta = jax.tree_util.tree_map(f0, meta)
+    zero_dp = None if draft_parents is None else f0(draft_parents)
+    return dq, zero_meta, dkp, dvp, dks, dvs, f0(suffix_lengths), zero_dp
 
 
 _tree_attn.defvjp(_tree_attn_fwd, _tree_attn_bwd)
 
 
-def _reference_impl(q, tree: PrefixTree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale):
+def _reference_impl(q, tree: PrefixTree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale,
+                    draft_parents=None):
     """Gather every sequence's context (path spans then suffix) and call the oracle."""
     b = q.shape[0]
     smax = suffix_k.shape[1]
@@ -405,11 +497,21 @@ def _reference_impl(q, tree: PrefixTree, k_pool, v_pool, suffix_k, suffix_v, suf
     k = jnp.where(in_path[..., None, None], kpp, ks)
     v = jnp.where(in_path[..., None, None], vpp, vs)
     lengths = jnp.asarray(plen) + suffix_lengths.astype(jnp.int32)
-    return reference.attention(q, k, v, causal=True, kv_lengths=lengths, sm_scale=scale)
+    if draft_parents is None:
+        return reference.attention(q, k, v, causal=True, kv_lengths=lengths, sm_scale=scale)
+    tq = q.shape[1]
+    anc = draft_ancestors(draft_parents, tq)
+    first = (lengths - tq)[:, None, None]
+    jj = jnp.arange(tot)[None, None, :]
+    du = jnp.clip(jj - first, 0, tq - 1)
+    on_branch = jnp.take_along_axis(anc, jnp.broadcast_to(du, (b, tq, tot)), axis=2)
+    mask = (jj < lengths[:, None, None]) & ((jj < first) | on_branch)
+    o, lse = _masked_attention(q, k, v, mask, scale)
+    return o.reshape(q.shape).astype(q.dtype), lse.reshape(q.shape[:3])
 
 
 def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_lengths, sm_scale=None,
-                   return_lse: bool = False, impl: str = "auto"):
+                   return_lse: bool = False, impl: str = "auto", draft_parents=None):
     """Exact attention of a batch of sequences whose shared prefixes form a forest.
 
     Args:
@@ -426,6 +528,12 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
       return_lse: also return ``lse [B, Tq, Hq]`` (float32, natural log).
       impl: ``"auto"``, ``"levelwise"``, ``"flatten"``, ``"reference"``,
         ``"pallas_interpret"`` (or ``"nodes"``, the DeFT-Node baseline); see module doc.
+      draft_parents: optional int ``[Tq]`` or ``[B, Tq]`` (speculative decoding token trees):
+        the ``Tq`` queries are draft tokens forming a tree, stored as the last ``Tq`` suffix
+        tokens (``suffix_lengths >= Tq``); ``draft_parents[t]`` is the parent draft (``< t``)
+        or ``-1`` (child of the committed context).  Query ``t`` then sees the shared path, the
+        committed suffix and only its own ancestors among the drafts (and itself) instead of
+        the causal rule.  The suffix part of this mode is computed in pure JAX (no kernel).
 
     Returns:
       ``out [B, Tq, Hq, D]`` in ``q``'s dtype (and ``lse`` if ``return_lse``).  Semantics:
@@ -433,13 +541,15 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
       with ``ctx`` each sequence's concatenated path spans followed by its suffix.
     """
     _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_scale, impl)
+    draft_parents = _check_draft_parents(draft_parents, q.shape[0], q.shape[1], suffix_lengths)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if impl == "reference":
         if not isinstance(tree, PrefixTree):
             raise TypeError("impl='reference' needs a PrefixTree (it gathers the paths on the host), "
                             "got TreeMetadata")
-        out, lse = _reference_impl(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale)
+        out, lse = _reference_impl(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale,
+                                   draft_parents)
         return (out, lse) if return_lse else out
     if isinstance(tree, PrefixTree):
         meta = build_tree_metadata(tree, tq=q.shape[1], group=q.shape[2] // k_pool.shape[1],
@@ -447,7 +557,7 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
     else:
         meta = tree
     meta = jax.tree_util.tree_map(jnp.asarray, meta)
-    if impl == "auto" and _on_gpu() and _use_single_level(meta, q, suffix_k):
+    if impl == "auto" and _on_gpu() and draft_parents is None and _use_single_level(meta, q, suffix_k):
         # One level of sharing: the shared-prefix kernels (Hydragen's two-level case).
         out, lse = _single_level(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
                                  impl="auto")
@@ -457,5 +567,6 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
     else:
         schedule = meta.preferred if impl == "auto" else impl
         backend = "pallas" if _on_gpu() else "mirror"
-    out, lse = _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale, schedule, backend)
+    out, lse = _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale,
+                          schedule, backend)
     return (out, lse) if return_lse else out
