@@ -264,3 +264,39 @@ def test_run_points_records_runtime_oom_and_errors_and_goes_on(tmp_path):
         ec.ResultStore(path, "x", ("n",), {"a": 2}, {})
     with pytest.raises(ValueError, match="holds benchmark"):
         ec.ResultStore(path, "y", ("n",), {"a": 1}, {})
+
+
+# ------------------------------------------------------------------ GPU: real layer shapes, tiny sizes
+# A minute of GPU time that exercises the Pallas kernel paths of all three scripts before the long runs.
+
+@pytest.mark.gpu
+def test_gpu_e2e_decode_tiny(tmp_path):
+    from bench import e2e_decode  # noqa: PLC0415
+    out = str(tmp_path / "e2e.json")
+    res = e2e_decode.main(["--part", "gqa", "--layers", "1", "--batches", "8", "--prefixes", "512",
+                           "--gen-tokens", "8", "--out", out])
+    assert res["counts"]["measured"] == 3, res
+    pts = {p["backend"]: p for p in _load(out)["points"]}
+    assert all(p["status"] == "ok" and p["logits_finite"] for p in pts.values())
+    assert pts["flat"]["rel_err_first_logits_vs_shared"] < 2e-2     # bf16, same cache contents
+
+
+@pytest.mark.gpu
+def test_gpu_long_document_tiny(tmp_path):
+    from bench import long_document  # noqa: PLC0415
+    out = str(tmp_path / "ld.json")
+    res = long_document.main(["--layers", "1", "--doc-tokens", "700", "--questions", "4", "--answer-tokens", "4",
+                              "--reps", "1", "--out", out])
+    assert res["counts"]["measured"] == 3, res
+    assert all(p["status"] == "ok" and p["all_answers_full_length"] for p in _load(out)["points"])
+
+
+@pytest.mark.gpu
+def test_gpu_two_level_tiny(tmp_path):
+    from bench import two_level  # noqa: PLC0415
+    out = str(tmp_path / "tl.json")
+    res = two_level.main(["--layers", "1", "--root-tokens", "300", "--problem-len", "40", "90", "--samples", "4",
+                          "--gen-tokens", "4", "--equal-problems", "1", "--large-problems", "2", "--max-problems", "2",
+                          "--out", out])
+    pts = _load(out)["points"]
+    assert len(pts) == 3 and all(p["status"] == "ok" and p["all_full_length"] for p in pts), res
