@@ -80,11 +80,19 @@ def _prefix_label(p) -> str:
 
 # ---------------------------------------------------------------------------------------- e2e
 def e2e_index(data) -> dict:
-    """``{part: {"model", "layers", "batches", "prefixes", "pts": {(batch, prefix, backend): point}}}``."""
+    """``{label: {"part", "model", "layers", "batches", "prefixes", "pts": {(batch, prefix, backend): point}}}``.
+
+    ``label`` is the part name (``gqa``, ``mha``, ``flat-probe``), or ``"<part> (<N> layers)"``
+    when a file holds the same part at several layer counts.
+    """
+    depths: dict = {}
+    for p in data.get("points", []):
+        depths.setdefault(p["part"], set()).add(p["layers"])
     parts: dict = {}
     for p in data.get("points", []):
-        d = parts.setdefault(p["part"], {"model": p["model"], "layers": p["layers"], "batches": set(),
-                                         "prefixes": set(), "pts": {}})
+        label = p["part"] if len(depths[p["part"]]) == 1 else f"{p['part']} ({p['layers']} layers)"
+        d = parts.setdefault(label, {"part": p["part"], "model": p["model"], "layers": p["layers"],
+                                     "batches": set(), "prefixes": set(), "pts": {}})
         d["batches"].add(p["batch"])
         if p["prefix"] is not None:
             d["prefixes"].add(p["prefix"])
@@ -94,9 +102,11 @@ def e2e_index(data) -> dict:
     return parts
 
 
-def _part_order(part: str):
+def _part_order(item):
+    """Sort key of an ``e2e_index`` item: gqa, mha, flat-probe, then by depth."""
+    label, d = item
     order = list(PART_TITLES)
-    return (order.index(part) if part in order else len(order), part)
+    return (order.index(d["part"]) if d["part"] in order else len(order), d["layers"], label)
 
 
 def _tps(d, b, p, backend):
@@ -132,8 +142,8 @@ def e2e_targets(data) -> dict:
         lines.append("shared / none: no point with both backends measured")
     # 2. largest batch: prefix smallest -> largest costs shared < 10%
     res["prefix_loss_at_largest_batch"] = {}
-    for part, d in sorted(idx.items(), key=lambda kv: _part_order(kv[0])):
-        if part == "flat-probe" or len(d["prefixes"]) < 2 or not d["batches"]:
+    for part, d in sorted(idx.items(), key=_part_order):
+        if d["part"] == "flat-probe" or len(d["prefixes"]) < 2 or not d["batches"]:
             continue
         b, p0, p1 = d["batches"][-1], d["prefixes"][0], d["prefixes"][-1]
         entry = {"batch": b, "from_prefix": p0, "to_prefix": p1}
@@ -283,24 +293,24 @@ def _closest(values, want):
 
 def plot_e2e(data, slug: str, plots_dir: str) -> list[str]:
     plt = _plt()
-    idx = {k: v for k, v in e2e_index(data).items() if k != "flat-probe"}
+    idx = {k: v for k, v in e2e_index(data).items() if v["part"] != "flat-probe"}
     if not idx:
         return []
     dev = data["device_info"]["device"]
     paths = []
     for kind in ("vs_batch", "vs_prefix"):
         fig, axes = plt.subplots(1, len(idx), figsize=(5.5 * len(idx), 4), squeeze=False)
-        for ax, (part, d) in zip(axes[0], sorted(idx.items(), key=lambda kv: _part_order(kv[0]))):
+        for ax, (part, d) in zip(axes[0], sorted(idx.items(), key=_part_order)):
             if kind == "vs_batch":
                 p = _closest(d["prefixes"], 2048)
                 xs, xlabel = d["batches"], "batch size"
                 key = lambda x, backend: (x, None if backend == "none" else p, backend)  # noqa: E731
-                title = f"{PART_TITLES.get(part, part)}\nprefix {_prefix_label(p)}"
+                title = f"{PART_TITLES.get(d['part'], part)}\nprefix {_prefix_label(p)}"
             else:
                 b = d["batches"][-1] if d["batches"] else None
                 xs, xlabel = d["prefixes"], "shared prefix length"
                 key = lambda x, backend: (b, None if backend == "none" else x, backend)  # noqa: E731
-                title = f"{PART_TITLES.get(part, part)}\nbatch {b}"
+                title = f"{PART_TITLES.get(d['part'], part)}\nbatch {b}"
             for backend in ("shared", "flat", "none"):
                 if kind == "vs_prefix" and backend == "none":   # prefix-independent: one horizontal line
                     v = _tps(d, b, None, "none")
@@ -422,8 +432,8 @@ def render_markdown(results: dict, plots_dir: str, readme_dir: str, make_plots: 
             pngs = []
             if bench == "e2e_decode":
                 t = e2e_targets(data)
-                for part, d in sorted(e2e_index(data).items(), key=lambda kv: _part_order(kv[0])):
-                    md.append(f"**{PART_TITLES.get(part, part)}**, {d['layers']} layers, "
+                for part, d in sorted(e2e_index(data).items(), key=_part_order):
+                    md.append(f"**{PART_TITLES.get(d['part'], part)}**, {d['layers']} layers, "
                               f"{data['fixed'].get('gen_tokens')} generated tokens; thousands of tokens/s "
                               f"(X = out of memory, - = not measured, n/a = timing below noise, err = failed: "
                               f"see the JSON):\n\n{e2e_table_md(d)}\n")

@@ -300,3 +300,14 @@ def test_gpu_two_level_tiny(tmp_path):
                           "--out", out])
     pts = _load(out)["points"]
     assert len(pts) == 3 and all(p["status"] == "ok" and p["all_full_length"] for p in pts), res
+
+
+def test_e2e_index_separates_layer_counts_of_one_part():
+    from bench import plots  # noqa: PLC0415
+    pts = [_e2e_point("gqa", 32, 1024, "shared", 10.0), _e2e_point("gqa", 32, None, "none", 20.0),
+           dict(_e2e_point("gqa", 32, 1024, "shared", 5.0), layers=32)]
+    idx = plots.e2e_index({"points": pts})
+    assert sorted(idx) == ["gqa (16 layers)", "gqa (32 layers)"]
+    assert idx["gqa (16 layers)"]["pts"][(32, 1024, "shared")]["tokens_per_s"] == 10.0
+    assert idx["gqa (32 layers)"]["pts"][(32, 1024, "shared")]["tokens_per_s"] == 5.0
+    assert plots.e2e_targets({"points": pts})["shared_vs_none"]["points"] == 1
