@@ -7,7 +7,7 @@ token of K+V is ``kv = 2 * Hkv * D * e`` bytes.  Each kernel costs
 
     t = max(bytes / BW, flops / MMA) / util + T_LAUNCH,   util = min(1, programs / (2 * SMS))
 
-    t = max(t, serial_tiles * T_TILE)     # one program's chain of key tiles (latency)
+    t = max(t, serial_keys * T_KEY)       # one program's chain of key tiles (latency)
 
 (``util`` models a grid too small to fill the GPU), and
 
@@ -39,7 +39,7 @@ BW = 2.5e12          # bytes/s the decode kernels stream from DRAM (fit to the H
 L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kernel (measured)
 MMA = 2.05e14        # FLOP/s of the Triton-lowered prefix kernel's dots (measured)
 T_LAUNCH = 8e-6      # seconds per kernel launch / dependent stage (launch + ramp + tail)
-T_TILE = 1.5e-6      # seconds per key tile on one program's critical path (load latency)
+T_KEY = 4.0e-8       # seconds per key on one program's critical path (tile load latency)
 SMS = 132            # streaming multiprocessors (H100 / H200)
 
 
@@ -52,10 +52,10 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _kernel_s(nbytes: float, flops: float, programs: int, *, l2_bytes: float = 0.0,
-              serial_tiles: float = 0.0) -> float:
+              serial_keys: float = 0.0) -> float:
     util = min(1.0, programs / (2 * SMS))
     throughput = max(nbytes / BW + l2_bytes / L2_BW, flops / MMA) / util
-    return max(throughput, serial_tiles * T_TILE) + T_LAUNCH
+    return max(throughput, serial_keys * T_KEY) + T_LAUNCH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +86,10 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
     splits = 1 if b * heads_kv >= 2 * SMS else max(1, min(_cdiv(2 * SMS, b * heads_kv),
                                                           _cdiv(p + s, 256)))
     flat_s = _kernel_s(flat_dram, 0.0, b * heads_kv * splits, l2_bytes=flat_l2,
-                       serial_tiles=_cdiv(p + s, splits * 128))
-    if splits > 1:
-        flat_s += _kernel_s(splits * b * tq * heads_q * (head_dim + 1) * 4, 0.0, 2 * SMS)
+                       serial_keys=_cdiv(p + s, splits))
+    if splits > 1:  # XLA merge of float32 partials over rows padded to >= 16 per (seq, kv head)
+        rows16 = b * heads_kv * max(16, r2)
+        flat_s += _kernel_s(2 * splits * rows16 * (head_dim + 1) * 4, 0.0, 2 * SMS)
 
     # shared: prefix kernel (row blocks of 128 or 64 rows, prefix split to fill the GPU).
     rows = b * r2
@@ -99,12 +100,12 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
     partial_bytes = p_splits * n_rb * block_m * heads_kv * (head_dim + 1) * 4
     prefix_flops = 4.0 * n_rb * block_m * heads_kv * p * head_dim
     t_prefix = _kernel_s(g * p * kv + partial_bytes, prefix_flops,
-                         heads_kv * n_rb * p_splits, serial_tiles=_cdiv(p, p_splits * 64))
+                         heads_kv * n_rb * p_splits, serial_keys=_cdiv(p, p_splits))
     s_splits = 1 if b * heads_kv >= 2 * SMS else max(1, min(_cdiv(2 * SMS, b * heads_kv),
                                                             _cdiv(s, 128)))
     suffix_bytes = b * s * kv + q_bytes + partial_bytes
     t_suffix = _kernel_s(suffix_bytes, 0.0, b * heads_kv * s_splits,
-                         serial_tiles=_cdiv(s, s_splits * 64))
+                         serial_keys=_cdiv(s, s_splits))
     from pallas_kernels.prefix_attention import choose_variant  # noqa: PLC0415
     if choose_variant(b, heads_kv, r2) == "overlap":
         # One launch with interleaved prefix and suffix programs: the two overlap (imperfectly),

@@ -57,13 +57,18 @@ class Source:
 
 
 def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k, seq_len,
-                scale_log2, precision):
+                scale_log2, precision, two_phase=False):
     """Online-softmax accumulation of rows ``q [BM, D]`` over keys ``[k_start, k_start + chunk)``
     of pool entries ``idx [BM]`` (row ``r`` sees keys ``< lim[r]``) for kv head ``h``.
 
     ``carry = (acc [BM, D], m [BM] (log2 units), l [BM])`` float32; returns the updated carry.
     Loops over the pool entries present in the block, and for each over its key tiles up to
     the longest limit of its rows (empty ranges run zero iterations).
+
+    ``two_phase``: first the tiles below every row's limit without masks, then the ragged tail
+    with masks.  Measured on an H200 it helps the unsplit large-M prefix kernel (B=1024,
+    Hq=32) by ~4% but slows split-prefix and decode launches by up to 50%, so it is off by
+    default (one masked loop).
     """
     cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     g_lo = jnp.min(idx)
@@ -102,6 +107,9 @@ def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k,
         rl = jnp.where(idx == g, lim, 0)  # [BM] limits of this entry's rows
         k_end = jnp.minimum(k_start + chunk, jnp.max(rl))
         n_blk = jnp.maximum(k_end - k_start + block_k - 1, 0) // block_k
+        if not two_phase:
+            return lax.fori_loop(0, n_blk, functools.partial(kv_body, g=g, rl=rl, masked=True),
+                                 carry)
         full_end = jnp.minimum(k_start + chunk, all_see)
         n_full = jnp.minimum(jnp.maximum(full_end - k_start, 0) // block_k, n_blk)
         carry = lax.fori_loop(0, n_full, functools.partial(kv_body, g=g, rl=rl, masked=False),
@@ -120,7 +128,7 @@ def finish_state(acc, m_i, l_i):
 
 
 def _kernel(*refs, n_src, chunks, block_k, seq_lens, scale_log2, n_in, in_stride,
-            finalize, precision):
+            finalize, precision, two_phase):
     q_ref = refs[0]
     src_refs = [refs[1 + 4 * i: 5 + 4 * i] for i in range(n_src)]
     pos = 1 + 4 * n_src
@@ -140,7 +148,7 @@ def _kernel(*refs, n_src, chunks, block_k, seq_lens, scale_log2, n_in, in_stride
         idx_ref, lim_ref, k_ref, v_ref = src_refs[si]
         carry = attend_pool(q, idx_ref[...], lim_ref[...], k_ref, v_ref, h, sp * chunks[si],
                             carry, chunk=chunks[si], block_k=block_k, seq_len=seq_lens[si],
-                            scale_log2=scale_log2, precision=precision)
+                            scale_log2=scale_log2, precision=precision, two_phase=two_phase)
     acc, m_i, l_i = carry
 
     has = l_i > 0
@@ -176,8 +184,9 @@ def _kernel(*refs, n_src, chunks, block_k, seq_lens, scale_log2, n_in, in_stride
 def ragged_attention(q_hmd: jax.Array, sources: list[Source], *, scale: float, block_m: int,
                      block_k: int = 64, num_splits: int = 1, incoming: tuple[jax.Array, jax.Array] | None = None,
                      in_stride: int = 0, finalize: bool = True, out_dtype=None,
-                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
-    """Run the ragged split-KV kernel.
+                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+                     two_phase: bool = False):
+    """Run the ragged split-KV kernel (``two_phase``: see :func:`attend_pool`).
 
     Args:
       q_hmd: ``[Hkv, M, D]`` query rows, ``M % block_m == 0``.
@@ -205,7 +214,7 @@ def ragged_attention(q_hmd: jax.Array, sources: list[Source], *, scale: float, b
     kernel = functools.partial(
         _kernel, n_src=len(sources), chunks=chunks, block_k=block_k,
         seq_lens=seq_lens, scale_log2=float(scale) * _LOG2E, n_in=n_in, in_stride=in_stride,
-        finalize=finalize, precision=precision)
+        finalize=finalize, precision=precision, two_phase=two_phase)
 
     in_specs = [pl.BlockSpec((None, block_m, d), lambda h, r, s: (h, r, 0))]
     args = [q_hmd]
@@ -301,6 +310,14 @@ def rows_to_out(x_hm, b: int, tq: int, hq: int, r_pad: int, inv_order_b=None, d:
 
 # ----------------------------------------------------------------------------- flat path
 
+def large_m_layout(batch: int, rows_per_seq: int, heads_kv: int, target: int = 264) -> bool:
+    """True when the batched prefix kernel runs unsplit 128-row blocks (enough rows to fill the
+    GPU, e.g. B=1024 with Hq=32/Hkv=8): the configuration in which the two-phase key loop is
+    used (see :func:`attend_pool`)."""
+    m = batch * next_pow2(rows_per_seq)
+    return m >= 1024 and heads_kv * cdiv(m + 16, 128) >= target
+
+
 def _pick_splits(programs: int, seq_len: int, block_k: int, target: int = 264) -> int:
     """Key splits so that ``programs * splits`` reaches ``target`` without chunks below a tile."""
     if programs >= target:
@@ -334,7 +351,8 @@ def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p
                    row_meta(jnp.broadcast_to(b_idx[:, None], (b, tq)), grp, r_pad, pad_value=b_idx),
                    row_meta(lim_s, grp, r_pad))
     kw = dict(scale=scale, block_m=r_pad, block_k=block_k, num_splits=num_splits,
-              num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+              num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+              two_phase=large_m_layout(b, tq * grp, hkv))
     if num_splits == 1:
         o, lse = ragged_attention(q_rows, [src_p, src_s], finalize=True, out_dtype=q.dtype, **kw)
     else:

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.decode_attention import (Source, attend_pool, cdiv, finish_state,
-                                             merge_partials, next_pow2, q_rows_layout,
+                                             large_m_layout, merge_partials, next_pow2, q_rows_layout,
                                              ragged_attention, row_meta, rows_from_q,
                                              rows_to_out)
 
@@ -74,18 +74,22 @@ def prefix_config(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
     # 2 stages reach ~205 TFLOP/s at B=256, P=4K, Hq=32, Hkv=8 (prefix split 4 ways).
     cfg = dict(block_m=block_m, block_k=block_k, num_splits=splits, num_warps=4, num_stages=2)
     if splits == 1 and block_m == 128:
+        assert large_m_layout(batch, rows_per_seq, heads_kv, target_programs)
         cfg.update(LARGE_M_TILING)
+        cfg["two_phase"] = True
     return cfg
 
 
 # Tiling of the prefix kernel when there are enough rows that the prefix is not split
-# (e.g. B=1024, Hq=32, Hkv=8); chosen by the H200 sweep at the start of the benchmark run
-# that produced bench/results/shared_prefix_h200.json (recorded there as "large_m_tiling").
-LARGE_M_TILING = dict(block_k=64, num_warps=4, num_stages=2)
+# (e.g. B=1024, Hq=32, Hkv=8): the best of the H200 sweep recorded as "large_m_tiling_sweep"
+# in bench/results/shared_prefix_h200.json (322 TFLOP/s at B=1024, P=4K, Hq=32; 299 with
+# 64/4/2).  In that configuration the kernels also use the two-phase (unmasked full tiles,
+# then masked tail) key loop.
+LARGE_M_TILING = dict(block_k=64, num_warps=8, num_stages=3)
 
 
 def prefix_partials(q_hmd, prefix_k, prefix_v, row_group, row_limit, *, scale, block_m, block_k,
-                    num_splits, num_warps, num_stages, interpret=False):
+                    num_splits, num_warps, num_stages, interpret=False, two_phase=False):
     """Batched prefix attention: float32 partials ``(o [splits, Hkv, M, D], lse [splits, Hkv, M])``.
 
     ``q_hmd [Hkv, M, D]`` rows sorted by ``row_group [M]`` (prefix entry of ``prefix_k/v
@@ -94,7 +98,7 @@ def prefix_partials(q_hmd, prefix_k, prefix_v, row_group, row_limit, *, scale, b
     return ragged_attention(q_hmd, [Source(prefix_k, prefix_v, row_group, row_limit)],
                             scale=scale, block_m=block_m, block_k=block_k, num_splits=num_splits,
                             finalize=False, num_warps=num_warps, num_stages=num_stages,
-                            interpret=interpret)
+                            interpret=interpret, two_phase=two_phase)
 
 
 def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
@@ -147,7 +151,8 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     o_pre, lse_pre = prefix_partials(qp, prefix_k, prefix_v, grp_rows, lim_rows, scale=scale,
                                      block_m=block_m, block_k=cfg["block_k"],
                                      num_splits=cfg["num_splits"], num_warps=cfg["num_warps"],
-                                     num_stages=cfg["num_stages"], interpret=interpret)
+                                     num_stages=cfg["num_stages"], interpret=interpret,
+                                     two_phase=cfg.get("two_phase", False))
 
     # Launch 2: per-sequence suffix decode (R16 rows per sequence, same sorted order); its
     # epilogue merges the prefix partials of rows [rb * R2, rb * R2 + R16).
@@ -181,7 +186,8 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     o, lse = ragged_attention(qs, [src_s], scale=scale, block_m=r16, block_k=suffix_block_k,
                               num_splits=1, incoming=(o_pre, lse_pre), in_stride=r2,
                               finalize=True, out_dtype=q.dtype, num_warps=suffix_warps,
-                              num_stages=suffix_stages, interpret=interpret)
+                              num_stages=suffix_stages, interpret=interpret,
+                              two_phase=cfg.get("two_phase", False))
     return rows_to_out(o, b, tq, hq, r16, inv), rows_to_out(lse, b, tq, hq, r16, inv)
 
 

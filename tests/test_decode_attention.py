@@ -114,8 +114,8 @@ def test_flat_forward_tq4_gqa(num_splits):
     check(out, lse, oracle(args, kw, meta), jnp.float32)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_unmasked_full_tiles_then_masked_tail(num_splits):
+@pytest.mark.parametrize("num_splits,two_phase", [(1, True), (2, True), (2, False)])
+def test_unmasked_full_tiles_then_masked_tail(num_splits, two_phase):
     """One pool entry per row block and limits >= several tiles: the kernel runs the tiles every
     row sees without masks, then the ragged tail with masks."""
     rng = np.random.default_rng(30 + num_splits)
@@ -127,7 +127,7 @@ def test_unmasked_full_tiles_then_masked_tail(num_splits):
     q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32))
     po, pl_ = ragged_attention(q, [Source(k, v, jnp.asarray(idx), jnp.asarray(lim))], scale=0.3,
                                block_m=block_m, block_k=16, num_splits=num_splits,
-                               finalize=False, interpret=True)
+                               finalize=False, interpret=True, two_phase=two_phase)
     o, lse = merge_partials(po, pl_)
     ro, rl = rows_oracle(q, [(k, v, idx, lim)], 0.3)
     _check(o, lse, ro, rl, 1e-5)

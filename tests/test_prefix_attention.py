@@ -31,7 +31,7 @@ def test_prefix_config_fills_gpu_and_splits_small_batches():
     small = prefix_config(batch=8, rows_per_seq=8, heads_kv=1, prefix_len=4096)
     assert small["num_splits"] > 1 and small["block_m"] >= 16
     big = prefix_config(batch=1024, rows_per_seq=4, heads_kv=8, prefix_len=4096)
-    assert big["num_splits"] == 1 and big["block_m"] == 128
+    assert big["num_splits"] == 1 and big["block_m"] == 128 and big["two_phase"]
 
 
 @pytest.mark.parametrize("tq,hq,hkv,g,suffix_splits,variant", [
