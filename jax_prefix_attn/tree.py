@@ -620,7 +620,6 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
     keys = info["tin"][leaf]
     seq_order = np.argsort(keys, kind="stable")          # sorted position -> sequence
     sorted_keys = keys[seq_order]
-    n = tree.num_nodes
     seq_lo = np.searchsorted(sorted_keys, info["tin"], side="left")
     seq_hi = np.searchsorted(sorted_keys, info["tout"], side="left")
     sorted_rows_real = (seq_order[:, None] * tq + np.arange(tq)[None, :]).reshape(-1)
@@ -646,7 +645,6 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
     cost_flat = schedule_cost(flat, group=group)
     cost_lvl = sum(schedule_cost(lv, group=group) for lv in levels)
     preferred = "flatten" if cost_flat < cost_lvl else "levelwise"
-    del n
     p_arr = np.asarray(tree.parents, np.int64)
     roots = np.nonzero(p_arr < 0)[0]
     root_index = np.full(tree.num_nodes, -1, np.int64)

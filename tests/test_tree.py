@@ -1,6 +1,5 @@
 """PrefixTree construction, validation and device metadata (host-side; fast)."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -107,7 +106,6 @@ def _simulate_cover(tree: PrefixTree, meta: TreeMetadata, sched, tq: int, pool: 
     items = np.asarray(sched.items)
     tok = np.asarray(sched.tok)
     parts = np.asarray(sched.parts)
-    info = tree.info
     row_key = np.asarray(meta.row_key)
     sorted_rows = np.asarray(meta.sorted_rows)
     c, br = sched.block_kv, sched.block_rows
@@ -144,7 +142,6 @@ def _simulate_cover(tree: PrefixTree, meta: TreeMetadata, sched, tq: int, pool: 
     # Every slot with visible tokens must be in its row's parts, and nowhere else.
     for slot, orow in slot_seen.items():
         assert slot in parts[orow], (slot, orow)
-    del info
     return seen
 
 
