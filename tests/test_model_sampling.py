@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models import sampling
 from models.sampling import SamplingConfig, filter_logits, sample_tokens, top_k_mask, top_p_mask
 
 
@@ -16,6 +17,14 @@ def _np_top_p(logits, p):
         before = np.cumsum(probs) - probs
         out[b, order[before < p]] = True
     return out
+
+
+def _np_top_p_ties(logits, p):
+    """_np_top_p, then whole tie groups: every token equal to the smallest kept logit is kept
+    (the module's semantics: the mask is ``logits >= threshold``)."""
+    kept = _np_top_p(logits, p)
+    thr = np.where(kept, logits, np.inf).min(-1, keepdims=True)
+    return logits >= thr
 
 
 def test_top_k_mask():
@@ -33,6 +42,52 @@ def test_top_p_mask(p):
     got = np.asarray(top_p_mask(jnp.asarray(logits), p))
     np.testing.assert_array_equal(got, _np_top_p(logits, p))
     assert got[np.arange(6), logits.argmax(-1)].all()  # the most probable token always survives
+
+
+@pytest.mark.parametrize("p", [0.05, 0.9, 0.999])
+def test_top_p_mask_beyond_candidates(p, monkeypatch):
+    """Flat rows whose nucleus holds more than the candidate set (bisection fallback) and, with
+    few candidates, rows that mix both cases; integer-valued logits add ties at the threshold."""
+    rng = np.random.default_rng(3)
+    flat = (0.3 * rng.normal(size=(3, 3000))).astype(np.float32)            # nucleus >> 256 tokens
+    ties = rng.integers(-4, 3, size=(3, 3000)).astype(np.float32)           # many exact ties
+    logits = np.concatenate([flat, ties])
+    for cands in (256, 4):
+        monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", cands)
+        got = np.asarray(jax.jit(lambda x: top_p_mask(x, p))(jnp.asarray(logits)))
+        np.testing.assert_array_equal(got, _np_top_p_ties(logits, p), err_msg=f"candidates={cands}")
+    assert got[:3].sum(-1).min() > 256 or p < 0.5
+
+
+@pytest.mark.parametrize("k,p", [(5, 0.7), (40, 0.5), (40, 0.999), (300, 0.9)])
+def test_top_k_then_top_p_matches_numpy(k, p):
+    """filter_logits == numpy top-k mask (ties kept) followed by the numpy nucleus of the survivors."""
+    rng = np.random.default_rng(4)
+    logits = np.concatenate([(2 * rng.normal(size=(3, 500))).astype(np.float32),
+                             rng.integers(-3, 3, size=(3, 500)).astype(np.float32)])  # ties at the k-th value
+    t = 0.7
+    x = logits / np.float32(t)
+    kth = np.sort(x, axis=-1)[:, ::-1][:, min(k, 500) - 1:min(k, 500)]
+    xk = np.where(x >= kth, x, -np.inf).astype(np.float32)
+    want = _np_top_p_ties(xk, p) & np.isfinite(xk)
+    got = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), SamplingConfig(temperature=t, top_k=k, top_p=p))))
+    np.testing.assert_array_equal(got, want)
+    assert (got.sum(-1) >= 1).all()
+
+
+@pytest.mark.parametrize("cfg,scale", [(SamplingConfig(temperature=1.0, top_p=0.9), 0.2),
+                                       (SamplingConfig(temperature=1.0, top_k=50, top_p=0.95), 4.0)])
+def test_large_vocab_samples_inside_mask(cfg, scale):
+    """V > candidates: flat rows (bisection + full-row draw) and peaked rows (candidate draw)."""
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray((scale * rng.normal(size=(3, 2000))).astype(np.float32))
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    allowed = np.isfinite(np.asarray(filter_logits(logits, cfg)))
+    draw = jax.jit(lambda s: sample_tokens(logits, keys, s, cfg))
+    seen = np.stack([np.asarray(draw(s)) for s in range(20)])
+    assert allowed[np.arange(3)[None, :], seen].all()
+    assert len(np.unique(seen[:, 0])) > 1
+    np.testing.assert_array_equal(seen[3], np.asarray(draw(3)))  # deterministic per (key, step)
 
 
 def test_samples_stay_inside_masks():
