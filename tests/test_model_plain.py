@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import Llama, LlamaConfig, PromptBatch, generate, init_params, unstack_layers
+from models import Llama, LlamaConfig, PromptBatch, generate, init_params, prefill_prefix_cache, unstack_layers
+from models.generate import resolve_layout
 
 CFG = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)
@@ -49,3 +50,25 @@ def test_plain_batch_greedy_matches_full_recompute(setup, layout):
         np.testing.assert_array_equal(out.tokens, want, err_msg=f"{layout} {backend}")
         np.testing.assert_array_equal(out.lengths, np.full(pb.batch, NEW))
         np.testing.assert_array_equal(np.asarray(out.cache.lengths), pb.suffix_lengths() + NEW - 1)
+
+
+def test_layout_option_and_prefix_cache_conversion(setup):
+    """layout="list" on stacked params (the GPU default of layout="auto") gives the stacked
+    tokens, also with a prefix cache prefilled in the stacked layout; conversion is cached."""
+    model, params, _, _ = setup
+    rng = np.random.default_rng(8)
+    pb = PromptBatch.shared(rng.integers(0, CFG.vocab_size, 11).tolist(),
+                            suffixes=[rng.integers(0, CFG.vocab_size, n).tolist() for n in (2, 0, 4)])
+    base = generate(model, params, pb, max_new_tokens=NEW, layout="stacked", eos_token_ids=())
+    pc = prefill_prefix_cache(model, params, pb, layout="stacked")
+    out = generate(model, params, pb, max_new_tokens=NEW, layout="list", prefix_cache=pc, eos_token_ids=())
+    np.testing.assert_array_equal(out.tokens, base.tokens)
+    assert isinstance(out.cache.layers, list) and not isinstance(base.cache.layers, list)
+    assert len({tuple(r) for r in base.tokens}) >= 2
+    listed = resolve_layout(model, params, "list")
+    assert resolve_layout(model, params, "list") is listed  # converted once
+    assert resolve_layout(model, listed, "auto") is listed
+    if jax.default_backend() != "gpu":
+        assert resolve_layout(model, params, "auto") is params
+    with pytest.raises(ValueError, match="layout must be one of"):
+        generate(model, params, pb, max_new_tokens=2, layout="paged")
