@@ -218,10 +218,12 @@ def main(argv=None) -> dict:
     counts = ec.run_points(store, plan, bench.measure, budget, predict_oom=bench.predict_oom)
     if args.part in ("all", "large"):
         for pt in large:   # the largest tree batch that fits (out-of-memory: try the next smaller one)
-            ec.run_points(store, [pt], bench.measure, budget, predict_oom=bench.predict_oom)
+            c = ec.run_points(store, [pt], bench.measure, budget, predict_oom=bench.predict_oom)
+            counts = {k: counts[k] + c[k] for k in counts}
             rec = store.done(pt)
             if rec is not None and rec["status"] == "ok":
                 break
+    store.note("counts", counts)
     print(counts, flush=True)
     try:
         from bench.plots import two_level_targets  # noqa: PLC0415

@@ -106,6 +106,7 @@ def test_two_level_json(smoke_runs):
         assert p["per_problem_s"] == pytest.approx(p["total_s"] / prob)
         assert len(p["problem_tokens"]) == prob and all(6 <= n <= 12 for n in p["problem_tokens"])
     assert data["runs"][-1]["p_equal_p_large"] == [1, 2]
+    assert data["runs"][-1]["counts"]["measured"] == 3
 
 
 def test_rerun_skips_finished_points_and_redoes_missing(smoke_runs):
