@@ -6,7 +6,13 @@ each sequence, already written into the suffix buffer), exact causal attention o
 sequence's prefix path followed by its suffix:
 
 * ``backend="flat"``: the buffer holds the whole sequence; one
-  :func:`jax_prefix_attn.attention` call (flash kernel on GPU) with ``kv_lengths``;
+  :func:`jax_prefix_attn.attention` call (flash kernel on GPU) with ``kv_lengths``.  For decoding
+  (``T <= FLAT_DECODE_MAX_TQ``) on GPU it calls
+  :func:`jax_prefix_attn.shared_prefix_attention` with ``impl="flat"`` instead: its ragged split-KV
+  decode kernel puts the ``Hq/Hkv`` query heads of a kv head in one tile, so each key/value is read
+  once per kv head rather than once per query head.  The buffer is passed as the per-sequence
+  "suffix" behind a one-row dummy prefix of length 0 (no key of it is visible), which is exactly
+  causal attention over ``buffer[:lengths]``: every sequence still reads its own full copy;
 * ``backend="shared"``: prefix levels are stored once (see :mod:`models.kv_cache`).  The deepest
   level and the suffix go through :func:`jax_prefix_attn.shared_prefix_attention` (grouped
   prefixes with ``seq_to_prefix``); every shallower level (e.g. the shared root of a two-level
@@ -27,7 +33,9 @@ import jax.numpy as jnp
 import jax_prefix_attn
 from jax_prefix_attn.merge import merge_attention_states
 
-__all__ = ["cache_attention", "level_attention"]
+__all__ = ["FLAT_DECODE_MAX_TQ", "cache_attention", "flat_decode_attention", "level_attention"]
+
+FLAT_DECODE_MAX_TQ = 8  # flat backend: queries per sequence up to which the decode kernel is used on GPU
 
 
 def _shared_prefix_fn():
@@ -36,6 +44,33 @@ def _shared_prefix_fn():
     except ImportError:  # pragma: no cover - only before the module existed
         return None
     return shared_prefix_attention
+
+
+def _flat_decode_impl(q_bthd: jax.Array, k_bshd: jax.Array, impl: str) -> str | None:
+    """The ``shared_prefix_attention`` impl for flat decoding, or None for the flash path."""
+    if impl != "auto" or jax.default_backend() != "gpu" or q_bthd.shape[1] > FLAT_DECODE_MAX_TQ:
+        return None
+    try:
+        from jax_prefix_attn.shared_prefix import _kernel_supported  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        return None
+    dummy = k_bshd[:1, :1]
+    return "flat" if _kernel_supported(q_bthd, dummy, k_bshd) is None else None
+
+
+def flat_decode_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, lengths_b: jax.Array,
+                          *, impl: str = "flat") -> jax.Array:
+    """Causal attention ``[B, T, Hq, D]`` of the newest ``T`` tokens over ``buffer[b, :lengths[b]]``
+    through :func:`jax_prefix_attn.shared_prefix_attention` (``impl``: ``"flat"`` = the ragged
+    decode kernel, ``"flat_interpret"`` for CPU tests, or any impl it accepts); the buffer is the
+    suffix behind an empty (length-0) dummy prefix."""
+    b, _, _, d = q_bthd.shape
+    hkv = k_bshd.shape[2]
+    dtype = q_bthd.dtype
+    dummy = jnp.zeros((1, 1, hkv, d), dtype)
+    return _shared_prefix_fn()(q_bthd, dummy, dummy, k_bshd.astype(dtype), v_bshd.astype(dtype),
+                               suffix_lengths=lengths_b, prefix_lengths=jnp.zeros((1,), jnp.int32),
+                               seq_to_prefix=jnp.zeros((b,), jnp.int32), impl=impl)
 
 
 def level_attention(q_bthd: jax.Array, k_gphd: jax.Array, v_gphd: jax.Array, lengths_g: jax.Array,
@@ -68,6 +103,9 @@ def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_
     if backend == "flat":
         if prefix_k:
             raise ValueError("the flat backend keeps no prefix levels; build its cache with flatten_prefix")
+        decode_impl = _flat_decode_impl(q_bthd, k_bshd, impl)
+        if decode_impl is not None:
+            return flat_decode_attention(q_bthd, k_bshd, v_bshd, lengths_b, impl=decode_impl)
         out, _ = jax_prefix_attn.attention(q_bthd, k_bshd, v_bshd, causal=True, kv_lengths=lengths_b, impl=impl)
         return out
     if backend != "shared":
