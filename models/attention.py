@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import jax_prefix_attn
 from jax_prefix_attn.merge import merge_attention_states
 
-__all__ = ["FLAT_DECODE_MAX_TQ", "cache_attention", "flat_decode_attention", "level_attention"]
+__all__ = ["FLAT_DECODE_MAX_TQ", "cache_attention", "flat_decode_attention", "level_attention", "prefix_tree",
+           "tree_cache_attention"]
 
 FLAT_DECODE_MAX_TQ = 8  # flat backend: queries per sequence up to which the decode kernel is used on GPU
 
@@ -73,6 +74,41 @@ def flat_decode_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Arra
                                seq_to_prefix=jnp.zeros((b,), jnp.int32), impl=impl)
 
 
+def prefix_tree(tree_nodes: tuple, prefix_p: tuple, batch: int):
+    """:class:`jax_prefix_attn.PrefixTree` of the prefix levels (host ints) and the flat-pool
+    layout: level ``l``'s ``[G_l, P_l]`` buffer flattened, levels concatenated; node ``g`` of
+    level ``l`` spans ``[off_l + g * P_l, + len)``; sequence ``b`` hangs from node
+    ``b // (B // G_last)`` of the deepest level."""
+    from jax_prefix_attn import PrefixTree  # noqa: PLC0415
+    parents, starts, lengths, first = [], [], [], []
+    off = 0
+    for l, (lens, p) in enumerate(zip(tree_nodes, prefix_p)):
+        g = len(lens)
+        first.append(len(parents))
+        for i, n in enumerate(lens):
+            parents.append(-1 if l == 0 else first[l - 1] + i // (g // len(tree_nodes[l - 1])))
+            starts.append(off + i * p)
+            lengths.append(int(n))
+        off += g * p
+    g_last = len(tree_nodes[-1])
+    leaf = [first[-1] + b // (batch // g_last) for b in range(batch)]
+    return PrefixTree(parents, starts, lengths, leaf)
+
+
+def tree_cache_attention(q_bthd, prefix_k: tuple, prefix_v: tuple, tree_nodes: tuple, k_bshd, v_bshd,
+                         lengths_b, *, impl: str = "auto") -> jax.Array:
+    """The ``"shared"`` backend through :func:`jax_prefix_attn.tree_attention` (one call for all
+    levels and the suffix).  The levels are concatenated into a flat pool per call (a copy of the
+    prefix per layer per step: an option for comparison, not the default path)."""
+    dtype = q_bthd.dtype
+    hkv, d = k_bshd.shape[2], k_bshd.shape[3]
+    pool_k = jnp.concatenate([k.reshape(-1, hkv, d) for k in prefix_k]).astype(dtype)
+    pool_v = jnp.concatenate([v.reshape(-1, hkv, d) for v in prefix_v]).astype(dtype)
+    tree = prefix_tree(tree_nodes, tuple(k.shape[1] for k in prefix_k), q_bthd.shape[0])
+    return jax_prefix_attn.tree_attention(q_bthd, tree, pool_k, pool_v, k_bshd.astype(dtype), v_bshd.astype(dtype),
+                                          suffix_lengths=lengths_b, impl="auto" if impl == "auto" else "reference")
+
+
 def level_attention(q_bthd: jax.Array, k_gphd: jax.Array, v_gphd: jax.Array, lengths_g: jax.Array,
                     *, impl: str) -> tuple[jax.Array, jax.Array]:
     """Non-causal attention of ``B`` sequences over the ``G`` nodes of one prefix level.
@@ -90,7 +126,7 @@ def level_attention(q_bthd: jax.Array, k_gphd: jax.Array, v_gphd: jax.Array, len
 
 def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_lengths: tuple,
                     k_bshd: jax.Array, v_bshd: jax.Array, lengths_b: jax.Array, *, backend: str,
-                    impl: str = "auto") -> jax.Array:
+                    impl: str = "auto", tree_nodes: tuple | None = None) -> jax.Array:
     """Attention output ``[B, T, Hq, D]`` (q's dtype) of the newest ``T`` tokens over the cache.
 
     Args:
@@ -99,6 +135,8 @@ def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_
       prefix_lengths: tuple over levels of int32 ``[G_l]``.
       k_bshd, v_bshd: suffix buffers ``[B, S_max, Hkv, D]`` including the new tokens.
       lengths_b: valid suffix entries ``[B]`` (including the new tokens).
+      tree_nodes: host node lengths per level; when given (``Llama(shared_impl="tree")``) the
+        "shared" backend goes through :func:`tree_cache_attention`.
     """
     if backend == "flat":
         if prefix_k:
@@ -110,6 +148,8 @@ def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_
         return out
     if backend != "shared":
         raise ValueError(f"cache_attention backend must be 'shared' or 'flat', got {backend!r}")
+    if tree_nodes is not None and prefix_k:
+        return tree_cache_attention(q_bthd, prefix_k, prefix_v, tree_nodes, k_bshd, v_bshd, lengths_b, impl=impl)
     dtype = q_bthd.dtype
     k_bshd, v_bshd = k_bshd.astype(dtype), v_bshd.astype(dtype)
     b = q_bthd.shape[0]

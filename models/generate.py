@@ -263,7 +263,10 @@ def prefill_prefix_cache(model: Llama, params: dict, prompts: PromptBatch, *, la
         from models.kv_cache import is_stacked  # noqa: PLC0415
         return empty_prefix_cache(model.config, params["embed"].dtype, stacked=is_stacked(params["layers"]))
     toks, lens = prompts.level_arrays()
-    return _jits(model)["prefixes"](params, toks, lens)
+    prefix = _jits(model)["prefixes"](params, toks, lens)
+    if getattr(model, "shared_impl", "levels") == "tree":  # tree metadata needs host node lengths
+        prefix = prefix.replace(tree_nodes=tuple(tuple(len(n) for n in lv) for lv in prompts.levels))
+    return prefix
 
 
 def _check_prefix_cache(prefix: PrefixCache, prompts: PromptBatch) -> None:

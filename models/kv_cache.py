@@ -76,6 +76,9 @@ class PrefixCache:
     layers: Any                      # per layer {"k": tuple_l [G_l, P_l, Hkv, D], "v": ...}
     lengths: tuple                   # tuple_l int32 [G_l]
     last_logits: Any                 # float32 [G_last, V] or None when there is no level
+    # host copy of the node lengths per level (static), set only for the tree-attention option
+    # (``Llama(shared_impl="tree")``): tree metadata needs concrete spans
+    tree_nodes: tuple | None = struct.field(pytree_node=False, default=None)
 
     @property
     def num_levels(self) -> int:

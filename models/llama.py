@@ -57,16 +57,24 @@ class Llama:
     """A Llama decoder bound to ``config``; methods are pure functions (see module docstring).
 
     ``impl`` picks the attention implementation: ``"auto"`` (Pallas kernels on GPU, pure JAX
-    elsewhere) or ``"reference"``.
+    elsewhere) or ``"reference"``.  ``shared_impl`` picks how the ``"shared"`` backend attends
+    over prefix levels: ``"levels"`` (default: deepest level + suffix through
+    ``shared_prefix_attention``, shallower levels with inter-sequence batching, LSE merge) or
+    ``"tree"`` (one ``jax_prefix_attn.tree_attention`` call over the levels as a prefix tree and
+    the suffix; needs a prefix cache from :func:`models.generate.prefill_prefix_cache` with this
+    model, which records the node lengths on the host).
     """
 
-    def __init__(self, config: LlamaConfig, *, impl: str = "auto"):
+    def __init__(self, config: LlamaConfig, *, impl: str = "auto", shared_impl: str = "levels"):
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
         if impl not in ("auto", "reference"):
             raise ValueError(f"impl must be 'auto' or 'reference', got {impl!r}")
+        if shared_impl not in ("levels", "tree"):
+            raise ValueError(f"shared_impl must be 'levels' or 'tree', got {shared_impl!r}")
         self.config = config
         self.impl = impl
+        self.shared_impl = shared_impl
         self.inv_freq = rope_inv_freq(config)
         self._step_split = jax.jit(self._decode_step_split, static_argnames=("backend",),
                                    donate_argnames=("layers",))
@@ -85,14 +93,15 @@ class Llama:
         return logits, cache.layers, cache.lengths
 
     def __hash__(self):
-        return hash((self.config, self.impl))
+        return hash((self.config, self.impl, self.shared_impl))
 
     def __eq__(self, other):
-        return isinstance(other, Llama) and (self.config, self.impl) == (other.config, other.impl)
+        return (isinstance(other, Llama)
+                and (self.config, self.impl, self.shared_impl) == (other.config, other.impl, other.shared_impl))
 
     # ------------------------------------------------------------------ one layer
     def _layer(self, x_bth, lp, prefix_kv, suffix_kv, *, pos_bt, n_new_b, lengths_b, new_lengths_b,
-               prefix_lengths, backend):
+               prefix_lengths, backend, tree_nodes=None):
         c = self.config
         b, t, _ = x_bth.shape
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -106,7 +115,7 @@ class Llama:
             attn = q + jnp.repeat(v, hq // hkv, axis=2).astype(q.dtype)
         else:
             attn = cache_attention(q, prefix_kv["k"], prefix_kv["v"], prefix_lengths, k_buf, v_buf,
-                                   new_lengths_b, backend=backend, impl=self.impl)
+                                   new_lengths_b, backend=backend, impl=self.impl, tree_nodes=tree_nodes)
         x_bth = x_bth + dense(attn.reshape(b, t, hq * d), lp["wo"]).astype(x_bth.dtype)
         h = rms_norm(x_bth, lp["mlp_norm"], c.rms_norm_eps)
         x_bth = x_bth + swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]).astype(x_bth.dtype)
@@ -130,7 +139,8 @@ class Llama:
         pos = jnp.maximum(pos_offset_b[:, None] + lengths_b[:, None] + ti - (t - n_new_b)[:, None], 0)
         new_lengths = lengths_b + n_new_b
         body = functools.partial(self._layer, pos_bt=pos, n_new_b=n_new_b, lengths_b=lengths_b,
-                                 new_lengths_b=new_lengths, prefix_lengths=prefix.lengths, backend=backend)
+                                 new_lengths_b=new_lengths, prefix_lengths=prefix.lengths, backend=backend,
+                                 tree_nodes=prefix.tree_nodes if self.shared_impl == "tree" else None)
         x, layers = _run_layers(body, x, params["layers"], prefix.layers, layers)
         x = rms_norm(x if all_logits else x[:, -1], params["final_norm"], self.config.rms_norm_eps)
         return lm_head(x, params), layers, new_lengths

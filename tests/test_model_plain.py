@@ -72,3 +72,35 @@ def test_layout_option_and_prefix_cache_conversion(setup):
         assert resolve_layout(model, params, "auto") is params
     with pytest.raises(ValueError, match="layout must be one of"):
         generate(model, params, pb, max_new_tokens=2, layout="paged")
+
+
+def test_tree_attention_option_matches_levels(setup, monkeypatch):
+    """Llama(shared_impl="tree") (levels + suffix through jax_prefix_attn.tree_attention) gives
+    the default path's logits and greedy tokens on a two-level batch with ragged nodes."""
+    import jax_prefix_attn  # noqa: PLC0415
+    calls = []
+    real = jax_prefix_attn.tree_attention
+    monkeypatch.setattr(jax_prefix_attn, "tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, params, _, _ = setup
+    rng = np.random.default_rng(9)
+    tok = lambda n: rng.integers(0, CFG.vocab_size, n).tolist()  # noqa: E731
+    pb = PromptBatch.two_level(tok(13), [tok(5), tok(9)], num_samples=2, suffixes=[tok(2), [], tok(3), tok(1)])
+    tree_model = Llama(CFG, shared_impl="tree")
+    base = generate(model, params, pb, max_new_tokens=NEW, eos_token_ids=())
+    got = generate(tree_model, params, pb, max_new_tokens=NEW, eos_token_ids=())
+    np.testing.assert_array_equal(got.tokens, base.tokens)
+    assert len({tuple(r) for r in base.tokens}) >= 2
+    assert calls  # the tree path was really taken
+    pc = prefill_prefix_cache(tree_model, params, pb)
+    assert pc.tree_nodes == ((13,), (5, 9))
+    toks, n = pb.suffix_arrays()
+    from models.generate import _jits  # noqa: PLC0415
+    logits_t, cache_t = _jits(tree_model)["prefill"](params, pc, toks, n, capacity=8, backend="shared")
+    logits_l, cache_l = _jits(model)["prefill"](params, prefill_prefix_cache(model, params, pb), toks, n,
+                                                capacity=8, backend="shared")
+    step = jnp.asarray(tok(4))
+    lt, _ = tree_model.decode_step(params, cache_t, step)
+    ll, _ = model.decode_step(params, cache_l, step)
+    for a, b in ((logits_t, logits_l), (lt, ll)):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
