@@ -25,9 +25,10 @@ layer on an H200 (XLA copies the per-layer slices of stacked arrays inside the s
 :func:`prefill_prefix_cache` take ``layout="auto"`` (default): stacked parameters are converted
 to the list layout on GPU (once per parameter tree, cached on the model) and kept as they are
 elsewhere; ``layout="stacked"`` / ``"list"`` force one.  Why not always: on CPU (2 busy cores,
-SmolLM2-135M, B=6, 16 new tokens) the list layout ran faster (bf16 warm call 9.1 s vs 15.4 s)
-but its first call, dominated by compiling 30 unrolled layers, took 64 s vs 39 s; with the tiny
-2-layer test config both layouts are equal within noise.  ``Llama.decode_step`` and the other
+SmolLM2-135M, B=6, 16 new tokens) the list layout ran faster (warm call bf16 9.1 s vs 15.4 s,
+fp32 8.6 s vs 11.3 s) but its first call, dominated by compiling 30 unrolled layers, took much
+longer (bf16 64 s vs 39 s, fp32 86 s vs 32 s); with the tiny 2-layer test config both layouts
+are equal within noise.  ``Llama.decode_step`` and the other
 methods use the parameters' own layout (they are plain functions for user code under jit).
 """
 from models.config import Llama3RopeScaling, LlamaConfig, PRESETS

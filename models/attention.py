@@ -19,8 +19,9 @@ sequence's prefix path followed by its suffix:
   batch) is attended with Hydragen's inter-sequence batching -- the queries of all ``n`` sequences
   under one node are folded into one query block, ``q.reshape(G, n*T, Hq, D)`` against that
   node's keys, one non-causal :func:`jax_prefix_attn.attention` call -- and all parts are merged
-  exactly with :func:`jax_prefix_attn.merge_attention_states`.  This composition is the single
-  switch point for a tree-attention kernel (``jax_prefix_attn.tree_attention``) later.
+  exactly with :func:`jax_prefix_attn.merge_attention_states`.  With ``tree_nodes`` (option
+  ``Llama(shared_impl="tree")``) all levels and the suffix go through one
+  :func:`jax_prefix_attn.tree_attention` call instead (:func:`tree_cache_attention`).
 
 ``impl``: ``"auto"`` (Pallas kernels on GPU, pure-JAX reference elsewhere) or ``"reference"``
 (pure JAX everywhere).  The "none" backend never gets here (see :mod:`models.llama`).

@@ -98,9 +98,8 @@ def test_tree_attention_option_matches_levels(setup, monkeypatch):
     logits_t, cache_t = _jits(tree_model)["prefill"](params, pc, toks, n, capacity=8, backend="shared")
     logits_l, cache_l = _jits(model)["prefill"](params, prefill_prefix_cache(model, params, pb), toks, n,
                                                 capacity=8, backend="shared")
-    step = jnp.asarray(tok(4))
-    lt, _ = tree_model.decode_step(params, cache_t, step)
-    ll, _ = model.decode_step(params, cache_l, step)
-    for a, b in ((logits_t, logits_l), (lt, ll)):
-        assert np.isfinite(np.asarray(a)).all()
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+    assert np.isfinite(np.asarray(logits_t)).all()
+    np.testing.assert_allclose(np.asarray(logits_t), np.asarray(logits_l), rtol=2e-5, atol=2e-5)
+    for name in ("k", "v"):  # the continuations wrote the same keys/values
+        np.testing.assert_allclose(np.asarray(cache_t.layers[name]), np.asarray(cache_l.layers[name]),
+                                   rtol=2e-5, atol=2e-5)
