@@ -242,7 +242,9 @@ def _progress(enabled, step, total, tokens, seconds):
         sys.stderr.flush()
 
 
-DEMO_SYSTEM = "You are a concise, friendly assistant. Answer in one or two sentences."
+# SmolLM2-Instruct's own default system prompt: with other system prompts the 135M model answers
+# oddly (transformers gives the same tokens), e.g. "Le Grand Paris, la femme de la France."
+DEMO_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face."
 DEMO_QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Give me one tip for learning to cook."]
 
 
