@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 import jax_prefix_attn
 from jax_prefix_attn.merge import merge_attention_states
+from jax_prefix_attn.shared_prefix import _kernel_supported, shared_prefix_attention
 
 __all__ = ["FLAT_DECODE_MAX_TQ", "cache_attention", "flat_decode_attention", "level_attention", "prefix_tree",
            "tree_cache_attention"]
@@ -40,21 +41,9 @@ __all__ = ["FLAT_DECODE_MAX_TQ", "cache_attention", "flat_decode_attention", "le
 FLAT_DECODE_MAX_TQ = 8  # flat backend: queries per sequence up to which the decode kernel is used on GPU
 
 
-def _shared_prefix_fn():
-    try:
-        from jax_prefix_attn.shared_prefix import shared_prefix_attention  # noqa: PLC0415
-    except ImportError:  # pragma: no cover - only before the module existed
-        return None
-    return shared_prefix_attention
-
-
 def _flat_decode_impl(q_bthd: jax.Array, k_bshd: jax.Array, impl: str) -> str | None:
     """The ``shared_prefix_attention`` impl for flat decoding, or None for the flash path."""
     if impl != "auto" or jax.default_backend() != "gpu" or q_bthd.shape[1] > FLAT_DECODE_MAX_TQ:
-        return None
-    try:
-        from jax_prefix_attn.shared_prefix import _kernel_supported  # noqa: PLC0415
-    except ImportError:  # pragma: no cover
         return None
     dummy = k_bshd[:1, :1]
     return "flat" if _kernel_supported(q_bthd, dummy, k_bshd) is None else None
@@ -70,7 +59,7 @@ def flat_decode_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Arra
     hkv = k_bshd.shape[2]
     dtype = q_bthd.dtype
     dummy = jnp.zeros((1, 1, hkv, d), dtype)
-    return _shared_prefix_fn()(q_bthd, dummy, dummy, k_bshd.astype(dtype), v_bshd.astype(dtype),
+    return shared_prefix_attention(q_bthd, dummy, dummy, k_bshd.astype(dtype), v_bshd.astype(dtype),
                                suffix_lengths=lengths_b, prefix_lengths=jnp.zeros((1,), jnp.int32),
                                seq_to_prefix=jnp.zeros((b,), jnp.int32), impl=impl)
 
@@ -156,11 +145,10 @@ def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_
     b = q_bthd.shape[0]
     outs, lses = [], []
     levels = list(zip(prefix_k, prefix_v, prefix_lengths))
-    spa = _shared_prefix_fn()
-    if levels and spa is not None:
+    if levels:
         k_last, v_last, len_last = levels.pop()
         g = k_last.shape[0]
-        out, lse = spa(q_bthd, k_last.astype(dtype), v_last.astype(dtype), k_bshd, v_bshd,
+        out, lse = shared_prefix_attention(q_bthd, k_last.astype(dtype), v_last.astype(dtype), k_bshd, v_bshd,
                        suffix_lengths=lengths_b, prefix_lengths=len_last,
                        seq_to_prefix=jnp.arange(b, dtype=jnp.int32) // (b // g), return_lse=True, impl=impl)
     else:
