@@ -136,6 +136,14 @@ def default_out_path(name: str, smoke: bool) -> str:
     return os.path.join(here, "results", f"{name}_{gpu_slug()}.json")
 
 
+def list_predicted_oom(plan: list[dict], predict_oom: Callable[[dict], str | None]) -> dict:
+    """``--list``: print each planned point with its predicted out-of-memory reason (if any)."""
+    reasons = [predict_oom(p) for p in plan]
+    for p, r in zip(plan, reasons):
+        print(p, r or "")
+    return {"planned": len(plan), "predicted_oom": sum(bool(r) for r in reasons)}
+
+
 def add_common_args(ap, parts: Iterable[str]) -> None:
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/<name>_<gpu>.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny random model and shapes (CPU, < 1 minute)")

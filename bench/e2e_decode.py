@@ -289,10 +289,7 @@ def main(argv=None) -> dict:
     args.mem_limit = ec.memory_limit_bytes(args.mem_limit_gb)
     plan = plan_points(args)
     if args.list:   # with --mem-limit-gb: which points are predicted not to fit
-        bench = Bench(args)
-        for p in plan:
-            print(p, bench.predict_oom(p) or "")
-        return {"planned": len(plan), "predicted_oom": sum(bool(bench.predict_oom(p)) for p in plan)}
+        return ec.list_predicted_oom(plan, Bench(args).predict_oom)
     out = args.out or ec.default_out_path(NAME, args.smoke)
     fixed = {"gen_tokens": args.gen_tokens, "smoke": args.smoke,
              "dtype": "float32" if args.smoke else "bfloat16",

@@ -164,10 +164,7 @@ def main(argv=None) -> dict:
     args.mem_limit = ec.memory_limit_bytes(args.mem_limit_gb)
     plan = plan_points(args)
     if args.list:   # with --mem-limit-gb: which points are predicted not to fit
-        bench = Bench(args)
-        for p in plan:
-            print(p, bench.predict_oom(p) or "")
-        return {"planned": len(plan), "predicted_oom": sum(bool(bench.predict_oom(p)) for p in plan)}
+        return ec.list_predicted_oom(plan, Bench(args).predict_oom)
     out = args.out or ec.default_out_path(NAME, args.smoke)
     fixed = {"doc_tokens": args.doc_tokens, "question_len_range": list(args.q_len),
              "answer_tokens": args.answer_tokens, "smoke": args.smoke,
