@@ -69,7 +69,7 @@ def measure_read_bandwidth(nbytes: int) -> float:
     from bench.timing import time_fn
     x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    t = time_fn(f, [(x,)], warmup=3, iters=10)
+    t = time_fn(f, [(x,)], warmup=3, iters=20, stat="min")
     del x
     return nbytes / t
 
@@ -545,6 +545,9 @@ def main():
     ap.add_argument("--merge", nargs="+", default=None,
                     help="assemble --out from earlier result files (no GPU work)")
     ap.add_argument("--cols", default=",".join(COLS))
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the points already measured in --out, measure the rest (each record "
+                         "carries the rates of the run that measured it)")
     args = ap.parse_args()
     global INTERPRET, HEADS, BATCH, PREFIX, SUFFIX, PROBES
     if args.smoke:
@@ -576,9 +579,23 @@ def main():
     pts += grid
     doc = dict(info=device_info(), copy_bw_Bps=bw, matmul_flops=mma, read_bw_Bps=READ_BW[0],
                columns=args.cols.split(","), notes=__doc__, results=[])
+    done = {}
+    if args.resume and os.path.exists(out):
+        with open(out) as fh:
+            old = json.load(fh)
+        doc["earlier_runs"] = old.get("earlier_runs", []) + [
+            {k: old.get(k) for k in ("info", "copy_bw_Bps", "matmul_flops", "read_bw_Bps")}]
+        for r in old["results"]:
+            if "status" not in r:
+                r.setdefault("run", len(doc["earlier_runs"]) - 1)
+                done[(r["batch"], r["prefix"], r["suffix"], r["heads_q"], r["heads_kv"], r["head_dim"],
+                      bool(r.get("probe")))] = r
     if not args.smoke and args.tune_large_m:
         tune_large_m(doc)
     for (b, p, s, hq, hkv, d, probe) in pts:
+        if (b, p, s, hq, hkv, d, probe) in done:
+            doc["results"].append(done[(b, p, s, hq, hkv, d, probe)])
+            continue
         if time.time() - t_start > args.budget_s:
             doc["results"].append(dict(batch=b, prefix=p, suffix=s, heads_q=hq, heads_kv=hkv,
                                        head_dim=d, probe=probe, status="skipped (time budget)"))
@@ -589,6 +606,8 @@ def main():
                         measure_auto=args.measure_auto)
         rec["probe"] = probe
         rec["wall_s"] = time.time() - t0
+        if args.resume:
+            rec["run"] = len(doc.get("earlier_runs", []))
         doc["results"].append(rec)
         with open(out, "w") as fh:
             json.dump(doc, fh, indent=1)

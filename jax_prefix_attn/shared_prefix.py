@@ -190,17 +190,34 @@ _reference_jit = jax.jit(reference_shared_prefix, static_argnames=("scale",))
 
 # ----------------------------------------------------------------------------- kernels + vjp
 
+# The kernels put one sequence's ``Tq * Hq / Hkv`` query rows in one row tile; beyond this many
+# rows (long suffix prefills) the queries are processed in chunks of consecutive positions.
+MAX_ROWS_PER_TILE = 128
+
+
+def query_chunks(tq: int, group: int, max_rows: int | None = None) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` over ``Tq`` so that each chunk has at most ``max_rows`` rows
+    (default :data:`MAX_ROWS_PER_TILE`; ``chunk * group`` rows, at least one position per chunk).
+    Static: one kernel call per chunk, bounded by ``Tq``."""
+    step = max(1, (MAX_ROWS_PER_TILE if max_rows is None else max_rows) // group)
+    return [(c, min(c + step, tq)) for c in range(0, tq, step)]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
                  suffix_lengths, scale, path, interpret):
     lim_p, lim_s = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
     if path == "shared":
-        from pallas_kernels import prefix_attention as pa  # noqa: PLC0415 (lazy import)
-        return pa.shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
-                                        lim_p, lim_s, scale=scale, interpret=interpret)
-    from pallas_kernels import decode_attention as da  # noqa: PLC0415 (lazy import)
-    return da.flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
-                           scale=scale, interpret=interpret)
+        from pallas_kernels.prefix_attention import shared_prefix_forward as fwd  # noqa: PLC0415
+    else:
+        from pallas_kernels.decode_attention import flat_forward as fwd  # noqa: PLC0415
+    parts = [fwd(q[:, a:b], prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p[:, a:b],
+                 lim_s[:, a:b], scale=scale, interpret=interpret)
+             for a, b in query_chunks(q.shape[1], q.shape[2] // prefix_k.shape[2])]
+    if len(parts) == 1:
+        return parts[0]
+    return (jnp.concatenate([o for o, _ in parts], axis=1),
+            jnp.concatenate([l for _, l in parts], axis=1))
 
 
 def _kernel_path_fwd(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,

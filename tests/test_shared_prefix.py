@@ -225,6 +225,29 @@ def test_kernel_paths_interpret(impl, tq, hq, hkv, d, g, dtype):
     check(out, lse, oracle(args, kw, meta), dtype)
 
 
+def test_query_chunks_cover_tq():
+    from jax_prefix_attn.shared_prefix import query_chunks
+    assert query_chunks(1, 8) == [(0, 1)]
+    assert query_chunks(40, 4, max_rows=128) == [(0, 32), (32, 40)]
+    assert query_chunks(3, 256, max_rows=128) == [(0, 1), (1, 2), (2, 3)]
+    for tq, grp in [(1, 1), (7, 4), (129, 1), (600, 1), (300, 4)]:
+        ch = query_chunks(tq, grp)
+        assert ch[0][0] == 0 and ch[-1][1] == tq and all(a < b for a, b in ch)
+        assert all(ch[i][1] == ch[i + 1][0] for i in range(len(ch) - 1))
+        assert all((b - a) * grp <= 128 or b - a == 1 for a, b in ch)
+
+
+@pytest.mark.parametrize("impl", ["pallas_interpret", "flat_interpret"])
+def test_kernel_paths_chunk_long_query_blocks(impl, monkeypatch):
+    """Tq * group beyond one row tile (suffix prefill): queries run in chunks of positions."""
+    from jax_prefix_attn import shared_prefix as sp
+    monkeypatch.setattr(sp, "MAX_ROWS_PER_TILE", 16)  # Tq=7, group 4: chunks (0,4), (4,7)
+    args, kw, meta = make_case(77, b=3, tq=7, hq=8, hkv=2, d=16, g=2, p=24, s=20,
+                               suffix_lengths=[7, 20, 12])
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl=impl)
+    check(out, lse, oracle(args, kw, meta), jnp.float32)
+
+
 def test_kernel_path_gradients_interpret():
     _grad_check("pallas_interpret")
 
@@ -264,6 +287,18 @@ def test_gpu_parity(impl, tq, hq, hkv, d, g, dtype):
                                dtype=dtype, suffix_lengths=sl)
     out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, impl=impl))(*args)
     check(out, lse, oracle(args, kw, meta), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["shared", "flat"])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8)])
+def test_gpu_long_suffix_prefill(impl, hq, hkv):
+    """Hundreds of new tokens per sequence (a problem prefilled after a shared root): more rows
+    per sequence than one tile holds (CodeLlama-like MHA shapes failed here before chunking)."""
+    args, kw, meta = make_case(60, b=3, tq=300, hq=hq, hkv=hkv, d=128, g=0, p=700, s=420,
+                               dtype=jnp.bfloat16, suffix_lengths=[300, 420, 333])
+    out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, impl=impl))(*args)
+    check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
 
 
 @pytest.mark.gpu
