@@ -46,7 +46,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import device_info, gpu_slug, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+from bench.timing import (device_info, gpu_slug, loop_time, measure_copy_bandwidth,  # noqa: E402
+                          measure_matmul_rate)
 from jax_prefix_attn import shared_prefix_attention  # noqa: E402
 from jax_prefix_attn.cost_model import choose_path  # noqa: E402
 from jax_prefix_attn.shared_prefix import row_limits  # noqa: E402
@@ -112,28 +113,6 @@ def tune_large_m(doc):
 
 
 # ----------------------------------------------------------------------------- timing
-
-def loop_time(fn, q, rest, *, target_s=0.03, reps=3):
-    """Seconds per call of ``fn(q, *rest) -> out [B, Hq, D]`` via a dependent in-jit loop."""
-    @jax.jit
-    def run(q, n, *rest):
-        def body(_, q):
-            out = fn(q, *rest)
-            return (q + out.astype(q.dtype) * 1e-3).astype(q.dtype)
-        return jax.lax.fori_loop(0, n, body, q)
-
-    jax.block_until_ready(run(q, 1, *rest))  # compile + warm up
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(q, 2, *rest))
-    t1 = (time.perf_counter() - t0) / 2
-    n = int(min(200, max(2, target_s / max(t1, 1e-6))))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(q, n, *rest))
-        times.append((time.perf_counter() - t0) / n)
-    return float(np.median(times))
-
 
 # ----------------------------------------------------------------------------- columns
 

@@ -3,6 +3,8 @@
 * :func:`time_fn` -- median wall time of a jitted function after warm-up, with
   ``jax.block_until_ready``; rotates among several argument sets so inputs that fit in
   L2 are not timed hot.
+* :func:`loop_time` -- seconds per call from ``n`` dependent calls inside one jitted
+  ``fori_loop`` (no per-call dispatch in the number: for kernels of ~10-1000 us).
 * :func:`measure_copy_bandwidth` / :func:`measure_matmul_rate` -- the two rates of the
   floor ``max(bytes / bandwidth, flops / matmul rate)``, measured in the same run.
 * :func:`device_info` -- device name and versions for result JSON files.
@@ -31,6 +33,31 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 3, iters: 
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return min(times) if stat == "min" else statistics.median(times)
+
+
+def loop_time(fn: Callable, q, rest: tuple, *, target_s: float = 0.03, reps: int = 3) -> float:
+    """Seconds per call of ``fn(q, *rest) -> out`` (``out.shape == q.shape``), measured as ``n``
+    dependent calls in one jitted ``fori_loop`` (each iteration's output perturbs the next
+    query, so XLA can neither hoist nor merge them); ``n`` is chosen so one timed call takes
+    about ``target_s``; median of ``reps`` timed calls divided by ``n``, after a compile call."""
+    @jax.jit
+    def run(q, n, *rest):
+        def body(_, q):
+            out = fn(q, *rest)
+            return (q + out.astype(q.dtype) * 1e-3).astype(q.dtype)
+        return jax.lax.fori_loop(0, n, body, q)
+
+    jax.block_until_ready(run(q, 1, *rest))  # compile + warm up
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(q, 2, *rest))
+    t1 = (time.perf_counter() - t0) / 2
+    n = int(min(200, max(2, target_s / max(t1, 1e-6))))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(q, n, *rest))
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
 
 
 def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:

@@ -24,20 +24,22 @@ against ``flat`` (bf16 tolerance).
 Usage: ``python bench/tree_attention.py --out bench/results/tree_attention_h100.json [--quick]``
 (a PNG with the same stem is written next to the JSON).
 
-Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22; times are
-wall-clock medians of a jitted call, so sub-0.5 ms entries include ~0.1 ms of dispatch and
-launch overhead; ``auto`` and ``flatten`` run the same program on ``spec_*``, and their gap
-there, up to 0.2 ms on ``spec_t64``, is measurement noise of that order):
+Timing: :func:`bench.timing.loop_time` (dependent calls inside one jitted loop, no per-call
+dispatch).  ``--iters`` is kept for old command lines and ignored.
 
-* APPS-like: auto 1.21x (8 problems) / 1.44x (16) faster than single-level shared prefix,
-  2.18x / 1.84x the floor: the target (>= 1.5x, <= 2x) is missed except 16 problems' floor;
-  the root part is compute-bound in a Triton-lowered kernel (~200 TFLOP/s vs 627 measured).
-* tree-of-thought: auto 1.04x single-level, 2.24x floor (missed).
-* speculative (single-token leaves): flatten 2.04x / 1.84x / 2.00x faster than node-by-node
-  for 32 / 64 / 256 drafts (target 1.5x met).
-* few-shot (one level): auto goes through ``shared_prefix_attention``; it is 0.47x-0.82x the
-  ``single_level`` column there (the column calls the same function on a pre-sliced prefix, so
-  the difference is the root gather and dispatch).
+Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22, measured
+before the switch to in-loop timing: wall-clock medians of one jitted call, so sub-0.5 ms
+entries carry ~0.1 ms of dispatch and the same program timed twice differed by up to 28%):
+
+* APPS-like: auto 0.97x (8 problems) / 1.38x (16) single-level shared prefix, 1.70x / 1.40x the
+  floor: the 1.5x target is missed, the 2x floor target met; the root part is compute-bound in
+  a Triton-lowered kernel (~200-320 TFLOP/s vs ~600 measured for XLA's matmul).
+* tree-of-thought: auto 1.00x single-level (missed), 1.73x floor (met).
+* speculative (single-token leaves): flatten 2.55x / 1.83x / 2.29x node-by-node for 32 / 64 /
+  256 drafts (target 1.5x met).
+* few-shot (one level): auto goes through ``shared_prefix_attention``; 0.85x / 0.93x the
+  ``single_level`` column (which calls the same function on a pre-sliced prefix: the
+  difference is the root gather and dispatch).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import device_info, measure_copy_bandwidth, measure_matmul_rate, time_fn  # noqa: E402
+from bench.timing import device_info, loop_time, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
 from jax_prefix_attn import PrefixTree, tree_attention  # noqa: E402
 from jax_prefix_attn.tree import build_tree_metadata  # noqa: E402
 
@@ -164,8 +166,7 @@ def bench_workload(wl, bw, rate, iters, block_kv=128, max_block_m=128):
     outs = {}
 
     def tree_fn(impl):
-        return jax.jit(lambda m, q, kp, vp, sk, sv, sl: tree_attention(q, m, kp, vp, sk, sv, suffix_lengths=sl,
-                                                                       impl=impl))
+        return lambda q, m, kp, vp, sk, sv, sl: tree_attention(q, m, kp, vp, sk, sv, suffix_lengths=sl, impl=impl)
 
     # flat: materialise full contexts, then a one-node (empty) tree -> pure suffix decode.
     try:
@@ -174,18 +175,18 @@ def bench_workload(wl, bw, rate, iters, block_kv=128, max_block_m=128):
         dummy = jnp.zeros((16, HKV, D), DT)
         fmeta = build_tree_metadata(empty, tq=1, group=HQ // HKV, pool_size=16)
         f = tree_fn("flatten")
-        args = (fmeta, q, dummy, dummy, fk, fv, flen)
-        outs["flat"] = f(*args)
-        rec["times_ms"]["flat"] = time_fn(f, [args], warmup=2, iters=iters) * 1e3
+        args = (fmeta, dummy, dummy, fk, fv, flen)
+        outs["flat"] = jax.jit(f)(q, *args)
+        rec["times_ms"]["flat"] = loop_time(f, q, args) * 1e3
         del fk, fv
     except Exception as e:  # noqa: BLE001
         rec["errors"]["flat"] = f"{type(e).__name__}: {e}"[:400]
     for impl in ("auto", "levelwise", "flatten", "nodes"):
         try:
             f = tree_fn(impl)
-            args = (meta, q, kp, vp, sk, sv, sl)
-            outs[impl] = f(*args)
-            rec["times_ms"][impl] = time_fn(f, [args], warmup=2, iters=iters) * 1e3
+            args = (meta, kp, vp, sk, sv, sl)
+            outs[impl] = jax.jit(f)(q, *args)
+            rec["times_ms"][impl] = loop_time(f, q, args) * 1e3
         except Exception as e:  # noqa: BLE001
             rec["errors"][impl] = f"{type(e).__name__}: {e}"[:400]
             traceback.print_exc()
@@ -197,10 +198,10 @@ def bench_workload(wl, bw, rate, iters, block_kv=128, max_block_m=128):
         pv = vp[tree.starts[root]: tree.starts[root] + tree.lengths[root]][None]
         try:
             from jax_prefix_attn import shared_prefix_attention
-            f = jax.jit(lambda q, pk, pv, rk, rv, rlen: shared_prefix_attention(
-                q, pk, pv, rk, rv, suffix_lengths=rlen, impl="auto"))
-            args = (q, pk, pv, rk, rv, rlen)
-            outs["single_level"] = f(*args)
+            f = lambda q, pk, pv, rk, rv, rlen: shared_prefix_attention(  # noqa: E731
+                q, pk, pv, rk, rv, suffix_lengths=rlen, impl="auto")
+            args = (pk, pv, rk, rv, rlen)
+            outs["single_level"] = jax.jit(f)(q, *args)
             rec["single_level_impl"] = "shared_prefix_attention(impl='auto')"
         except Exception as e:  # noqa: BLE001
             rec["errors"]["single_level_shared_prefix"] = f"{type(e).__name__}: {e}"[:400]
@@ -208,11 +209,11 @@ def bench_workload(wl, bw, rate, iters, block_kv=128, max_block_m=128):
                              leaf_of_seq=[0] * b)
             m1 = build_tree_metadata(one, tq=1, group=HQ // HKV, pool_size=kp.shape[0])
             g = tree_fn("levelwise")
-            f = lambda q, pk, pv, rk, rv, rlen: g(m1, q, kp, vp, rk, rv, rlen)  # noqa: E731
-            args = (q, pk, pv, rk, rv, rlen)
-            outs["single_level"] = f(*args)
+            f = lambda q, pk, pv, rk, rv, rlen: g(q, m1, kp, vp, rk, rv, rlen)  # noqa: E731
+            args = (pk, pv, rk, rv, rlen)
+            outs["single_level"] = jax.jit(f)(q, *args)
             rec["single_level_impl"] = "tree_attention on a one-level tree (fallback)"
-        rec["times_ms"]["single_level"] = time_fn(f, [args], warmup=2, iters=iters) * 1e3
+        rec["times_ms"]["single_level"] = loop_time(f, q, args) * 1e3
         del rk, rv
     except Exception as e:  # noqa: BLE001
         rec["errors"]["single_level"] = f"{type(e).__name__}: {e}"[:400]
@@ -242,10 +243,9 @@ def sweep(wls, iters):
                                        max_block_m=mm)
             for impl in ("flatten", "levelwise"):
                 try:
-                    f = jax.jit(lambda m, q, kp, vp, sk, sv, sl, impl=impl: tree_attention(
-                        q, m, kp, vp, sk, sv, suffix_lengths=sl, impl=impl))
-                    args = (meta, q, kp, vp, sk, sv, sl)
-                    t = time_fn(f, [args], warmup=2, iters=iters) * 1e3
+                    f = lambda q, m, kp, vp, sk, sv, sl, impl=impl: tree_attention(  # noqa: E731
+                        q, m, kp, vp, sk, sv, suffix_lengths=sl, impl=impl)
+                    t = loop_time(f, q, (meta, kp, vp, sk, sv, sl), target_s=0.02) * 1e3
                 except Exception as e:  # noqa: BLE001
                     t = f"{type(e).__name__}: {e}"[:200]
                 rec = dict(workload=wl["name"], block_kv=c, max_block_m=mm, impl=impl, ms=t)
