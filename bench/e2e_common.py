@@ -207,7 +207,7 @@ class ResultStore:
                          "fixed": fixed, "runs": [], "points": []}
         self.data["runs"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                   "argv": sys.argv[1:], "settings": settings, "jax": jax.__version__,
-                                  "device": info["device"]})
+                                  "device": info["device"], "nvidia_smi": info.get("nvidia_smi")})
         self.save()
 
     def key(self, point: dict) -> tuple:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+import subprocess
 import time
 from typing import Callable, Sequence
 
@@ -82,9 +83,27 @@ def measure_matmul_rate(n: int = 8192) -> float:
     return 2 * n ** 3 / t
 
 
+_SMI_FIELDS = ("driver_version", "power.limit", "clocks.max.sm", "clocks.max.memory", "clocks.sm",
+               "temperature.gpu", "pci.bus_id")
+
+
+def _nvidia_smi() -> dict | None:
+    """Driver, power limit and clocks of GPU 0 (machines of one kind can differ in these;
+    timings of identical kernels moved by up to 45% between two H200 machines), or None."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(_SMI_FIELDS),
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    vals = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
+    return dict(zip(_SMI_FIELDS, vals))
+
+
 def device_info() -> dict:
     dev = jax.devices()[0]
-    return {
+    info = {
         "device": getattr(dev, "device_kind", str(dev)),
         "platform": dev.platform,
         "jax": jax.__version__,
@@ -92,6 +111,11 @@ def device_info() -> dict:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
+    if dev.platform == "gpu":
+        smi = _nvidia_smi()
+        if smi:
+            info["nvidia_smi"] = smi
+    return info
 
 
 def gpu_slug() -> str:
