@@ -5,7 +5,8 @@ Columns, all measured in one run (bf16, Tq = 1, every suffix full):
 * ``shared``: ours (``impl="shared"``): batched prefix kernel + suffix kernel with fused merge
   (2 launches) or, below 2048 (sequence, kv head) pairs, one launch of interleaved prefix and
   suffix programs + XLA merge (``shared_variant``); ``shared_fused`` / ``shared_overlap``
-  force one variant (``--cols``);
+  force one variant (``--cols``); ``shared_mgpu`` (opt-in, ``--cols``): the fused variant with
+  the experimental Mosaic GPU prefix kernel (``pallas_kernels/prefix_attention_mgpu.py``);
 * ``flat``: ours, one ragged split-KV decode launch reading the prefix through
   ``seq_to_prefix`` for every sequence (no copy: "flat over shared storage");
 * ``flat_gqa``: JAX's ``pallas.ops.gpu.decode_attention.gqa`` over materialised
@@ -116,18 +117,19 @@ def tune_large_m(doc):
 
 # ----------------------------------------------------------------------------- columns
 
-def ours(impl, variant=None):
+def ours(impl, variant=None, backend=None):
     from pallas_kernels import prefix_attention as pa
     if INTERPRET:
         impl = {"shared": "pallas_interpret", "flat": "flat_interpret"}.get(impl, impl)
 
     def f(q, pk, pv, sk, sv, sl):
-        old = pa.VARIANT
+        old, old_b = pa.VARIANT, pa.PREFIX_BACKEND
         pa.VARIANT = variant or old
+        pa.PREFIX_BACKEND = backend or old_b
         try:
             out = shared_prefix_attention(q[:, None], pk, pv, sk, sv, suffix_lengths=sl, impl=impl)
         finally:
-            pa.VARIANT = old
+            pa.VARIANT, pa.PREFIX_BACKEND = old, old_b
         return out[:, 0]
     return f
 
@@ -241,8 +243,11 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
                     return out[:, 0]
                 t = loop_time(fm, q, (pk_b, pv_b, sk, sv, sl, s2p))
                 del pk_b, pv_b
-            elif c in ("shared", "shared_fused", "shared_overlap", "flat", "auto"):
-                f = (ours("shared", c.split("_")[1]) if c.startswith("shared_") else ours(c))
+            elif c in ("shared", "shared_fused", "shared_overlap", "shared_mgpu", "flat", "auto"):
+                if c == "shared_mgpu":
+                    f = ours("shared", backend="mgpu")
+                else:
+                    f = ours("shared", c.split("_")[1]) if c.startswith("shared_") else ours(c)
                 t = loop_time(f, q, (pk, pv, sk, sv, sl))
                 if check:
                     out = jax.jit(f)(q, pk, pv, sk, sv, sl)
@@ -279,7 +284,7 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
     sh = rec.get("shared_ms")
     if isinstance(sh, float):
         rec["shared_over_floor"] = sh / rec["floor_ms"]
-        for c in ("shared_fused", "shared_overlap", "flat", "flat_gqa", "composed", "auto"):
+        for c in ("shared_fused", "shared_overlap", "shared_mgpu", "flat", "flat_gqa", "composed", "auto"):
             if isinstance(rec.get(c + "_ms"), float):
                 rec[f"{c}_over_shared"] = rec[c + "_ms"] / sh
     if isinstance(rec.get("flat_ms"), float):

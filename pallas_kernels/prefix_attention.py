@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 import functools
 import math
+import os
 
 from jax import lax
 from jax.experimental import pallas as pl
@@ -41,6 +42,13 @@ from pallas_kernels.decode_attention import (Source, attend_pool, cdiv, finish_s
 # compute-bound and memory-bound work overlap on the GPU), then one small XLA merge;
 # "auto": "overlap" when both parts are large enough to matter, else "fused".
 VARIANT = "auto"
+
+# Prefix-kernel backend of the fused variant: "triton" (``prefix_partials``, the measured
+# default) or "mgpu" (``prefix_attention_mgpu.prefix_partials_mgpu``: Mosaic GPU, EXPERIMENTAL,
+# not yet run on a GPU; used only where it applies: one prefix, Tq == 1, 16-bit, head_dim 64 or
+# 128, prefix length a multiple of 128).  Default from the environment variable
+# ``JPA_PREFIX_BACKEND``.
+PREFIX_BACKEND = os.environ.get("JPA_PREFIX_BACKEND", "triton")
 
 __all__ = ["prefix_partials", "shared_prefix_forward", "prefix_config", "overlap_partials"]
 
@@ -101,6 +109,49 @@ def prefix_partials(q_hmd, prefix_k, prefix_v, row_group, row_limit, *, scale, b
                             interpret=interpret, two_phase=two_phase)
 
 
+def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv, *, b, tq, hq, hkv, d,
+                       r, r2, r16, m, scale, interpret, two_phase, suffix_block_k, suffix_warps,
+                       suffix_stages, suffix_splits):
+    """Launch 2 of the fused variant: the suffix decode merging the prefix partials
+    ``(o_pre [splits, Hkv, >= M + R16, D], lse_pre)`` (rows ``R2`` per sequence)."""
+    grp = hq // hkv
+    # Launch 2: per-sequence suffix decode (R16 rows per sequence, same sorted order); its
+    # epilogue merges the prefix partials of rows [rb * R2, rb * R2 + R16).
+    qs = rows_from_q(q, hkv, r16, order)
+    b_sorted = jnp.arange(b, dtype=jnp.int32) if order is None else order
+    src_s = Source(suffix_k, suffix_v,
+                   row_meta(jnp.broadcast_to(b_sorted[:, None], (b, tq)), grp, r16,
+                            pad_value=b_sorted),
+                   row_meta(lim_s, grp, r16, order))
+    s_len = suffix_k.shape[1]
+    if suffix_splits is None:
+        suffix_splits = 1
+        if b * hkv < 264:
+            suffix_splits = max(1, min(cdiv(264, b * hkv), cdiv(s_len, 2 * suffix_block_k)))
+    if suffix_splits > 1:
+        o_s, lse_s = ragged_attention(qs, [src_s], scale=scale, block_m=r16,
+                                      block_k=suffix_block_k, num_splits=suffix_splits,
+                                      finalize=False, num_warps=suffix_warps,
+                                      num_stages=suffix_stages, interpret=interpret)
+        ns, npf = suffix_splits, o_pre.shape[0]
+        o_all = jnp.concatenate([
+            o_pre[:, :, :m].reshape(npf, hkv, b, r2, d)[:, :, :, :r],
+            o_s.reshape(ns, hkv, b, r16, d)[:, :, :, :r]], axis=0)
+        l_all = jnp.concatenate([
+            lse_pre[:, :, :m].reshape(npf, hkv, b, r2)[:, :, :, :r],
+            lse_s.reshape(ns, hkv, b, r16)[:, :, :, :r]], axis=0)
+        o, lse = merge_partials(o_all, l_all)
+        o = o.astype(q.dtype).reshape(hkv, b * r, d)
+        lse = lse.reshape(hkv, b * r)
+        return rows_to_out(o, b, tq, hq, r, inv), rows_to_out(lse, b, tq, hq, r, inv)
+    o, lse = ragged_attention(qs, [src_s], scale=scale, block_m=r16, block_k=suffix_block_k,
+                              num_splits=1, incoming=(o_pre, lse_pre), in_stride=r2,
+                              finalize=True, out_dtype=q.dtype, num_warps=suffix_warps,
+                              num_stages=suffix_stages, interpret=interpret,
+                              two_phase=two_phase)
+    return rows_to_out(o, b, tq, hq, r16, inv), rows_to_out(lse, b, tq, hq, r16, inv)
+
+
 def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
                           *, scale, interpret=False, prefix_cfg=None, suffix_block_k=64,
                           suffix_warps=4, suffix_stages=3, suffix_splits=None, variant=None):
@@ -144,6 +195,18 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     grp_rows = jnp.pad(grp_rows, (0, m_pad - m), mode="edge")
     # tail padding rows: full limit (their zero queries' results are never used)
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
+    if PREFIX_BACKEND == "mgpu" and not interpret and g == 1 and tq == 1:
+        from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
+        m128 = cdiv(m + r16, 128) * 128
+        if pm.mgpu_supported(rows=m128, prefix_len=p, head_dim=d, dtype=q.dtype) is None:
+            qp = jnp.pad(qp, ((0, 0), (0, m128 - m_pad), (0, 0))) if m128 > m_pad else qp[:, :m128]
+            o_pre, lse_pre = pm.prefix_partials_mgpu(qp, prefix_k[0], prefix_v[0], jnp.max(lim_p),
+                                                     scale=scale)
+            return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
+                                      b=b, tq=tq, hq=hq, hkv=hkv, d=d, r=r, r2=r2, r16=r16, m=m,
+                                      scale=scale, interpret=interpret, two_phase=False,
+                                      suffix_block_k=suffix_block_k, suffix_warps=suffix_warps,
+                                      suffix_stages=suffix_stages, suffix_splits=suffix_splits)
     if variant == "overlap":
         return _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, lim_rows,
                                 lim_s, order, inv, cfg=cfg, scale=scale, interpret=interpret,
@@ -154,41 +217,11 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                      num_stages=cfg["num_stages"], interpret=interpret,
                                      two_phase=cfg.get("two_phase", False))
 
-    # Launch 2: per-sequence suffix decode (R16 rows per sequence, same sorted order); its
-    # epilogue merges the prefix partials of rows [rb * R2, rb * R2 + R16).
-    qs = rows_from_q(q, hkv, r16, order)
-    b_sorted = jnp.arange(b, dtype=jnp.int32) if order is None else order
-    src_s = Source(suffix_k, suffix_v,
-                   row_meta(jnp.broadcast_to(b_sorted[:, None], (b, tq)), grp, r16,
-                            pad_value=b_sorted),
-                   row_meta(lim_s, grp, r16, order))
-    s_len = suffix_k.shape[1]
-    if suffix_splits is None:
-        suffix_splits = 1
-        if b * hkv < 264:
-            suffix_splits = max(1, min(cdiv(264, b * hkv), cdiv(s_len, 2 * suffix_block_k)))
-    if suffix_splits > 1:
-        o_s, lse_s = ragged_attention(qs, [src_s], scale=scale, block_m=r16,
-                                      block_k=suffix_block_k, num_splits=suffix_splits,
-                                      finalize=False, num_warps=suffix_warps,
-                                      num_stages=suffix_stages, interpret=interpret)
-        ns, npf = suffix_splits, o_pre.shape[0]
-        o_all = jnp.concatenate([
-            o_pre[:, :, :m].reshape(npf, hkv, b, r2, d)[:, :, :, :r],
-            o_s.reshape(ns, hkv, b, r16, d)[:, :, :, :r]], axis=0)
-        l_all = jnp.concatenate([
-            lse_pre[:, :, :m].reshape(npf, hkv, b, r2)[:, :, :, :r],
-            lse_s.reshape(ns, hkv, b, r16)[:, :, :, :r]], axis=0)
-        o, lse = merge_partials(o_all, l_all)
-        o = o.astype(q.dtype).reshape(hkv, b * r, d)
-        lse = lse.reshape(hkv, b * r)
-        return rows_to_out(o, b, tq, hq, r, inv), rows_to_out(lse, b, tq, hq, r, inv)
-    o, lse = ragged_attention(qs, [src_s], scale=scale, block_m=r16, block_k=suffix_block_k,
-                              num_splits=1, incoming=(o_pre, lse_pre), in_stride=r2,
-                              finalize=True, out_dtype=q.dtype, num_warps=suffix_warps,
-                              num_stages=suffix_stages, interpret=interpret,
-                              two_phase=cfg.get("two_phase", False))
-    return rows_to_out(o, b, tq, hq, r16, inv), rows_to_out(lse, b, tq, hq, r16, inv)
+    return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv, b=b, tq=tq,
+                              hq=hq, hkv=hkv, d=d, r=r, r2=r2, r16=r16, m=m, scale=scale,
+                              interpret=interpret, two_phase=cfg.get("two_phase", False),
+                              suffix_block_k=suffix_block_k, suffix_warps=suffix_warps,
+                              suffix_stages=suffix_stages, suffix_splits=suffix_splits)
 
 
 def shared_prefix_forward_unfused(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,

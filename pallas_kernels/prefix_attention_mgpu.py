@@ -1,0 +1,193 @@
+"""Inter-sequence batched prefix attention through Pallas Mosaic GPU (Hopper: TMA, wgmma,
+warp specialisation): the compute-bound part of the shared path, as an opt-in backend.
+
+EXPERIMENTAL.  Written without a GPU: the kernel is traced and lowered for CUDA on the CPU
+(``tests/test_prefix_attention_mgpu.py`` checks that), but it has not been compiled by the
+Mosaic GPU backend nor run; the GPU tests in that file and ``bench/shared_prefix.py --cols
+shared_mgpu,...`` are the next step.  It is used only when selected
+(``pallas_kernels.prefix_attention.PREFIX_BACKEND = "mgpu"`` or the environment variable
+``JPA_PREFIX_BACKEND=mgpu``).
+
+Why: the Triton-lowered prefix kernel (``prefix_attention.prefix_partials``) reaches 200-320
+TFLOP/s on an H200, and the prefix matmul dominates the shared path at large batch (B=1024,
+P=16K: ~0.86 ms of ~1.0 ms); Mosaic GPU kernels reach ~600 TFLOP/s on this GPU
+(``../shared/GPU_NOTES.md``).
+
+Scope (static conditions, checked): one prefix shared by all rows, every row sees the same
+number of keys ``length`` (true for decoding, ``Tq == 1``), 16-bit inputs, ``head_dim`` 64 or
+128, ``P % block_kv == 0``, rows ``M % (2 * block_q) == 0``.
+
+Layouts: ``q [Hkv, M, D]`` (rows of kv head ``h``), ``k/v [P, Hkv, D]``, ``length [1]`` int32
+(keys ``>= length`` are masked; dynamic, read in the kernel).  Outputs the same partial states
+as ``prefix_partials`` except that ``o [splits, Hkv, M, D]`` (normalised) is in q's 16-bit
+dtype (written through the queries' shared-memory buffer: a float32 staging buffer does not
+fit next to the K/V pipeline), and ``lse [splits, Hkv, M]`` float32, natural log, ``-inf``
+(and ``o = 0``) where a split sees no key.
+
+Kernel: grid ``(Hkv, M / (2 * block_q), splits)``; three warpgroups per CTA: two compute
+warpgroups of ``block_q`` rows each and one memory warpgroup streaming the split's K/V tiles
+through shared memory (``emit_pipeline_warp_specialized``).  Per tile: ``S = Q K^T`` (wgmma,
+float32 accumulator), online softmax in base 2 with the scale folded in, ``O += P V`` (wgmma
+with ``P`` from registers).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Mosaic GPU is part of jax; guarded so that an unusual build still imports this package
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+__all__ = ["prefix_partials_mgpu", "mgpu_supported", "choose_splits"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+SMS = 132  # streaming multiprocessors of an H100 / H200
+
+
+def mgpu_supported(*, rows: int, prefix_len: int, head_dim: int, dtype, block_q: int = 64,
+                   block_kv: int = 128) -> str | None:
+    """``None`` when the kernel handles these static shapes, else the reason."""
+    if plgpu is None:
+        return "jax.experimental.pallas.mosaic_gpu is not available"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype must be bfloat16 or float16, got {jnp.dtype(dtype)}"
+    if head_dim not in (64, 128):
+        return f"head_dim must be 64 or 128, got {head_dim}"
+    if prefix_len % block_kv:
+        return f"prefix length {prefix_len} must be a multiple of block_kv={block_kv}"
+    if rows % (2 * block_q):
+        return f"rows {rows} must be a multiple of 2 * block_q = {2 * block_q}"
+    return None
+
+
+def choose_splits(n_tiles: int, ctas: int, target: int = SMS) -> int:
+    """The largest divisor of ``n_tiles`` that keeps ``ctas * splits`` near ``target`` CTAs
+    (one CTA per SM: the kernel uses most of an SM's shared memory)."""
+    want = max(1, -(-target // max(ctas, 1)))
+    best = 1
+    for s in range(1, n_tiles + 1):
+        if n_tiles % s == 0 and s <= want:
+            best = s
+    return best
+
+
+def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, length: jax.Array, *,
+                         scale: float, num_splits: int | None = None, block_q: int = 64,
+                         block_kv: int = 128, max_concurrent_steps: int = 2):
+    """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
+
+    Returns ``(o [splits, Hkv, M, D]`` in q's dtype (normalised), ``lse [splits, Hkv, M]``
+    float32)``; see the module docstring for the layouts and the conditions
+    (:func:`mgpu_supported`).
+    """
+    hkv, m, d = q_hmd.shape
+    p = k_phd.shape[0]
+    why = mgpu_supported(rows=m, prefix_len=p, head_dim=d, dtype=q_hmd.dtype, block_q=block_q,
+                         block_kv=block_kv)
+    if why is not None:
+        raise ValueError(f"prefix_partials_mgpu cannot run these shapes: {why}")
+    if k_phd.shape != (p, hkv, d) or v_phd.shape != k_phd.shape:
+        raise ValueError(f"k/v must have shape {(p, hkv, d)}, got {k_phd.shape} and {v_phd.shape}")
+    dtype = q_hmd.dtype
+    k_phd = k_phd.astype(dtype)
+    v_phd = v_phd.astype(dtype)
+    n_tiles = p // block_kv
+    m_blocks = m // (2 * block_q)
+    splits = choose_splits(n_tiles, hkv * m_blocks) if num_splits is None else int(num_splits)
+    if n_tiles % splits:
+        raise ValueError(f"num_splits={splits} must divide the {n_tiles} key tiles")
+    tiles_per_split = n_tiles // splits
+    steps = max(1, min(max_concurrent_steps, tiles_per_split))
+    scale_log2 = float(scale) * _LOG2E
+
+    def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2, q_barriers):
+        h = lax.axis_index("h")
+        mb = lax.axis_index("m")
+        sp = lax.axis_index("s")
+        wg = lax.axis_index("wg")
+        n_keys = len_ref[0]
+        first_tile = sp * tiles_per_split
+
+        def compute_context(run_pipeline):
+            q_smem = q_smem2.at[wg]
+            r0 = mb * (2 * block_q) + wg * block_q
+            plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(r0, block_q)], q_smem, q_barriers.at[wg])
+            plgpu.barrier_wait(q_barriers.at[wg])
+            carry = (jnp.zeros((block_q, d), jnp.float32),
+                     jnp.full((block_q,), -jnp.inf, jnp.float32),
+                     jnp.zeros((block_q,), jnp.float32))
+            acc, m_i, l_i = run_pipeline(carry)
+            has = l_i > 0.0
+            l_safe = jnp.where(has, l_i, 1.0)
+            o_smem = q_smem  # the queries are no longer needed: their buffer takes the output
+            lse_smem = lse_smem2.at[wg]
+            o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, (block_q, d), [0])).astype(dtype)
+            lse_smem[...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, h, pl.ds(r0, block_q)])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, h, pl.ds(r0, block_q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        def tile_body(indices, k_smem, v_smem, k_consumed, v_consumed, carry):
+            acc, m_i, l_i = carry
+            q_smem = q_smem2.at[wg]
+
+            def scores(s_ref):
+                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+                return s_ref[...]
+            s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_consumed)
+            key0 = (first_tile + indices[0]) * block_kv
+            cols = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
+            s = jnp.where(key0 + cols < n_keys, s * scale_log2, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # rows with no key yet
+            alpha = jnp.exp2(m_i - m_use)
+            prob = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            l_i = l_i * alpha + prob.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = prob.astype(dtype)
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem)
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_consumed)
+            return acc, m_new, l_i
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            tile_body,
+            grid=(tiles_per_split,),
+            max_concurrent_steps=steps,
+            num_compute_wgs=2,
+            memory_registers=40,
+            wg_axis="wg",
+            manual_consumed_barriers=True,
+            compute_context=compute_context,
+            in_specs=[plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0)),
+                      plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0))],
+            out_specs=[],
+        )
+        pipeline(k_ref.at[:, h, :], v_ref.at[:, h, :])
+
+    o, lse = plgpu.kernel(
+        kernel,
+        grid=(hkv, m_blocks, splits),
+        grid_names=("h", "m", "s"),
+        num_threads=3,
+        thread_name="wg",
+        out_type=(jax.ShapeDtypeStruct((splits, hkv, m, d), dtype),
+                  jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32)),
+        scratch_types=(plgpu.SMEM((2, block_q, d), dtype),
+                       plgpu.SMEM((2, block_q), jnp.float32),
+                       plgpu.Barrier(num_barriers=2)),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(jnp.asarray(length, jnp.int32).reshape(1), q_hmd, k_phd, v_phd)
+    return o, lse

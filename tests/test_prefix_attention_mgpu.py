@@ -1,0 +1,108 @@
+"""Mosaic GPU prefix kernel (experimental opt-in backend of the shared path).
+
+CPU: the kernel and the shared path using it are traced and lowered for CUDA (this catches
+API, layout-inference and shared-memory-budget errors; it does not compile PTX or run it).
+GPU (marker ``gpu``): parity with the pure-JAX reference.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import prefix_attention as pa
+from pallas_kernels.prefix_attention_mgpu import choose_splits, mgpu_supported, prefix_partials_mgpu
+
+S = jax.ShapeDtypeStruct
+
+
+def _lower_for_cuda(fn, *avals):
+    try:
+        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        if "platform" in msg.lower() and "cuda" in msg.lower() and "unknown" in msg.lower():
+            pytest.skip(f"this jaxlib cannot lower for CUDA: {msg[:200]}")
+        raise
+
+
+def test_supported_shapes_and_splits():
+    assert mgpu_supported(rows=1152, prefix_len=4096, head_dim=128, dtype=jnp.bfloat16) is None
+    assert "head_dim" in mgpu_supported(rows=1152, prefix_len=4096, head_dim=96, dtype=jnp.bfloat16)
+    assert "dtype" in mgpu_supported(rows=1152, prefix_len=4096, head_dim=128, dtype=jnp.float32)
+    assert "multiple" in mgpu_supported(rows=1152, prefix_len=4000, head_dim=128, dtype=jnp.bfloat16)
+    assert "rows" in mgpu_supported(rows=100, prefix_len=4096, head_dim=128, dtype=jnp.bfloat16)
+    assert choose_splits(32, 8 * 9) == 2          # 72 CTAs -> 2 splits of 16 tiles (144 CTAs)
+    assert choose_splits(32, 8 * 33) == 1         # enough CTAs already
+    assert choose_splits(30, 1) == 30             # divisor of the tile count, at most the target
+    assert choose_splits(7, 8) == 7
+    with pytest.raises(ValueError, match="head_dim"):
+        prefix_partials_mgpu(jnp.zeros((1, 128, 96), jnp.bfloat16), jnp.zeros((128, 1, 96), jnp.bfloat16),
+                             jnp.zeros((128, 1, 96), jnp.bfloat16), 128, scale=0.1)
+
+
+@pytest.mark.parametrize("hkv,m,d,p", [(8, 1152, 128, 4096), (1, 128, 64, 256)])
+def test_kernel_lowers_for_cuda(hkv, m, d, p):
+    txt = _lower_for_cuda(lambda q, k, v, n: prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5),
+                          S((hkv, m, d), jnp.bfloat16), S((p, hkv, d), jnp.bfloat16),
+                          S((p, hkv, d), jnp.bfloat16), S((1,), jnp.int32))
+    assert "mosaic_gpu" in txt
+
+
+def test_shared_path_with_mgpu_backend_lowers_for_cuda(monkeypatch):
+    from jax_prefix_attn import shared_prefix_attention
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    b, p, s, hq, hkv, d = 64, 1024, 128, 32, 8, 128
+
+    def f(q, pk, pv, sk, sv, sl):
+        return shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=sl, impl="shared")
+    txt = _lower_for_cuda(f, S((b, 1, hq, d), jnp.bfloat16), S((p, hkv, d), jnp.bfloat16),
+                          S((p, hkv, d), jnp.bfloat16), S((b, s, hkv, d), jnp.bfloat16),
+                          S((b, s, hkv, d), jnp.bfloat16), S((b,), jnp.int32))
+    assert "mosaic_gpu" in txt and "triton" in txt   # Mosaic prefix kernel + Triton suffix kernel
+
+
+# --------------------------------------------------------------------------- GPU
+
+def _reference_partials(q_hmd, k, v, n, scale):
+    qf, kf, vf = (x.astype(jnp.float32) for x in (q_hmd, k, v))
+    sc = jnp.einsum("hmd,phd->hmp", qf, kf, precision="highest") * scale
+    sc = jnp.where(jnp.arange(k.shape[0])[None, None, :] < n, sc, -jnp.inf)
+    lse = jax.nn.logsumexp(sc, axis=-1)
+    o = jnp.einsum("hmp,phd->hmd", jnp.exp(sc - lse[..., None]), vf, precision="highest")
+    return o, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hkv,m,d,p,n,splits", [
+    (8, 1152, 128, 4096, 4096, None), (8, 256, 128, 2048, 1500, 4), (1, 128, 64, 512, 512, 1),
+    (2, 384, 128, 1024, 0, 2)])
+def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits):
+    from pallas_kernels.decode_attention import merge_partials
+    rng = np.random.default_rng(m + p)
+    q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
+    o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits)
+    o, lse = merge_partials(o.astype(jnp.float32), lse)
+    ro, rl = _reference_partials(q, k, v, n, d ** -0.5)
+    if n == 0:
+        assert bool(jnp.all(jnp.isneginf(lse))) and bool(jnp.all(o == 0))
+        return
+    rel = float(jnp.linalg.norm(o - ro) / jnp.linalg.norm(ro))
+    assert rel < 2e-2, rel
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(rl), atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,p,s", [(24, 32, 8, 128, 1024, 300), (256, 8, 1, 128, 4096, 64),
+                                           (16, 8, 8, 64, 512, 100)])
+def test_gpu_shared_path_with_mgpu_backend(monkeypatch, b, hq, hkv, d, p, s):
+    from jax_prefix_attn import shared_prefix_attention
+    from test_shared_prefix import check, make_case, oracle
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    sl = np.random.default_rng(b).integers(0, s + 1, size=b)
+    sl[:2] = [0, s]
+    args, kw, meta = make_case(90 + b, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=jnp.bfloat16,
+                               suffix_lengths=sl)
+    out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, impl="shared"))(*args)
+    check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
