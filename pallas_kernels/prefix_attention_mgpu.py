@@ -140,7 +140,7 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
             q_smem = q_smem2.at[wg]
 
             def scores(s_ref):
-                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+                plgpu.wgmma(s_ref, q_smem, k_smem.transpose((1, 0)))
                 return s_ref[...]
             s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_consumed)
