@@ -1,10 +1,12 @@
 """Inter-sequence batched prefix attention through Pallas Mosaic GPU (Hopper: TMA, wgmma,
 warp specialisation): the compute-bound part of the shared path, as an opt-in backend.
 
-EXPERIMENTAL.  Written without a GPU: the kernel is traced and lowered for CUDA on the CPU
-(``tests/test_prefix_attention_mgpu.py`` checks that), but it has not been compiled by the
-Mosaic GPU backend nor run; the GPU tests in that file and ``bench/shared_prefix.py --cols
-shared_mgpu,...`` are the next step.  It is used only when selected
+EXPERIMENTAL.  Written without a GPU.  Checked on the CPU (``tests/test_prefix_attention_mgpu.py``):
+the kernel and the shared path using it lower for CUDA, and the kernel runs in Mosaic GPU's
+CPU interpreter against the reference, except two operand forms that interpreter lacks
+(``_cpu_check=True`` swaps them: K pre-transposed in memory for ``Q K^T``, ``P`` staged through
+shared memory for ``P V``).  It has not been compiled to PTX nor run on a GPU; the GPU tests in
+that file and ``bench/shared_prefix.py --cols shared,shared_mgpu,...`` are the next step.  It is used only when selected
 (``pallas_kernels.prefix_attention.PREFIX_BACKEND = "mgpu"`` or the environment variable
 ``JPA_PREFIX_BACKEND=mgpu``).
 
@@ -51,6 +53,13 @@ _LN2 = math.log(2.0)
 SMS = 132  # streaming multiprocessors of an H100 / H200
 
 
+def _gpu_interpret_params():
+    """Mosaic GPU's own interpreter (simulated shared memory, warpgroups, barriers, TMA, wgmma)
+    on the CPU; a JAX-internal class (jax >= 0.10), so looked up lazily."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
+    return InterpretGPUParams()
+
+
 def mgpu_supported(*, rows: int, prefix_len: int, head_dim: int, dtype, block_q: int = 64,
                    block_kv: int = 128) -> str | None:
     """``None`` when the kernel handles these static shapes, else the reason."""
@@ -80,7 +89,8 @@ def choose_splits(n_tiles: int, ctas: int, target: int = SMS) -> int:
 
 def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, length: jax.Array, *,
                          scale: float, num_splits: int | None = None, block_q: int = 64,
-                         block_kv: int = 128, max_concurrent_steps: int = 2):
+                         block_kv: int = 128, max_concurrent_steps: int = 2, interpret: bool = False,
+                         _cpu_check: bool = False):
     """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
 
     Returns ``(o [splits, Hkv, M, D]`` in q's dtype (normalised), ``lse [splits, Hkv, M]``
@@ -98,6 +108,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     dtype = q_hmd.dtype
     k_phd = k_phd.astype(dtype)
     v_phd = v_phd.astype(dtype)
+    if _cpu_check:  # CPU-interpreter check only: its wgmma cannot read a transposed ref
+        k_phd = jnp.transpose(k_phd, (1, 2, 0))  # [Hkv, D, P]
     n_tiles = p // block_kv
     m_blocks = m // (2 * block_q)
     splits = choose_splits(n_tiles, hkv * m_blocks) if num_splits is None else int(num_splits)
@@ -107,7 +119,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     steps = max(1, min(max_concurrent_steps, tiles_per_split))
     scale_log2 = float(scale) * _LOG2E
 
-    def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2, q_barriers):
+    def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2, q_barriers, *maybe_p):
+        p_smem2 = maybe_p[0] if _cpu_check else None
         h = lax.axis_index("h")
         mb = lax.axis_index("m")
         sp = lax.axis_index("s")
@@ -140,7 +153,7 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
             q_smem = q_smem2.at[wg]
 
             def scores(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.transpose((1, 0)))
+                plgpu.wgmma(s_ref, q_smem, k_smem if _cpu_check else k_smem.transpose((1, 0)))
                 return s_ref[...]
             s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_consumed)
@@ -152,12 +165,21 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
             alpha = jnp.exp2(m_i - m_use)
             prob = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
             l_i = l_i * alpha + prob.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = prob.astype(dtype)
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem)
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            if _cpu_check:  # the CPU interpreter's wgmma reads operand A from shared memory only
+                p_smem = p_smem2.at[wg]
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+            def pv(pv_ref):
+                plgpu.wgmma(pv_ref, p_smem if _cpu_check else p16, v_smem)
+                return pv_ref[...]
+            # P V into a fresh (zeroed) accumulator, added to the rescaled running sum; the
+            # in-place form (``pl.run_state`` on ``ACC.init(acc)``) saves registers but is not
+            # supported by the CPU interpreter that checks this kernel.
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
+                pv, plgpu.ACC((block_q, d), jnp.float32))
             plgpu.barrier_arrive(v_consumed)
             return acc, m_new, l_i
 
@@ -170,11 +192,13 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
             wg_axis="wg",
             manual_consumed_barriers=True,
             compute_context=compute_context,
-            in_specs=[plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0)),
+            in_specs=[plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, first_tile + t))
+                      if _cpu_check else
+                      plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0)),
                       plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0))],
             out_specs=[],
         )
-        pipeline(k_ref.at[:, h, :], v_ref.at[:, h, :])
+        pipeline(k_ref.at[h] if _cpu_check else k_ref.at[:, h, :], v_ref.at[:, h, :])
 
     o, lse = plgpu.kernel(
         kernel,
@@ -186,8 +210,10 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
                   jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32)),
         scratch_types=(plgpu.SMEM((2, block_q, d), dtype),
                        plgpu.SMEM((2, block_q), jnp.float32),
-                       plgpu.Barrier(num_barriers=2)),
+                       plgpu.Barrier(num_barriers=2))
+                      + ((plgpu.SMEM((2, block_q, block_kv), dtype),) if _cpu_check else ()),
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )(jnp.asarray(length, jnp.int32).reshape(1), q_hmd, k_phd, v_phd)
     return o, lse
