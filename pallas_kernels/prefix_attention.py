@@ -195,13 +195,15 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     grp_rows = jnp.pad(grp_rows, (0, m_pad - m), mode="edge")
     # tail padding rows: full limit (their zero queries' results are never used)
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
-    if PREFIX_BACKEND == "mgpu" and not interpret and g == 1 and tq == 1:
+    if PREFIX_BACKEND == "mgpu" and g == 1 and tq == 1:
         from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
         m128 = cdiv(m + r16, 128) * 128
         if pm.mgpu_supported(rows=m128, prefix_len=p, head_dim=d, dtype=q.dtype) is None:
             qp = jnp.pad(qp, ((0, 0), (0, m128 - m_pad), (0, 0))) if m128 > m_pad else qp[:, :m128]
+            # (interpret: Mosaic GPU's CPU interpreter, with its operand-form substitutions)
             o_pre, lse_pre = pm.prefix_partials_mgpu(qp, prefix_k[0], prefix_v[0], jnp.max(lim_p),
-                                                     scale=scale)
+                                                     scale=scale, interpret=interpret,
+                                                     _cpu_check=interpret)
             return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
                                       b=b, tq=tq, hq=hq, hkv=hkv, d=d, r=r, r2=r2, r16=r16, m=m,
                                       scale=scale, interpret=interpret, two_phase=False,

@@ -86,6 +86,19 @@ def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(rl), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("b,hq,hkv,d,p,s", [(3, 8, 2, 64, 256, 20)])
+def test_shared_path_with_mgpu_backend_in_cpu_interpreter(monkeypatch, b, hq, hkv, d, p, s):
+    """The whole shared path (Mosaic prefix partials in 16-bit, padding of the rows, fused merge
+    in the Triton suffix kernel) against the concatenation oracle, on the CPU."""
+    from jax_prefix_attn import shared_prefix_attention
+    from test_shared_prefix import check, make_case, oracle
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    args, kw, meta = make_case(7, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=jnp.bfloat16,
+                               suffix_lengths=[0, s, 7])
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl="pallas_interpret")
+    check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
+
+
 # --------------------------------------------------------------------------- GPU
 
 def _reference_partials(q_hmd, k, v, n, scale):
