@@ -4,8 +4,8 @@ warp specialisation): the compute-bound part of the shared path, as an opt-in ba
 EXPERIMENTAL.  Written without a GPU.  Checked on the CPU (``tests/test_prefix_attention_mgpu.py``):
 the kernel and the shared path using it lower for CUDA, and the kernel runs in Mosaic GPU's
 CPU interpreter against the reference, except two operand forms that interpreter lacks
-(``_cpu_check=True`` swaps them: K pre-transposed in memory for ``Q K^T``, ``P`` staged through
-shared memory for ``P V``).  It has not been compiled to PTX nor run on a GPU; the GPU tests in
+(``_cpu_check=True`` swaps them: K pre-transposed in memory for ``Q K^T``; ``P`` staged through
+shared memory and ``P V`` into a fresh accumulator instead of in place).  It has not been compiled to PTX nor run on a GPU; the GPU tests in
 that file and ``bench/shared_prefix.py --cols shared,shared_mgpu,...`` are the next step.  It is used only when selected
 (``pallas_kernels.prefix_attention.PREFIX_BACKEND = "mgpu"`` or the environment variable
 ``JPA_PREFIX_BACKEND=mgpu``).
@@ -167,19 +167,22 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
             l_i = l_i * alpha + prob.sum(axis=1)
             p16 = prob.astype(dtype)
 
-            if _cpu_check:  # the CPU interpreter's wgmma reads operand A from shared memory only
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if _cpu_check:
+                # The CPU interpreter has no ``run_state`` and reads wgmma's operand A from shared
+                # memory only: P is staged there and P V goes into a fresh (zeroed) accumulator.
                 p_smem = p_smem2.at[wg]
                 p_smem[...] = p16
                 plgpu.commit_smem()
 
-            def pv(pv_ref):
-                plgpu.wgmma(pv_ref, p_smem if _cpu_check else p16, v_smem)
-                return pv_ref[...]
-            # P V into a fresh (zeroed) accumulator, added to the rescaled running sum; the
-            # in-place form (``pl.run_state`` on ``ACC.init(acc)``) saves registers but is not
-            # supported by the CPU interpreter that checks this kernel.
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
-                pv, plgpu.ACC((block_q, d), jnp.float32))
+                def pv_fresh(pv_ref):
+                    plgpu.wgmma(pv_ref, p_smem, v_smem)
+                    return pv_ref[...]
+                acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((block_q, d), jnp.float32))
+            else:
+                def pv(acc_ref):  # O += P V in place, P from registers
+                    plgpu.wgmma(acc_ref, p16, v_smem)
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_consumed)
             return acc, m_new, l_i
 

@@ -3,10 +3,10 @@
 CPU: (1) the kernel and the shared path using it are traced and lowered for CUDA (API,
 layout-inference and shared-memory-budget errors; no PTX is compiled); (2) the kernel runs in
 Mosaic GPU's CPU interpreter (simulated warpgroups, barriers, TMA copies, wgmma) against the
-reference, with the two operand forms that interpreter lacks replaced (K pre-transposed in
-memory instead of a transposed shared-memory view for ``Q K^T``, and ``P`` staged through shared
-memory instead of registers for ``P V``; ``_cpu_check=True``): the pipeline, split offsets,
-masking, online softmax, LSE and output layout are the GPU code's.
+reference, with the forms that interpreter lacks replaced (``_cpu_check=True``: K pre-transposed
+in memory instead of a transposed shared-memory view for ``Q K^T``; ``P`` staged through shared
+memory instead of registers and ``P V`` into a fresh accumulator instead of in place): the
+pipeline, split offsets, masking, online softmax, LSE and output layout are the GPU code's.
 GPU (marker ``gpu``): parity of the real kernel with the pure-JAX reference.
 """
 import jax
