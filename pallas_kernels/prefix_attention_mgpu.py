@@ -93,9 +93,10 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
                          _cpu_check: bool = False):
     """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
 
-    Returns ``(o [splits, Hkv, M, D]`` in q's dtype (normalised), ``lse [splits, Hkv, M]``
-    float32)``; see the module docstring for the layouts and the conditions
-    (:func:`mgpu_supported`).
+    Returns ``(o, lse)``: ``o [splits, Hkv, M, D]`` in q's dtype (normalised) and
+    ``lse [splits, Hkv, M]`` float32; see the module docstring for the layouts and the
+    conditions (:func:`mgpu_supported`).  ``interpret`` runs Mosaic GPU's CPU interpreter and
+    needs ``_cpu_check`` (the operand forms it supports; tests only).
     """
     hkv, m, d = q_hmd.shape
     p = k_phd.shape[0]
