@@ -507,10 +507,11 @@ def summarize(doc):
         if r.get("probe") and isinstance(r.get("shared_ms"), float):
             ratios = ", ".join(f"{c}/shared={r[c + '_over_shared']:.2f}" for c in
                                ("flat", "flat_gqa", "composed", "auto") if c + "_over_shared" in r)
+            read = (f"; {r['shared_ms'] / r['floor_read_ms']:.2f}x read-bw floor"
+                    if isinstance(r.get("floor_read_ms"), float) else "")
+            src = f" [{r['source_run']}]" if r.get("source_run") else ""
             print(f"  B={r['batch']} P={r['prefix']}: shared {r['shared_ms']:.3f} ms, floor "
-                  f"{r['floor_ms']:.3f} ms ({r['shared_over_floor']:.2f}x floor; "
-                  f"{r.get('shared_over_floor_read', float('nan')):.2f}x read-bw floor), {ratios} "
-                  f"[{r.get('source_run', '')}]")
+                  f"{r['floor_ms']:.3f} ms ({r['shared_over_floor']:.2f}x floor{read}), {ratios}{src}")
     print(f"auto worst ratio to the better path: {doc.get('auto_worst_over_best')}")
 
 
@@ -597,14 +598,7 @@ def main():
             json.dump(doc, fh, indent=1)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
                           if k not in ("notes",)}), flush=True)
-    # Summary: probes and auto.
-    print("\nprobe points (Hq=32 Hkv=8 D=128 suffix 128):")
-    for r in doc["results"]:
-        if r.get("probe") and isinstance(r.get("shared_ms"), float):
-            ratios = ", ".join(f"{c}/shared={r[c + '_over_shared']:.2f}" for c in
-                               ("flat", "flat_gqa", "composed", "auto") if c + "_over_shared" in r)
-            print(f"  B={r['batch']} P={r['prefix']}: shared {r['shared_ms']:.3f} ms, floor "
-                  f"{r['floor_ms']:.3f} ms ({r['shared_over_floor']:.2f}x floor), {ratios}")
+    # Summary: auto against the better path, then probes and auto.
     worst = None
     for r in doc["results"]:
         a, sh, fl = r.get("auto_ms"), r.get("shared_ms"), r.get("flat_ms")
@@ -613,7 +607,7 @@ def main():
             r["auto_over_best"] = ratio
             worst = ratio if worst is None else max(worst, ratio)
     doc["auto_worst_over_best"] = worst
-    print(f"auto worst ratio to the better path: {worst}")
+    summarize(doc)
     with open(out, "w") as fh:
         json.dump(doc, fh, indent=1)
     try:
