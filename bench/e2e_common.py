@@ -239,6 +239,28 @@ class ResultStore:
         os.replace(tmp, self.path)
 
 
+def open_store(args, name: str, key_fields: tuple[str, ...], fixed: dict) -> tuple[str, "ResultStore"]:
+    """``(out path, ResultStore)`` for a script's parsed ``args``: ``--out`` or the default path,
+    every other argument recorded as the run's settings, and the memory limit noted."""
+    out = args.out or default_out_path(name, args.smoke)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    store = ResultStore(out, name, key_fields, fixed, settings, force=args.force)
+    store.note("memory_limit_bytes", args.mem_limit)
+    return out, store
+
+
+def report_targets(store: "ResultStore", targets_fn: Callable[[dict], dict]) -> None:
+    """Compute the target ratios from the stored points, note them in the file and print them
+    (a failure is printed, not raised: the measurements are saved either way)."""
+    try:
+        targets = targets_fn(store.data)
+        store.note("targets", targets)
+        for line in targets.get("lines", []):
+            print(line)
+    except Exception as e:  # noqa: BLE001
+        print(f"targets not computed: {e!r}")
+
+
 def run_points(store: ResultStore, plan: list[dict], measure: Callable[[dict], dict], budget: Budget,
                *, predict_oom: Callable[[dict], str | None] | None = None, log=print) -> dict:
     """Measure every planned point not yet in ``store``; returns counts.

@@ -290,28 +290,19 @@ def main(argv=None) -> dict:
     plan = plan_points(args)
     if args.list:   # with --mem-limit-gb: which points are predicted not to fit
         return ec.list_predicted_oom(plan, Bench(args).predict_oom)
-    out = args.out or ec.default_out_path(NAME, args.smoke)
     fixed = {"gen_tokens": args.gen_tokens, "smoke": args.smoke,
              "dtype": "float32" if args.smoke else "bfloat16",
              "models": {m: ec.MODELS[m][0] for m in sorted(set(PART_MODELS.values()))},
              "definition": "tokens_per_s = batch * (k - 1) / (t(k) - t(1)); t(n) = one call of n greedy decode "
                            "steps (Hydragen D.1: time for k tokens minus time for 1); prefill excluded",
              "none_backend": "attention product skipped (functionally wrong): upper bound, independent of prefix"}
-    settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
-    store = ec.ResultStore(out, NAME, KEY_FIELDS, fixed, settings, force=args.force)
-    store.note("memory_limit_bytes", args.mem_limit)
+    out, store = ec.open_store(args, NAME, KEY_FIELDS, fixed)
     bench = Bench(args)
     print(f"{NAME}: {len(plan)} planned points -> {out}", flush=True)
     counts = ec.run_points(store, plan, bench.measure, ec.Budget(args.budget_min), predict_oom=bench.predict_oom)
     print(counts, flush=True)
-    try:
-        from bench.plots import e2e_targets  # noqa: PLC0415
-        targets = e2e_targets(store.data)
-        store.note("targets", targets)
-        for line in targets.get("lines", []):
-            print(line)
-    except Exception as e:  # noqa: BLE001 - the measurements are saved either way
-        print(f"targets not computed: {e!r}")
+    from bench.plots import e2e_targets  # noqa: PLC0415
+    ec.report_targets(store, e2e_targets)
     return {"out": out, "counts": counts}
 
 

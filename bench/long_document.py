@@ -165,15 +165,12 @@ def main(argv=None) -> dict:
     plan = plan_points(args)
     if args.list:   # with --mem-limit-gb: which points are predicted not to fit
         return ec.list_predicted_oom(plan, Bench(args).predict_oom)
-    out = args.out or ec.default_out_path(NAME, args.smoke)
     fixed = {"doc_tokens": args.doc_tokens, "question_len_range": list(args.q_len),
              "answer_tokens": args.answer_tokens, "smoke": args.smoke,
              "dtype": "float32" if args.smoke else "bfloat16", "model": ec.MODELS[MODEL][0],
              "definition": "time_s = one generate() call with the prefilled document cache: question prefill + "
                            "answer decoding (document prefill excluded, as in Hydragen Figure 5)"}
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
-    store = ec.ResultStore(out, NAME, KEY_FIELDS, fixed, settings, force=args.force)
-    store.note("memory_limit_bytes", args.mem_limit)
+    out, store = ec.open_store(args, NAME, KEY_FIELDS, fixed)
     bench = Bench(args)
     print(f"{NAME}: {len(plan)} planned points -> {out}", flush=True)
     counts = ec.run_points(store, plan, bench.measure, ec.Budget(args.budget_min), predict_oom=bench.predict_oom)

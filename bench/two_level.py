@@ -202,15 +202,12 @@ def main(argv=None) -> dict:
         for p in plan + large[:1]:
             print(p)
         return {"planned": len(plan) + len(large[:1]), "p_equal": p_eq, "p_large": p_large}
-    out = args.out or ec.default_out_path(NAME, args.smoke)
     fixed = {"root_tokens": args.root_tokens, "problem_len_range": list(args.problem_len), "samples": args.samples,
              "gen_tokens": args.gen_tokens, "smoke": args.smoke, "dtype": "float32" if args.smoke else "bfloat16",
              "model": ec.MODELS[MODEL][0],
              "definition": "total_s = one generate() call (prefill of root + problems + gen_tokens of decoding); "
                            "decode_s = total_s - t(1 token); per problem = / problems per batch"}
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
-    store = ec.ResultStore(out, NAME, KEY_FIELDS, fixed, settings, force=args.force)
-    store.note("memory_limit_bytes", args.mem_limit)
+    out, store = ec.open_store(args, NAME, KEY_FIELDS, fixed)
     store.note("p_equal_p_large", [p_eq, p_large])
     budget = ec.Budget(args.budget_min)
     print(f"{NAME}: equal batch {p_eq} x {args.samples}, larger tree batch <= {p_large} x {args.samples} -> {out}",
@@ -225,14 +222,8 @@ def main(argv=None) -> dict:
                 break
     store.note("counts", counts)
     print(counts, flush=True)
-    try:
-        from bench.plots import two_level_targets  # noqa: PLC0415
-        t = two_level_targets(store.data)
-        store.note("targets", t)
-        for line in t.get("lines", []):
-            print(line)
-    except Exception as e:  # noqa: BLE001
-        print(f"targets not computed: {e!r}")
+    from bench.plots import two_level_targets  # noqa: PLC0415
+    ec.report_targets(store, two_level_targets)
     return {"out": out, "counts": counts, "p_equal": p_eq, "p_large": p_large}
 
 
