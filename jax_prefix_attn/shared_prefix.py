@@ -46,6 +46,7 @@ import numpy as np
 from jax_prefix_attn._validation import (_is_concrete, check_array, check_gqa, check_impl,
                                          check_lengths, check_sm_scale)
 from jax_prefix_attn.merge import merge_attention_states
+from pallas_kernels.decode_attention import MAX_ROWS_PER_TILE
 
 __all__ = ["shared_prefix_attention", "IMPLS", "row_limits", "reference_shared_prefix"]
 
@@ -190,9 +191,9 @@ _reference_jit = jax.jit(reference_shared_prefix, static_argnames=("scale",))
 
 # ----------------------------------------------------------------------------- kernels + vjp
 
-# The kernels put one sequence's ``Tq * Hq / Hkv`` query rows in one row tile; beyond this many
-# rows (long suffix prefills) the queries are processed in chunks of consecutive positions.
-MAX_ROWS_PER_TILE = 128
+# The kernels put one sequence's ``Tq * Hq / Hkv`` query rows in one row tile (and reject more:
+# ``MAX_ROWS_PER_TILE``); beyond that (long suffix prefills) the queries are processed in
+# chunks of consecutive positions.
 
 
 def query_chunks(tq: int, group: int, max_rows: int | None = None) -> list[tuple[int, int]]:

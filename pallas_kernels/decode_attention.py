@@ -263,10 +263,24 @@ def merge_partials(o_nhmd: jax.Array, lse_nhm: jax.Array):
 
 # ----------------------------------------------------------------------------- row layout
 
+# The forwards put one sequence's query rows in one row tile; more rows than this exceed an SM's
+# shared memory in the Triton lowering (callers split Tq: jax_prefix_attn.shared_prefix.query_chunks).
+MAX_ROWS_PER_TILE = 128
+
+
 def q_rows_layout(tq: int, hq: int, hkv: int, min_rows: int = 16) -> tuple[int, int]:
     """``(R, R_pad)``: rows per sequence ``R = Tq * Hq / Hkv`` and its padded size."""
     r = tq * (hq // hkv)
     return r, max(min_rows, next_pow2(r))
+
+
+def check_rows_per_tile(tq: int, hq: int, hkv: int) -> None:
+    """Reject more query rows per sequence than one row tile holds (see MAX_ROWS_PER_TILE)."""
+    r = tq * (hq // hkv)
+    if r > MAX_ROWS_PER_TILE:
+        raise ValueError(f"Tq * Hq / Hkv = {r} query rows per sequence exceed one row tile "
+                         f"({MAX_ROWS_PER_TILE}); split the queries along Tq "
+                         f"(jax_prefix_attn.shared_prefix.query_chunks)")
 
 
 def rows_from_q(q_bthd: jax.Array, hkv: int, r_pad: int, order_b: jax.Array | None = None):
@@ -337,6 +351,7 @@ def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p
     b, tq, hq, d = q.shape
     hkv = prefix_k.shape[2]
     grp = hq // hkv
+    check_rows_per_tile(tq, hq, hkv)
     _, r_pad = q_rows_layout(tq, hq, hkv)
     p, s = prefix_k.shape[1], suffix_k.shape[1]
     if num_splits is None:

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.decode_attention import (Source, attend_pool, cdiv, finish_state,
+from pallas_kernels.decode_attention import (Source, attend_pool, cdiv, check_rows_per_tile, finish_state,
                                              large_m_layout, merge_partials, next_pow2, q_rows_layout,
                                              ragged_attention, row_meta, rows_from_q,
                                              rows_to_out)
@@ -168,6 +168,7 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     b, tq, hq, d = q.shape
     g, p, hkv, _ = prefix_k.shape
     grp = hq // hkv
+    check_rows_per_tile(tq, hq, hkv)
     r, r16 = q_rows_layout(tq, hq, hkv)
     r2 = next_pow2(r)
     cfg = prefix_config(b, r, hkv, p) if prefix_cfg is None else prefix_cfg

@@ -248,6 +248,18 @@ def test_kernel_paths_chunk_long_query_blocks(impl, monkeypatch):
     check(out, lse, oracle(args, kw, meta), jnp.float32)
 
 
+def test_kernel_forwards_reject_more_rows_than_a_tile():
+    from pallas_kernels.decode_attention import flat_forward
+    from pallas_kernels.prefix_attention import shared_prefix_forward
+    args, kw, _ = make_case(5, b=2, tq=40, hq=8, hkv=2, d=16, p=24, s=48, suffix_lengths=[40, 48])
+    q, pk, pv, sk, sv = args
+    lim = jnp.zeros((2, 40), jnp.int32)
+    for fwd in (shared_prefix_forward, flat_forward):
+        with pytest.raises(ValueError, match="query rows per sequence"):
+            fwd(q, pk[None], pv[None], sk, sv, jnp.zeros((2,), jnp.int32), lim, lim, scale=0.25,
+                interpret=True)
+
+
 def test_kernel_path_gradients_interpret():
     _grad_check("pallas_interpret")
 
