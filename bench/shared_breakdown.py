@@ -3,8 +3,8 @@ backends (Triton ``prefix_partials`` vs the Mosaic GPU ``prefix_partials_mgpu``)
 
 For each point (Tq = 1, one prefix, every suffix full, bf16), all in one run:
 
-* ``shared_ms``: the whole shared path (default backend); ``shared_mgpu_ms``: the same with
-  ``PREFIX_BACKEND = "mgpu"``;
+* ``shared_triton_ms`` / ``shared_mgpu_ms``: the whole shared path with
+  ``PREFIX_BACKEND = "triton"`` / ``"mgpu"``;
 * ``prefix_triton_ms`` / ``prefix_mgpu_ms[...]``: launch 1 alone (prefix partials), the Mosaic
   GPU kernel at a few ``(num_splits, max_concurrent_steps)`` settings, with its achieved
   TFLOP/s (``4 * rows * P * D`` flops per kv head);
@@ -38,7 +38,7 @@ from pallas_kernels.decode_attention import (cdiv, merge_partials, next_pow2, q_
 
 POINTS = [(256, 4096, 128, 32, 8, 128), (512, 8192, 128, 32, 8, 128), (1024, 4096, 128, 32, 8, 128),
           (256, 4096, 1024, 32, 8, 128), (64, 16384, 64, 32, 8, 128), (256, 16384, 64, 8, 1, 128)]
-MGPU_SETTINGS = [(None, 2), (None, 3), (1, 2), (2, 2), (4, 2)]
+MGPU_SETTINGS = [(None, 2), (1, 2), (2, 2), (4, 2), (8, 2)]
 
 
 def _err(e):
@@ -62,9 +62,8 @@ def run_point(b, p, s, hq, hkv, d, bw, mma):
     prefix_flops = 4.0 * hkv * m * p * d
 
     # whole shared path, both backends
-    for name, backend in (("shared", "triton"), ("shared_mgpu", "mgpu")):
+    for name, backend in (("shared_triton", "triton"), ("shared_mgpu", "mgpu")):
         try:
-            pa.PREFIX_BACKEND = backend
             f = ours("shared", backend=backend)
             rec[name + "_ms"] = loop_time(f, q, (pk, pv, sk, sv, sl)) * 1e3
             out = jax.jit(f)(q, pk, pv, sk, sv, sl)
@@ -75,8 +74,6 @@ def run_point(b, p, s, hq, hkv, d, bw, mma):
             rec[name + "_ms"] = "error"
             rec[name + "_error"] = _err(e)
             traceback.print_exc(limit=3)
-        finally:
-            pa.PREFIX_BACKEND = "triton"
 
     # launch 1 alone: Triton prefix partials
     def tri(qp, pk, pv):
@@ -159,7 +156,7 @@ def main():
             json.dump(doc, fh, indent=1)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
                           if "error" not in k}), flush=True)
-    print("\nb p s hq/hkv | floor | shared | shared_mgpu | prefix tri (TF/s) | best mgpu (TF/s) | suffix+merge (BW)")
+    print("\nb p s hq/hkv | floor | shared_triton | shared_mgpu | prefix tri (TF/s) | best mgpu (TF/s) | suffix+merge (BW)")
     for r in doc["results"]:
         if "floor_ms" not in r:
             continue
@@ -167,7 +164,7 @@ def main():
         best = min(mg) if mg else (float("nan"), "-")
         fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
         print(f"{r['batch']} {r['prefix']} {r['suffix']} {r['heads_q']}/{r['heads_kv']} | "
-              f"{r['floor_ms']:.3f} | {fmt(r.get('shared_ms'))} | {fmt(r.get('shared_mgpu_ms'))} | "
+              f"{r['floor_ms']:.3f} | {fmt(r.get('shared_triton_ms'))} | {fmt(r.get('shared_mgpu_ms'))} | "
               f"{fmt(r.get('prefix_triton_ms'))} ({r.get('prefix_triton_tflops', 0):.0f}) | "
               f"{best[0]:.3f} {best[1][14:]} ({r.get(best[1].replace('_ms', '_tflops'), 0):.0f}) | "
               f"{fmt(r.get('suffix_merge_ms'))} ({r.get('suffix_merge_bw_frac_of_copy', 0):.2f})")

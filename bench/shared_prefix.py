@@ -2,11 +2,13 @@
 
 Columns, all measured in one run (bf16, Tq = 1, every suffix full):
 
-* ``shared``: ours (``impl="shared"``): batched prefix kernel + suffix kernel with fused merge
+* ``shared``: ours (``impl="shared"``, default prefix backend): on a Hopper GPU at these
+  points the Mosaic GPU prefix kernel (``pallas_kernels/prefix_attention_mgpu.py``) + the
+  suffix kernel with fused merge; with the Triton prefix backend (``shared_triton``, and every
+  result recorded before 2026-11-22's third session) the Triton prefix kernel + suffix kernel
   (2 launches) or, below 2048 (sequence, kv head) pairs, one launch of interleaved prefix and
   suffix programs + XLA merge (``shared_variant``); ``shared_fused`` / ``shared_overlap``
-  force one variant (``--cols``); ``shared_mgpu`` (opt-in, ``--cols``): the fused variant with
-  the experimental Mosaic GPU prefix kernel (``pallas_kernels/prefix_attention_mgpu.py``);
+  force one Triton variant, ``shared_mgpu`` / ``shared_triton`` one backend (``--cols``);
 * ``flat``: ours, one ragged split-KV decode launch reading the prefix through
   ``seq_to_prefix`` for every sequence (no copy: "flat over shared storage");
 * ``flat_gqa``: JAX's ``pallas.ops.gpu.decode_attention.gqa`` over materialised
@@ -210,6 +212,8 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
     from pallas_kernels.prefix_attention import choose_variant
     from pallas_kernels.decode_attention import next_pow2
     rec["shared_variant"] = choose_variant(b, hkv, next_pow2(hq // hkv))
+    from pallas_kernels import prefix_attention as pa
+    rec["prefix_backend"] = pa.PREFIX_BACKEND
     rec["auto_choice"] = choose_path(batch=b, tq=1, heads_q=hq, heads_kv=hkv, head_dim=d,
                                      groups=1, prefix_len=p, suffix_len=s, itemsize=2)
     try:
@@ -243,9 +247,10 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
                     return out[:, 0]
                 t = loop_time(fm, q, (pk_b, pv_b, sk, sv, sl, s2p))
                 del pk_b, pv_b
-            elif c in ("shared", "shared_fused", "shared_overlap", "shared_mgpu", "flat", "auto"):
-                if c == "shared_mgpu":
-                    f = ours("shared", backend="mgpu")
+            elif c in ("shared", "shared_fused", "shared_overlap", "shared_mgpu", "shared_triton", "flat",
+                       "auto"):
+                if c in ("shared_mgpu", "shared_triton"):
+                    f = ours("shared", backend=c.split("_")[1])
                 else:
                     f = ours("shared", c.split("_")[1]) if c.startswith("shared_") else ours(c)
                 t = loop_time(f, q, (pk, pv, sk, sv, sl))
@@ -284,7 +289,7 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
     sh = rec.get("shared_ms")
     if isinstance(sh, float):
         rec["shared_over_floor"] = sh / rec["floor_ms"]
-        for c in ("shared_fused", "shared_overlap", "shared_mgpu", "flat", "flat_gqa", "composed", "auto"):
+        for c in ("shared_fused", "shared_overlap", "shared_mgpu", "shared_triton", "flat", "flat_gqa", "composed", "auto"):
             if isinstance(rec.get(c + "_ms"), float):
                 rec[f"{c}_over_shared"] = rec[c + "_ms"] / sh
     if isinstance(rec.get("flat_ms"), float):

@@ -43,12 +43,34 @@ from pallas_kernels.decode_attention import (Source, attend_pool, cdiv, check_ro
 # "auto": "overlap" when both parts are large enough to matter, else "fused".
 VARIANT = "auto"
 
-# Prefix-kernel backend of the fused variant: "triton" (``prefix_partials``, the measured
-# default) or "mgpu" (``prefix_attention_mgpu.prefix_partials_mgpu``: Mosaic GPU, EXPERIMENTAL,
-# not yet run on a GPU; used only where it applies: one prefix, Tq == 1, 16-bit, head_dim 64 or
-# 128, prefix length a multiple of 128).  Default from the environment variable
-# ``JPA_PREFIX_BACKEND``.
-PREFIX_BACKEND = os.environ.get("JPA_PREFIX_BACKEND", "triton")
+# Prefix-kernel backend of the shared path, default from the environment variable
+# ``JPA_PREFIX_BACKEND``:
+# "auto" (default): ``prefix_attention_mgpu.prefix_partials_mgpu`` (Pallas Mosaic GPU: TMA,
+#   wgmma, warp specialisation) on a Hopper GPU wherever it applies -- one prefix, Tq == 1,
+#   16-bit, head_dim 64 or 128, prefix length a multiple of 128; not in interpret mode -- then
+#   the suffix pass with the fused merge; everywhere else the Triton kernels below.  Measured
+#   on an H200 (bench/results/shared_breakdown_h200.json): the whole shared path 4-24% faster
+#   than with the Triton prefix kernel at the six points there (fused and overlap variants).
+# "mgpu": the Mosaic GPU kernel wherever it applies, also in interpret mode (Mosaic GPU's CPU
+#   interpreter; tests).
+# "triton": never the Mosaic GPU kernel.
+PREFIX_BACKEND = os.environ.get("JPA_PREFIX_BACKEND", "auto")
+PREFIX_BACKENDS = ("auto", "mgpu", "triton")
+
+
+def _use_mgpu(g: int, tq: int, interpret: bool) -> bool:
+    """Whether the shared path takes the Mosaic GPU prefix kernel (static; shapes checked by the
+    caller with ``mgpu_supported``)."""
+    if PREFIX_BACKEND not in PREFIX_BACKENDS:
+        raise ValueError(f"JPA_PREFIX_BACKEND / PREFIX_BACKEND must be one of {PREFIX_BACKENDS}, "
+                         f"got {PREFIX_BACKEND!r}")
+    if g != 1 or tq != 1 or PREFIX_BACKEND == "triton":
+        return False
+    if PREFIX_BACKEND == "mgpu":
+        return True
+    from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
+    return not interpret and pm.mgpu_device_ok()
+
 
 __all__ = ["prefix_partials", "shared_prefix_forward", "prefix_config", "overlap_partials"]
 
@@ -196,7 +218,7 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     grp_rows = jnp.pad(grp_rows, (0, m_pad - m), mode="edge")
     # tail padding rows: full limit (their zero queries' results are never used)
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
-    if PREFIX_BACKEND == "mgpu" and g == 1 and tq == 1:
+    if _use_mgpu(g, tq, interpret):
         from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
         m128 = cdiv(m + r16, 128) * 128
         if pm.mgpu_supported(rows=m128, prefix_len=p, head_dim=d, dtype=q.dtype) is None:

@@ -1,14 +1,16 @@
 """Inter-sequence batched prefix attention through Pallas Mosaic GPU (Hopper: TMA, wgmma,
 warp specialisation): the compute-bound part of the shared path, as an opt-in backend.
 
-EXPERIMENTAL.  Written without a GPU.  Checked on the CPU (``tests/test_prefix_attention_mgpu.py``):
-the kernel and the shared path using it lower for CUDA, and the kernel runs in Mosaic GPU's
-CPU interpreter against the reference, except two operand forms that interpreter lacks
-(``_cpu_check=True`` swaps them: K pre-transposed in memory for ``Q K^T``; ``P`` staged through
-shared memory and ``P V`` into a fresh accumulator instead of in place).  It has not been compiled to PTX nor run on a GPU; the GPU tests in
-that file and ``bench/shared_prefix.py --cols shared,shared_mgpu,...`` are the next step.  It is used only when selected
-(``pallas_kernels.prefix_attention.PREFIX_BACKEND = "mgpu"`` or the environment variable
-``JPA_PREFIX_BACKEND=mgpu``).
+Measured on an H200 (``bench/results/shared_breakdown_h200.json``, jax 0.11.2): 170-420
+TFLOP/s against 130-330 for the Triton prefix kernel at the same points, and the whole shared
+path 4-24% faster with it; its GPU tests (``tests/test_prefix_attention_mgpu.py -m gpu``) pass.
+The CPU tests lower it for CUDA and run it in Mosaic GPU's CPU interpreter against the
+reference, except two operand forms that interpreter lacks (``_cpu_check=True`` swaps them: K
+pre-transposed in memory for ``Q K^T``; ``P`` staged through shared memory and ``P V`` into a
+fresh accumulator instead of in place).  Selection: ``pallas_kernels.prefix_attention.PREFIX_BACKEND``
+(environment variable ``JPA_PREFIX_BACKEND``): ``"auto"`` (default) uses it on a Hopper GPU
+wherever it applies, ``"mgpu"`` forces it where it applies (also in interpret mode),
+``"triton"`` never uses it.
 
 Why: the Triton-lowered prefix kernel (``prefix_attention.prefix_partials``) reaches 200-320
 TFLOP/s on an H200, and the prefix matmul dominates the shared path at large batch (B=1024,
@@ -46,7 +48,7 @@ try:  # Mosaic GPU is part of jax; guarded so that an unusual build still import
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["prefix_partials_mgpu", "mgpu_supported", "choose_splits"]
+__all__ = ["prefix_partials_mgpu", "mgpu_supported", "choose_splits", "mgpu_device_ok"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -76,15 +78,36 @@ def mgpu_supported(*, rows: int, prefix_len: int, head_dim: int, dtype, block_q:
     return None
 
 
-def choose_splits(n_tiles: int, ctas: int, target: int = SMS) -> int:
-    """The largest divisor of ``n_tiles`` that keeps ``ctas * splits`` near ``target`` CTAs
-    (one CTA per SM: the kernel uses most of an SM's shared memory)."""
-    want = max(1, -(-target // max(ctas, 1)))
+def choose_splits(n_tiles: int, ctas: int, sms: int = SMS, max_splits: int = 4) -> int:
+    """Splits of the prefix for ``ctas`` (kv head, row block) CTAs: 1 when they already fill two
+    waves of the GPU (``ctas >= 2 * sms``), else the largest divisor of ``n_tiles`` up to
+    ``max_splits``.
+
+    Measured on an H200 (``bench/shared_breakdown.py``, splits 1/2/4): 4 splits were best at
+    72-136 CTAs (B=256-512, Hq=32, Hkv=8, P=4K-8K: 4-28% faster than 2 or 1) and at 17-24 CTAs
+    (P=16K); 1 split was best at 264 CTAs (B=1024: 8-18% faster than 2 or 4).  More splits
+    also mean more partials for the suffix pass to merge.
+    """
+    if ctas >= 2 * sms:
+        return 1
     best = 1
-    for s in range(1, n_tiles + 1):
-        if n_tiles % s == 0 and s <= want:
+    for s in range(1, min(n_tiles, max_splits) + 1):
+        if n_tiles % s == 0:
             best = s
     return best
+
+
+def mgpu_device_ok() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x: wgmma and TMA as used
+    here exist only there)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:  # pragma: no cover
+        return False
+    if dev.platform != "gpu":
+        return False
+    cc = str(getattr(dev, "compute_capability", ""))
+    return cc.split(".")[0] == "9"
 
 
 def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, length: jax.Array, *,

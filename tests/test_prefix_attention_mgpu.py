@@ -36,13 +36,32 @@ def test_supported_shapes_and_splits():
     assert "dtype" in mgpu_supported(rows=1152, prefix_len=4096, head_dim=128, dtype=jnp.float32)
     assert "multiple" in mgpu_supported(rows=1152, prefix_len=4000, head_dim=128, dtype=jnp.bfloat16)
     assert "rows" in mgpu_supported(rows=100, prefix_len=4096, head_dim=128, dtype=jnp.bfloat16)
-    assert choose_splits(32, 8 * 9) == 2          # 72 CTAs -> 2 splits of 16 tiles (144 CTAs)
-    assert choose_splits(32, 8 * 33) == 1         # enough CTAs already
-    assert choose_splits(30, 1) == 30             # divisor of the tile count, at most the target
-    assert choose_splits(7, 8) == 7
+    assert choose_splits(32, 8 * 9) == 4          # 72 CTAs -> 4 splits of 8 tiles (288 CTAs)
+    assert choose_splits(32, 8 * 33) == 1         # 264 CTAs: two waves already
+    assert choose_splits(30, 1) == 3              # largest divisor of the tile count up to 4
+    assert choose_splits(7, 8) == 1               # 7 tiles: no divisor in 2..4
+    assert choose_splits(2, 8) == 2
     with pytest.raises(ValueError, match="head_dim"):
         prefix_partials_mgpu(jnp.zeros((1, 128, 96), jnp.bfloat16), jnp.zeros((128, 1, 96), jnp.bfloat16),
                              jnp.zeros((128, 1, 96), jnp.bfloat16), 128, scale=0.1)
+
+
+def test_backend_selection(monkeypatch):
+    from pallas_kernels import prefix_attention_mgpu as pm
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "auto")
+    assert pa._use_mgpu(1, 1, interpret=False) == pm.mgpu_device_ok()
+    assert not pa._use_mgpu(1, 1, interpret=True)      # interpret mode: Triton kernels unless forced
+    assert not pa._use_mgpu(2, 1, interpret=False)     # several prefixes
+    assert not pa._use_mgpu(1, 4, interpret=False)     # Tq > 1
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    assert pa._use_mgpu(1, 1, interpret=True)
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "triton")
+    assert not pa._use_mgpu(1, 1, interpret=False)
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="JPA_PREFIX_BACKEND.*'cuda'"):
+        pa._use_mgpu(1, 1, interpret=False)
+    if jax.default_backend() == "cpu":
+        assert not pm.mgpu_device_ok()
 
 
 @pytest.mark.parametrize("hkv,m,d,p", [(8, 1152, 128, 4096), (1, 128, 64, 256)])
