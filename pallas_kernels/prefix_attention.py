@@ -47,10 +47,9 @@ VARIANT = "auto"
 # ``JPA_PREFIX_BACKEND``:
 # "auto" (default): ``prefix_attention_mgpu.prefix_partials_mgpu`` (Pallas Mosaic GPU: TMA,
 #   wgmma, warp specialisation) on a Hopper GPU wherever it applies -- one prefix, Tq == 1,
-#   16-bit, head_dim 64 or 128, prefix length a multiple of 128; not in interpret mode -- then
-#   the suffix pass with the fused merge; everywhere else the Triton kernels below.  Measured
-#   on an H200 (bench/results/shared_breakdown_h200.json): the whole shared path 4-24% faster
-#   than with the Triton prefix kernel at the six points there (fused and overlap variants).
+#   16-bit, head_dim 64 or 128, prefix length a multiple of 128, enough rows (MGPU_MIN_CTAS);
+#   not in interpret mode -- then the suffix pass with the fused merge; everywhere else the
+#   Triton kernels below.
 # "mgpu": the Mosaic GPU kernel wherever it applies, also in interpret mode (Mosaic GPU's CPU
 #   interpreter; tests).
 # "triton": never the Mosaic GPU kernel.
@@ -58,9 +57,18 @@ PREFIX_BACKEND = os.environ.get("JPA_PREFIX_BACKEND", "auto")
 PREFIX_BACKENDS = ("auto", "mgpu", "triton")
 
 
-def _use_mgpu(g: int, tq: int, interpret: bool) -> bool:
+# "auto" takes the Mosaic GPU kernel only with at least this many (kv head, 128-row block) CTAs
+# before splitting the prefix.  Measured on an H200 (bench/results/shared_prefix_h200.json, the
+# run with both backends, 72 grid points): at >= 65 such CTAs (Hq=32/Hkv=8 with B >= 256;
+# Hq=8/Hkv=1 with B = 1024) the shared path was 0.97-1.62x faster with it (median 1.14x); at
+# <= 24 (B <= 64, or Hq=8/Hkv=1 with B = 256) the Triton kernels (overlap variant) were as fast
+# or up to 2.4x faster (128-row blocks of mostly padding rows, too few CTAs).
+MGPU_MIN_CTAS = 64
+
+
+def _use_mgpu(g: int, tq: int, interpret: bool, ctas: int | None = None) -> bool:
     """Whether the shared path takes the Mosaic GPU prefix kernel (static; shapes checked by the
-    caller with ``mgpu_supported``)."""
+    caller with ``mgpu_supported``).  ``ctas``: (kv head, 128-row block) pairs, for "auto"."""
     if PREFIX_BACKEND not in PREFIX_BACKENDS:
         raise ValueError(f"JPA_PREFIX_BACKEND / PREFIX_BACKEND must be one of {PREFIX_BACKENDS}, "
                          f"got {PREFIX_BACKEND!r}")
@@ -69,6 +77,8 @@ def _use_mgpu(g: int, tq: int, interpret: bool) -> bool:
     if PREFIX_BACKEND == "mgpu":
         return True
     from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
+    if ctas is not None and ctas < MGPU_MIN_CTAS:
+        return False
     return not interpret and pm.mgpu_device_ok()
 
 
@@ -218,9 +228,9 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     grp_rows = jnp.pad(grp_rows, (0, m_pad - m), mode="edge")
     # tail padding rows: full limit (their zero queries' results are never used)
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
-    if _use_mgpu(g, tq, interpret):
+    m128 = cdiv(m + r16, 128) * 128
+    if _use_mgpu(g, tq, interpret, ctas=hkv * (m128 // 128)):
         from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
-        m128 = cdiv(m + r16, 128) * 128
         if pm.mgpu_supported(rows=m128, prefix_len=p, head_dim=d, dtype=q.dtype) is None:
             qp = jnp.pad(qp, ((0, 0), (0, m128 - m_pad), (0, 0))) if m128 > m_pad else qp[:, :m128]
             # (interpret: Mosaic GPU's CPU interpreter, with its operand-form substitutions)

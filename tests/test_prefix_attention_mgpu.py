@@ -53,8 +53,11 @@ def test_backend_selection(monkeypatch):
     assert not pa._use_mgpu(1, 1, interpret=True)      # interpret mode: Triton kernels unless forced
     assert not pa._use_mgpu(2, 1, interpret=False)     # several prefixes
     assert not pa._use_mgpu(1, 4, interpret=False)     # Tq > 1
+    assert not pa._use_mgpu(1, 1, interpret=False, ctas=pa.MGPU_MIN_CTAS - 1)  # too few rows
+    assert pa._use_mgpu(1, 1, interpret=False, ctas=pa.MGPU_MIN_CTAS) == pm.mgpu_device_ok()
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
     assert pa._use_mgpu(1, 1, interpret=True)
+    assert pa._use_mgpu(1, 1, interpret=True, ctas=1)  # forced: no row threshold
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "triton")
     assert not pa._use_mgpu(1, 1, interpret=False)
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "cuda")
