@@ -25,7 +25,9 @@ token of K+V is ``kv = 2 * Hkv * D * e`` bytes.  Each kernel costs
   float32 partials.
 
 The constants were measured for these kernels on an H200 (``bench/shared_prefix.py --tune``
-and the grid in ``bench/results/shared_prefix_h200.json``); only static shapes enter.
+and the grid in ``bench/results/shared_prefix_h200_session2_triton.json``, measured with the
+Triton prefix kernel; the Mosaic GPU prefix kernel, default on Hopper since, makes ``shared``
+faster at large batch, so the model errs towards ``flat`` there); only static shapes enter.
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.
 """

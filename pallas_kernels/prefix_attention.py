@@ -58,7 +58,7 @@ PREFIX_BACKENDS = ("auto", "mgpu", "triton")
 
 
 # "auto" takes the Mosaic GPU kernel only with at least this many (kv head, 128-row block) CTAs
-# before splitting the prefix.  Measured on an H200 (bench/results/shared_prefix_h200.json, the
+# before splitting the prefix.  Measured on an H200 (bench/results/shared_prefix_h200_mgpu_all.json, the
 # run with both backends, 72 grid points): at >= 65 such CTAs (Hq=32/Hkv=8 with B >= 256;
 # Hq=8/Hkv=1 with B = 1024) the shared path was 0.97-1.62x faster with it (median 1.14x); at
 # <= 24 (B <= 64, or Hq=8/Hkv=1 with B = 256) the Triton kernels (overlap variant) were as fast
@@ -122,7 +122,7 @@ def prefix_config(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
 
 # Tiling of the prefix kernel when there are enough rows that the prefix is not split
 # (e.g. B=1024, Hq=32, Hkv=8): the best of the H200 sweep recorded as "large_m_tiling_sweep"
-# in bench/results/shared_prefix_h200.json (322 TFLOP/s at B=1024, P=4K, Hq=32; 299 with
+# in bench/results/shared_prefix_h200_session2_triton.json (322 TFLOP/s at B=1024, P=4K, Hq=32; 299 with
 # 64/4/2).  In that configuration the kernels also use the two-phase (unmasked full tiles,
 # then masked tail) key loop.
 LARGE_M_TILING = dict(block_k=64, num_warps=8, num_stages=3)
