@@ -1,9 +1,12 @@
 """Inter-sequence batched prefix attention through Pallas Mosaic GPU (Hopper: TMA, wgmma,
-warp specialisation): the compute-bound part of the shared path, as an opt-in backend.
+warp specialisation): the compute-bound part of the shared path, the default prefix backend on
+Hopper where it applies (see ``prefix_attention.PREFIX_BACKEND``).
 
-Measured on an H200 (``bench/results/shared_breakdown_h200.json``, jax 0.11.2): 170-420
-TFLOP/s against 130-330 for the Triton prefix kernel at the same points, and the whole shared
-path 4-24% faster with it; its GPU tests (``tests/test_prefix_attention_mgpu.py -m gpu``) pass.
+Measured on an H200 (``bench/results/shared_breakdown_h200.json``, jax 0.11.2): 180-420
+TFLOP/s against 130-330 for the Triton prefix kernel at the same six points; over the grid
+(``bench/results/shared_prefix_h200.json``) the shared path with it ran 0.92-1.52x (median
+1.16x) the speed of the Triton backend where ``auto`` uses it; its GPU tests
+(``tests/test_prefix_attention_mgpu.py -m gpu``) pass.
 The CPU tests lower it for CUDA and run it in Mosaic GPU's CPU interpreter against the
 reference, except two operand forms that interpreter lacks (``_cpu_check=True`` swaps them: K
 pre-transposed in memory for ``Q K^T``; ``P`` staged through shared memory and ``P V`` into a
@@ -83,10 +86,10 @@ def choose_splits(n_tiles: int, ctas: int, sms: int = SMS, max_splits: int = 4) 
     waves of the GPU (``ctas >= 2 * sms``), else the largest divisor of ``n_tiles`` up to
     ``max_splits``.
 
-    Measured on an H200 (``bench/shared_breakdown.py``, splits 1/2/4): 4 splits were best at
-    72-136 CTAs (B=256-512, Hq=32, Hkv=8, P=4K-8K: 4-28% faster than 2 or 1) and at 17-24 CTAs
-    (P=16K); 1 split was best at 264 CTAs (B=1024: 8-18% faster than 2 or 4).  More splits
-    also mean more partials for the suffix pass to merge.
+    Measured on an H200 (``bench/results/shared_breakdown_h200.json``, splits 1/2/4/8): at
+    17-136 CTAs (B=256-512 with Hq=32/Hkv=8 and P=4K-8K; P=16K) 4 and 8 splits were within 5%
+    of each other and 4-68% faster than 2 or 1; at 264 CTAs (B=1024) 1 split was 5-24% faster
+    than 2, 4 or 8.  Fewer splits also mean fewer partials for the suffix pass to merge.
     """
     if ctas >= 2 * sms:
         return 1
