@@ -39,6 +39,12 @@ from models.config import LlamaConfig
 from models.kv_cache import KVCache, PrefixCache
 from models.layers import apply_rope, dense, embed, lm_head, rms_norm, rope_inv_freq, swiglu_mlp
 
+# Prefix levels longer than this are stored with their length rounded up to a multiple of it
+# (rows past each node's length are masked padding): the Mosaic GPU prefix kernel, the shared
+# path's default on Hopper, needs a prefix length that is a multiple of 128
+# (``pallas_kernels.prefix_attention_mgpu.mgpu_supported``).  At most 127 extra rows per node.
+PREFIX_ALIGN = 128
+
 __all__ = ["Llama"]
 
 
@@ -164,6 +170,8 @@ class Llama:
           level_tokens: tuple over levels of int ``[G_l, P_l]`` *left-padded* node tokens
             (``G_{l-1}`` divides ``G_l``; node ``g``'s parent is ``g // (G_l // G_{l-1})``).
           level_lengths: tuple over levels of int ``[G_l]`` real tokens per node (>= 1).
+        Level ``l`` is stored as ``[G_l, P'_l, Hkv, D]`` with ``P'_l = P_l`` up to ``PREFIX_ALIGN``
+        and ``P_l`` rounded up to a multiple of ``PREFIX_ALIGN`` above (masked rows).
         """
         stacked = kvc.is_stacked(params["layers"])
         dtype = params["embed"].dtype
@@ -173,7 +181,8 @@ class Llama:
             toks = jnp.asarray(toks, jnp.int32)
             lens = jnp.asarray(lens, jnp.int32)
             g, p = toks.shape
-            cache = kvc.init_kv_cache(self.config, prefix, g, p, dtype, backend="shared", stacked=stacked)
+            cap = p if p <= PREFIX_ALIGN else -(-p // PREFIX_ALIGN) * PREFIX_ALIGN
+            cache = kvc.init_kv_cache(self.config, prefix, g, cap, dtype, backend="shared", stacked=stacked)
             logits, layers, _ = self.extend(params, prefix, cache.layers, cache.lengths, cache.pos_offset,
                                             toks, lens, backend="shared")
             add = lambda pl, new: {"k": pl["k"] + (new["k"],), "v": pl["v"] + (new["v"],)}

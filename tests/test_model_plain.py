@@ -103,3 +103,25 @@ def test_tree_attention_option_matches_levels(setup, monkeypatch):
     for name in ("k", "v"):  # the continuations wrote the same keys/values
         np.testing.assert_allclose(np.asarray(cache_t.layers[name]), np.asarray(cache_l.layers[name]),
                                    rtol=2e-5, atol=2e-5)
+
+
+def test_long_prefix_level_is_stored_aligned(setup):
+    """A prefix longer than ``PREFIX_ALIGN`` is stored with its length rounded up (masked rows,
+    so the Mosaic GPU prefix kernel applies); the shared backend's greedy tokens equal a naive
+    full recompute of each whole sequence."""
+    from models.llama import PREFIX_ALIGN
+    model, params, _, _ = setup
+    rng = np.random.default_rng(9)
+    prefix = rng.integers(0, CFG.vocab_size, PREFIX_ALIGN + 13).tolist()
+    sufs = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (3, 1)]
+    pb = PromptBatch.shared(prefix, suffixes=sufs)
+    pc = prefill_prefix_cache(model, params, pb, layout="stacked")
+    assert pc.layers["k"][0].shape[2] == 2 * PREFIX_ALIGN       # [L, G, P', Hkv, D]
+    np.testing.assert_array_equal(np.asarray(pc.lengths[0]), [PREFIX_ALIGN + 13])
+    out = generate(model, params, pb, max_new_tokens=NEW, backend="shared", prefix_cache=pc, eos_token_ids=())
+    fwd = jax.jit(model.forward)
+    for b, s in enumerate(sufs):
+        seq = list(prefix) + list(s)
+        for _ in range(NEW):
+            seq.append(int(np.asarray(fwd(params, np.asarray([seq], np.int32)))[0, -1].argmax()))
+        np.testing.assert_array_equal(out.tokens[b], seq[-NEW:], err_msg=f"sequence {b}")
