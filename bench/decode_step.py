@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import device_info, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+from bench.timing import device_info, is_oom, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 from models.kv_cache import KVCache, PrefixCache, empty_prefix_cache  # noqa: E402
 from models.llama import Llama  # noqa: E402
@@ -249,8 +249,7 @@ def main():
                                                   "logits_finite": bool(np.isfinite(lg).all())}
                 except Exception as e:  # noqa: BLE001
                     msg = repr(e)
-                    entry["backends"][backend] = {"error": ("OOM: " if "RESOURCE_EXHAUSTED" in msg or
-                                                            "out of memory" in msg.lower() else "") + msg[:800]}
+                    entry["backends"][backend] = {"error": ("OOM: " if is_oom(e) else "") + msg[:800]}
                     traceback.print_exc()
                 print(layout, nl, backend, entry["backends"][backend], f"t={time.perf_counter() - T0:.0f}s",
                       flush=True)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.timing import device_info, gpu_slug
+from bench.timing import device_info, gpu_slug, is_oom  # noqa: F401 (is_oom re-exported)
 from models.config import LlamaConfig
 from models.weights import init_params, unstack_layers
 
@@ -112,17 +112,6 @@ def memory_limit_bytes(override_gb: float | None = None) -> int | None:
     except Exception:  # noqa: BLE001 - CPU backends may not implement it
         stats = {}
     return stats.get("bytes_limit")
-
-
-def is_oom(exc: BaseException) -> bool:
-    """True for XLA's resource-exhausted (out of memory) errors.  A kernel asking for more
-    shared memory than an SM has is also reported as RESOURCE_EXHAUSTED: that is a bug, not an
-    out-of-memory point, and is recorded as an error."""
-    msg = f"{type(exc).__name__}: {exc}"
-    if "shared memory" in msg.lower():
-        return False
-    return ("RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() or "Out of memory" in msg
-            or isinstance(exc, MemoryError))
 
 
 def free_memory() -> None:

@@ -49,8 +49,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import (device_info, gpu_slug, loop_time, measure_copy_bandwidth,  # noqa: E402
-                          measure_matmul_rate)
+from bench.timing import (device_info, gpu_slug, is_oom, loop_time,  # noqa: E402
+                          measure_copy_bandwidth, measure_matmul_rate)
 from jax_prefix_attn import shared_prefix_attention  # noqa: E402
 from jax_prefix_attn.cost_model import choose_path  # noqa: E402
 from jax_prefix_attn.shared_prefix import row_limits  # noqa: E402
@@ -200,11 +200,6 @@ def make_inputs(b, p, s, hkv, hq, d, seed=0):
     return q, pk, pv, sk, sv, sl
 
 
-def _is_oom(e):
-    msg = str(e)
-    return "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() or "Out of memory" in msg
-
-
 def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=False):
     rec = dict(batch=b, prefix=p, suffix=s, heads_q=hq, heads_kv=hkv, head_dim=d)
     fl, nbytes, flops = floor_s(b, p, s, hq, hkv, d, bw, mma)
@@ -219,7 +214,7 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
     try:
         q, pk, pv, sk, sv, sl = make_inputs(b, p, s, hkv, hq, d)
     except Exception as e:  # noqa: BLE001
-        if _is_oom(e):
+        if is_oom(e):
             return {**rec, **{c + "_ms": "X" for c in cols}}
         raise
     ref = None
@@ -280,7 +275,7 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
                         q, pk, pv, sk, sv, sl).astype(jnp.float32) - ref.astype(jnp.float32))))
             rec[c + "_ms"] = t * 1e3
         except Exception as e:  # noqa: BLE001
-            if _is_oom(e):
+            if is_oom(e):
                 rec[c + "_ms"] = "X"
             else:
                 rec[c + "_ms"] = "error"

@@ -8,6 +8,7 @@
 * :func:`measure_copy_bandwidth` / :func:`measure_matmul_rate` -- the two rates of the
   floor ``max(bytes / bandwidth, flops / matmul rate)``, measured in the same run.
 * :func:`device_info` -- device name and versions for result JSON files.
+* :func:`is_oom` -- whether an exception is XLA's out-of-memory error (points recorded as "X").
 """
 from __future__ import annotations
 
@@ -99,6 +100,16 @@ def _nvidia_smi() -> dict | None:
         return None
     vals = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
     return dict(zip(_SMI_FIELDS, vals))
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for XLA's resource-exhausted (out of memory) errors.  A kernel asking for more
+    shared memory than an SM has is also reported as RESOURCE_EXHAUSTED: that is a bug, not an
+    out-of-memory point, and is recorded as an error."""
+    msg = f"{type(exc).__name__}: {exc}"
+    if "shared memory" in msg.lower():
+        return False
+    return "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() or isinstance(exc, MemoryError)
 
 
 def device_info() -> dict:

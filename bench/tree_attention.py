@@ -27,19 +27,19 @@ Usage: ``python bench/tree_attention.py --out bench/results/tree_attention_h100.
 Timing: :func:`bench.timing.loop_time` (dependent calls inside one jitted loop, no per-call
 dispatch).  ``--iters`` is kept for old command lines and ignored.
 
-Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22, measured
-before the switch to in-loop timing: wall-clock medians of one jitted call, so sub-0.5 ms
-entries carry ~0.1 ms of dispatch and the same program timed twice differed by up to 28%):
+Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22, in-loop
+timing; ``single_level`` with the Triton prefix backend, the default then):
 
-* APPS-like: auto 0.97x (8 problems) / 1.38x (16) single-level shared prefix, 1.70x / 1.40x the
-  floor: the 1.5x target is missed, the 2x floor target met; the root part is compute-bound in
-  a Triton-lowered kernel (~200-320 TFLOP/s vs ~600 measured for XLA's matmul).
-* tree-of-thought: auto 1.00x single-level (missed), 1.73x floor (met).
-* speculative (single-token leaves): flatten 2.55x / 1.83x / 2.29x node-by-node for 32 / 64 /
-  256 drafts (target 1.5x met).
-* few-shot (one level): auto goes through ``shared_prefix_attention``; 0.85x / 0.93x the
-  ``single_level`` column (which calls the same function on a pre-sliced prefix: the
-  difference is the root gather and dispatch).
+* APPS-like: auto 1.30x (8 problems) / 1.50x (16) faster than single-level shared prefix,
+  1.80x / 1.74x the floor: the 1.5x target is met with 16 problems only, the 2x floor target
+  with both.
+* tree-of-thought: auto 1.04x single-level (missed), 2.08x the floor (missed).
+* speculative (single-token leaves): flatten 3.05x / 2.37x / 2.31x node-by-node for 32 / 64 /
+  256 drafts (target 1.5x met); ``single_level`` (root through ``shared_prefix_attention``,
+  the rest as per-sequence suffix) beats auto at 32 and 64 drafts (auto 0.62x / 0.57x its
+  speed), not at 256 (1.03x).
+* few-shot (one level): auto 0.87x / 0.86x the ``single_level`` column (the same function on a
+  pre-sliced prefix: the difference is the root gather).
 """
 from __future__ import annotations
 

@@ -169,6 +169,10 @@ def test_is_oom():
     assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 38.76GiB"))
     assert is_oom(MemoryError())
     assert not is_oom(ValueError("shapes do not match"))
+    # a kernel over the SM's shared memory is a bug, not an out-of-memory point
+    assert not is_oom(RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded"))
+    from bench import timing  # noqa: PLC0415
+    assert timing.is_oom is is_oom  # one definition for every benchmark
 
 
 def _e2e_point(part, b, p, backend, tps, status="ok"):
