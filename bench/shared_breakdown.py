@@ -3,13 +3,16 @@ backends (Triton ``prefix_partials`` vs the Mosaic GPU ``prefix_partials_mgpu``)
 
 For each point (Tq = 1, one prefix, every suffix full, bf16), all in one run:
 
-* ``shared_triton_ms`` / ``shared_mgpu_ms``: the whole shared path with
-  ``PREFIX_BACKEND = "triton"`` / ``"mgpu"``;
+* ``shared_triton_ms`` / ``shared_mgpu_ms`` / ``shared_mgpu_nosched_ms``: the whole shared path
+  with ``PREFIX_BACKEND = "triton"`` / ``"mgpu"`` / ``"mgpu"`` without the ping-pong schedule
+  barrier;
 * ``prefix_triton_ms`` / ``prefix_mgpu_ms[...]``: launch 1 alone (prefix partials), the Mosaic
-  GPU kernel at a few ``(num_splits, max_concurrent_steps)`` settings, with its achieved
+  GPU kernel at a few ``(num_splits, schedule_barrier)`` settings, with its achieved
   TFLOP/s (``4 * rows * P * D`` flops per kv head);
-* ``suffix_merge_ms``: launch 2 alone (suffix decode + merge of fixed prefix partials), with its
-  bandwidth as a fraction of the copy bandwidth;
+* ``suffix_merge_ms``: launch 2 alone (suffix decode + merge of fixed prefix partials) at the
+  default tiling, with its bandwidth as a fraction of the copy bandwidth, and
+  ``suffix_merge_ms[bk=,w=,st=]`` the sweep of its ``(block_k, num_warps, num_stages)`` at points
+  with short suffixes;
 * ``floor_ms``: as in ``bench/shared_prefix.py``.
 
 Every Mosaic GPU result is checked against the Triton partials (merged over splits) in the same
@@ -38,7 +41,13 @@ from pallas_kernels.decode_attention import (cdiv, merge_partials, next_pow2, q_
 
 POINTS = [(256, 4096, 128, 32, 8, 128), (512, 8192, 128, 32, 8, 128), (1024, 4096, 128, 32, 8, 128),
           (256, 4096, 1024, 32, 8, 128), (64, 16384, 64, 32, 8, 128), (256, 16384, 64, 8, 1, 128)]
-MGPU_SETTINGS = [(None, 2), (1, 2), (2, 2), (4, 2), (8, 2)]
+# (num_splits, schedule_barrier) of the Mosaic GPU prefix kernel alone
+MGPU_SETTINGS = [(None, True), (1, True), (2, True), (4, True), (8, True), (None, False),
+                 (2, False)]
+# (block_k, num_warps, num_stages) of the suffix pass (launch 2) alone; the first is the default
+SUFFIX_SETTINGS = [(64, 4, 3), (64, 4, 2), (32, 4, 2), (32, 4, 3), (32, 2, 3), (64, 8, 3),
+                   (128, 4, 1), (128, 4, 2), (128, 8, 2), (16, 2, 4)]
+SUFFIX_SWEEP_MAX_S = 256  # sweep the suffix settings only at points with short suffixes
 
 
 def _err(e):
@@ -61,10 +70,19 @@ def run_point(b, p, s, hq, hkv, d, bw, mma):
     lim_rows = jnp.full((m_pad,), p, jnp.int32)
     prefix_flops = 4.0 * hkv * m * p * d
 
-    # whole shared path, both backends
-    for name, backend in (("shared_triton", "triton"), ("shared_mgpu", "mgpu")):
+    # whole shared path, both backends (mgpu with and without its ping-pong schedule barrier)
+    for name, backend, sched in (("shared_triton", "triton", True), ("shared_mgpu", "mgpu", True),
+                                 ("shared_mgpu_nosched", "mgpu", False)):
         try:
-            f = ours("shared", backend=backend)
+            f0 = ours("shared", backend=backend)
+
+            def f(*a, f0=f0, sched=sched):
+                old = pa.MGPU_SCHEDULE_BARRIER
+                pa.MGPU_SCHEDULE_BARRIER = sched
+                try:
+                    return f0(*a)
+                finally:
+                    pa.MGPU_SCHEDULE_BARRIER = old
             rec[name + "_ms"] = loop_time(f, q, (pk, pv, sk, sv, sl)) * 1e3
             out = jax.jit(f)(q, pk, pv, sk, sv, sl)
             ref = jax.jit(ours("reference"))(q, pk, pv, sk, sv, sl)
@@ -90,15 +108,20 @@ def run_point(b, p, s, hq, hkv, d, bw, mma):
     rec["prefix_triton_tflops"] = prefix_flops / (t * 1e-3) / 1e12
 
     # launch 1 alone: Mosaic GPU prefix partials
-    m128 = cdiv(m + r16, 128) * 128
+    m128 = cdiv(m, 128) * 128  # as the shared path: no padding row block
+    out_rows = max(m128, m - r2 + r16)
     qm = jnp.pad(qp, ((0, 0), (0, m128 - m_pad), (0, 0))) if m128 > m_pad else qp[:, :m128]
-    for splits, steps in MGPU_SETTINGS:
-        key = f"prefix_mgpu_ms[splits={splits},steps={steps}]"
+    mgpu_parts = None
+    for splits, sched in MGPU_SETTINGS:
+        key = f"prefix_mgpu_ms[splits={splits},sched={int(sched)}]"
         try:
-            def mg(qm, pk, pv, splits=splits, steps=steps):
+            def mg(qm, pk, pv, splits=splits, sched=sched):
                 return pm.prefix_partials_mgpu(qm, pk, pv, jnp.int32(p), scale=scale,
-                                               num_splits=splits, max_concurrent_steps=steps)
+                                               num_splits=splits, schedule_barrier=sched,
+                                               out_rows=out_rows)
             o_m, l_m = jax.jit(mg)(qm, pk, pv)
+            if splits is None and sched:
+                mgpu_parts = (o_m, l_m)
             o_mm, l_mm = merge_partials(o_m[:, :, :m].astype(jnp.float32), l_m[:, :, :m])
             rel = float(jnp.linalg.norm(o_mm - o_ref) / jnp.linalg.norm(o_ref))
             lse_diff = float(jnp.max(jnp.abs(l_mm - l_ref)))
@@ -112,20 +135,33 @@ def run_point(b, p, s, hq, hkv, d, bw, mma):
             rec[key.replace("_ms", "_error")] = _err(e)
             traceback.print_exc(limit=3)
 
-    # launch 2 alone: suffix decode merging fixed prefix partials
-    def suf(q, sk, sv, sl):
-        lim_s = sl[:, None]
-        out, _ = pa._suffix_with_merge(q[:, None], sk, sv, lim_s, o_t, l_t, None, None, b=b, tq=1,
-                                       hq=hq, hkv=hkv, d=d, r=r, r2=r2, r16=r16, m=m, scale=scale,
-                                       interpret=False, two_phase=cfg.get("two_phase", False),
-                                       suffix_block_k=64, suffix_warps=4, suffix_stages=3,
-                                       suffix_splits=None)
-        return out[:, 0]
-    t = loop_time(suf, q, (sk, sv, sl)) * 1e3
-    rec["suffix_merge_ms"] = t
+    # launch 2 alone: suffix decode merging fixed prefix partials (the Mosaic GPU kernel's
+    # bf16 partials, as in the default path, when it ran; else the Triton ones)
+    o_in, l_in = mgpu_parts if mgpu_parts is not None else (o_t, l_t)
+    rec["suffix_partials_from"] = "mgpu" if mgpu_parts is not None else "triton"
     suf_bytes = b * s * 2 * hkv * d * 2 + 2 * b * hq * d * 2
-    rec["suffix_merge_bw_frac_of_copy"] = suf_bytes / (t * 1e-3) / bw
     rec["suffix_floor_ms"] = suf_bytes / bw * 1e3
+    settings = SUFFIX_SETTINGS if s <= SUFFIX_SWEEP_MAX_S else SUFFIX_SETTINGS[:1]
+    for bk, nw, ns in settings:
+        def suf(q, sk, sv, sl, bk=bk, nw=nw, ns=ns):
+            lim_s = sl[:, None]
+            out, _ = pa._suffix_with_merge(q[:, None], sk, sv, lim_s, o_in, l_in, None, None, b=b,
+                                           tq=1, hq=hq, hkv=hkv, d=d, r=r, r2=r2, r16=r16, m=m,
+                                           scale=scale, interpret=False, two_phase=False,
+                                           suffix_block_k=bk, suffix_warps=nw, suffix_stages=ns,
+                                           suffix_splits=None)
+            return out[:, 0]
+        key = f"suffix_merge_ms[bk={bk},w={nw},st={ns}]"
+        try:
+            t = loop_time(suf, q, (sk, sv, sl)) * 1e3
+        except Exception as e:  # noqa: BLE001
+            rec[key] = "error"
+            rec[key.replace("_ms", "_error")] = _err(e)
+            continue
+        rec[key] = t
+        if (bk, nw, ns) == SUFFIX_SETTINGS[0]:
+            rec["suffix_merge_ms"] = t
+            rec["suffix_merge_bw_frac_of_copy"] = suf_bytes / (t * 1e-3) / bw
     rec["prefix_floor_ms"] = max(p * 2 * hkv * d * 2 / bw, 4.0 * b * hq * p * d / mma) * 1e3
     return rec
 
@@ -156,7 +192,7 @@ def main():
             json.dump(doc, fh, indent=1)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
                           if "error" not in k}), flush=True)
-    print("\nb p s hq/hkv | floor | shared_triton | shared_mgpu | prefix tri (TF/s) | best mgpu (TF/s) | suffix+merge (BW)")
+    print("\nb p s hq/hkv | floor | shared_triton | shared_mgpu | nosched | prefix tri (TF/s) | best mgpu (TF/s) | suffix+merge (BW) | best suffix")
     for r in doc["results"]:
         if "floor_ms" not in r:
             continue
@@ -165,9 +201,11 @@ def main():
         fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
         print(f"{r['batch']} {r['prefix']} {r['suffix']} {r['heads_q']}/{r['heads_kv']} | "
               f"{r['floor_ms']:.3f} | {fmt(r.get('shared_triton_ms'))} | {fmt(r.get('shared_mgpu_ms'))} | "
+              f"{fmt(r.get('shared_mgpu_nosched_ms'))} | "
               f"{fmt(r.get('prefix_triton_ms'))} ({r.get('prefix_triton_tflops', 0):.0f}) | "
               f"{best[0]:.3f} {best[1][14:]} ({r.get(best[1].replace('_ms', '_tflops'), 0):.0f}) | "
-              f"{fmt(r.get('suffix_merge_ms'))} ({r.get('suffix_merge_bw_frac_of_copy', 0):.2f})")
+              f"{fmt(r.get('suffix_merge_ms'))} ({r.get('suffix_merge_bw_frac_of_copy', 0):.2f}) | "
+              f"{min(sw) if (sw := [(round(v, 4), k[15:]) for k, v in r.items() if k.startswith('suffix_merge_ms[') and isinstance(v, float)]) else '-'}")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,10 @@ PREFIX_BACKENDS = ("auto", "mgpu", "triton")
 # or up to 2.4x faster (128-row blocks of mostly padding rows, too few CTAs).
 MGPU_MIN_CTAS = 64
 
+# Ping-pong scheduling of the Mosaic GPU kernel's two compute warpgroups (see
+# ``prefix_attention_mgpu.prefix_partials_mgpu``).
+MGPU_SCHEDULE_BARRIER = True
+
 
 def _use_mgpu(g: int, tq: int, interpret: bool, ctas: int | None = None) -> bool:
     """Whether the shared path takes the Mosaic GPU prefix kernel (static; shapes checked by the
@@ -228,7 +232,10 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     grp_rows = jnp.pad(grp_rows, (0, m_pad - m), mode="edge")
     # tail padding rows: full limit (their zero queries' results are never used)
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
-    m128 = cdiv(m + r16, 128) * 128
+    # Mosaic GPU kernel: 128-row blocks over the real rows only; the suffix pass reads whole
+    # r16-row tiles of its partials (up to row m - r2 + r16), so those are allocated but the
+    # rows past m are left unwritten (they only feed discarded padding rows).
+    m128 = cdiv(m, 128) * 128
     if _use_mgpu(g, tq, interpret, ctas=hkv * (m128 // 128)):
         from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
         if pm.mgpu_supported(rows=m128, prefix_len=p, head_dim=d, dtype=q.dtype) is None:
@@ -236,6 +243,8 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
             # (interpret: Mosaic GPU's CPU interpreter, with its operand-form substitutions)
             o_pre, lse_pre = pm.prefix_partials_mgpu(qp, prefix_k[0], prefix_v[0], jnp.max(lim_p),
                                                      scale=scale, interpret=interpret,
+                                                     out_rows=max(m128, m - r2 + r16),
+                                                     schedule_barrier=MGPU_SCHEDULE_BARRIER,
                                                      _cpu_check=interpret)
             return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
                                       b=b, tq=tq, hq=hq, hkv=hkv, d=d, r=r, r2=r2, r16=r16, m=m,

@@ -115,17 +115,30 @@ def mgpu_device_ok() -> bool:
 
 def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, length: jax.Array, *,
                          scale: float, num_splits: int | None = None, block_q: int = 64,
-                         block_kv: int = 128, max_concurrent_steps: int = 2, interpret: bool = False,
-                         _cpu_check: bool = False):
+                         block_kv: int = 128, max_concurrent_steps: int = 2,
+                         schedule_barrier: bool = True, out_rows: int | None = None,
+                         interpret: bool = False, _cpu_check: bool = False):
     """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
 
     Returns ``(o, lse)``: ``o [splits, Hkv, M, D]`` in q's dtype (normalised) and
     ``lse [splits, Hkv, M]`` float32; see the module docstring for the layouts and the
     conditions (:func:`mgpu_supported`).  ``interpret`` runs Mosaic GPU's CPU interpreter and
     needs ``_cpu_check`` (the operand forms it supports; tests only).
+
+    Raises ``ValueError`` for unsupported shapes or ``out_rows < M``.
+
+    ``schedule_barrier``: the two compute warpgroups take turns on the tensor cores (one issues
+    its ``Q K^T`` / ``P V`` while the other runs its softmax; FlashAttention-3's "ping-pong"
+    scheduling, through one two-arrival barrier).  ``out_rows``: rows of ``o``/``lse`` to
+    allocate (``>= M``, rounded up to a multiple of 16); rows ``>= M`` are left unwritten, for a consumer that reads whole tiles
+    past the last real row and discards them (the suffix pass), instead of computing a padding
+    row block.
     """
     hkv, m, d = q_hmd.shape
     p = k_phd.shape[0]
+    m_out = m if out_rows is None else -(-int(out_rows) // 16) * 16  # (TMA tiling of the rows)
+    if m_out < m:
+        raise ValueError(f"out_rows={out_rows} must be at least the {m} query rows")
     why = mgpu_supported(rows=m, prefix_len=p, head_dim=d, dtype=q_hmd.dtype, block_q=block_q,
                          block_kv=block_kv)
     if why is not None:
@@ -146,8 +159,17 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     steps = max(1, min(max_concurrent_steps, tiles_per_split))
     scale_log2 = float(scale) * _LOG2E
 
-    def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2, q_barriers, *maybe_p):
+    def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2, q_barriers,
+               sched_barrier, *maybe_p):
         p_smem2 = maybe_p[0] if _cpu_check else None
+
+        def take_turn():
+            # Both compute warpgroups arrive, then wait: with warpgroup 1 one phase behind
+            # (it takes one extra turn before its first tile and warpgroup 0 one after its
+            # last), their tensor-core and softmax phases alternate.
+            if schedule_barrier:
+                plgpu.barrier_arrive(sched_barrier)
+                plgpu.barrier_wait(sched_barrier)
         h = lax.axis_index("h")
         mb = lax.axis_index("m")
         sp = lax.axis_index("s")
@@ -163,7 +185,9 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
             carry = (jnp.zeros((block_q, d), jnp.float32),
                      jnp.full((block_q,), -jnp.inf, jnp.float32),
                      jnp.zeros((block_q,), jnp.float32))
+            pl.when(wg == 1)(take_turn)
             acc, m_i, l_i = run_pipeline(carry)
+            pl.when(wg == 0)(take_turn)
             has = l_i > 0.0
             l_safe = jnp.where(has, l_i, 1.0)
             o_smem = q_smem  # the queries are no longer needed: their buffer takes the output
@@ -181,6 +205,7 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
 
             def scores(s_ref):
                 plgpu.wgmma(s_ref, q_smem, k_smem if _cpu_check else k_smem.transpose((1, 0)))
+                take_turn()
                 return s_ref[...]
             s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_consumed)
@@ -195,6 +220,10 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
             p16 = prob.astype(dtype)
 
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if schedule_barrier:  # softmax done: wait for the tensor cores' turn
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                plgpu.barrier_arrive(sched_barrier)
+                plgpu.barrier_wait(sched_barrier)
             if _cpu_check:
                 # The CPU interpreter has no ``run_state`` and reads wgmma's operand A from shared
                 # memory only: P is staged there and P V goes into a fresh (zeroed) accumulator.
@@ -236,11 +265,12 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
         grid_names=("h", "m", "s"),
         num_threads=3,
         thread_name="wg",
-        out_type=(jax.ShapeDtypeStruct((splits, hkv, m, d), dtype),
-                  jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((splits, hkv, m_out, d), dtype),
+                  jax.ShapeDtypeStruct((splits, hkv, m_out), jnp.float32)),
         scratch_types=(plgpu.SMEM((2, block_q, d), dtype),
                        plgpu.SMEM((2, block_q), jnp.float32),
-                       plgpu.Barrier(num_barriers=2))
+                       plgpu.Barrier(num_barriers=2),
+                       plgpu.Barrier(num_arrivals=2))
                       + ((plgpu.SMEM((2, block_q, block_kv), dtype),) if _cpu_check else ()),
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

@@ -44,6 +44,9 @@ def test_supported_shapes_and_splits():
     with pytest.raises(ValueError, match="head_dim"):
         prefix_partials_mgpu(jnp.zeros((1, 128, 96), jnp.bfloat16), jnp.zeros((128, 1, 96), jnp.bfloat16),
                              jnp.zeros((128, 1, 96), jnp.bfloat16), 128, scale=0.1)
+    with pytest.raises(ValueError, match="out_rows=100"):
+        prefix_partials_mgpu(jnp.ones((1, 128, 64), jnp.bfloat16), jnp.ones((128, 1, 64), jnp.bfloat16),
+                             jnp.ones((128, 1, 64), jnp.bfloat16), 128, scale=0.1, out_rows=100)
 
 
 def test_backend_selection(monkeypatch):
@@ -88,17 +91,20 @@ def test_shared_path_with_mgpu_backend_lowers_for_cuda(monkeypatch):
     assert "mosaic_gpu" in txt and "triton" in txt   # Mosaic prefix kernel + Triton suffix kernel
 
 
-@pytest.mark.parametrize("hkv,m,d,p,n,splits", [(1, 128, 64, 256, 200, 2), (2, 256, 128, 512, 300, 2),
-                                                 (1, 128, 64, 256, 0, 1)])
-def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits):
+@pytest.mark.parametrize("hkv,m,d,p,n,splits,sched,out_rows", [
+    (1, 128, 64, 256, 200, 2, True, None), (2, 256, 128, 512, 300, 2, True, 268),
+    (1, 128, 64, 256, 0, 1, True, None), (1, 128, 64, 384, 384, 1, False, None)])
+def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits, sched, out_rows):
     from pallas_kernels.decode_attention import merge_partials
     rng = np.random.default_rng(m + p + n)
     q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
     o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits, interpret=True,
-                                  _cpu_check=True)
-    assert o.shape == (splits, hkv, m, d) and lse.shape == (splits, hkv, m)
+                                  schedule_barrier=sched, out_rows=out_rows, _cpu_check=True)
+    rows = m if out_rows is None else -(-out_rows // 16) * 16   # 268 -> 272 allocated rows
+    assert o.shape == (splits, hkv, rows, d) and lse.shape == (splits, hkv, rows)
+    o, lse = o[:, :, :m], lse[:, :, :m]
     o, lse = merge_partials(o.astype(jnp.float32), lse)
     if n == 0:
         assert bool(jnp.all(jnp.isneginf(lse))) and bool(jnp.all(o == 0))
@@ -108,7 +114,8 @@ def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(rl), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("b,hq,hkv,d,p,s", [(3, 8, 2, 64, 256, 20)])
+@pytest.mark.parametrize("b,hq,hkv,d,p,s", [(3, 8, 2, 64, 256, 20),
+                                           (32, 8, 2, 64, 128, 9)])  # 128 rows: unwritten tail rows read
 def test_shared_path_with_mgpu_backend_in_cpu_interpreter(monkeypatch, b, hq, hkv, d, p, s):
     """The whole shared path (Mosaic prefix partials in 16-bit, padding of the rows, fused merge
     in the Triton suffix kernel) against the concatenation oracle, on the CPU."""
@@ -116,7 +123,7 @@ def test_shared_path_with_mgpu_backend_in_cpu_interpreter(monkeypatch, b, hq, hk
     from test_shared_prefix import check, make_case, oracle
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
     args, kw, meta = make_case(7, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=jnp.bfloat16,
-                               suffix_lengths=[0, s, 7])
+                               suffix_lengths=[0, s] + [7] * (b - 2))
     out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl="pallas_interpret")
     check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
 
@@ -133,16 +140,21 @@ def _reference_partials(q_hmd, k, v, n, scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hkv,m,d,p,n,splits", [
-    (8, 1152, 128, 4096, 4096, None), (8, 256, 128, 2048, 1500, 4), (1, 128, 64, 512, 512, 1),
-    (2, 384, 128, 1024, 0, 2)])
-def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits):
+@pytest.mark.parametrize("hkv,m,d,p,n,splits,sched,out_rows", [
+    (8, 1152, 128, 4096, 4096, None, True, None), (8, 256, 128, 2048, 1500, 4, True, 268),
+    (1, 128, 64, 512, 512, 1, True, None), (2, 384, 128, 1024, 0, 2, True, None),
+    (8, 1024, 128, 4096, 3000, None, False, 1036), (1, 256, 64, 1024, 1024, 2, False, None)])
+def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows):
     from pallas_kernels.decode_attention import merge_partials
     rng = np.random.default_rng(m + p)
     q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
-    o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits)
+    o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits,
+                                  schedule_barrier=sched, out_rows=out_rows)
+    if out_rows is not None:  # allocated rounded up to 16 rows; only the first m are defined
+        assert o.shape[2] == lse.shape[2] == -(-out_rows // 16) * 16
+        o, lse = o[:, :, :m], lse[:, :, :m]
     o, lse = merge_partials(o.astype(jnp.float32), lse)
     ro, rl = _reference_partials(q, k, v, n, d ** -0.5)
     if n == 0:

@@ -1,0 +1,89 @@
+"""Per-kernel device times of one shared-path call, read with Nsight Compute (GPU only).
+
+Each point's jitted call is run twice (compile, warm-up), then once between two marker kernels
+(an XLA ``sin``); ``ncu`` records every kernel's ``gpu__time_duration`` and this script prints
+the kernels between the last two markers with their sum, so the XLA glue (layout copies, pads,
+the merge) shows next to the Pallas launches.  ``ncu`` serialises kernels, so the sum is an
+upper bound of the in-loop time when launches could overlap (they do not in one XLA stream).
+
+    ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \\
+        --log-file prof.csv python bench/kernel_profile.py
+    python bench/kernel_profile.py --parse prof.csv --out prof.json
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+POINTS = [(256, 4096, 128, 32, 8, 128), (512, 8192, 128, 32, 8, 128), (1024, 4096, 128, 32, 8, 128)]
+
+
+def run():
+    import jax
+    import jax.numpy as jnp
+    from bench.shared_prefix import make_inputs, ours
+    marker = jax.jit(jnp.sin)
+    x = jnp.ones((8,), jnp.float32)
+    for pt in POINTS:
+        b, p, s, hq, hkv, d = pt
+        args = make_inputs(b, p, s, hkv, hq, d)
+        f = jax.jit(ours("shared"))
+        for _ in range(2):
+            jax.block_until_ready(f(*args))
+        jax.block_until_ready(marker(x))
+        jax.block_until_ready(f(*args))
+        jax.block_until_ready(marker(x))
+        print("profiled", pt, flush=True)
+
+
+def parse(path):
+    text = open(path).read()
+    start = text.find('"ID"')
+    rows = list(csv.DictReader(io.StringIO(text[start:])))
+    kernels = []  # (id, name, ns)
+    for r in rows:
+        if r.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        unit = r.get("Metric Unit", "ns")
+        val = float(r["Metric Value"].replace(",", ""))
+        ns = val * {"ns": 1, "nsecond": 1, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6}.get(unit, 1)
+        kernels.append((int(r["ID"]), r["Kernel Name"], ns))
+    kernels.sort()
+    marks = [i for i, (_, name, _) in enumerate(kernels) if "sine" in name.lower()]
+    out = []
+    # markers come in pairs per point, after the warm-up calls
+    for pi, pt in enumerate(POINTS):
+        if len(marks) < 2 * (pi + 1):
+            break
+        a, z = marks[2 * pi], marks[2 * pi + 1]
+        ks = [dict(name=n[:120], us=ns / 1e3) for _, n, ns in kernels[a + 1:z]]
+        out.append(dict(point=dict(zip(("batch", "prefix", "suffix", "heads_q", "heads_kv", "head_dim"), pt)),
+                        kernels=ks, total_us=sum(k["us"] for k in ks)))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parse")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if not a.parse:
+        run()
+        return
+    res = parse(a.parse)
+    for r in res:
+        print(r["point"], f"total {r['total_us']:.1f} us")
+        for k in r["kernels"]:
+            print(f"   {k['us']:8.1f} us  {k['name']}")
+    if a.out:
+        json.dump(dict(notes=__doc__, results=res), open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
