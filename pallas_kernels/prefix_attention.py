@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.suffix_attention import suffix_decode_merge
 from pallas_kernels.decode_attention import (Source, attend_pool, cdiv, check_rows_per_tile, finish_state,
                                              large_m_layout, merge_partials, next_pow2, q_rows_layout,
                                              ragged_attention, row_meta, rows_from_q,
@@ -64,6 +65,12 @@ PREFIX_BACKENDS = ("auto", "mgpu", "triton")
 # <= 24 (B <= 64, or Hq=8/Hkv=1 with B = 256) the Triton kernels (overlap variant) were as fast
 # or up to 2.4x faster (128-row blocks of mostly padding rows, too few CTAs).
 MGPU_MIN_CTAS = 64
+
+# Tiling of the decode suffix kernel (``suffix_attention.suffix_decode_merge``, launch 2 when
+# Tq == 1).  H200 sweep of launch 2 (bench/shared_breakdown.py, Hq=32/Hkv=8, S=64-128,
+# B=64-1024, the earlier row-layout kernel): 32-key tiles with 3 stages were within 3% of the
+# best of 10 settings at B >= 256 and 2-12% faster than the 64-key tiles used before.
+DECODE_SUFFIX_TILING = dict(block_k=32, num_warps=4, num_stages=3)
 
 # Ping-pong scheduling of the Mosaic GPU kernel's two compute warpgroups (see
 # ``prefix_attention_mgpu.prefix_partials_mgpu``).
@@ -151,6 +158,26 @@ def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
     """Launch 2 of the fused variant: the suffix decode merging the prefix partials
     ``(o_pre [splits, Hkv, >= M + R16, D], lse_pre)`` (rows ``R2`` per sequence)."""
     grp = hq // hkv
+    s_len = suffix_k.shape[1]
+    if suffix_splits is None:
+        suffix_splits = 1
+        if b * hkv < 264:
+            suffix_splits = max(1, min(cdiv(264, b * hkv), cdiv(s_len, 2 * (suffix_block_k or 64))))
+    if tq == 1 and suffix_splits == 1:
+        # Decoding: the suffix kernel reads q and writes out/lse in their own layout (no padded
+        # row copies); sequence b's prefix partials are rows block inv[b] (sorted by group).
+        tiling = dict(DECODE_SUFFIX_TILING)
+        for key, val in (("block_k", suffix_block_k), ("num_warps", suffix_warps),
+                         ("num_stages", suffix_stages)):
+            if val is not None:
+                tiling[key] = val
+        out, lse = suffix_decode_merge(q[:, 0], suffix_k, suffix_v, lim_s[:, 0], (o_pre, lse_pre),
+                                       in_stride=r2, position_b=inv, scale=scale,
+                                       interpret=interpret, **tiling)
+        return out[:, None], lse[:, None]
+    suffix_block_k = suffix_block_k or 64
+    suffix_warps = suffix_warps or 4
+    suffix_stages = suffix_stages or 3
     # Launch 2: per-sequence suffix decode (R16 rows per sequence, same sorted order); its
     # epilogue merges the prefix partials of rows [rb * R2, rb * R2 + R16).
     qs = rows_from_q(q, hkv, r16, order)
@@ -159,11 +186,6 @@ def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
                    row_meta(jnp.broadcast_to(b_sorted[:, None], (b, tq)), grp, r16,
                             pad_value=b_sorted),
                    row_meta(lim_s, grp, r16, order))
-    s_len = suffix_k.shape[1]
-    if suffix_splits is None:
-        suffix_splits = 1
-        if b * hkv < 264:
-            suffix_splits = max(1, min(cdiv(264, b * hkv), cdiv(s_len, 2 * suffix_block_k)))
     if suffix_splits > 1:
         o_s, lse_s = ragged_attention(qs, [src_s], scale=scale, block_m=r16,
                                       block_k=suffix_block_k, num_splits=suffix_splits,
@@ -189,8 +211,8 @@ def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
 
 
 def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
-                          *, scale, interpret=False, prefix_cfg=None, suffix_block_k=64,
-                          suffix_warps=4, suffix_stages=3, suffix_splits=None, variant=None):
+                          *, scale, interpret=False, prefix_cfg=None, suffix_block_k=None,
+                          suffix_warps=None, suffix_stages=None, suffix_splits=None, variant=None):
     """Shared path: batched prefix kernel, then suffix decode with the merge in its epilogue.
 
     When ``B * Hkv`` is too small to fill the GPU the suffix keys are split across programs
@@ -205,6 +227,7 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     g, p, hkv, _ = prefix_k.shape
     grp = hq // hkv
     check_rows_per_tile(tq, hq, hkv)
+    # (suffix tiling None: each suffix kernel's own default)
     r, r16 = q_rows_layout(tq, hq, hkv)
     r2 = next_pow2(r)
     cfg = prefix_config(b, r, hkv, p) if prefix_cfg is None else prefix_cfg
@@ -254,7 +277,7 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     if variant == "overlap":
         return _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, lim_rows,
                                 lim_s, order, inv, cfg=cfg, scale=scale, interpret=interpret,
-                                suffix_block_k=suffix_block_k)
+                                suffix_block_k=suffix_block_k or 64)
     o_pre, lse_pre = prefix_partials(qp, prefix_k, prefix_v, grp_rows, lim_rows, scale=scale,
                                      block_m=block_m, block_k=cfg["block_k"],
                                      num_splits=cfg["num_splits"], num_warps=cfg["num_warps"],

@@ -1,0 +1,107 @@
+"""Suffix decode with the fused merge in the queries' own layout (interpret mode on the CPU,
+the real kernel with marker ``gpu``), against a float64 NumPy computation."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.suffix_attention import suffix_decode_merge, suffix_rows
+
+
+def _np_attend(q, k, v, n, scale):
+    """float64 ``(o, lse)`` of one query row ``q [D]`` over keys ``k/v [S, D]`` up to ``n``."""
+    if n == 0:
+        return np.zeros(q.shape[-1]), -np.inf
+    s = (k[:n] @ q) * scale
+    m = s.max()
+    w = np.exp(s - m)
+    return (w @ v[:n]) / w.sum(), m + np.log(w.sum())
+
+
+def _case(seed, b, hq, hkv, d, s, dtype, n_in, stride_extra=0):
+    rng = np.random.default_rng(seed)
+    g = hq // hkv
+    r = suffix_rows(hq, hkv)
+    stride = max(g, 1) + stride_extra
+    q = rng.standard_normal((b, hq, d))
+    k = rng.standard_normal((b, s, hkv, d))
+    v = rng.standard_normal((b, s, hkv, d))
+    lens = rng.integers(0, s + 1, size=b)
+    lens[0], lens[-1] = 0, s
+    m_in = (b - 1) * stride + r
+    o_in = rng.standard_normal((n_in, hkv, m_in, d))
+    lse_in = rng.standard_normal((n_in, hkv, m_in)) * 3
+    if n_in:
+        lse_in[0, :, :stride] = -np.inf  # sequence 0: first partial empty
+        o_in[0, :, :stride] = 0.0
+    pos = rng.permutation(b)
+    return q, k, v, lens, o_in, lse_in, stride, pos
+
+
+def _expected(q, k, v, lens, o_in, lse_in, stride, pos, scale):
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    out = np.zeros((b, hq, d))
+    lse = np.zeros((b, hq))
+    for i in range(b):
+        for hh in range(hq):
+            h, j = hh // g, hh % g
+            o_s, l_s = _np_attend(q[i, hh], k[i, :, h], v[i, :, h], lens[i], scale)
+            os_, ls_ = [o_s], [l_s]
+            for t in range(o_in.shape[0]):
+                os_.append(o_in[t, h, pos[i] * stride + j])
+                ls_.append(lse_in[t, h, pos[i] * stride + j])
+            ls_ = np.array(ls_)
+            mx = ls_.max()
+            if mx == -np.inf:
+                lse[i, hh] = -np.inf
+                continue
+            w = np.exp(ls_ - mx)
+            out[i, hh] = sum(wi * oi for wi, oi in zip(w, os_)) / w.sum()
+            lse[i, hh] = mx + np.log(w.sum())
+    return out, lse
+
+
+CASES = [
+    (5, 8, 2, 64, 40, jnp.float32, 2, 16),      # G=4: 16-row tile, 12 masked rows
+    (3, 32, 1, 64, 33, jnp.float32, 1, 32),     # G=32: tile = the group; S not a multiple of bk
+    (4, 6, 2, 128, 20, jnp.bfloat16, 0, 16),    # G=3 (not a power of two), no incoming state
+    (6, 16, 8, 64, 64, jnp.bfloat16, 3, 32),    # G=2
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,s,dtype,n_in,bk", CASES)
+def test_matches_float64(b, hq, hkv, d, s, dtype, n_in, bk):
+    _check(b, hq, hkv, d, s, dtype, n_in, bk, gpu=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,s,dtype,n_in,bk", CASES + [
+    (40, 32, 8, 128, 300, jnp.bfloat16, 4, 32), (17, 8, 1, 128, 129, jnp.bfloat16, 1, 64)])
+def test_gpu_matches_float64(b, hq, hkv, d, s, dtype, n_in, bk):
+    _check(b, hq, hkv, d, s, dtype, n_in, bk, gpu=True)
+
+
+def _check(b, hq, hkv, d, s, dtype, n_in, bk, gpu):
+    q, k, v, lens, o_in, lse_in, stride, pos = _case(b * hq + s, b, hq, hkv, d, s, dtype, n_in,
+                                                     stride_extra=1 if n_in == 2 else 0)
+    scale = d ** -0.5
+    to = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    inc = None if n_in == 0 else (jnp.asarray(o_in, jnp.float32), jnp.asarray(lse_in, jnp.float32))
+    out, lse = jax.jit(lambda q, k, v, n, p: suffix_decode_merge(
+        q, k, v, n, inc, in_stride=stride, position_b=p, scale=scale, block_k=bk,
+        interpret=not gpu))(to(q), to(k), to(v), jnp.asarray(lens, jnp.int32),
+                            jnp.asarray(pos, jnp.int32))
+    assert out.shape == (b, hq, d) and out.dtype == dtype and lse.shape == (b, hq)
+    eo, el = _expected(*(np.asarray(to(x), np.float64) for x in (q, k, v)), lens, o_in, lse_in,
+                       stride, pos, scale)
+    out = np.asarray(out, np.float64)
+    lse = np.asarray(lse, np.float64)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(el))
+    fin = np.isfinite(el)
+    np.testing.assert_allclose(lse[fin], el[fin], atol=1e-4 if dtype == jnp.float32 else 2e-2)
+    rel = np.linalg.norm(out - eo) / np.linalg.norm(eo)
+    assert rel < (1e-5 if dtype == jnp.float32 else 2e-2), rel
+    assert np.all(out[~fin] == 0)
