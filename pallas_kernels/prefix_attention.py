@@ -67,10 +67,11 @@ PREFIX_BACKENDS = ("auto", "mgpu", "triton")
 MGPU_MIN_CTAS = 64
 
 # Tiling of the decode suffix kernel (``suffix_attention.suffix_decode_merge``, launch 2 when
-# Tq == 1).  H200 sweep of launch 2 (bench/shared_breakdown.py, Hq=32/Hkv=8, S=64-128,
-# B=64-1024, the earlier row-layout kernel): 32-key tiles with 3 stages were within 3% of the
-# best of 10 settings at B >= 256 and 2-12% faster than the 64-key tiles used before.
-DECODE_SUFFIX_TILING = dict(block_k=32, num_warps=4, num_stages=3)
+# Tq == 1).  H200 sweep of launch 2 alone (bench/results/shared_breakdown_h200.json, 10
+# settings, Hq=32/Hkv=8, S=128, B=256/512/1024): 32-key tiles, 2 warps, 3 stages were the
+# fastest at B=256 and 512 and within 3% of the fastest at B=1024, and 3-16% faster than the
+# 64-key / 4-warp tiles used before.
+DECODE_SUFFIX_TILING = dict(block_k=32, num_warps=2, num_stages=3)
 
 # Ping-pong scheduling of the Mosaic GPU kernel's two compute warpgroups (see
 # ``prefix_attention_mgpu.prefix_partials_mgpu``).
@@ -262,9 +263,10 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     if _use_mgpu(g, tq, interpret, ctas=hkv * (m128 // 128)):
         from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
         if pm.mgpu_supported(rows=m128, prefix_len=p, head_dim=d, dtype=q.dtype) is None:
-            qp = jnp.pad(qp, ((0, 0), (0, m128 - m_pad), (0, 0))) if m128 > m_pad else qp[:, :m128]
+            qm = rows_from_q(q, hkv, r2, order)  # [Hkv, m, D]
+            qm = jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm
             # (interpret: Mosaic GPU's CPU interpreter, with its operand-form substitutions)
-            o_pre, lse_pre = pm.prefix_partials_mgpu(qp, prefix_k[0], prefix_v[0], jnp.max(lim_p),
+            o_pre, lse_pre = pm.prefix_partials_mgpu(qm, prefix_k[0], prefix_v[0], jnp.max(lim_p),
                                                      scale=scale, interpret=interpret,
                                                      out_rows=max(m128, m - r2 + r16),
                                                      schedule_barrier=MGPU_SCHEDULE_BARRIER,

@@ -82,20 +82,21 @@ def mgpu_supported(*, rows: int, prefix_len: int, head_dim: int, dtype, block_q:
 
 
 def choose_splits(n_tiles: int, ctas: int, sms: int = SMS, max_splits: int = 4) -> int:
-    """Splits of the prefix for ``ctas`` (kv head, row block) CTAs: 1 when they already fill two
-    waves of the GPU (``ctas >= 2 * sms``), else the largest divisor of ``n_tiles`` up to
-    ``max_splits``.
+    """Splits of the prefix for ``ctas`` (kv head, 128-row block) CTAs: 1 when they already
+    fill most of one wave (``ctas >= 3/4 * sms``), else the largest divisor of ``n_tiles`` up
+    to ``max_splits`` that keeps ``ctas * splits`` within two waves (one CTA per SM).
 
-    Measured on an H200 (``bench/results/shared_breakdown_h200.json``, splits 1/2/4/8): at
-    17-136 CTAs (B=256-512 with Hq=32/Hkv=8 and P=4K-8K; P=16K) 4 and 8 splits were within 5%
-    of each other and 4-68% faster than 2 or 1; at 264 CTAs (B=1024) 1 split was 5-24% faster
-    than 2, 4 or 8.  Fewer splits also mean fewer partials for the suffix pass to merge.
+    Measured on an H200 (``bench/results/shared_breakdown_h200.json``, splits 1/2/4/8, the
+    kernel alone, Hq=32/Hkv=8): at 64 CTAs (B=256, P=4K) 4 splits were fastest, 2 within 10%
+    and 1 split 37% slower; at 128 and 256 CTAs (B=512 P=8K, B=1024 P=4K) 1 split was fastest,
+    2-13% ahead of 2 or 4 and 15-30% ahead of 8.  Fewer splits also mean fewer partials for
+    the suffix pass to merge.
     """
-    if ctas >= 2 * sms:
+    if 4 * ctas >= 3 * sms:
         return 1
     best = 1
     for s in range(1, min(n_tiles, max_splits) + 1):
-        if n_tiles % s == 0:
+        if n_tiles % s == 0 and ctas * s <= 2 * sms:
             best = s
     return best
 

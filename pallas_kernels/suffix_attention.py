@@ -43,7 +43,8 @@ def suffix_rows(hq: int, hkv: int) -> int:
 
 
 def _kernel(q_ref, len_ref, pos_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *,
-            hq, grp, rows, n_in, in_stride, block_k, seq_len, scale_log2, precision, out_dtype):
+            hq, grp, rows, n_in, in_stride, block_k, seq_len, scale_log2, precision, out_dtype,
+            has_pos):
     h = pl.program_id(0)
     b = pl.program_id(1)
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
@@ -59,7 +60,7 @@ def _kernel(q_ref, len_ref, pos_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, 
                                 seq_len=seq_len, scale_log2=scale_log2, precision=precision)
     o_own, lse_own = finish_state(acc, m_i, l_i)
     if n_in:
-        pos = jnp.max(pos_ref[...])
+        pos = jnp.max(pos_ref[...]) if has_pos else b
         p_rows = pl.ds(pos * in_stride, rows)
         lse_parts = [lse_own] + [lse_in_ref[i, p_rows] for i in range(n_in)]
         o_parts = [o_own] + [o_in_ref[i, p_rows, :].astype(jnp.float32) for i in range(n_in)]
@@ -82,7 +83,7 @@ def _kernel(q_ref, len_ref, pos_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, 
 
 
 def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, in_stride=0,
-                        position_b=None, scale, block_k=32, num_warps=4, num_stages=3,
+                        position_b=None, scale, block_k=32, num_warps=2, num_stages=3,
                         interpret=False):
     """Decode attention of each sequence over its suffix, merged with incoming partial states.
 
@@ -114,13 +115,14 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
     q2 = q_bhd.reshape(b * hq, d)
     if pad:
         q2 = jnp.pad(q2, ((0, pad), (0, 0)))
-    if position_b is None:
-        position_b = jnp.arange(b, dtype=jnp.int32)
+    has_pos = position_b is not None
+    if not has_pos:  # placeholder (the kernel uses its program id)
+        position_b = jnp.zeros((b,), jnp.int32)
     precision = lax.Precision.HIGHEST if q_bhd.dtype == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(
         _kernel, hq=hq, grp=grp, rows=rows, n_in=n_in, in_stride=in_stride, block_k=block_k,
         seq_len=s_len, scale_log2=float(scale) * _LOG2E, precision=precision,
-        out_dtype=q_bhd.dtype)
+        out_dtype=q_bhd.dtype, has_pos=has_pos)
     whole = lambda x: pl.BlockSpec(x.shape, lambda h, i, n=x.ndim: (0,) * n)  # noqa: E731
     one = pl.BlockSpec((1,), lambda h, i: (i,))
     args = [q2, lengths_b.astype(jnp.int32).reshape(b), position_b.astype(jnp.int32), suffix_k,

@@ -36,8 +36,10 @@ def test_supported_shapes_and_splits():
     assert "dtype" in mgpu_supported(rows=1152, prefix_len=4096, head_dim=128, dtype=jnp.float32)
     assert "multiple" in mgpu_supported(rows=1152, prefix_len=4000, head_dim=128, dtype=jnp.bfloat16)
     assert "rows" in mgpu_supported(rows=100, prefix_len=4096, head_dim=128, dtype=jnp.bfloat16)
-    assert choose_splits(32, 8 * 9) == 4          # 72 CTAs -> 4 splits of 8 tiles (288 CTAs)
-    assert choose_splits(32, 8 * 33) == 1         # 264 CTAs: two waves already
+    assert choose_splits(32, 8 * 8) == 4          # 64 CTAs -> 4 splits of 8 tiles (256 CTAs)
+    assert choose_splits(32, 8 * 9) == 2          # 72 CTAs: 4 splits would pass two waves
+    assert choose_splits(64, 8 * 16) == 1         # 128 CTAs: one wave already
+    assert choose_splits(32, 8 * 32) == 1
     assert choose_splits(30, 1) == 3              # largest divisor of the tile count up to 4
     assert choose_splits(7, 8) == 1               # 7 tiles: no divisor in 2..4
     assert choose_splits(2, 8) == 2
