@@ -116,8 +116,8 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
     if pad:
         q2 = jnp.pad(q2, ((0, pad), (0, 0)))
     has_pos = position_b is not None
-    if not has_pos:  # placeholder (the kernel uses its program id)
-        position_b = jnp.zeros((b,), jnp.int32)
+    if not has_pos:  # placeholder, never read (the kernel uses its program id)
+        position_b = lengths_b
     precision = lax.Precision.HIGHEST if q_bhd.dtype == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(
         _kernel, hq=hq, grp=grp, rows=rows, n_in=n_in, in_stride=in_stride, block_k=block_k,
