@@ -25,7 +25,10 @@ Schedules (``impl``):
 
 Off-GPU, ``"auto"``, ``"flatten"``, ``"levelwise"`` and ``"nodes"`` run a pure-JAX mirror of
 the same schedule (same metadata, same reduction).  The per-sequence suffix is one more
-launch of the same kernel in node mode (split along the suffix, flash-decoding style).
+launch: when decoding (``Tq == 1``), the suffix kernel of the shared path
+(``pallas_kernels.suffix_attention``), which merges the tree's partial states in its epilogue
+and writes the output in q's layout; otherwise the tree kernel in node mode (split along the
+suffix, flash-decoding style), merged with the tree partials in XLA.
 
 Differentiable: gradients (w.r.t. ``q``, pools and suffixes) come from the pure-JAX mirror of
 the flatten schedule through ``jax.custom_vjp`` (recomputed in the backward pass).
@@ -401,6 +404,22 @@ def _forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_l
                                         draft_ancestors(draft_parents, tq), scale)
         parts_o.append(so)
         parts_l.append(sl)
+    elif suffix_k.shape[1] > 0 and tq == 1 and backend in ("pallas", "interpret") and d >= 16 \
+            and not d & (d - 1):
+        # Decoding: the tree's partials are merged here (XLA), then one suffix launch attends
+        # each sequence's suffix and merges that state in its epilogue, writing the output in
+        # q's layout (pallas_kernels.suffix_attention).
+        from pallas_kernels.suffix_attention import suffix_decode_merge, suffix_rows  # noqa: PLC0415
+        o_t, l_t = _merge(parts_o, parts_l)                    # [B, 1, Hkv, G, D], [B, 1, Hkv, G]
+        pad = suffix_rows(hq, hkv) - g  # the kernel reads whole row tiles past the last sequence
+        o_in = jnp.transpose(o_t.reshape(b, hkv, g, d), (1, 0, 2, 3)).reshape(1, hkv, b * g, d)
+        l_in = jnp.transpose(l_t.reshape(b, hkv, g), (1, 0, 2)).reshape(1, hkv, b * g)
+        o_in = jnp.pad(o_in, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(_partial_dtype(q.dtype))
+        l_in = jnp.pad(l_in, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+        out, lse = suffix_decode_merge(q[:, 0].astype(suffix_k.dtype), suffix_k, suffix_v,
+                                       suffix_lengths, (o_in, l_in), in_stride=g, scale=scale,
+                                       interpret=backend == "interpret")
+        return out[:, None].astype(q.dtype), lse[:, None]
     elif suffix_k.shape[1] > 0:
         so, sl = _suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta, scale=scale, backend=backend,
                                   block_kv=meta.flatten.block_kv)
