@@ -16,7 +16,10 @@ programs (split-KV) and the splits are merged by the suffix pass.
 
 :func:`shared_prefix_forward` is the shared path: launch 1 computes the prefix partials;
 launch 2 is the per-sequence suffix decode whose epilogue merges those partials (fused merge),
-writing the final output and LSE.
+writing the final output and LSE.  When decoding (``Tq == 1``, suffix not split) launch 2 is
+:func:`pallas_kernels.suffix_attention.suffix_decode_merge`, which reads ``q`` and writes the
+output in their own layout; with ``Tq > 1`` it is the row-layout kernel of
+:mod:`decode_attention`.
 """
 from __future__ import annotations
 
@@ -63,7 +66,9 @@ PREFIX_BACKENDS = ("auto", "mgpu", "triton")
 # run with both backends, 72 grid points): at >= 65 such CTAs (Hq=32/Hkv=8 with B >= 256;
 # Hq=8/Hkv=1 with B = 1024) the shared path was 0.97-1.62x faster with it (median 1.14x); at
 # <= 24 (B <= 64, or Hq=8/Hkv=1 with B = 256) the Triton kernels (overlap variant) were as fast
-# or up to 2.4x faster (128-row blocks of mostly padding rows, too few CTAs).
+# or up to 2.4x faster (128-row blocks of mostly padding rows, too few CTAs).  (Those counts
+# included a padding row block that the shared path no longer computes: the same points, Hq=32
+# with B >= 256 and Hq=8 with B = 1024, now count 64 CTAs and more.)
 MGPU_MIN_CTAS = 64
 
 # Tiling of the decode suffix kernel (``suffix_attention.suffix_decode_merge``, launch 2 when

@@ -2,10 +2,12 @@
 warp specialisation): the compute-bound part of the shared path, the default prefix backend on
 Hopper where it applies (see ``prefix_attention.PREFIX_BACKEND``).
 
-Measured on an H200 (``bench/results/shared_breakdown_h200.json``, jax 0.11.2): 180-420
-TFLOP/s against 130-330 for the Triton prefix kernel at the same six points; over the grid
-(``bench/results/shared_prefix_h200.json``) the shared path with it ran 0.92-1.52x (median
-1.16x) the speed of the Triton backend where ``auto`` uses it; its GPU tests
+Measured on an H200 (jax 0.11.2), Hq=32/Hkv=8, D=128: 443 / 549 / 536 TFLOP/s at B=256 P=4K /
+B=512 P=8K / B=1024 P=4K (Nsight Compute device time, ``bench/results/kernel_profile_h200.json``),
+against 150-330 for the Triton prefix kernel (``bench/results/shared_breakdown_h200.json``); the
+ping-pong schedule barrier is worth 4-8% of the whole shared path at the three points; over the
+grid (``bench/results/shared_prefix_h200.json``) the shared path with it ran 1.0-2.1x (median
+1.26x) the speed of the Triton backend where ``auto`` uses it; its GPU tests
 (``tests/test_prefix_attention_mgpu.py -m gpu``) pass.
 The CPU tests lower it for CUDA and run it in Mosaic GPU's CPU interpreter against the
 reference, except two operand forms that interpreter lacks (``_cpu_check=True`` swaps them: K
@@ -35,7 +37,8 @@ Kernel: grid ``(Hkv, M / (2 * block_q), splits)``; three warpgroups per CTA: two
 warpgroups of ``block_q`` rows each and one memory warpgroup streaming the split's K/V tiles
 through shared memory (``emit_pipeline_warp_specialized``).  Per tile: ``S = Q K^T`` (wgmma,
 float32 accumulator), online softmax in base 2 with the scale folded in, ``O += P V`` (wgmma
-with ``P`` from registers).
+with ``P`` from registers).  A two-arrival barrier makes the compute warpgroups alternate, so
+one's matrix products overlap the other's softmax (FlashAttention-3's ping-pong schedule).
 """
 from __future__ import annotations
 
