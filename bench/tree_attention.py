@@ -27,18 +27,21 @@ Usage: ``python bench/tree_attention.py --out bench/results/tree_attention_h100.
 Timing: :func:`bench.timing.loop_time` (dependent calls inside one jitted loop, no per-call
 dispatch).  ``--iters`` is kept for old command lines and ignored.
 
-Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22, in-loop
-timing; ``single_level`` with the Triton prefix backend, the default then):
+Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22 session 4,
+in-loop timing; the tree path's suffix launch is the decode suffix kernel merging the tree
+partials; ``single_level`` uses the session-4 shared path, Mosaic GPU prefix kernel where it
+applies; the session-3 run is in ``bench/results/logs/tree_attention_run2_h200.log`` and the run
+before the tree suffix change in ``tree_attention_h200_session4_before_suffix_fusion.json``):
 
-* APPS-like: auto 1.30x (8 problems) / 1.50x (16) faster than single-level shared prefix,
-  1.80x / 1.74x the floor: the 1.5x target is met with 16 problems only, the 2x floor target
-  with both.
-* tree-of-thought: auto 1.04x single-level (missed), 2.08x the floor (missed).
-* speculative (single-token leaves): flatten 3.05x / 2.37x / 2.31x node-by-node for 32 / 64 /
+* APPS-like: auto 1.33x (8 problems) / 1.60x (16) faster than single-level shared prefix,
+  1.43x / 1.35x the floor: the 1.5x target is met with 16 problems only, the 2x floor target
+  with both (session 3: 1.30x / 1.50x, 1.80x / 1.74x).
+* tree-of-thought: auto 1.07x single-level (missed), 1.65x the floor (met; session 3: 2.08x).
+* speculative (single-token leaves): flatten 3.13x / 2.34x / 2.35x node-by-node for 32 / 64 /
   256 drafts (target 1.5x met); ``single_level`` (root through ``shared_prefix_attention``,
-  the rest as per-sequence suffix) beats auto at 32 and 64 drafts (auto 0.62x / 0.57x its
-  speed), not at 256 (1.03x).
-* few-shot (one level): auto 0.87x / 0.86x the ``single_level`` column (the same function on a
+  the rest as per-sequence suffix, materialised before timing) beats auto (auto 0.55x / 0.55x /
+  0.88x its speed).
+* few-shot (one level): auto 0.84x / 0.94x the ``single_level`` column (the same function on a
   pre-sliced prefix: the difference is the root gather).
 """
 from __future__ import annotations
