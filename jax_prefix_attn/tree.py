@@ -360,6 +360,14 @@ class Schedule:
         return cls(items, tok, parts, *aux, chunk_start=chunk_start)
 
 
+# A tree whose sequences have at most this many path tokens below their root is "shallow"
+# (speculative-decoding token trees, short branches): ``tree_attention(impl="auto")`` then runs
+# the roots through the shared-prefix path and gathers those few tokens per sequence (H200,
+# bench/results/tree_attention_h200.json: the single-level shared path was 1.8x faster than the
+# tree schedules on 32- and 64-draft speculative trees).
+SHALLOW_MAX_TOKENS = 64
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class TreeMetadata:
@@ -372,8 +380,13 @@ class TreeMetadata:
     Static: ``num_seqs``, ``tq``, ``group`` (``Hq // Hkv``), ``pool_size``, ``preferred``
     (the cost model's schedule, ``"flatten"`` or ``"levelwise"``), ``single_level`` (every
     sequence hangs from a root: plain shared-prefix attention), ``root_pad`` (power-of-two
-    bucket of the longest root).  ``root_span [G, 2]`` (start, length of each root) and
-    ``seq_root [B]`` (root index of each sequence's path) serve the single-level path.
+    bucket of the longest root: eight buckets per octave, multiples of 128 from 1024 on).
+    ``root_span [G, 2]`` (start, length of each root) and ``seq_root [B]`` (root index of each
+    sequence's path) serve the single-level path.  ``shallow_idx [B, shallow_pad]`` (pool indices
+    of each sequence's path tokens below its root, padded with 0) and ``shallow_len [B]`` serve
+    the shallow path (roots through shared-prefix attention, the few other path tokens gathered
+    per sequence); built, and ``shallow_pad > 0`` (16 or ``SHALLOW_MAX_TOKENS``), only when no sequence
+    has more than ``SHALLOW_MAX_TOKENS`` path tokens below its root and the tree is not single-level.
     """
     flatten: Schedule
     nodes: Schedule
@@ -390,16 +403,24 @@ class TreeMetadata:
     preferred: str = "flatten"
     single_level: bool = False
     root_pad: int = 1
+    shallow_idx: Any = None
+    shallow_len: Any = None
+    shallow_pad: int = 0
 
     def tree_flatten(self):
         return ((self.flatten, self.nodes, self.levels, self.sorted_rows, self.row_key, self.seq_path_len,
-                 self.root_span, self.seq_root),
+                 self.root_span, self.seq_root, self.shallow_idx, self.shallow_len),
                 (self.num_seqs, self.tq, self.group, self.pool_size, self.preferred, self.single_level,
-                 self.root_pad))
+                 self.root_pad, self.shallow_pad))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
+        (flatten, nodes, levels, sorted_rows, row_key, seq_path_len, root_span, seq_root, shallow_idx,
+         shallow_len) = children
+        (num_seqs, tq, group, pool_size, preferred, single_level, root_pad, shallow_pad) = aux
+        return cls(flatten, nodes, levels, sorted_rows, row_key, seq_path_len, root_span, seq_root,
+                   num_seqs, tq, group, pool_size, preferred, single_level, root_pad, shallow_idx,
+                   shallow_len, shallow_pad)
 
     @property
     def rows_padded(self) -> int:
@@ -652,13 +673,36 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
     seq_root = np.asarray([root_index[tree.path(i)[0]] for i in range(b)], np.int32)
     root_span = np.stack([np.asarray(tree.starts)[roots], np.asarray(tree.lengths)[roots]], axis=1).astype(np.int32)
     single = bool(np.all(p_arr[np.asarray(tree.leaf_of_seq)] < 0))
+    root_len_of_seq = root_span[seq_root, 1].astype(np.int64)
+    below = info["seq_path_len"].astype(np.int64) - root_len_of_seq    # path tokens below the root
+    shallow_idx = shallow_len = None
+    shallow_pad = 0
+    if not single and 0 < int(below.max()) <= SHALLOW_MAX_TOKENS:
+        shallow_pad = 16 if int(below.max()) <= 16 else SHALLOW_MAX_TOKENS  # two buckets
+        shallow_idx = np.zeros((b, shallow_pad), np.int32)
+        for i in range(b):
+            toks = tree.path_token_indices(i)[int(root_len_of_seq[i]):]
+            shallow_idx[i, :toks.shape[0]] = toks
+        shallow_len = below.astype(np.int32)
     return TreeMetadata(flatten=flat, nodes=nodes, levels=tuple(levels), sorted_rows=sorted_rows,
                         row_key=row_key,
                         seq_path_len=info["seq_path_len"].astype(np.int32),
                         root_span=root_span, seq_root=seq_root,
                         num_seqs=b, tq=int(tq), group=int(group), pool_size=int(pool_size),
                         preferred=preferred, single_level=single,
-                        root_pad=_next_pow2(max(16, int(root_span[:, 1].max()))))
+                        root_pad=root_bucket(int(root_span[:, 1].max())),
+                        shallow_idx=shallow_idx, shallow_len=shallow_len, shallow_pad=shallow_pad)
+
+
+def root_bucket(n: int) -> int:
+    """Padded root length (static; bounds recompilation): a power of two up to 1024, above that
+    the next multiple of a sixteenth of the next power of two (at most 12.5% padding, eight
+    buckets per octave, always a multiple of 128, the Mosaic GPU prefix kernel's tile)."""
+    p2 = _next_pow2(max(16, n))
+    if p2 <= 1024:
+        return p2
+    step = p2 // 16
+    return -(-n // step) * step
 
 
 def build_tree_metadata(tree: PrefixTree, *, tq: int, group: int, pool_size: int, block_kv: int = 128,

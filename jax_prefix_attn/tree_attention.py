@@ -15,7 +15,10 @@ Schedules (``impl``):
   each paired with its rows; one launch computes a partial per (chunk, row block); a
   tree-topology-aware static reduction merges them per row.
 * ``"auto"``: on the GPU, a single-level forest (every sequence hangs from a root, non-empty
-  suffixes) goes to ``shared_prefix_attention`` (one prefix group per root); otherwise the
+  suffixes) goes to ``shared_prefix_attention`` (one prefix group per root); so does, when
+  decoding, a shallow forest (at most ``tree.SHALLOW_MAX_TOKENS`` path tokens below each
+  sequence's root, e.g. speculative token trees), with those tokens gathered into a
+  per-sequence suffix and the real suffix merged by the decode suffix kernel; otherwise the
   cheaper of the two schedules by :func:`jax_prefix_attn.tree.schedule_cost` (decided when
   the metadata is built: KV bytes, flops, program waves, partial-state traffic, and the
   longest single item, which is what node-granular schedules lose on unbalanced trees).
@@ -445,6 +448,40 @@ def _single_level(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suf
                                    return_lse=True, impl=impl)
 
 
+def _shallow(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, *, scale: float,
+             impl: str, interpret: bool = False):
+    """Shallow trees (``meta.shallow_pad > 0``), decoding (``Tq == 1``): the roots through
+    shared-prefix attention with each sequence's few path tokens below its root gathered into a
+    per-sequence suffix ``[B, shallow_pad, Hkv, D]``; then, when there is a suffix, the decode
+    suffix kernel attends it and merges that state in its epilogue.  With one query per sequence
+    every key is visible, so the order of the keys does not matter."""
+    from pallas_kernels.suffix_attention import suffix_decode_merge, suffix_rows  # noqa: PLC0415
+    b, _, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    g = hq // hkv
+    idx, n = meta.shallow_idx, meta.shallow_len
+    valid = (jnp.arange(meta.shallow_pad)[None, :] < n[:, None])[..., None, None]
+    nk = jnp.where(valid, k_pool[idx], 0)
+    nv = jnp.where(valid, v_pool[idx], 0)
+    out, lse = _single_level(q, meta, k_pool, v_pool, nk, nv, n, scale=scale, impl=impl)
+    if suffix_k.shape[1] == 0:
+        return out, lse
+    pad = suffix_rows(hq, hkv) - g
+    o_in = jnp.transpose(out.reshape(b, hkv, g, d), (1, 0, 2, 3)).reshape(1, hkv, b * g, d)
+    l_in = jnp.transpose(lse.reshape(b, hkv, g), (1, 0, 2)).reshape(1, hkv, b * g)
+    o_in = jnp.pad(o_in, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    l_in = jnp.pad(l_in, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+    out, lse = suffix_decode_merge(q[:, 0].astype(suffix_k.dtype), suffix_k, suffix_v, suffix_lengths,
+                                   (o_in, l_in), in_stride=g, scale=scale, interpret=interpret)
+    return out[:, None].astype(q.dtype), lse[:, None]
+
+
+def _use_shallow(meta: TreeMetadata, q) -> bool:
+    d = q.shape[-1]
+    return (meta.shallow_pad > 0 and meta.tq == 1 and q.shape[1] == 1 and d >= 16 and not d & (d - 1)
+            and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
 def _use_single_level(meta: TreeMetadata, q, suffix_k) -> bool:
     d = q.shape[-1]
     return (meta.single_level and suffix_k.shape[1] > 0 and d >= 16 and not d & (d - 1)
@@ -580,6 +617,10 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
         # One level of sharing: the shared-prefix kernels (Hydragen's two-level case).
         out, lse = _single_level(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
                                  impl="auto")
+        return (out, lse) if return_lse else out
+    if impl == "auto" and _on_gpu() and draft_parents is None and _use_shallow(meta, q):
+        out, lse = _shallow(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
+                            impl="auto")
         return (out, lse) if return_lse else out
     if impl == "pallas_interpret":
         schedule, backend = "flatten", "interpret"

@@ -330,7 +330,8 @@ def test_gpu_parity_random_forests(dtype, tol, tq, seeds):
 def test_gpu_llama_heads_apps_like_and_speculative():
     rng = np.random.default_rng(3)
     for forest, per_leaf, smax in (([[700] + [int(x) for x in rng.integers(30, 200, 6)]], 24, 130),
-                                   ([[1500] + [1] * 64], 1, 0)):
+                                   ([[1500] + [1] * 64], 1, 0),                # shallow (auto)
+                                   ([[1000] + [1] * 20 + [[3, 2, 5]]], 3, 40)):  # shallow + suffix
         tree = PrefixTree.from_nested(forest, seqs_per_leaf=per_leaf)
         args = make_inputs(tree, tq=1, hq=32, hkv=8, d=128, smax=smax, seed=1, dtype=jnp.bfloat16)
         ref_out, ref_lse = concat_oracle(tree, *args)
@@ -349,3 +350,38 @@ def test_gpu_nan_poison_outside_spans():
     for impl in ("flatten", "levelwise"):
         out, lse = run(tree, (q, *bad, sl), impl)
         check_close(out, lse, ref_out, ref_lse, 1e-5)
+
+
+@pytest.mark.parametrize("smax", [0, 7])
+def test_shallow_path_in_interpret_mode(smax):
+    """Speculative-style forest (two roots, single-token and short leaves, several sequences on
+    some): roots through the shared-prefix path, path tokens below the roots gathered per sequence,
+    the real suffix merged by the decode suffix kernel; against the concatenation oracle."""
+    from jax_prefix_attn.tree import SHALLOW_MAX_TOKENS
+    from jax_prefix_attn.tree_attention import _shallow, _use_shallow
+    tree = PrefixTree.from_nested([[70] + [1] * 6 + [[2, 1, 3]], [40, 5, 1]], seqs_per_leaf=2)
+    args = make_inputs(tree, tq=1, hq=4, hkv=2, d=16, smax=smax, seed=21)
+    q, kp, vp, sk, sv, sl = args
+    meta = build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0])
+    assert not meta.single_level and meta.shallow_pad == 16 and _use_shallow(meta, q)
+    below = np.asarray(meta.shallow_len)
+    assert below.max() == 5 and below.min() == 1        # [2, 1, 3]: a 2-token node with leaves 1 and 3
+    for i in range(tree.num_seqs):                      # gathered indices are the path below the root
+        root_len = tree.lengths[tree.path(i)[0]]
+        np.testing.assert_array_equal(np.asarray(meta.shallow_idx)[i, :below[i]],
+                                      tree.path_token_indices(i)[root_len:])
+    ref_out, ref_lse = concat_oracle(tree, *args)
+    out, lse = jax.jit(lambda q, kp, vp, sk, sv, sl: _shallow(
+        q, jax.tree_util.tree_map(jnp.asarray, meta), kp, vp, sk, sv, sl, scale=16 ** -0.5,
+        impl="pallas_interpret", interpret=True))(*args)
+    check_close(out, lse, ref_out, ref_lse, 1e-5)
+    # not shallow: a path with more than SHALLOW_MAX_TOKENS tokens below its root
+    deep = PrefixTree.from_nested([[30, [SHALLOW_MAX_TOKENS, 1], 2]])
+    assert build_tree_metadata(deep, tq=1, group=2, pool_size=deep.pool_extent).shallow_pad == 0
+
+
+def test_root_bucket():
+    from jax_prefix_attn.tree import root_bucket
+    assert [root_bucket(n) for n in (1, 17, 1000, 1024)] == [16, 32, 1024, 1024]
+    assert root_bucket(1025) == 1152 and root_bucket(4000) == 4096 and root_bucket(5000) == 5120
+    assert all(root_bucket(n) % 128 == 0 and n <= root_bucket(n) <= 1.125 * n for n in range(1025, 20000, 97))
