@@ -412,17 +412,10 @@ def _forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_l
         # Decoding: the tree's partials are merged here (XLA), then one suffix launch attends
         # each sequence's suffix and merges that state in its epilogue, writing the output in
         # q's layout (pallas_kernels.suffix_attention).
-        from pallas_kernels.suffix_attention import suffix_decode_merge, suffix_rows  # noqa: PLC0415
         o_t, l_t = _merge(parts_o, parts_l)                    # [B, 1, Hkv, G, D], [B, 1, Hkv, G]
-        pad = suffix_rows(hq, hkv) - g  # the kernel reads whole row tiles past the last sequence
-        o_in = jnp.transpose(o_t.reshape(b, hkv, g, d), (1, 0, 2, 3)).reshape(1, hkv, b * g, d)
-        l_in = jnp.transpose(l_t.reshape(b, hkv, g), (1, 0, 2)).reshape(1, hkv, b * g)
-        o_in = jnp.pad(o_in, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(_partial_dtype(q.dtype))
-        l_in = jnp.pad(l_in, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
-        out, lse = suffix_decode_merge(q[:, 0].astype(suffix_k.dtype), suffix_k, suffix_v,
-                                       suffix_lengths, (o_in, l_in), in_stride=g, scale=scale,
-                                       interpret=backend == "interpret")
-        return out[:, None].astype(q.dtype), lse[:, None]
+        return _decode_suffix_merging(q, o_t.astype(_partial_dtype(q.dtype)), l_t, suffix_k,
+                                      suffix_v, suffix_lengths, scale=scale,
+                                      interpret=backend == "interpret")
     elif suffix_k.shape[1] > 0:
         so, sl = _suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta, scale=scale, backend=backend,
                                   block_kv=meta.flatten.block_kv)
@@ -455,10 +448,6 @@ def _shallow(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_l
     per-sequence suffix ``[B, shallow_pad, Hkv, D]``; then, when there is a suffix, the decode
     suffix kernel attends it and merges that state in its epilogue.  With one query per sequence
     every key is visible, so the order of the keys does not matter."""
-    from pallas_kernels.suffix_attention import suffix_decode_merge, suffix_rows  # noqa: PLC0415
-    b, _, hq, d = q.shape
-    hkv = k_pool.shape[1]
-    g = hq // hkv
     idx, n = meta.shallow_idx, meta.shallow_len
     valid = (jnp.arange(meta.shallow_pad)[None, :] < n[:, None])[..., None, None]
     nk = jnp.where(valid, k_pool[idx], 0)
@@ -466,8 +455,22 @@ def _shallow(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_l
     out, lse = _single_level(q, meta, k_pool, v_pool, nk, nv, n, scale=scale, impl=impl)
     if suffix_k.shape[1] == 0:
         return out, lse
-    pad = suffix_rows(hq, hkv) - g
-    o_in = jnp.transpose(out.reshape(b, hkv, g, d), (1, 0, 2, 3)).reshape(1, hkv, b * g, d)
+    return _decode_suffix_merging(q, out, lse, suffix_k, suffix_v, suffix_lengths, scale=scale,
+                                  interpret=interpret)
+
+
+def _decode_suffix_merging(q, o, lse, suffix_k, suffix_v, suffix_lengths, *, scale: float,
+                           interpret: bool):
+    """``Tq == 1``: attend each sequence's suffix and merge the state ``(o, lse)`` (normalised,
+    ``[B, 1, Hq(, D)]`` in any head grouping ``Hkv x G``) in the decode suffix kernel's epilogue
+    (``pallas_kernels.suffix_attention``).  Returns ``(out [B, 1, Hq, D] in q's dtype,
+    lse [B, 1, Hq])``."""
+    from pallas_kernels.suffix_attention import suffix_decode_merge, suffix_rows  # noqa: PLC0415
+    b, _, hq, d = q.shape
+    hkv = suffix_k.shape[2]
+    g = hq // hkv
+    pad = suffix_rows(hq, hkv) - g  # the kernel reads whole row tiles past the last sequence
+    o_in = jnp.transpose(o.reshape(b, hkv, g, d), (1, 0, 2, 3)).reshape(1, hkv, b * g, d)
     l_in = jnp.transpose(lse.reshape(b, hkv, g), (1, 0, 2)).reshape(1, hkv, b * g)
     o_in = jnp.pad(o_in, ((0, 0), (0, 0), (0, pad), (0, 0)))
     l_in = jnp.pad(l_in, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
