@@ -10,7 +10,9 @@ For each point (Tq = 1, one prefix, every suffix full, bf16), all in one run:
   GPU kernel at a few ``(num_splits, schedule_barrier)`` settings, with its achieved
   TFLOP/s (``4 * rows * P * D`` flops per kv head);
 * ``suffix_merge_ms``: launch 2 alone (suffix decode + merge of fixed prefix partials) at the
-  default tiling, with its bandwidth as a fraction of the copy bandwidth, and
+  first setting of ``SUFFIX_SETTINGS`` (64-key tiles, 4 warps, 3 stages: the tiling before
+  session 4; the shared path now uses ``prefix_attention.DECODE_SUFFIX_TILING``), with its
+  bandwidth as a fraction of the copy bandwidth, and
   ``suffix_merge_ms[bk=,w=,st=]`` the sweep of its ``(block_k, num_warps, num_stages)`` at points
   with short suffixes;
 * ``floor_ms``: as in ``bench/shared_prefix.py``.
@@ -44,7 +46,7 @@ POINTS = [(256, 4096, 128, 32, 8, 128), (512, 8192, 128, 32, 8, 128), (1024, 409
 # (num_splits, schedule_barrier) of the Mosaic GPU prefix kernel alone
 MGPU_SETTINGS = [(None, True), (1, True), (2, True), (4, True), (8, True), (None, False),
                  (2, False)]
-# (block_k, num_warps, num_stages) of the suffix pass (launch 2) alone; the first is the default
+# (block_k, num_warps, num_stages) of the suffix pass (launch 2) alone; the first is the pre-session-4 tiling
 SUFFIX_SETTINGS = [(64, 4, 3), (64, 4, 2), (32, 4, 2), (32, 4, 3), (32, 2, 3), (64, 8, 3),
                    (128, 4, 1), (128, 4, 2), (128, 8, 2), (16, 2, 4)]
 SUFFIX_SWEEP_MAX_S = 256  # sweep the suffix settings only at points with short suffixes
