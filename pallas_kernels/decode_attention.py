@@ -127,6 +127,25 @@ def finish_state(acc, m_i, l_i):
     return acc / l_safe[:, None], jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
 
 
+def merge_tile_states(o_parts, lse_parts):
+    """In-kernel merge of one row tile's partial states: ``o [BM, D]`` (normalised, any float
+    dtype) and ``lse [BM]`` (natural log, ``-inf`` for none) -> float32 ``(o, lse)``; rows where
+    every part is empty get ``o = 0``, ``lse = -inf``."""
+    m_all = lse_parts[0]
+    for x in lse_parts[1:]:
+        m_all = jnp.maximum(m_all, x)
+    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    tot = jnp.zeros(lse_parts[0].shape, jnp.float32)
+    out = jnp.zeros(o_parts[0].shape, jnp.float32)
+    for o_x, l_x in zip(o_parts, lse_parts):
+        w = jnp.exp(l_x - m_all)
+        tot = tot + w
+        out = out + w[:, None] * jnp.where((w > 0)[:, None], o_x.astype(jnp.float32), 0.0)
+    nonempty = tot > 0
+    tot_safe = jnp.where(nonempty, tot, 1.0)
+    return out / tot_safe[:, None], jnp.where(nonempty, m_all + jnp.log(tot_safe), -jnp.inf)
+
+
 def _kernel(*refs, n_src, chunks, block_k, seq_lens, scale_log2, n_in, in_stride,
             finalize, precision, two_phase):
     q_ref = refs[0]
@@ -149,34 +168,15 @@ def _kernel(*refs, n_src, chunks, block_k, seq_lens, scale_log2, n_in, in_stride
         carry = attend_pool(q, idx_ref[...], lim_ref[...], k_ref, v_ref, h, sp * chunks[si],
                             carry, chunk=chunks[si], block_k=block_k, seq_len=seq_lens[si],
                             scale_log2=scale_log2, precision=precision, two_phase=two_phase)
-    acc, m_i, l_i = carry
-
-    has = l_i > 0
-    l_safe = jnp.where(has, l_i, 1.0)
-    o_own = acc / l_safe[:, None]
-    lse_own = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+    o_own, lse_own = finish_state(*carry)
     if not finalize:
         o_ref[...] = o_own
         lse_ref[...] = lse_own
         return
     if n_in:
         rows = pl.ds(rb * in_stride, bm)
-        lse_parts = [lse_own] + [lse_in_ref[i, rows] for i in range(n_in)]
-        o_parts = [o_own] + [o_in_ref[i, rows, :] for i in range(n_in)]
-        m_all = lse_parts[0]
-        for x in lse_parts[1:]:
-            m_all = jnp.maximum(m_all, x)
-        m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-        tot = jnp.zeros((bm,), jnp.float32)
-        out = jnp.zeros((bm, d), jnp.float32)
-        for o_x, l_x in zip(o_parts, lse_parts):
-            w = jnp.exp(l_x - m_all)
-            tot = tot + w
-            out = out + w[:, None] * jnp.where((w > 0)[:, None], o_x, 0.0)
-        nonempty = tot > 0
-        tot_safe = jnp.where(nonempty, tot, 1.0)
-        o_own = out / tot_safe[:, None]
-        lse_own = jnp.where(nonempty, m_all + jnp.log(tot_safe), -jnp.inf)
+        o_own, lse_own = merge_tile_states([o_own] + [o_in_ref[i, rows, :] for i in range(n_in)],
+                                           [lse_own] + [lse_in_ref[i, rows] for i in range(n_in)])
     o_ref[...] = o_own.astype(o_ref.dtype)
     lse_ref[...] = lse_own
 

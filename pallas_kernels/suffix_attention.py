@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.decode_attention import attend_pool, finish_state, next_pow2
+from pallas_kernels.decode_attention import attend_pool, finish_state, merge_tile_states, next_pow2
 
 __all__ = ["suffix_decode_merge", "suffix_rows"]
 
@@ -62,22 +62,9 @@ def _kernel(q_ref, len_ref, pos_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, 
     if n_in:
         pos = jnp.max(pos_ref[...]) if has_pos else b
         p_rows = pl.ds(pos * in_stride, rows)
-        lse_parts = [lse_own] + [lse_in_ref[i, p_rows] for i in range(n_in)]
-        o_parts = [o_own] + [o_in_ref[i, p_rows, :].astype(jnp.float32) for i in range(n_in)]
-        m_all = lse_parts[0]
-        for x in lse_parts[1:]:
-            m_all = jnp.maximum(m_all, x)
-        m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-        tot = jnp.zeros((rows,), jnp.float32)
-        out = jnp.zeros((rows, d), jnp.float32)
-        for o_x, l_x in zip(o_parts, lse_parts):
-            w = jnp.exp(l_x - m_all)
-            tot = tot + w
-            out = out + w[:, None] * jnp.where((w > 0)[:, None], o_x, 0.0)
-        nonempty = tot > 0
-        tot_safe = jnp.where(nonempty, tot, 1.0)
-        o_own = out / tot_safe[:, None]
-        lse_own = jnp.where(nonempty, m_all + jnp.log(tot_safe), -jnp.inf)
+        o_own, lse_own = merge_tile_states(
+            [o_own] + [o_in_ref[i, p_rows, :] for i in range(n_in)],
+            [lse_own] + [lse_in_ref[i, p_rows] for i in range(n_in)])
     plgpu.store(o_ref.at[q_rows, :], o_own.astype(out_dtype), mask=ok[:, None])
     plgpu.store(lse_ref.at[q_rows], lse_own, mask=ok)
 
