@@ -42,88 +42,147 @@ def suffix_rows(hq: int, hkv: int) -> int:
     return max(16, next_pow2(hq // hkv))
 
 
-def _kernel(q_ref, len_ref, pos_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *,
-            hq, grp, rows, n_in, in_stride, block_k, seq_len, scale_log2, precision, out_dtype,
-            has_pos):
+def _attend_span(q, kp_ref, vp_ref, h, start, n, carry, *, block_k, scale_log2, precision):
+    """Online-softmax accumulation of rows ``q [R, D]`` over the pool keys
+    ``kp_ref[start + j, h]``, ``j < n`` (any ``start``: tiles need not be aligned; loads past
+    ``n`` are masked).  ``carry = (acc, m (log2 units), l)`` float32."""
+    cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    keys = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+
+    def body(t, c):
+        acc, m_i, l_i = c
+        j0 = t * block_k
+        ks = pl.ds(start + j0, block_k)
+        ok = (j0 + keys) < n
+        k = plgpu.load(kp_ref.at[ks, h, :], mask=ok, other=0.0)
+        v = plgpu.load(vp_ref.at[ks, h, :], mask=ok, other=0.0)
+        sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32) * scale_log2
+        sc = jnp.where((j0 + cols) < n, sc, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l_i
+
+    return lax.fori_loop(0, (n + block_k - 1) // block_k, body, carry)
+
+
+def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, scale_log2,
+            precision, out_dtype):
+    it = iter(refs)
+    q_ref, len_ref = next(it), next(it)
+    if has_span:
+        st_ref, sn_ref, kp_ref, vp_ref = next(it), next(it), next(it), next(it)
+    k_ref, v_ref = next(it), next(it)
+    inc = []
+    for hp in has_pos:
+        o_in_ref, lse_in_ref = next(it), next(it)
+        inc.append((o_in_ref, lse_in_ref, next(it) if hp else None))
+    o_ref, lse_ref = next(it), next(it)
     h = pl.program_id(0)
     b = pl.program_id(1)
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
     ok = r < grp
     q_rows = pl.ds(b * hq + h * grp, rows)
     q = plgpu.load(q_ref.at[q_rows, :], mask=ok[:, None], other=0.0)
-    n = jnp.max(len_ref[...])  # keys of this sequence's suffix
     d = q.shape[-1]
     carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
+    if has_span:  # the pool span first (the softmax state does not care about key order)
+        carry = _attend_span(q, kp_ref, vp_ref, h, jnp.max(st_ref[...]), jnp.max(sn_ref[...]),
+                             carry, block_k=block_k, scale_log2=scale_log2, precision=precision)
+    n = jnp.max(len_ref[...])  # keys of this sequence's suffix
     acc, m_i, l_i = attend_pool(q, jnp.broadcast_to(b, (rows,)), jnp.broadcast_to(n, (rows,)),
                                 k_ref, v_ref, h, 0, carry, chunk=seq_len, block_k=block_k,
                                 seq_len=seq_len, scale_log2=scale_log2, precision=precision)
     o_own, lse_own = finish_state(acc, m_i, l_i)
-    if n_in:
-        pos = jnp.max(pos_ref[...]) if has_pos else b
-        p_rows = pl.ds(pos * in_stride, rows)
-        o_own, lse_own = merge_tile_states(
-            [o_own] + [o_in_ref[i, p_rows, :] for i in range(n_in)],
-            [lse_own] + [lse_in_ref[i, p_rows] for i in range(n_in)])
+    if inc:
+        o_parts, l_parts = [o_own], [lse_own]
+        for (o_in_ref, lse_in_ref, pos_ref), stride in zip(inc, strides):
+            pos = b if pos_ref is None else jnp.max(pos_ref[...])
+            p_rows = pl.ds(pos * stride, rows)
+            for i in range(o_in_ref.shape[0]):
+                o_parts.append(o_in_ref[i, p_rows, :])
+                l_parts.append(lse_in_ref[i, p_rows])
+        o_own, lse_own = merge_tile_states(o_parts, l_parts)
     plgpu.store(o_ref.at[q_rows, :], o_own.astype(out_dtype), mask=ok[:, None])
     plgpu.store(lse_ref.at[q_rows], lse_own, mask=ok)
 
 
 def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, in_stride=0,
-                        position_b=None, scale, block_k=32, num_warps=2, num_stages=3,
+                        position_b=None, span=None, scale, block_k=32, num_warps=2, num_stages=3,
                         interpret=False):
-    """Decode attention of each sequence over its suffix, merged with incoming partial states.
+    """Decode attention of each sequence over its suffix (and optionally a span of a shared KV
+    pool), merged with incoming partial states.
 
     Args:
       q_bhd: ``[B, Hq, D]`` one query per sequence (16-bit or float32).
       suffix_k, suffix_v: ``[B, S, Hkv, D]``; sequence ``b`` sees keys ``[0, lengths_b[b])``.
       lengths_b: ``[B]`` int32 (dynamic).
-      incoming: optional ``(o [n_in, Hkv, M_in, D], lse [n_in, Hkv, M_in])`` partial states
-        (``o`` normalised, any float dtype; ``lse`` float32, natural log, ``-inf`` for none),
-        of row ``position_b[b] * in_stride + j`` for query head ``h * G + j``; a program reads
-        ``suffix_rows(Hq, Hkv)`` rows from there, so ``M_in >= (B - 1) * in_stride + R``.
-      position_b: ``[B]`` int32 row block of each sequence in ``incoming`` (default ``b``).
+      incoming: optional partial states merged in the epilogue: either one pair
+        ``(o [n_in, Hkv, M_in, D], lse [n_in, Hkv, M_in])`` laid out by ``in_stride`` and
+        ``position_b``, or a list of ``(o, lse, stride, position_b or None)`` (several sources
+        in different layouts).  ``o`` normalised, any float dtype; ``lse`` float32, natural
+        log, ``-inf`` for none.  Query head ``h * G + j`` of sequence ``b`` is row
+        ``position_b[b] * stride + j`` (``position_b`` default: ``b``); a program reads
+        ``suffix_rows(Hq, Hkv)`` rows from there, so ``M_in >= (B - 1) * stride + R``.
+      span: optional ``(k_pool, v_pool [N, Hkv, D], start_b [B], len_b [B])`` (int32,
+        dynamic): sequence ``b`` also attends the pool keys ``[start_b[b], start_b[b] +
+        len_b[b])`` (e.g. a tree node only it reads), read where they live.
       scale: score scale.  ``block_k``: key tile (power of two >= 16).
 
     Returns ``(out [B, Hq, D] in q's dtype, lse [B, Hq] float32)``; a row with no visible key
-    (empty suffix and no incoming state) gets ``out = 0``, ``lse = -inf``.
+    (empty suffix and span, no incoming state) gets ``out = 0``, ``lse = -inf``.
     """
     b, hq, d = q_bhd.shape
     _, s_len, hkv, _ = suffix_k.shape
     grp = hq // hkv
     rows = suffix_rows(hq, hkv)
-    n_in = 0
-    if incoming is not None:
-        o_in, lse_in = incoming
-        n_in = int(o_in.shape[0])
-        need = (b - 1) * in_stride + rows
-        assert o_in.shape[2] >= need, (o_in.shape, need)
+    if incoming is None:
+        sources = []
+    elif isinstance(incoming, tuple) and len(incoming) == 2:
+        sources = [(incoming[0], incoming[1], in_stride, position_b)]
+    else:
+        sources = [tuple(x) for x in incoming]
+    for o_in, lse_in, stride, _ in sources:
+        need = (b - 1) * stride + rows
+        assert o_in.ndim == 4 and lse_in.ndim == 3 and o_in.shape[2] >= need, (o_in.shape, need)
     pad = rows - grp if interpret else 0  # see the module docstring
     q2 = q_bhd.reshape(b * hq, d)
     if pad:
         q2 = jnp.pad(q2, ((0, pad), (0, 0)))
-    has_pos = position_b is not None
-    if not has_pos:  # placeholder, never read (the kernel uses its program id)
-        position_b = lengths_b
     precision = lax.Precision.HIGHEST if q_bhd.dtype == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(
-        _kernel, hq=hq, grp=grp, rows=rows, n_in=n_in, in_stride=in_stride, block_k=block_k,
-        seq_len=s_len, scale_log2=float(scale) * _LOG2E, precision=precision,
-        out_dtype=q_bhd.dtype, has_pos=has_pos)
+        _kernel, hq=hq, grp=grp, rows=rows, strides=tuple(int(s[2]) for s in sources),
+        has_pos=tuple(s[3] is not None for s in sources), has_span=span is not None,
+        block_k=block_k, seq_len=s_len, scale_log2=float(scale) * _LOG2E, precision=precision,
+        out_dtype=q_bhd.dtype)
     whole = lambda x: pl.BlockSpec(x.shape, lambda h, i, n=x.ndim: (0,) * n)  # noqa: E731
     one = pl.BlockSpec((1,), lambda h, i: (i,))
-    args = [q2, lengths_b.astype(jnp.int32).reshape(b), position_b.astype(jnp.int32), suffix_k,
-            suffix_v]
-    in_specs = [whole(q2), one, one, whole(suffix_k), whole(suffix_v)]
-    if n_in:
-        m_in = o_in.shape[2]
+    args = [q2, lengths_b.astype(jnp.int32).reshape(b)]
+    in_specs = [whole(q2), one]
+    if span is not None:
+        kp, vp, st, sn = span
+        assert kp.shape == vp.shape and kp.ndim == 3 and kp.shape[1:] == (hkv, d), kp.shape
+        if interpret:  # the CPU interpreter clamps a slice that runs past the pool (see above)
+            kp = jnp.pad(kp, ((0, block_k), (0, 0), (0, 0)))
+            vp = jnp.pad(vp, ((0, block_k), (0, 0), (0, 0)))
+        args += [st.astype(jnp.int32).reshape(b), sn.astype(jnp.int32).reshape(b), kp, vp]
+        in_specs += [one, one, whole(kp), whole(vp)]
+    args += [suffix_k, suffix_v]
+    in_specs += [whole(suffix_k), whole(suffix_v)]
+    for o_in, lse_in, _, pos in sources:
+        n_in, _, m_in, _ = o_in.shape
         in_specs += [pl.BlockSpec((n_in, None, m_in, d), lambda h, i: (0, h, 0, 0)),
                      pl.BlockSpec((n_in, None, m_in), lambda h, i: (0, h, 0))]
         args += [o_in, lse_in]
-    else:  # placeholders (unused by the kernel)
-        dummy = jnp.zeros((1, 1, 1), jnp.float32)
-        in_specs += [whole(dummy), pl.BlockSpec((1, 1), lambda h, i: (0, 0))]
-        args += [dummy, jnp.zeros((1, 1), jnp.float32)]
+        if pos is not None:
+            in_specs.append(one)
+            args.append(pos.astype(jnp.int32).reshape(b))
     out_shape = [jax.ShapeDtypeStruct((b * hq + pad, d), q_bhd.dtype),
                  jax.ShapeDtypeStruct((b * hq + pad,), jnp.float32)]
     out, lse = pl.pallas_call(

@@ -105,3 +105,83 @@ def _check(b, hq, hkv, d, s, dtype, n_in, bk, gpu):
     rel = np.linalg.norm(out - eo) / np.linalg.norm(eo)
     assert rel < (1e-5 if dtype == jnp.float32 else 2e-2), rel
     assert np.all(out[~fin] == 0)
+
+
+SPAN_CASES = [
+    (6, 8, 2, 64, 24, jnp.float32, 16),       # G=4
+    (5, 6, 2, 128, 0, jnp.bfloat16, 32),      # G=3, no suffix axis to speak of (S=1 dummy below)
+    (9, 32, 8, 128, 40, jnp.bfloat16, 32),    # Llama-3-8B heads
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,s,dtype,bk", SPAN_CASES)
+def test_span_and_two_sources_match_float64(b, hq, hkv, d, s, dtype, bk):
+    _check_span(b, hq, hkv, d, s, dtype, bk, gpu=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,s,dtype,bk", SPAN_CASES + [(300, 32, 8, 128, 200, jnp.bfloat16, 32)])
+def test_gpu_span_and_two_sources_match_float64(b, hq, hkv, d, s, dtype, bk):
+    _check_span(b, hq, hkv, d, s, dtype, bk, gpu=True)
+
+
+def _check_span(b, hq, hkv, d, s, dtype, bk, gpu):
+    """Pool spans at unaligned starts (some empty, one at the very end of the pool) plus two
+    incoming sources in different layouts (one permuted with a wider stride, one in order)."""
+    rng = np.random.default_rng(b * 7 + s)
+    g = hq // hkv
+    r = suffix_rows(hq, hkv)
+    s_arr = max(s, 1)
+    q = rng.standard_normal((b, hq, d))
+    k = rng.standard_normal((b, s_arr, hkv, d))
+    v = rng.standard_normal((b, s_arr, hkv, d))
+    lens = rng.integers(0, s + 1, size=b)
+    n_pool = 500
+    kp = rng.standard_normal((n_pool, hkv, d))
+    vp = rng.standard_normal((n_pool, hkv, d))
+    span_len = rng.integers(0, 150, size=b)
+    span_len[0] = 0
+    span_start = np.array([rng.integers(0, n_pool - n + 1) for n in span_len])
+    span_start[-1], span_len[-1] = n_pool - 37, 37      # runs to the last pool token
+    lens[1 % b] = 0                                    # a sequence with a span but no suffix
+    sources, np_sources = [], []
+    for stride, permute in ((g + 3, True), (g, False)):
+        m_in = (b - 1) * stride + r
+        o_in = rng.standard_normal((2, hkv, m_in, d))
+        lse_in = rng.standard_normal((2, hkv, m_in)) * 3
+        lse_in[1] = -np.inf                            # an empty split
+        pos = rng.permutation(b) if permute else None
+        sources.append((jnp.asarray(o_in, jnp.float32), jnp.asarray(lse_in, jnp.float32), stride,
+                        None if pos is None else jnp.asarray(pos, jnp.int32)))
+        np_sources.append((o_in, lse_in, stride, np.arange(b) if pos is None else pos))
+    scale = d ** -0.5
+    to = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    out, lse = jax.jit(lambda q, k, v, n, kp, vp, st, sn: suffix_decode_merge(
+        q, k, v, n, sources, span=(kp, vp, st, sn), scale=scale, block_k=bk, interpret=not gpu))(
+        to(q), to(k), to(v), jnp.asarray(lens, jnp.int32), to(kp), to(vp),
+        jnp.asarray(span_start, jnp.int32), jnp.asarray(span_len, jnp.int32))
+    qf, kf, vf, kpf, vpf = (np.asarray(to(x), np.float64) for x in (q, k, v, kp, vp))
+    eo = np.zeros((b, hq, d))
+    el = np.zeros((b, hq))
+    for i in range(b):
+        for hh in range(hq):
+            h, j = hh // g, hh % g
+            sl = slice(span_start[i], span_start[i] + span_len[i])
+            kk = np.concatenate([kpf[sl, h], kf[i, :lens[i], h]])
+            vv = np.concatenate([vpf[sl, h], vf[i, :lens[i], h]])
+            o_s, l_s = _np_attend(qf[i, hh], kk, vv, kk.shape[0], scale)
+            os_, ls_ = [o_s], [l_s]
+            for o_in, lse_in, stride, pos in np_sources:
+                for t in range(2):
+                    os_.append(o_in[t, h, pos[i] * stride + j])
+                    ls_.append(lse_in[t, h, pos[i] * stride + j])
+            ls_ = np.array(ls_)
+            w = np.exp(ls_ - ls_.max())
+            eo[i, hh] = sum(wi * oi for wi, oi in zip(w, os_)) / w.sum()
+            el[i, hh] = ls_.max() + np.log(w.sum())
+    out = np.asarray(out, np.float64)
+    lse = np.asarray(lse, np.float64)
+    assert not np.isnan(out).any() and np.isfinite(lse).all()
+    np.testing.assert_allclose(lse, el, atol=1e-4 if dtype == jnp.float32 else 2e-2)
+    rel = np.linalg.norm(out - eo) / np.linalg.norm(eo)
+    assert rel < (1e-5 if dtype == jnp.float32 else 2e-2), rel
