@@ -1,4 +1,5 @@
-"""Per-kernel device times of one shared-path call, read with Nsight Compute (GPU only).
+"""Per-kernel device times of one shared-path call (or, with ``--tree``, one ``tree_attention``
+call per tree workload of ``bench/tree_attention.py``), read with Nsight Compute (GPU only).
 
 Each point's jitted call is run twice (compile, warm-up), then once between two marker kernels
 (an XLA ``sin``); ``ncu`` records every kernel's ``gpu__time_duration`` and this script prints
@@ -8,7 +9,7 @@ upper bound of the in-loop time when launches could overlap (they do not in one 
 
     ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \\
         --log-file prof.csv python bench/kernel_profile.py
-    python bench/kernel_profile.py --parse prof.csv --out prof.json
+    python bench/kernel_profile.py --parse prof.csv --out prof.json      (add --tree to both)
 """
 from __future__ import annotations
 
@@ -24,25 +25,49 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POINTS = [(256, 4096, 128, 32, 8, 128), (512, 8192, 128, 32, 8, 128), (1024, 4096, 128, 32, 8, 128)]
 
 
-def run():
+TREE_POINTS = [("apps8", "auto"), ("apps8", "levelwise"), ("tot", "auto"), ("tot", "levelwise"),
+               ("spec_t64", "auto")]
+
+
+def _calls(tree: bool):
+    """``[(label, jitted function, args)]`` of the points to profile."""
+    import jax
+    if not tree:
+        from bench.shared_prefix import make_inputs, ours
+        for pt in POINTS:
+            b, p, s, hq, hkv, d = pt
+            yield dict(zip(("batch", "prefix", "suffix", "heads_q", "heads_kv", "head_dim"), pt)), \
+                jax.jit(ours("shared")), make_inputs(b, p, s, hkv, hq, d)
+        return
+    from bench.tree_attention import HQ, HKV, make_case, workloads
+    from jax_prefix_attn import tree_attention
+    from jax_prefix_attn.tree import build_tree_metadata
+    from jax_prefix_attn.tree_attention import auto_path
+    wls = {w["name"]: w for w in workloads(False)}
+    for name, impl in TREE_POINTS:
+        tree, (q, kp, vp, sk, sv, sl) = make_case(wls[name])
+        meta = build_tree_metadata(tree, tq=1, group=HQ // HKV, pool_size=kp.shape[0])
+        f = jax.jit(lambda q, m, kp, vp, sk, sv, sl, impl=impl: tree_attention(
+            q, m, kp, vp, sk, sv, suffix_lengths=sl, impl=impl))
+        label = dict(workload=name, impl=impl, path=auto_path(meta, q, sk) if impl == "auto" else impl)
+        yield label, f, (q, meta, kp, vp, sk, sv, sl)
+
+
+def run(tree: bool = False):
     import jax
     import jax.numpy as jnp
-    from bench.shared_prefix import make_inputs, ours
     marker = jax.jit(jnp.sin)
     x = jnp.ones((8,), jnp.float32)
-    for pt in POINTS:
-        b, p, s, hq, hkv, d = pt
-        args = make_inputs(b, p, s, hkv, hq, d)
-        f = jax.jit(ours("shared"))
+    for label, f, args in _calls(tree):
         for _ in range(2):
             jax.block_until_ready(f(*args))
         jax.block_until_ready(marker(x))
         jax.block_until_ready(f(*args))
         jax.block_until_ready(marker(x))
-        print("profiled", pt, flush=True)
+        print("profiled", label, flush=True)
 
 
-def parse(path):
+def parse(path, tree: bool = False):
     text = open(path).read()
     start = text.find('"ID"')
     rows = list(csv.DictReader(io.StringIO(text[start:])))
@@ -58,13 +83,14 @@ def parse(path):
     marks = [i for i, (_, name, _) in enumerate(kernels) if "sine" in name.lower()]
     out = []
     # markers come in pairs per point, after the warm-up calls
-    for pi, pt in enumerate(POINTS):
+    labels = ([dict(workload=w, impl=i) for w, i in TREE_POINTS] if tree else
+              [dict(zip(("batch", "prefix", "suffix", "heads_q", "heads_kv", "head_dim"), pt)) for pt in POINTS])
+    for pi, label in enumerate(labels):
         if len(marks) < 2 * (pi + 1):
             break
         a, z = marks[2 * pi], marks[2 * pi + 1]
         ks = [dict(name=n[:120], us=ns / 1e3) for _, n, ns in kernels[a + 1:z]]
-        out.append(dict(point=dict(zip(("batch", "prefix", "suffix", "heads_q", "heads_kv", "head_dim"), pt)),
-                        kernels=ks, total_us=sum(k["us"] for k in ks)))
+        out.append(dict(point=label, kernels=ks, total_us=sum(k["us"] for k in ks)))
     return out
 
 
@@ -72,11 +98,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parse")
     ap.add_argument("--out")
+    ap.add_argument("--tree", action="store_true", help="tree_attention workloads instead")
     a = ap.parse_args()
     if not a.parse:
-        run()
+        run(a.tree)
         return
-    res = parse(a.parse)
+    res = parse(a.parse, a.tree)
     for r in res:
         print(r["point"], f"total {r['total_us']:.1f} us")
         for k in r["kernels"]:

@@ -11,7 +11,9 @@ Workloads (issue 5):
 * ``tot`` (tree-of-thought): prompt 1500, 3 levels of branching 10, thoughts 100-300
   tokens, 1000 leaves, suffixes 0-64.
 
-Columns (one run, same inputs): ``auto``, ``levelwise``, ``flatten``, ``nodes`` (node-by-node
+Columns (one run, same inputs): ``auto`` (``auto_path`` says which schedule it ran),
+``hybrid`` (root through the shared-prefix kernel, shared inner nodes through the tree kernel,
+exclusive nodes streamed with the suffix), ``levelwise``, ``flatten``, ``nodes`` (node-by-node
 without chunking, the DeFT-Node analogue: one launch, one item per node), ``single_level``
 (``shared_prefix_attention`` with the root as the shared prefix and the rest of every path
 materialised into the per-sequence suffix; falls back to our tree kernel on a one-level tree
@@ -186,7 +188,12 @@ def bench_workload(wl, bw, rate, iters, block_kv=128, max_block_m=128):
         del fk, fv
     except Exception as e:  # noqa: BLE001
         rec["errors"]["flat"] = f"{type(e).__name__}: {e}"[:400]
-    for impl in ("auto", "levelwise", "flatten", "nodes"):
+    try:
+        from jax_prefix_attn.tree_attention import auto_path
+        rec["auto_path"] = auto_path(meta, q, sk)
+    except Exception as e:  # noqa: BLE001
+        rec["errors"]["auto_path"] = f"{type(e).__name__}: {e}"[:400]
+    for impl in ("auto", "hybrid", "levelwise", "flatten", "nodes"):
         try:
             f = tree_fn(impl)
             args = (meta, kp, vp, sk, sv, sl)
@@ -266,7 +273,7 @@ def plot(results, path):
         import matplotlib.pyplot as plt
     except Exception:  # noqa: BLE001
         return
-    cols = ["auto", "levelwise", "flatten", "nodes", "single_level", "flat", "floor"]
+    cols = ["auto", "hybrid", "levelwise", "flatten", "nodes", "single_level", "flat", "floor"]
     names = [r["name"] for r in results]
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(names)), 4.5))
     width = 0.8 / len(cols)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Sequence
 
 import jax
@@ -387,6 +388,14 @@ class TreeMetadata:
     the shallow path (roots through shared-prefix attention, the few other path tokens gathered
     per sequence); built, and ``shallow_pad > 0`` (16 or ``SHALLOW_MAX_TOKENS``), only when no sequence
     has more than ``SHALLOW_MAX_TOKENS`` path tokens below its root and the tree is not single-level.
+
+    Hybrid decode schedule (``tq == 1`` only; ``None`` / ``False`` otherwise): ``excl_span [B, 2]``
+    (pool start, length) of the node each sequence is attached to when no other sequence reads
+    it (``(0, 0)`` otherwise), streamed by the decode suffix kernel in place; ``mid``
+    (:class:`Schedule`, or ``None`` when empty) the other nodes except the root when
+    ``hybrid_root`` (static: one root, read by several sequences, which then goes through the
+    shared-prefix kernels); ``hybrid`` (static): the cost model prefers this schedule to
+    ``preferred``.
     """
     flatten: Schedule
     nodes: Schedule
@@ -406,21 +415,26 @@ class TreeMetadata:
     shallow_idx: Any = None
     shallow_len: Any = None
     shallow_pad: int = 0
+    mid: Any = None
+    excl_span: Any = None
+    hybrid: bool = False
+    hybrid_root: bool = False
 
     def tree_flatten(self):
         return ((self.flatten, self.nodes, self.levels, self.sorted_rows, self.row_key, self.seq_path_len,
-                 self.root_span, self.seq_root, self.shallow_idx, self.shallow_len),
+                 self.root_span, self.seq_root, self.shallow_idx, self.shallow_len, self.mid, self.excl_span),
                 (self.num_seqs, self.tq, self.group, self.pool_size, self.preferred, self.single_level,
-                 self.root_pad, self.shallow_pad))
+                 self.root_pad, self.shallow_pad, self.hybrid, self.hybrid_root))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         (flatten, nodes, levels, sorted_rows, row_key, seq_path_len, root_span, seq_root, shallow_idx,
-         shallow_len) = children
-        (num_seqs, tq, group, pool_size, preferred, single_level, root_pad, shallow_pad) = aux
+         shallow_len, mid, excl_span) = children
+        (num_seqs, tq, group, pool_size, preferred, single_level, root_pad, shallow_pad, hybrid,
+         hybrid_root) = aux
         return cls(flatten, nodes, levels, sorted_rows, row_key, seq_path_len, root_span, seq_root,
                    num_seqs, tq, group, pool_size, preferred, single_level, root_pad, shallow_idx,
-                   shallow_len, shallow_pad)
+                   shallow_len, shallow_pad, mid, excl_span, hybrid, hybrid_root)
 
     @property
     def rows_padded(self) -> int:
@@ -500,10 +514,12 @@ def _node_schedule(nodes: np.ndarray, tree: PrefixTree, info: dict, seq_lo, seq_
 
 def _flatten_schedule(tree: PrefixTree, info: dict, sorted_keys: np.ndarray, tq: int, group: int,
                       block_kv: int, max_m: int, pool_size: int, sorted_rows: np.ndarray,
-                      n_rows: int, chunks_per_item: int | None = None, min_items: int = 64) -> Schedule:
+                      n_rows: int, chunks_per_item: int | None = None, min_items: int = 64,
+                      keep: np.ndarray | None = None) -> Schedule:
+    """DeFT-Flatten work list over every node (or the nodes where ``keep [N]`` is true)."""
     ln = np.asarray(tree.lengths, np.int64)
     st = np.asarray(tree.starts, np.int64)
-    order = [u for u in info["dfs_order"] if ln[u] > 0]
+    order = [u for u in info["dfs_order"] if ln[u] > 0 and (keep is None or keep[u])]
     c = block_kv
     if order:
         node_of_tok = np.repeat(np.asarray(order, np.int64), ln[order])
@@ -602,6 +618,7 @@ COST_MODEL = {
     "flops_per_s": 2.5e14,   # Pallas/Triton attention matmul rate
     "launch_s": 4e-6,        # per kernel launch
     "program_s": 1.5e-6,     # fixed cost of one program (scheduling, q load, partial store)
+    "prefix_flops_per_s": 4.5e14,  # shared-prefix kernel on a Hopper GPU (Mosaic GPU, ncu 440-550 TF/s)
 }
 
 
@@ -657,7 +674,10 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
             continue
         levels.append(_node_schedule(at, tree, info, seq_lo, seq_hi, tq, group, block_kv, max_block_m,
                                      sorted_rows_real, n_rows))
-    max_br = max([flat.block_rows, nodes.block_rows] + [lv.block_rows for lv in levels])
+    hyb = _hybrid_parts(tree, info, seq_lo, seq_hi, sorted_keys, tq, group, block_kv, max_block_m, pool_size,
+                        sorted_rows_real, n_rows, chunks_per_item)
+    max_br = max([flat.block_rows, nodes.block_rows] + [lv.block_rows for lv in levels]
+                 + ([hyb["mid"].block_rows] if hyb["mid"] is not None else []))
     r_pad = n_rows + max_br
     sorted_rows = np.full((r_pad,), n_rows, np.int32)
     sorted_rows[:n_rows] = sorted_rows_real
@@ -666,6 +686,7 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
     cost_flat = schedule_cost(flat, group=group)
     cost_lvl = sum(schedule_cost(lv, group=group) for lv in levels)
     preferred = "flatten" if cost_flat < cost_lvl else "levelwise"
+    hybrid = hyb["excl_span"] is not None and hyb["cost"] < min(cost_flat, cost_lvl)
     p_arr = np.asarray(tree.parents, np.int64)
     roots = np.nonzero(p_arr < 0)[0]
     root_index = np.full(tree.num_nodes, -1, np.int64)
@@ -691,7 +712,62 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
                         num_seqs=b, tq=int(tq), group=int(group), pool_size=int(pool_size),
                         preferred=preferred, single_level=single,
                         root_pad=root_bucket(int(root_span[:, 1].max())),
-                        shallow_idx=shallow_idx, shallow_len=shallow_len, shallow_pad=shallow_pad)
+                        shallow_idx=shallow_idx, shallow_len=shallow_len, shallow_pad=shallow_pad,
+                        mid=hyb["mid"], excl_span=hyb["excl_span"], hybrid=bool(hybrid),
+                        hybrid_root=hyb["root"])
+
+
+# Tiling of the hybrid schedule's tree-kernel launch (``mid``): 64-token key tiles and row blocks
+# of at most 64 query vectors (16 sequences at Hq / Hkv = 4).  H200 sweep of 9 settings
+# (bench/results/tree_mid_sweep_h200.json): the whole hybrid call took 0.452 ms
+# instead of 0.535 with 128 / 128 on the tree-of-thought workload (inner nodes of 100-300
+# tokens read by 10 or 100 sequences) and 0.503 instead of 0.514 on APPS-8.
+HYBRID_MID_TILING = dict(block_kv=64, max_block_m=64)
+
+
+def _hybrid_parts(tree: PrefixTree, info: dict, seq_lo, seq_hi, sorted_keys, tq: int, group: int, block_kv: int,
+                  max_m: int, pool_size: int, sorted_rows: np.ndarray, n_rows: int, chunks_per_item) -> dict:
+    """Hybrid decode schedule (see :class:`TreeMetadata`): ``excl_span``, ``mid``, ``root`` and its
+    estimated ``cost`` (same units as :func:`schedule_cost`; the exclusive spans are streamed by
+    the suffix launch that runs anyway, so they only add their bytes).  Only for ``tq == 1``."""
+    none = dict(excl_span=None, mid=None, root=False, cost=math.inf)
+    if tq != 1:
+        return none
+    cm = COST_MODEL
+    b = tree.num_seqs
+    ln = np.asarray(tree.lengths, np.int64)
+    st = np.asarray(tree.starts, np.int64)
+    count = (seq_hi - seq_lo).astype(np.int64)             # sequences below each node
+    leaf = np.asarray(tree.leaf_of_seq, np.int64)
+    excl = count[leaf] == 1
+    excl_span = np.zeros((b, 2), np.int32)
+    excl_span[excl, 0] = st[leaf[excl]]
+    excl_span[excl, 1] = ln[leaf[excl]]
+    roots = np.nonzero(np.asarray(tree.parents) < 0)[0]
+    root = bool(roots.shape[0] == 1 and count[roots[0]] >= 2 and ln[roots[0]] > 0)
+    keep = ln > 0
+    keep[leaf[excl]] = False
+    if root:
+        keep[roots[0]] = False
+    cost = 0.0
+    mid = None
+    block_kv = min(block_kv, HYBRID_MID_TILING["block_kv"])
+    max_m = max(min(max_m, HYBRID_MID_TILING["max_block_m"]), 16)
+    if keep.any():
+        cands = [_node_schedule(np.nonzero(keep)[0], tree, info, seq_lo, seq_hi, tq, group, block_kv, max_m,
+                                sorted_rows, n_rows),
+                 _flatten_schedule(tree, info, sorted_keys, tq, group, block_kv, max_m, pool_size, sorted_rows,
+                                   n_rows, chunks_per_item=chunks_per_item, keep=keep)]
+        costs = [schedule_cost(c, group=group) for c in cands]
+        mid = cands[int(np.argmin(costs))]
+        cost += min(costs)
+    if root:
+        r_len = int(ln[roots[0]])
+        heads_kv, head_dim, kv_bytes = 8, 128, 2          # schedule_cost's defaults
+        cost += cm["launch_s"] + max(r_len * heads_kv * head_dim * 2 * kv_bytes / cm["hbm_bytes_per_s"],
+                                     4.0 * b * group * heads_kv * r_len * head_dim / cm["prefix_flops_per_s"])
+    cost += int(excl_span[:, 1].sum()) * 8 * 128 * 2 * 2 / cm["hbm_bytes_per_s"]
+    return dict(excl_span=excl_span, mid=mid, root=root, cost=cost)
 
 
 def root_bucket(n: int) -> int:

@@ -14,14 +14,21 @@ Schedules (``impl``):
 * ``"flatten"`` (DeFT-Flatten): node KV flattened depth-first into ``block_kv``-token chunks,
   each paired with its rows; one launch computes a partial per (chunk, row block); a
   tree-topology-aware static reduction merges them per row.
-* ``"auto"``: on the GPU, a single-level forest (every sequence hangs from a root, non-empty
-  suffixes) goes to ``shared_prefix_attention`` (one prefix group per root); so does, when
-  decoding, a shallow forest (at most ``tree.SHALLOW_MAX_TOKENS`` path tokens below each
-  sequence's root, e.g. speculative token trees), with those tokens gathered into a
-  per-sequence suffix and the real suffix merged by the decode suffix kernel; otherwise the
-  cheaper of the two schedules by :func:`jax_prefix_attn.tree.schedule_cost` (decided when
-  the metadata is built: KV bytes, flops, program waves, partial-state traffic, and the
-  longest single item, which is what node-granular schedules lose on unbalanced trees).
+* ``"hybrid"`` (decoding, ``Tq == 1``): the root read by several sequences through the
+  shared-prefix path's prefix kernel (Mosaic GPU on Hopper), the other shared nodes through the
+  tree kernel, and each sequence's exclusive node (e.g. a tree-of-thought leaf) streamed in
+  place by the decode suffix kernel together with its suffix, which merges everything in its
+  epilogue (:func:`_hybrid`; ``"hybrid_interpret"``: the same kernels in interpret mode).
+* ``"auto"``: :func:`auto_path`.  On the GPU, a single-level forest (every sequence hangs from
+  a root, non-empty suffixes) goes to ``shared_prefix_attention`` (one prefix group per root);
+  when decoding, a shallow forest (at most ``tree.SHALLOW_MAX_TOKENS`` path tokens below each
+  sequence's root, e.g. speculative token trees) goes to the shallow path (the roots through
+  the shared-prefix path, those few tokens gathered into a per-sequence suffix, the real
+  suffix merged by the decode suffix kernel), other trees to the hybrid schedule where the
+  cost model prefers it (``meta.hybrid``); otherwise the cheaper of the
+  two schedules by :func:`jax_prefix_attn.tree.schedule_cost` (decided when the metadata is
+  built: KV bytes, flops, program waves, partial-state traffic, and the longest single item,
+  which is what node-granular schedules lose on unbalanced trees).
 * ``"reference"``: gathers each sequence's context and calls ``reference.attention``.
 * ``"pallas_interpret"``: the flatten kernel in Pallas interpret mode (CPU tests).
 * ``"nodes"`` (benchmark baseline, DeFT-Node analogue): every node one item, one launch.
@@ -34,7 +41,8 @@ and writes the output in q's layout; otherwise the tree kernel in node mode (spl
 suffix, flash-decoding style), merged with the tree partials in XLA.
 
 Differentiable: gradients (w.r.t. ``q``, pools and suffixes) come from the pure-JAX mirror of
-the flatten schedule through ``jax.custom_vjp`` (recomputed in the backward pass).
+the flatten schedule through ``jax.custom_vjp`` (recomputed in the backward pass), for every
+schedule including ``"hybrid"``.
 
 Speculative decoding token trees (``draft_parents``): the ``Tq`` queries of a sequence may be
 draft tokens forming a tree (the last ``Tq`` suffix tokens); each then sees the shared path,
@@ -56,9 +64,9 @@ from jax_prefix_attn._validation import (_is_concrete, check_array, check_gqa, c
 from jax_prefix_attn.tree import (CHUNK, KV_START, LENGTH, NEVER, NTILES, OFF0, POS0, ROW_START, TIN, TOUT,
                                   PrefixTree, Schedule, TreeMetadata, build_tree_metadata)
 
-__all__ = ["tree_attention", "IMPLS"]
+__all__ = ["tree_attention", "IMPLS", "auto_path"]
 
-IMPLS = ("auto", "levelwise", "flatten", "reference", "pallas_interpret", "nodes")
+IMPLS = ("auto", "levelwise", "flatten", "hybrid", "reference", "pallas_interpret", "hybrid_interpret", "nodes")
 
 
 def _on_gpu() -> bool:
@@ -383,6 +391,8 @@ def _merge(parts_o, parts_l):
 
 def _forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents=None, *,
              scale: float, schedule: str, backend: str):
+    if schedule == "hybrid":
+        return _hybrid(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale, backend=backend)
     b, tq, hq, d = q.shape
     hkv = k_pool.shape[1]
     g = hq // hkv
@@ -479,10 +489,77 @@ def _decode_suffix_merging(q, o, lse, suffix_k, suffix_v, suffix_lengths, *, sca
     return out[:, None].astype(q.dtype), lse[:, None]
 
 
+def _hybrid(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, *, scale: float,
+            backend: str):
+    """Hybrid decode schedule (``Tq == 1``; ``meta.excl_span`` built), at most three launches:
+
+    1. the root (``meta.hybrid_root``: one root read by several sequences) through the shared
+       path's prefix kernel (``pallas_kernels.prefix_attention.decode_prefix_partials``: every
+       sequence's query heads as the rows of one matrix product per kv head, the Mosaic GPU
+       kernel on a Hopper GPU), its span gathered to a ``root_pad`` bucket (a copy of the
+       root only);
+    2. the other shared nodes (``meta.mid``, node or flatten mode, whichever the cost model
+       prefers) through the tree kernel, their partials merged per sequence in XLA;
+    3. the decode suffix kernel: each sequence streams the node only it reads (``excl_span``,
+       in place in the pool, e.g. a tree-of-thought leaf) and its own suffix in one online
+       softmax, and merges the partial states of 1 and 2 in its epilogue.
+
+    With one query per sequence every key is visible, so the order of the keys does not matter.
+    Returns ``(out [B, 1, Hq, D] in q's dtype, lse [B, 1, Hq])``."""
+    from pallas_kernels.prefix_attention import DECODE_SUFFIX_TILING, decode_prefix_partials  # noqa: PLC0415
+    from pallas_kernels.suffix_attention import suffix_decode_merge, suffix_rows  # noqa: PLC0415
+    b, _, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    g = hq // hkv
+    interpret = backend == "interpret"
+    kdt = k_pool.dtype
+    q1 = q[:, 0].astype(kdt)
+    n = k_pool.shape[0]
+    sources = []
+    if meta.hybrid_root:
+        start, length = meta.root_span[0, 0], meta.root_span[0, 1]
+        idx = jnp.minimum(start + jnp.arange(meta.root_pad), n - 1)
+        valid = (jnp.arange(meta.root_pad) < length)[:, None, None]
+        pk = jnp.where(valid, k_pool[idx], 0)
+        pv = jnp.where(valid, v_pool[idx], 0)
+        o_r, l_r, stride = decode_prefix_partials(q1, pk, pv, length, scale=scale, interpret=interpret)
+        sources.append((o_r, l_r, stride, None))
+    if meta.mid is not None:
+        key, lim = _row_tables(meta, suffix_lengths)
+        o, lse = _partials(meta.mid, _q_sorted(q1[:, None], meta, hkv), k_pool, v_pool, jnp.repeat(key, g),
+                           jnp.repeat(lim, g), group=g, scale=scale, backend=backend)
+        og, lg = _gather_parts(meta.mid, o, lse, g)           # [B, P, Hkv, G, D], [B, P, Hkv, G]
+        o_m, l_m = _merge([og], [lg])                          # [B, Hkv, G, D], [B, Hkv, G]
+        pad = suffix_rows(hq, hkv) - g  # the kernel reads whole row tiles past the last sequence
+        o_m = jnp.transpose(o_m.astype(_partial_dtype(kdt)), (1, 0, 2, 3)).reshape(1, hkv, b * g, d)
+        l_m = jnp.transpose(l_m, (1, 0, 2)).reshape(1, hkv, b * g)
+        sources.append((jnp.pad(o_m, ((0, 0), (0, 0), (0, pad), (0, 0))),
+                        jnp.pad(l_m, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf), g, None))
+    if suffix_k.shape[1] == 0:  # the kernel needs a suffix axis: one never-visible key
+        suffix_k = suffix_v = jnp.zeros((b, 1) + suffix_k.shape[2:], kdt)
+        suffix_lengths = jnp.zeros((b,), jnp.int32)
+    span = (k_pool, v_pool, meta.excl_span[:, 0], meta.excl_span[:, 1])
+    out, lse = suffix_decode_merge(q1, suffix_k, suffix_v, suffix_lengths.astype(jnp.int32), sources, span=span,
+                                   scale=scale, interpret=interpret, **DECODE_SUFFIX_TILING)
+    return out[:, None].astype(q.dtype), lse[:, None]
+
+
 def _use_shallow(meta: TreeMetadata, q) -> bool:
     d = q.shape[-1]
     return (meta.shallow_pad > 0 and meta.tq == 1 and q.shape[1] == 1 and d >= 16 and not d & (d - 1)
             and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def _hybrid_ok(meta: TreeMetadata, q) -> str | None:
+    """``None`` when the hybrid schedule can run, else why not."""
+    d = q.shape[-1]
+    if meta.excl_span is None or q.shape[1] != 1:
+        return f"it decodes one query per sequence (seq_q == 1), got seq_q={q.shape[1]}"
+    if d < 16 or d & (d - 1):
+        return f"head_dim must be a power of two >= 16, got {d}"
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return f"dtype must be float32, bfloat16 or float16, got {q.dtype}"
+    return None
 
 
 def _use_single_level(meta: TreeMetadata, q, suffix_k) -> bool:
@@ -522,6 +599,27 @@ def _tree_attn_bwd(scale, schedule, backend, res, cts):
 
 
 _tree_attn.defvjp(_tree_attn_fwd, _tree_attn_bwd)
+
+
+def auto_path(meta: TreeMetadata, q, suffix_k, *, draft_parents=None) -> str:
+    """What ``impl="auto"`` runs for these (static) shapes: ``"single_level"``, ``"hybrid"``,
+    ``"shallow"``, ``"levelwise"`` or ``"flatten"``.
+
+    Off the GPU: ``meta.preferred`` (the pure-JAX mirror of that schedule).  On the GPU, in order:
+    a single-level forest with a suffix axis goes to the shared-prefix path; when decoding, a
+    shallow forest to the shallow path (H200, ``bench/results/tree_attention_h200.json``: on
+    speculative trees of 32 / 64 / 256 drafts it and the hybrid schedule were within 0.85-1.18x
+    of each other), else the hybrid schedule where the cost model prefers it
+    (``meta.hybrid``); then ``meta.preferred``."""
+    if not _on_gpu() or draft_parents is not None:
+        return meta.preferred
+    if _use_single_level(meta, q, suffix_k):
+        return "single_level"
+    if _use_shallow(meta, q):
+        return "shallow"
+    if meta.hybrid and _hybrid_ok(meta, q) is None:
+        return "hybrid"
+    return meta.preferred
 
 
 def _reference_impl(q, tree: PrefixTree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale,
@@ -585,8 +683,9 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
       suffix_lengths: int ``[B]`` valid suffix tokens (dynamic: no rebuild when they grow).
       sm_scale: score scale, default ``1/sqrt(D)``.
       return_lse: also return ``lse [B, Tq, Hq]`` (float32, natural log).
-      impl: ``"auto"``, ``"levelwise"``, ``"flatten"``, ``"reference"``,
-        ``"pallas_interpret"`` (or ``"nodes"``, the DeFT-Node baseline); see module doc.
+      impl: ``"auto"``, ``"levelwise"``, ``"flatten"``, ``"hybrid"`` (decoding only),
+        ``"reference"``, ``"pallas_interpret"``, ``"hybrid_interpret"`` (or ``"nodes"``, the
+        DeFT-Node baseline); see module doc.
       draft_parents: optional int ``[Tq]`` or ``[B, Tq]`` (speculative decoding token trees):
         the ``Tq`` queries are draft tokens forming a tree, stored as the last ``Tq`` suffix
         tokens (``suffix_lengths >= Tq``); ``draft_parents[t]`` is the parent draft (``< t``)
@@ -616,19 +715,29 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
     else:
         meta = tree
     meta = jax.tree_util.tree_map(jnp.asarray, meta)
-    if impl == "auto" and _on_gpu() and draft_parents is None and _use_single_level(meta, q, suffix_k):
-        # One level of sharing: the shared-prefix kernels (Hydragen's two-level case).
+    if impl in ("hybrid", "hybrid_interpret"):
+        why = _hybrid_ok(meta, q) or ("it does not take draft_parents" if draft_parents is not None else None)
+        if why is not None:
+            raise ValueError(f"impl={impl!r} cannot run these inputs: {why}")
+        if impl == "hybrid" and not _on_gpu():
+            raise ValueError("impl='hybrid' runs Pallas GPU kernels and needs a GPU; use "
+                             "impl='hybrid_interpret' on the CPU")
+    if impl == "auto":
+        impl = auto_path(meta, q, suffix_k, draft_parents=draft_parents)
+    if impl == "single_level":
         out, lse = _single_level(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
                                  impl="auto")
         return (out, lse) if return_lse else out
-    if impl == "auto" and _on_gpu() and draft_parents is None and _use_shallow(meta, q):
+    if impl == "shallow":
         out, lse = _shallow(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
                             impl="auto")
         return (out, lse) if return_lse else out
     if impl == "pallas_interpret":
         schedule, backend = "flatten", "interpret"
+    elif impl == "hybrid_interpret":
+        schedule, backend = "hybrid", "interpret"
     else:
-        schedule = meta.preferred if impl == "auto" else impl
+        schedule = impl
         backend = "pallas" if _on_gpu() else "mirror"
     out, lse = _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale,
                           schedule, backend)

@@ -82,8 +82,12 @@ def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k,
         acc, m_i, l_i = c
         k0 = k_start + t * block_k
         ks = pl.ds(pl.multiple_of(k0, block_k), block_k)
-        if need_mask:  # (also in full tiles: a static tile larger than the axis must be masked)
-            in_b = (k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)) < seq_len
+        if need_mask or masked:
+            # (also in full tiles: a static tile larger than the axis must be masked.)  Keys past
+            # every row's limit are not loaded: whatever a cache holds there (NaN included) must
+            # not reach the output through ``p @ v`` (0 * NaN).
+            key_i = k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+            in_b = key_i < (jnp.minimum(jnp.max(rl), seq_len) if masked else seq_len)
             k = plgpu.load(k_ref.at[g, ks, h, :], mask=in_b, other=0.0)
             v = plgpu.load(v_ref.at[g, ks, h, :], mask=in_b, other=0.0)
         else:

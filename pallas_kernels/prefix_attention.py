@@ -99,7 +99,8 @@ def _use_mgpu(g: int, tq: int, interpret: bool, ctas: int | None = None) -> bool
     return not interpret and pm.mgpu_device_ok()
 
 
-__all__ = ["prefix_partials", "shared_prefix_forward", "prefix_config", "overlap_partials"]
+__all__ = ["prefix_partials", "shared_prefix_forward", "prefix_config", "overlap_partials",
+           "decode_prefix_partials"]
 
 
 def choose_variant(batch: int, heads_kv: int, rows_per_seq_pow2: int) -> str:
@@ -156,6 +157,66 @@ def prefix_partials(q_hmd, prefix_k, prefix_v, row_group, row_limit, *, scale, b
                             scale=scale, block_m=block_m, block_k=block_k, num_splits=num_splits,
                             finalize=False, num_warps=num_warps, num_stages=num_stages,
                             interpret=interpret, two_phase=two_phase)
+
+
+def _mgpu_decode_partials(q_bhd, k_phd, v_phd, length, *, scale, interpret):
+    """Launch 1 through the Mosaic GPU kernel when it applies (see ``_use_mgpu``), else ``None``.
+
+    Rows ``R2 = next_pow2(G)`` per sequence, 128-row blocks over the real rows only; the suffix
+    pass reads whole ``R16``-row tiles of the partials (up to row ``M - R2 + R16``), so those are
+    allocated but the rows past ``M`` are left unwritten (they only feed discarded padding rows).
+    """
+    b, hq, d = q_bhd.shape
+    hkv = k_phd.shape[1]
+    r, r16 = q_rows_layout(1, hq, hkv)
+    r2 = next_pow2(r)
+    m = b * r2
+    m128 = cdiv(m, 128) * 128
+    if not _use_mgpu(1, 1, interpret, ctas=hkv * (m128 // 128)):
+        return None
+    from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
+    if pm.mgpu_supported(rows=m128, prefix_len=k_phd.shape[0], head_dim=d, dtype=q_bhd.dtype) is not None:
+        return None
+    qm = rows_from_q(q_bhd[:, None], hkv, r2)  # [Hkv, m, D]
+    qm = jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm
+    # (interpret: Mosaic GPU's CPU interpreter, with its operand-form substitutions)
+    return pm.prefix_partials_mgpu(qm, k_phd, v_phd, length, scale=scale, interpret=interpret,
+                                   out_rows=max(m128, m - r2 + r16),
+                                   schedule_barrier=MGPU_SCHEDULE_BARRIER, _cpu_check=interpret)
+
+
+def decode_prefix_partials(q_bhd, prefix_k, prefix_v, length, *, scale, interpret=False):
+    """Launch 1 of the shared path alone, for one prefix and one query per sequence (e.g. the root
+    of a prefix tree): every sequence's ``Hq`` query rows attend ``prefix_k/v [P, Hkv, D]`` keys
+    ``[0, length)`` (``length`` an int32 scalar, dynamic) as one batched matrix product per kv
+    head (the Mosaic GPU kernel where it applies, else the Triton kernel, split along the prefix
+    when the rows are few).
+
+    ``q_bhd [B, Hq, D]``.  Returns ``(o [n, Hkv, M, D], lse [n, Hkv, M] float32, stride)``:
+    ``n`` prefix splits of normalised partials (``lse = -inf`` where a split saw nothing); query
+    head ``h * G + j`` of sequence ``b`` is row ``b * stride + j`` of kv head ``h``, and
+    ``M >= (B - 1) * stride + suffix_rows(Hq, Hkv)`` (the layout
+    ``suffix_attention.suffix_decode_merge`` takes as ``incoming``).
+    """
+    b, hq, d = q_bhd.shape
+    p, hkv, _ = prefix_k.shape
+    q_bhd = q_bhd.astype(prefix_k.dtype)
+    r, r16 = q_rows_layout(1, hq, hkv)
+    r2 = next_pow2(r)
+    mg = _mgpu_decode_partials(q_bhd, prefix_k, prefix_v, length, scale=scale, interpret=interpret)
+    if mg is not None:
+        return mg[0], mg[1], r2
+    cfg = prefix_config(b, r, hkv, p)
+    m = b * r2
+    m_pad = cdiv(m + r16, cfg["block_m"]) * cfg["block_m"]
+    qp = jnp.pad(rows_from_q(q_bhd[:, None], hkv, r2), ((0, 0), (0, m_pad - m), (0, 0)))
+    lim_rows = jnp.full((m_pad,), length, jnp.int32)
+    o, lse = prefix_partials(qp, prefix_k[None], prefix_v[None], jnp.zeros((m_pad,), jnp.int32),
+                             lim_rows, scale=scale, block_m=cfg["block_m"], block_k=cfg["block_k"],
+                             num_splits=cfg["num_splits"], num_warps=cfg["num_warps"],
+                             num_stages=cfg["num_stages"], interpret=interpret,
+                             two_phase=cfg.get("two_phase", False))
+    return o, lse, r2
 
 
 def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv, *, b, tq, hq, hkv, d,
@@ -261,22 +322,11 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     grp_rows = jnp.pad(grp_rows, (0, m_pad - m), mode="edge")
     # tail padding rows: full limit (their zero queries' results are never used)
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
-    # Mosaic GPU kernel: 128-row blocks over the real rows only; the suffix pass reads whole
-    # r16-row tiles of its partials (up to row m - r2 + r16), so those are allocated but the
-    # rows past m are left unwritten (they only feed discarded padding rows).
-    m128 = cdiv(m, 128) * 128
-    if _use_mgpu(g, tq, interpret, ctas=hkv * (m128 // 128)):
-        from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
-        if pm.mgpu_supported(rows=m128, prefix_len=p, head_dim=d, dtype=q.dtype) is None:
-            qm = rows_from_q(q, hkv, r2, order)  # [Hkv, m, D]
-            qm = jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm
-            # (interpret: Mosaic GPU's CPU interpreter, with its operand-form substitutions)
-            o_pre, lse_pre = pm.prefix_partials_mgpu(qm, prefix_k[0], prefix_v[0], jnp.max(lim_p),
-                                                     scale=scale, interpret=interpret,
-                                                     out_rows=max(m128, m - r2 + r16),
-                                                     schedule_barrier=MGPU_SCHEDULE_BARRIER,
-                                                     _cpu_check=interpret)
-            return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
+    if g == 1 and tq == 1:  # the Mosaic GPU kernel, where it applies
+        mg = _mgpu_decode_partials(q[:, 0], prefix_k[0], prefix_v[0], jnp.max(lim_p), scale=scale,
+                                   interpret=interpret)
+        if mg is not None:
+            return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], order, inv,
                                       b=b, tq=tq, hq=hq, hkv=hkv, d=d, r=r, r2=r2, r16=r16, m=m,
                                       scale=scale, interpret=interpret, two_phase=False,
                                       suffix_block_k=suffix_block_k, suffix_warps=suffix_warps,

@@ -28,6 +28,9 @@ def _case(seed, b, hq, hkv, d, s, dtype, n_in, stride_extra=0):
     v = rng.standard_normal((b, s, hkv, d))
     lens = rng.integers(0, s + 1, size=b)
     lens[0], lens[-1] = 0, s
+    for i in range(b):  # a cache may hold anything past a sequence's length: it must not leak
+        k[i, lens[i]:] = np.nan
+        v[i, lens[i]:] = np.nan
     m_in = (b - 1) * stride + r
     o_in = rng.standard_normal((n_in, hkv, m_in, d))
     lse_in = rng.standard_normal((n_in, hkv, m_in)) * 3
@@ -136,6 +139,10 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu):
     k = rng.standard_normal((b, s_arr, hkv, d))
     v = rng.standard_normal((b, s_arr, hkv, d))
     lens = rng.integers(0, s + 1, size=b)
+    lens[1 % b] = 0                                    # a sequence with a span but no suffix
+    for i in range(b):
+        k[i, lens[i]:] = np.nan
+        v[i, lens[i]:] = np.nan
     n_pool = 500
     kp = rng.standard_normal((n_pool, hkv, d))
     vp = rng.standard_normal((n_pool, hkv, d))
@@ -143,7 +150,11 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu):
     span_len[0] = 0
     span_start = np.array([rng.integers(0, n_pool - n + 1) for n in span_len])
     span_start[-1], span_len[-1] = n_pool - 37, 37      # runs to the last pool token
-    lens[1 % b] = 0                                    # a sequence with a span but no suffix
+    used = np.zeros(n_pool, bool)
+    for a, n in zip(span_start, span_len):
+        used[a:a + n] = True
+    kp[~used] = np.nan                                 # pool tokens outside every span
+    vp[~used] = np.nan
     sources, np_sources = [], []
     for stride, permute in ((g + 3, True), (g, False)):
         m_in = (b - 1) * stride + r
@@ -167,7 +178,7 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu):
         for hh in range(hq):
             h, j = hh // g, hh % g
             sl = slice(span_start[i], span_start[i] + span_len[i])
-            kk = np.concatenate([kpf[sl, h], kf[i, :lens[i], h]])
+            kk = np.concatenate([kpf[sl, h], kf[i, :lens[i], h]])  # (NaN only outside these)
             vv = np.concatenate([vpf[sl, h], vf[i, :lens[i], h]])
             o_s, l_s = _np_attend(qf[i, hh], kk, vv, kk.shape[0], scale)
             os_, ls_ = [o_s], [l_s]

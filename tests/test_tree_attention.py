@@ -321,7 +321,8 @@ def test_gpu_parity_random_forests(dtype, tol, tq, seeds):
         q, kp, vp, sk, sv, sl = args
         f = jax.jit(lambda q, kp, vp, sk, sv, sl: [tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,
                                                                   impl=impl, return_lse=True)
-                                                   for impl in ("flatten", "levelwise", "nodes")])
+                                                   for impl in ("flatten", "levelwise", "nodes")
+                                                   + (("hybrid",) if tq == 1 else ())])
         for out, lse in f(*args):
             check_close(out, lse, ref_out, ref_lse, tol)
 
@@ -331,11 +332,13 @@ def test_gpu_llama_heads_apps_like_and_speculative():
     rng = np.random.default_rng(3)
     for forest, per_leaf, smax in (([[700] + [int(x) for x in rng.integers(30, 200, 6)]], 24, 130),
                                    ([[1500] + [1] * 64], 1, 0),                # shallow (auto)
-                                   ([[1000] + [1] * 20 + [[3, 2, 5]]], 3, 40)):  # shallow + suffix
+                                   ([[1000] + [1] * 20 + [[3, 2, 5]]], 3, 40),   # shallow + suffix
+                                   ([[1500] + [[int(x)] + [int(y) for y in rng.integers(50, 300, 8)]
+                                               for x in rng.integers(50, 300, 5)]], 1, 64)):  # ToT-like
         tree = PrefixTree.from_nested(forest, seqs_per_leaf=per_leaf)
         args = make_inputs(tree, tq=1, hq=32, hkv=8, d=128, smax=smax, seed=1, dtype=jnp.bfloat16)
         ref_out, ref_lse = concat_oracle(tree, *args)
-        for impl in ("flatten", "levelwise", "nodes", "auto"):
+        for impl in ("flatten", "levelwise", "nodes", "hybrid", "auto"):
             out, lse = run(tree, args, impl)
             check_close(out, lse, ref_out, ref_lse, 2e-2)
 
@@ -385,3 +388,63 @@ def test_root_bucket():
     assert [root_bucket(n) for n in (1, 17, 1000, 1024)] == [16, 32, 1024, 1024]
     assert root_bucket(1025) == 1152 and root_bucket(4000) == 4096 and root_bucket(5000) == 5120
     assert all(root_bucket(n) % 128 == 0 and n <= root_bucket(n) <= 1.125 * n for n in range(1025, 20000, 97))
+
+
+HYBRID_FORESTS = [
+    # tree-of-thought-like: one root, 2 levels of branching, one sequence per leaf
+    ([[50, [20, 9, 30], [11, 40, 1, 7]]], 1),
+    # APPS-like: root, problems with several samples each (no exclusive node)
+    ([[60, 13, 25, 8]], 3),
+    # two roots (no root launch), mixed: shared inner nodes, exclusive leaves, length-1 nodes
+    ([[33, [5, 1, 17], 2], [21, 1, [4, 12]]], 1),
+]
+
+
+@pytest.mark.parametrize("case", range(len(HYBRID_FORESTS)))
+@pytest.mark.parametrize("smax", [0, 9])
+def test_hybrid_schedule_in_interpret_mode_with_nan_poison(case, smax):
+    """Root through the shared path's prefix kernel, other shared nodes through the tree kernel,
+    each sequence's exclusive node streamed in place by the decode suffix kernel with its suffix;
+    NaN everywhere no sequence may look."""
+    forest, per_leaf = HYBRID_FORESTS[case]
+    tree = PrefixTree.from_nested(forest, seqs_per_leaf=per_leaf)
+    extra = [(2, 0, 0, 0)] if case == 2 else []  # also a sequence attached to a shared inner node
+    if extra:
+        tree = PrefixTree(parents=tree.parents, starts=tree.starts, lengths=tree.lengths,
+                          leaf_of_seq=list(tree.leaf_of_seq) + [1])
+    args = make_inputs(tree, tq=1, hq=4, hkv=2, d=16, smax=smax, seed=30 + case)
+    q, kp, vp, sk, sv, sl = args
+    meta = build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0], device=False)
+    leaf = np.asarray(tree.leaf_of_seq)
+    n_below = np.bincount(leaf, minlength=tree.num_nodes)
+    info = tree.info
+    count = np.array([np.sum((info["tin"][leaf] >= info["tin"][u]) & (info["tin"][leaf] < info["tout"][u]))
+                      for u in range(tree.num_nodes)])
+    for b in range(tree.num_seqs):                   # excl_span: the attachment node iff only b reads it
+        u = leaf[b]
+        want = (tree.starts[u], tree.lengths[u]) if count[u] == 1 else (0, 0)
+        assert tuple(np.asarray(meta.excl_span)[b]) == want
+    assert meta.hybrid_root == (case != 2)
+    assert n_below.sum() == tree.num_seqs
+    ref_out, ref_lse = concat_oracle(tree, *args)
+    bad, _ = poison(tree, kp, vp, sk, sv, sl)
+    out, lse = run(tree, (q, *bad, sl), "hybrid_interpret")
+    check_close(out, lse, ref_out, ref_lse, 1e-5)
+    if case == 0:  # gradients (custom_vjp: the flatten mirror) match the oracle's
+        def loss(impl):
+            def f(q, kp, vp, sk, sv):
+                o = tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl)
+                return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape)))
+            return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q, kp, vp, sk, sv)
+        for g, r in zip(loss("hybrid_interpret"), loss("reference")):
+            assert rel_err(g, r) < 1e-5
+
+
+def test_hybrid_errors():
+    tree = PrefixTree.from_nested([[10, 3, 4]])
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=2, hq=4, hkv=2, d=16, smax=3, seed=1)
+    with pytest.raises(ValueError, match="seq_q == 1"):
+        tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl="hybrid_interpret")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="needs a GPU"):
+            tree_attention(q[:, :1], tree, kp, vp, sk, sv, suffix_lengths=sl, impl="hybrid")
