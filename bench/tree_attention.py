@@ -29,24 +29,22 @@ Usage: ``python bench/tree_attention.py --out bench/results/tree_attention_h100.
 Timing: :func:`bench.timing.loop_time` (dependent calls inside one jitted loop, no per-call
 dispatch).  ``--iters`` is kept for old command lines and ignored.
 
-Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22 session 4,
-in-loop timing, copy 2.83 TB/s and 657 TFLOP/s measured in the run; the tree path's suffix
-launch is the decode suffix kernel merging the tree partials; shallow trees go through the
-shared-prefix path; ``single_level`` uses the session-4 shared path.  The two earlier session-4
-runs, before those two changes, are ``tree_attention_h200_session4_run{1,2}.json``; the
-session-3 run is in ``bench/results/logs/tree_attention_run2_h200.log``):
+Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22 session 5,
+in-loop timing, copy 2.6-2.8 TB/s and matmul rate measured in the run; ``auto`` takes the hybrid
+schedule on APPS-like and tree-of-thought trees, the shallow path on speculative trees, the
+shared-prefix path on one-level trees; ``auto_path`` records which):
 
-* APPS-like: auto 1.39x (8 problems) / 1.64x (16) faster than single-level shared prefix,
-  1.59x / 1.55x the floor: the 1.5x target is met with 16 problems only, the 2x floor target
-  with both (session 3: 1.30x / 1.50x, 1.80x / 1.74x).
-* tree-of-thought: auto 1.10x single-level (missed), 1.87x the floor (met; session 3: 2.08x).
-* speculative (single-token leaves): flatten 3.24x / 2.29x / 2.34x node-by-node for 32 / 64 /
-  256 drafts (target 1.5x met).  ``auto`` takes the shallow path: 0.068 / 0.100 / 0.113 ms
-  (flatten 0.082 / 0.148 / 0.199), 0.72x / 0.82x / 1.67x the speed of the ``single_level``
-  column (which slices the root and materialises the leaves before timing; at 256 drafts auto's
-  root padded to a multiple of 128 gets the Mosaic GPU prefix kernel, the column's does not).
-* few-shot (one level): auto 0.83x / 0.83x the ``single_level`` column (the same function on a
+* APPS-like: auto 1.79x (8 problems) / 2.14x (16) faster than single-level shared prefix,
+  1.11x / 1.05x the floor (session 4: 1.39x / 1.64x, 1.59x / 1.55x).
+* tree-of-thought: auto 1.65x single-level, 1.09x the floor (session 4: 1.10x, 1.87x).
+* speculative (single-token leaves): flatten 3.20x / 2.36x / 2.34x node-by-node for 32 / 64 /
+  256 drafts; auto (shallow path) 0.068 / 0.092 / 0.116 ms, 1.25x / 1.58x / 1.72x faster than
+  flatten.
+* few-shot (one level): auto 0.86-0.88x the ``single_level`` column (the same function on a
   pre-sliced prefix: the difference is the root gather).
+The hybrid schedule's launches timed apart: ``bench/tree_breakdown.py``
+(``bench/results/tree_breakdown_h200.json``; its tree-kernel tiling: ``tree_mid_sweep_h200.json``).
+The session-4 run is in git history and ``bench/results/logs/tree_attention_run*_h200.log``.
 """
 from __future__ import annotations
 
