@@ -30,13 +30,16 @@ Timing: :func:`bench.timing.loop_time` (dependent calls inside one jitted loop, 
 dispatch).  ``--iters`` is kept for old command lines and ignored.
 
 Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22 session 5,
-in-loop timing, copy 2.6-2.8 TB/s and matmul rate measured in the run; ``auto`` takes the hybrid
+in-loop timing, copy 2.56 TB/s and 688 TFLOP/s measured in the run; ``auto`` takes the hybrid
 schedule on APPS-like and tree-of-thought trees, the shallow path on speculative trees, the
 shared-prefix path on one-level trees; ``auto_path`` records which):
 
 * APPS-like: auto 1.79x (8 problems) / 2.14x (16) faster than single-level shared prefix,
   1.11x / 1.05x the floor (session 4: 1.39x / 1.64x, 1.59x / 1.55x).
 * tree-of-thought: auto 1.65x single-level, 1.09x the floor (session 4: 1.10x, 1.87x).
+  (The floor divides bytes by the copy bandwidth, which counts a read and a write; the decode
+  kernels read at about 3.8-3.9 TB/s, and against bytes / 3.9 TB/s these three are 1.69x /
+  1.60x / 1.66x.)
 * speculative (single-token leaves): flatten 3.20x / 2.36x / 2.34x node-by-node for 32 / 64 /
   256 drafts; auto (shallow path) 0.068 / 0.092 / 0.116 ms, 1.25x / 1.58x / 1.72x faster than
   flatten.
