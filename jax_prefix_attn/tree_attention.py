@@ -608,8 +608,8 @@ def auto_path(meta: TreeMetadata, q, suffix_k, *, draft_parents=None) -> str:
     Off the GPU: ``meta.preferred`` (the pure-JAX mirror of that schedule).  On the GPU, in order:
     a single-level forest with a suffix axis goes to the shared-prefix path; when decoding, a
     shallow forest to the shallow path (H200, ``bench/results/tree_attention_h200.json``: on
-    speculative trees of 32 / 64 / 256 drafts it and the hybrid schedule were within 0.85-1.18x
-    of each other), else the hybrid schedule where the cost model prefers it
+    speculative trees of 32 / 64 / 256 drafts the hybrid schedule took 1.12x / 0.92x / 1.06x its
+    time), else the hybrid schedule where the cost model prefers it
     (``meta.hybrid``); then ``meta.preferred``."""
     if not _on_gpu() or draft_parents is not None:
         return meta.preferred

@@ -448,3 +448,16 @@ def test_hybrid_errors():
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs a GPU"):
             tree_attention(q[:, :1], tree, kp, vp, sk, sv, suffix_lengths=sl, impl="hybrid")
+
+
+def test_hybrid_cost_model_choices():
+    """The hybrid schedule is preferred for tree-of-thought / APPS shapes, not when a few
+    sequences each stream a very long exclusive node (one program per sequence and kv head in
+    the suffix launch, where the flatten schedule splits it into chunks)."""
+    tot = PrefixTree.from_nested([[1500] + [[200] + [200] * 10 for _ in range(10)]])
+    apps = PrefixTree.from_nested([[2400, 500, 600, 700]], seqs_per_leaf=128)
+    long_leaves = PrefixTree.from_nested([[100, 50000, 50000]])
+    for tree, want in ((tot, True), (apps, True), (long_leaves, False)):
+        meta = build_tree_metadata(tree, tq=1, group=4, pool_size=tree.pool_extent, device=False)
+        assert meta.hybrid == want, tree
+    assert build_tree_metadata(tot, tq=2, group=4, pool_size=tot.pool_extent, device=False).excl_span is None
