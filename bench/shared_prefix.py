@@ -27,7 +27,9 @@ Columns, all measured in one run (bf16, Tq = 1, every suffix full):
   (``floor_read_ms``: the same with the read-only bandwidth of an XLA reduction).
 
 Timing: each function runs ``n`` times inside one jitted ``fori_loop`` whose iterations depend
-on each other (the output perturbs the next query), median of 3 such calls divided by ``n``.
+on each other (the output perturbs the next query), median of 3 such calls divided by ``n``;
+``n`` is a compile-time constant from session 5 on (``bench.timing.loop_time``: a traced trip
+count had added 14-20 us of host synchronisation to every call).
 Points that do not fit in memory are recorded as ``"X"``; points not reached within the time
 budget as ``"skipped"``.  Each finished point is appended to the JSON as it completes.
 

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import functools
 import platform
 import statistics
 import subprocess
@@ -37,23 +38,38 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 3, iters: 
     return min(times) if stat == "min" else statistics.median(times)
 
 
+LOOP_COUNTS = (4, 8, 16, 32, 64, 128, 256)  # static trip counts loop_time may compile
+
+
 def loop_time(fn: Callable, q, rest: tuple, *, target_s: float = 0.03, reps: int = 3) -> float:
     """Seconds per call of ``fn(q, *rest) -> out`` (``out.shape == q.shape``), measured as ``n``
     dependent calls in one jitted ``fori_loop`` (each iteration's output perturbs the next
-    query, so XLA can neither hoist nor merge them); ``n`` is chosen so one timed call takes
-    about ``target_s``; median of ``reps`` timed calls divided by ``n``, after a compile call."""
-    @jax.jit
+    query, so XLA can neither hoist nor merge them); ``n`` is chosen from :data:`LOOP_COUNTS` so
+    one timed call takes about ``target_s``; median of ``reps`` timed calls divided by ``n``,
+    after a compile call.
+
+    The trip count is a compile-time constant (one compile at ``n = 4``, one more at the chosen
+    ``n``).  With a traced trip count XLA's GPU while loop copies its predicate to the host
+    every iteration: measured on an H200 (session 5, ``bench/results/logs/session5_loop_probe_h200.json``)
+    that added 14-20 us per call (an elementwise op: 24 us per iteration with a traced count,
+    10 us with a constant one; the shared path at B=256 P=4K: 0.111 ms against 0.096 ms).
+    Results measured before 2026-11-22 session 5 used the traced count."""
+    @functools.partial(jax.jit, static_argnums=(1,))
     def run(q, n, *rest):
         def body(_, q):
             out = fn(q, *rest)
             return (q + out.astype(q.dtype) * 1e-3).astype(q.dtype)
         return jax.lax.fori_loop(0, n, body, q)
 
-    jax.block_until_ready(run(q, 1, *rest))  # compile + warm up
+    n0 = LOOP_COUNTS[0]
+    jax.block_until_ready(run(q, n0, *rest))  # compile + warm up
     t0 = time.perf_counter()
-    jax.block_until_ready(run(q, 2, *rest))
-    t1 = (time.perf_counter() - t0) / 2
-    n = int(min(200, max(2, target_s / max(t1, 1e-6))))
+    jax.block_until_ready(run(q, n0, *rest))
+    t1 = (time.perf_counter() - t0) / n0
+    want = target_s / max(t1, 1e-6)
+    n = max([c for c in LOOP_COUNTS if c <= want], default=n0)
+    if n != n0:
+        jax.block_until_ready(run(q, n, *rest))  # compile + warm up
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
