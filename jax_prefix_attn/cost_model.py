@@ -28,6 +28,14 @@ The constants were measured for these kernels on an H200 (``bench/shared_prefix.
 and the grid in ``bench/results/shared_prefix_h200_session2_triton.json``, measured with the
 Triton prefix kernel; the Mosaic GPU prefix kernel, default on Hopper since, makes ``shared``
 faster at large batch, so the model errs towards ``flat`` there); only static shapes enter.
+Session 5 changed two of them after the benchmark's timing loop stopped adding a host
+synchronisation (14-20 us) to every call, which had hidden part of the shared path's extra
+launches: ``T_LAUNCH`` 8 -> 3 us and ``MMA`` 2.05e14 -> 3e14 (the Triton prefix kernel's
+measured 205-322 TFLOP/s).  On the session-5 grid (``bench/results/shared_prefix_h200.json``,
+runs 0-1) the old constants chose within 5% of the better path at 66 of 75 points, these at 71
+(in-sample); run 2 of that file re-measured the 34 small points with these constants: 28 of
+them within 5% (25 of 34 in run 1 with the old ones), 69 of 75 over the grid, the worst 1.46x
+(B=16, P=16K, Hq=8/Hkv=1, 24 us against 35 us).
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.
 """
@@ -39,8 +47,8 @@ __all__ = ["PathCosts", "estimate", "choose_path"]
 
 BW = 2.5e12          # bytes/s the decode kernels stream from DRAM (fit to the H200 grid)
 L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kernel (measured)
-MMA = 2.05e14        # FLOP/s of the Triton-lowered prefix kernel's dots (measured)
-T_LAUNCH = 8e-6      # seconds per kernel launch / dependent stage (launch + ramp + tail)
+MMA = 3.0e14         # FLOP/s of the Triton-lowered prefix kernel's dots (measured 205-322)
+T_LAUNCH = 3e-6      # seconds per kernel launch / dependent stage (launch + ramp + tail)
 T_KEY = 4.0e-8       # seconds per key on one program's critical path (tile load latency)
 SMS = 132            # streaming multiprocessors (H100 / H200)
 
