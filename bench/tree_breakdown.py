@@ -39,12 +39,12 @@ def _touch(q, x):
 
 
 def bench(name):
+    import importlib
+    import pallas_kernels.prefix_attention as pa
     from jax_prefix_attn import tree_attention
     from jax_prefix_attn.tree import build_tree_metadata
-    from jax_prefix_attn import tree_attention as ta_mod
-    import pallas_kernels.prefix_attention as pa
     from pallas_kernels.suffix_attention import suffix_decode_merge
-    ta = sys.modules["jax_prefix_attn.tree_attention"]
+    ta = importlib.import_module("jax_prefix_attn.tree_attention")  # the module (the package exports the function)
     wl = {w["name"]: w for w in workloads(False)}[name]
     tree, (q, kp, vp, sk, sv, sl) = make_case(wl)
     meta = build_tree_metadata(tree, tq=1, group=HQ // HKV, pool_size=kp.shape[0])
@@ -77,11 +77,8 @@ def bench(name):
         rec["ms"]["suffix"] = loop_time(h, q, (sk, sv, sl)) * 1e3
     if meta.hybrid_root:
         def root(q, m, kp, vp):
-            start, length = m.root_span[0, 0], m.root_span[0, 1]
-            idx = jnp.minimum(start + jnp.arange(m.root_pad), kp.shape[0] - 1)
-            valid = (jnp.arange(m.root_pad) < length)[:, None, None]
-            o, lse, _ = pa.decode_prefix_partials(q[:, 0], jnp.where(valid, kp[idx], 0),
-                                                  jnp.where(valid, vp[idx], 0), length, scale=scale)
+            pk, pv = ta._root_spans(m, kp, vp)
+            o, lse, _ = pa.decode_prefix_partials(q[:, 0], pk[0], pv[0], m.root_span[0, 1], scale=scale)
             return _touch(q, o) + _touch(q, lse) * 0
         rec["ms"]["root"] = loop_time(root, q, (meta, kp, vp)) * 1e3
     if meta.mid is not None:
@@ -98,7 +95,6 @@ def bench(name):
     for k, v in list(rec["ms"].items()):
         if k.startswith("span_suffix"):
             rec.setdefault("span_suffix_TBps", {})[k] = streamed / (v * 1e-3) / 1e12
-    del ta_mod
     return rec
 
 
@@ -112,7 +108,7 @@ def mid_sweep(name):
     """The hybrid schedule's tree-kernel launch (``mid``) under several tilings / modes."""
     import dataclasses
     from jax_prefix_attn import tree_attention
-    from jax_prefix_attn.tree import build_tree_metadata, _flatten_schedule  # noqa: F401
+    from jax_prefix_attn.tree import build_tree_metadata
     import jax_prefix_attn.tree as tree_mod
     import pallas_kernels.tree_attention as tk
     wl = {w["name"]: w for w in workloads(False)}[name]
@@ -124,12 +120,11 @@ def mid_sweep(name):
         meta = build_tree_metadata(tree, tq=1, group=HQ // HKV, pool_size=kp.shape[0], block_kv=bkv,
                                    max_block_m=mm, device=False)
         if mode is not None and meta.mid is not None and meta.mid.mode != mode:
+            # rebuild the other mode over the same nodes: all but the exclusive ones and the root
             info = tree.info
-            keep = np.zeros(tree.num_nodes, bool)
-            # rebuild the other mode over the same nodes
             leaf = np.asarray(tree.leaf_of_seq)
             ex = np.asarray(meta.excl_span)[:, 1] > 0
-            keep[:] = np.asarray(tree.lengths) > 0
+            keep = np.asarray(tree.lengths) > 0
             keep[leaf[ex]] = False
             if meta.hybrid_root:
                 keep[int(np.nonzero(np.asarray(tree.parents) < 0)[0][0])] = False

@@ -761,16 +761,16 @@ def _hybrid_parts(tree: PrefixTree, info: dict, seq_lo, seq_hi, sorted_keys, tq:
         costs = [schedule_cost(c, group=group) for c in cands]
         mid = cands[int(np.argmin(costs))]
         cost += min(costs)
+    heads_kv, head_dim, kv_bytes = 8, 128, 2              # schedule_cost's defaults
+    head_tok_bytes = head_dim * 2 * kv_bytes                # K+V of one token, one kv head
     if root:
         r_len = int(ln[roots[0]])
-        heads_kv, head_dim, kv_bytes = 8, 128, 2          # schedule_cost's defaults
-        cost += cm["launch_s"] + max(r_len * heads_kv * head_dim * 2 * kv_bytes / cm["hbm_bytes_per_s"],
+        cost += cm["launch_s"] + max(r_len * heads_kv * head_tok_bytes / cm["hbm_bytes_per_s"],
                                      4.0 * b * group * heads_kv * r_len * head_dim / cm["prefix_flops_per_s"])
     # The spans ride in the suffix launch, one program per (sequence, kv head), unsplit: their
     # bytes, or the longest span streamed by one program when there are few sequences.
-    tok_bytes = 8 * 128 * 2 * 2                            # schedule_cost's defaults (Hkv, D, bf16)
-    cost += max(int(excl_span[:, 1].sum()) * tok_bytes / cm["hbm_bytes_per_s"],
-                int(excl_span[:, 1].max()) * tok_bytes / 8 / cm["sm_bytes_per_s"])
+    cost += max(int(excl_span[:, 1].sum()) * heads_kv * head_tok_bytes / cm["hbm_bytes_per_s"],
+                int(excl_span[:, 1].max()) * head_tok_bytes / cm["sm_bytes_per_s"])
     return dict(excl_span=excl_span, mid=mid, root=root, cost=cost)
 
 

@@ -440,15 +440,33 @@ def _single_level(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suf
     """Every sequence hangs from a root: ``shared_prefix_attention`` with one prefix group per root
     (the roots' spans gathered into ``[G, root_pad, Hkv, D]``; a copy of the shared tokens only)."""
     from jax_prefix_attn.shared_prefix import shared_prefix_attention  # noqa: PLC0415
-    start, length = meta.root_span[:, 0], meta.root_span[:, 1]
-    n = k_pool.shape[0]
-    idx = jnp.minimum(start[:, None] + jnp.arange(meta.root_pad)[None, :], n - 1)      # [G, P]
-    valid = (jnp.arange(meta.root_pad)[None, :] < length[:, None])[..., None, None]
-    pk = jnp.where(valid, k_pool[idx], 0)
-    pv = jnp.where(valid, v_pool[idx], 0)
+    pk, pv = _root_spans(meta, k_pool, v_pool)
     return shared_prefix_attention(q, pk, pv, suffix_k, suffix_v, suffix_lengths=suffix_lengths,
-                                   prefix_lengths=length, seq_to_prefix=meta.seq_root, sm_scale=scale,
-                                   return_lse=True, impl=impl)
+                                   prefix_lengths=meta.root_span[:, 1], seq_to_prefix=meta.seq_root,
+                                   sm_scale=scale, return_lse=True, impl=impl)
+
+
+def _root_spans(meta: TreeMetadata, k_pool, v_pool):
+    """The roots' spans gathered into ``[G, root_pad, Hkv, D]`` (zeros past each root's length)."""
+    start, length = meta.root_span[:, 0], meta.root_span[:, 1]
+    idx = jnp.minimum(start[:, None] + jnp.arange(meta.root_pad)[None, :], k_pool.shape[0] - 1)  # [G, P]
+    valid = (jnp.arange(meta.root_pad)[None, :] < length[:, None])[..., None, None]
+    return jnp.where(valid, k_pool[idx], 0), jnp.where(valid, v_pool[idx], 0)
+
+
+def _as_incoming(o, lse, hq: int, hkv: int):
+    """A normalised state ``o [B, ..., Hq, D]`` / ``lse [B, ..., Hq]`` (one query per sequence, any
+    head grouping) in the layout the decode suffix kernel merges: ``([1, Hkv, B * G + pad, D],
+    [1, Hkv, B * G + pad], stride G)``, padded because the kernel reads whole row tiles past the
+    last sequence."""
+    from pallas_kernels.suffix_attention import suffix_rows  # noqa: PLC0415
+    b, d = o.shape[0], o.shape[-1]
+    g = hq // hkv
+    pad = suffix_rows(hq, hkv) - g
+    o_in = jnp.transpose(o.reshape(b, hkv, g, d), (1, 0, 2, 3)).reshape(1, hkv, b * g, d)
+    l_in = jnp.transpose(lse.reshape(b, hkv, g), (1, 0, 2)).reshape(1, hkv, b * g)
+    return (jnp.pad(o_in, ((0, 0), (0, 0), (0, pad), (0, 0))),
+            jnp.pad(l_in, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf), g)
 
 
 def _shallow(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, *, scale: float,
@@ -475,15 +493,8 @@ def _decode_suffix_merging(q, o, lse, suffix_k, suffix_v, suffix_lengths, *, sca
     ``[B, 1, Hq(, D)]`` in any head grouping ``Hkv x G``) in the decode suffix kernel's epilogue
     (``pallas_kernels.suffix_attention``).  Returns ``(out [B, 1, Hq, D] in q's dtype,
     lse [B, 1, Hq])``."""
-    from pallas_kernels.suffix_attention import suffix_decode_merge, suffix_rows  # noqa: PLC0415
-    b, _, hq, d = q.shape
-    hkv = suffix_k.shape[2]
-    g = hq // hkv
-    pad = suffix_rows(hq, hkv) - g  # the kernel reads whole row tiles past the last sequence
-    o_in = jnp.transpose(o.reshape(b, hkv, g, d), (1, 0, 2, 3)).reshape(1, hkv, b * g, d)
-    l_in = jnp.transpose(lse.reshape(b, hkv, g), (1, 0, 2)).reshape(1, hkv, b * g)
-    o_in = jnp.pad(o_in, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    l_in = jnp.pad(l_in, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+    from pallas_kernels.suffix_attention import suffix_decode_merge  # noqa: PLC0415
+    o_in, l_in, g = _as_incoming(o, lse, q.shape[2], suffix_k.shape[2])
     out, lse = suffix_decode_merge(q[:, 0].astype(suffix_k.dtype), suffix_k, suffix_v, suffix_lengths,
                                    (o_in, l_in), in_stride=g, scale=scale, interpret=interpret)
     return out[:, None].astype(q.dtype), lse[:, None]
@@ -507,22 +518,18 @@ def _hybrid(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_le
     With one query per sequence every key is visible, so the order of the keys does not matter.
     Returns ``(out [B, 1, Hq, D] in q's dtype, lse [B, 1, Hq])``."""
     from pallas_kernels.prefix_attention import DECODE_SUFFIX_TILING, decode_prefix_partials  # noqa: PLC0415
-    from pallas_kernels.suffix_attention import suffix_decode_merge, suffix_rows  # noqa: PLC0415
-    b, _, hq, d = q.shape
+    from pallas_kernels.suffix_attention import suffix_decode_merge  # noqa: PLC0415
+    hq = q.shape[2]
     hkv = k_pool.shape[1]
     g = hq // hkv
     interpret = backend == "interpret"
     kdt = k_pool.dtype
     q1 = q[:, 0].astype(kdt)
-    n = k_pool.shape[0]
     sources = []
     if meta.hybrid_root:
-        start, length = meta.root_span[0, 0], meta.root_span[0, 1]
-        idx = jnp.minimum(start + jnp.arange(meta.root_pad), n - 1)
-        valid = (jnp.arange(meta.root_pad) < length)[:, None, None]
-        pk = jnp.where(valid, k_pool[idx], 0)
-        pv = jnp.where(valid, v_pool[idx], 0)
-        o_r, l_r, stride = decode_prefix_partials(q1, pk, pv, length, scale=scale, interpret=interpret)
+        pk, pv = _root_spans(meta, k_pool, v_pool)
+        o_r, l_r, stride = decode_prefix_partials(q1, pk[0], pv[0], meta.root_span[0, 1], scale=scale,
+                                                  interpret=interpret)
         sources.append((o_r, l_r, stride, None))
     if meta.mid is not None:
         key, lim = _row_tables(meta, suffix_lengths)
@@ -530,14 +537,7 @@ def _hybrid(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_le
                            jnp.repeat(lim, g), group=g, scale=scale, backend=backend)
         og, lg = _gather_parts(meta.mid, o, lse, g)           # [B, P, Hkv, G, D], [B, P, Hkv, G]
         o_m, l_m = _merge([og], [lg])                          # [B, Hkv, G, D], [B, Hkv, G]
-        pad = suffix_rows(hq, hkv) - g  # the kernel reads whole row tiles past the last sequence
-        o_m = jnp.transpose(o_m.astype(_partial_dtype(kdt)), (1, 0, 2, 3)).reshape(1, hkv, b * g, d)
-        l_m = jnp.transpose(l_m, (1, 0, 2)).reshape(1, hkv, b * g)
-        sources.append((jnp.pad(o_m, ((0, 0), (0, 0), (0, pad), (0, 0))),
-                        jnp.pad(l_m, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf), g, None))
-    if suffix_k.shape[1] == 0:  # the kernel needs a suffix axis: one never-visible key
-        suffix_k = suffix_v = jnp.zeros((b, 1) + suffix_k.shape[2:], kdt)
-        suffix_lengths = jnp.zeros((b,), jnp.int32)
+        sources.append(_as_incoming(o_m.astype(_partial_dtype(kdt)), l_m, hq, hkv) + (None,))
     span = (k_pool, v_pool, meta.excl_span[:, 0], meta.excl_span[:, 1])
     out, lse = suffix_decode_merge(q1, suffix_k, suffix_v, suffix_lengths.astype(jnp.int32), sources, span=span,
                                    scale=scale, interpret=interpret, **DECODE_SUFFIX_TILING)

@@ -56,6 +56,28 @@ class Source:
     row_limit: jax.Array
 
 
+def online_update(q, k, v, carry, *, scale_log2, precision, col_ok=None):
+    """One key tile of the online softmax: rows ``q [BM, D]`` against ``k/v [BK, D]``.
+
+    ``carry = (acc [BM, D], m [BM] (log2 units), l [BM])`` float32; ``col_ok`` (broadcastable
+    to ``[BM, BK]``, optional) masks scores (rows with no visible key yet keep ``m = -inf`` and
+    contribute nothing).  The caller must not load masked-out ``v`` rows it cannot trust: a
+    zero probability times NaN is NaN.  Returns the updated carry."""
+    acc, m_i, l_i = carry
+    sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32) * scale_log2
+    if col_ok is not None:
+        sc = jnp.where(col_ok, sc, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if col_ok is not None else m_new
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(sc - m_use[:, None])
+    l_i = l_i * alpha + jnp.sum(p, axis=1)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         precision=precision, preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
 def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k, seq_len,
                 scale_log2, precision, two_phase=False):
     """Online-softmax accumulation of rows ``q [BM, D]`` over keys ``[k_start, k_start + chunk)``
@@ -79,7 +101,6 @@ def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k,
     need_mask = seq_len % block_k != 0
 
     def kv_body(t, c, *, g, rl, masked):
-        acc, m_i, l_i = c
         k0 = k_start + t * block_k
         ks = pl.ds(pl.multiple_of(k0, block_k), block_k)
         if need_mask or masked:
@@ -93,19 +114,8 @@ def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k,
         else:
             k = k_ref[g, ks, h, :]
             v = v_ref[g, ks, h, :]
-        sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32) * scale_log2
-        if masked:
-            sc = jnp.where((k0 + cols) < rl[:, None], sc, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             precision=precision, preferred_element_type=jnp.float32)
-        acc = acc * alpha[:, None] + pv
-        return acc, m_new, l_i
+        return online_update(q, k, v, c, scale_log2=scale_log2, precision=precision,
+                             col_ok=((k0 + cols) < rl[:, None]) if masked else None)
 
     def group_body(g, carry):
         rl = jnp.where(idx == g, lim, 0)  # [BM] limits of this entry's rows

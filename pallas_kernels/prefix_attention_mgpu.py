@@ -134,9 +134,9 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     ``schedule_barrier``: the two compute warpgroups take turns on the tensor cores (one issues
     its ``Q K^T`` / ``P V`` while the other runs its softmax; FlashAttention-3's "ping-pong"
     scheduling, through one two-arrival barrier).  ``out_rows``: rows of ``o``/``lse`` to
-    allocate (``>= M``, rounded up to a multiple of 16); rows ``>= M`` are left unwritten, for a consumer that reads whole tiles
-    past the last real row and discards them (the suffix pass), instead of computing a padding
-    row block.
+    allocate (``>= M``, rounded up to a multiple of 16); rows ``>= M`` are left unwritten, for a
+    consumer that reads whole tiles past the last real row and discards them (the suffix pass),
+    instead of computing a padding row block.
     """
     hkv, m, d = q_hmd.shape
     p = k_phd.shape[0]

@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.decode_attention import attend_pool, finish_state, merge_tile_states, next_pow2
+from pallas_kernels.decode_attention import (attend_pool, finish_state, merge_tile_states, next_pow2,
+                                             online_update)
 
 __all__ = ["suffix_decode_merge", "suffix_rows"]
 
@@ -50,23 +51,13 @@ def _attend_span(q, kp_ref, vp_ref, h, start, n, carry, *, block_k, scale_log2, 
     keys = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
 
     def body(t, c):
-        acc, m_i, l_i = c
         j0 = t * block_k
         ks = pl.ds(start + j0, block_k)
         ok = (j0 + keys) < n
         k = plgpu.load(kp_ref.at[ks, h, :], mask=ok, other=0.0)
         v = plgpu.load(vp_ref.at[ks, h, :], mask=ok, other=0.0)
-        sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32) * scale_log2
-        sc = jnp.where((j0 + cols) < n, sc, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             precision=precision, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l_i
+        return online_update(q, k, v, c, scale_log2=scale_log2, precision=precision,
+                             col_ok=(j0 + cols) < n)
 
     return lax.fori_loop(0, (n + block_k - 1) // block_k, body, carry)
 
@@ -121,7 +112,8 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
 
     Args:
       q_bhd: ``[B, Hq, D]`` one query per sequence (16-bit or float32).
-      suffix_k, suffix_v: ``[B, S, Hkv, D]``; sequence ``b`` sees keys ``[0, lengths_b[b])``.
+      suffix_k, suffix_v: ``[B, S, Hkv, D]``; sequence ``b`` sees keys ``[0, lengths_b[b])``
+        (``S`` may be 0).
       lengths_b: ``[B]`` int32 (dynamic).
       incoming: optional partial states merged in the epilogue: either one pair
         ``(o [n_in, Hkv, M_in, D], lse [n_in, Hkv, M_in])`` laid out by ``in_stride`` and
@@ -140,6 +132,10 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
     """
     b, hq, d = q_bhd.shape
     _, s_len, hkv, _ = suffix_k.shape
+    if s_len == 0:  # no suffix axis: one key nobody sees (the kernel needs a non-empty axis)
+        suffix_k = suffix_v = jnp.zeros((b, 1, hkv, d), suffix_k.dtype)
+        lengths_b = jnp.zeros((b,), jnp.int32)
+        s_len = 1
     grp = hq // hkv
     rows = suffix_rows(hq, hkv)
     if incoming is None:
