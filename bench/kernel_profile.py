@@ -109,7 +109,8 @@ def main():
         for k in r["kernels"]:
             print(f"   {k['us']:8.1f} us  {k['name']}")
     if a.out:
-        json.dump(dict(notes=__doc__, results=res), open(a.out, "w"), indent=1)
+        from bench.timing import device_info  # noqa: PLC0415  (the machine that ran ncu parses too)
+        json.dump(dict(device=device_info(), notes=__doc__, results=res), open(a.out, "w"), indent=1)
 
 
 if __name__ == "__main__":
