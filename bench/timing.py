@@ -41,7 +41,8 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 3, iters: 
 LOOP_COUNTS = (4, 8, 16, 32, 64, 128, 256)  # static trip counts loop_time may compile
 
 
-def loop_time(fn: Callable, q, rest: tuple, *, target_s: float = 0.03, reps: int = 3) -> float:
+def loop_time(fn: Callable, q, rest: tuple, *, target_s: float = 0.03, reps: int = 3,
+              compiler_options: dict | None = None) -> float:
     """Seconds per call of ``fn(q, *rest) -> out`` (``out.shape == q.shape``), measured as ``n``
     dependent calls in one jitted ``fori_loop`` (each iteration's output perturbs the next
     query, so XLA can neither hoist nor merge them); ``n`` is chosen from :data:`LOOP_COUNTS` so
@@ -53,8 +54,11 @@ def loop_time(fn: Callable, q, rest: tuple, *, target_s: float = 0.03, reps: int
     every iteration: measured on an H200 (session 5, ``bench/results/logs/session5_loop_probe_h200.json``)
     that added 14-20 us per call (an elementwise op: 24 us per iteration with a traced count,
     10 us with a constant one; the shared path at B=256 P=4K: 0.111 ms against 0.096 ms).
-    Results measured before 2026-11-22 session 5 used the traced count."""
-    @functools.partial(jax.jit, static_argnums=(1,))
+    Results measured before 2026-11-22 session 5 used the traced count.
+
+    ``compiler_options``: XLA options for the timed loop's compilation (``jax.jit``'s
+    ``compiler_options``), e.g. the command-buffer scheduling mode."""
+    @functools.partial(jax.jit, static_argnums=(1,), compiler_options=compiler_options)
     def run(q, n, *rest):
         def body(_, q):
             out = fn(q, *rest)

@@ -21,7 +21,9 @@ that fall inside the prefix) is therefore handled too.
 
 * ``"reference"``: pure JAX (prefix part + suffix part + :func:`merge_attention_states`);
 * ``"shared"``: two Pallas launches on the GPU: the inter-sequence batched prefix kernel,
-  then the suffix decode kernel that merges the prefix partials in its epilogue;
+  then the suffix decode kernel that merges the prefix partials in its epilogue (when decoding
+  with one prefix on Hopper: the Mosaic GPU prefix kernel and the suffix kernel as two
+  independent launches, merged by one small XLA fusion);
 * ``"flat"``: one ragged split-KV decode launch (plus a small reduction when the keys are
   split) that reads the prefix through a per-sequence index for every sequence, without
   copying it (the PagedAttention-style baseline);
@@ -48,9 +50,20 @@ from jax_prefix_attn._validation import (_is_concrete, check_array, check_gqa, c
 from jax_prefix_attn.merge import merge_attention_states
 from pallas_kernels.decode_attention import MAX_ROWS_PER_TILE
 
-__all__ = ["shared_prefix_attention", "IMPLS", "row_limits", "reference_shared_prefix"]
+__all__ = ["shared_prefix_attention", "IMPLS", "row_limits", "reference_shared_prefix",
+           "CONCURRENT_COMPILER_OPTIONS"]
 
 IMPLS = ("auto", "shared", "flat", "reference", "pallas_interpret", "flat_interpret")
+
+# XLA options for the user's ``jax.jit`` of a decode step (``jax.jit(step,
+# compiler_options=CONCURRENT_COMPILER_OPTIONS)``): XLA's CUDA graphs then run independent
+# launches at the same time (scheduling "CONCURRENT", graphs of any size).  On Hopper the
+# decode path's prefix launch (tensor-core bound) and suffix launch (memory bound) are
+# independent (``pallas_kernels.prefix_attention.MGPU_MERGE``); measured on an H200 this made
+# the attention call 1-6% faster (``bench/results/logs/session6_probe_concurrent_h200.json``).
+# Opt-in: it can raise peak memory, as buffers of concurrent ops cannot share space.
+CONCURRENT_COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+                               "xla_gpu_graph_min_graph_size": 1}
 
 
 # ----------------------------------------------------------------------------- validation

@@ -82,6 +82,24 @@ DECODE_SUFFIX_TILING = dict(block_k=32, num_warps=2, num_stages=3)
 # ``prefix_attention_mgpu.prefix_partials_mgpu``).
 MGPU_SCHEDULE_BARRIER = True
 
+# How the decode path with the Mosaic GPU prefix kernel combines the two parts:
+# "independent" (default): prefix partials and suffix state come from two launches that do not
+#   depend on each other, then one small XLA fusion merges them (reading only the G real rows
+#   of each sequence's prefix partials);
+# "epilogue": the suffix kernel reads the prefix partials and merges them in its epilogue (each
+#   program reads a 16-row tile per prefix split, 4x the real rows when G = 4).
+# Measured on an H200 in one run (bench/results/logs/session6_probe_concurrent_h200.json,
+# Hq=32/Hkv=8, S=128 unless noted): independent / epilogue = 0.0915 / 0.0975 ms at B=256 P=4K,
+# 0.2105 / 0.2122 at B=512 P=8K, 0.2915 / 0.2893 at B=1024 P=4K, 0.1804 / 0.1855 at B=256
+# P=16K, 0.1229 / 0.1316 at B=256 P=4K S=256, 0.0742 / 0.0760 at Hq=8/Hkv=1 B=1024 P=4K.
+# Because the two launches are independent, XLA may run them at the same time inside a CUDA
+# graph with ``CONCURRENT_COMPILER_OPTIONS`` (jax_prefix_attn) passed to ``jax.jit``: in the
+# same run that gave a further 1-6% (0.0877 / 0.2075 / 0.2826 / 0.1777 / 0.1209 / 0.0698 ms).
+MGPU_MERGE = "independent"
+MGPU_MERGES = ("epilogue", "independent")
+# Prefix splits of the Mosaic GPU kernel on the decode path (None: ``choose_splits``).
+MGPU_SPLITS: int | None = None
+
 
 def _use_mgpu(g: int, tq: int, interpret: bool, ctas: int | None = None) -> bool:
     """Whether the shared path takes the Mosaic GPU prefix kernel (static; shapes checked by the
@@ -159,7 +177,7 @@ def prefix_partials(q_hmd, prefix_k, prefix_v, row_group, row_limit, *, scale, b
                             interpret=interpret, two_phase=two_phase)
 
 
-def _mgpu_decode_partials(q_bhd, k_phd, v_phd, length, *, scale, interpret):
+def _mgpu_decode_partials(q_bhd, k_phd, v_phd, length, *, scale, interpret, num_splits=None):
     """Launch 1 through the Mosaic GPU kernel when it applies (see ``_use_mgpu``), else ``None``.
 
     Rows ``R2 = next_pow2(G)`` per sequence, 128-row blocks over the real rows only; the suffix
@@ -181,7 +199,7 @@ def _mgpu_decode_partials(q_bhd, k_phd, v_phd, length, *, scale, interpret):
     qm = jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm
     # (interpret: Mosaic GPU's CPU interpreter, with its operand-form substitutions)
     return pm.prefix_partials_mgpu(qm, k_phd, v_phd, length, scale=scale, interpret=interpret,
-                                   out_rows=max(m128, m - r2 + r16),
+                                   num_splits=num_splits, out_rows=max(m128, m - r2 + r16),
                                    schedule_barrier=MGPU_SCHEDULE_BARRIER, _cpu_check=interpret)
 
 
@@ -277,6 +295,25 @@ def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
     return rows_to_out(o, b, tq, hq, r16, inv), rows_to_out(lse, b, tq, hq, r16, inv)
 
 
+def _independent_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, *, b, hq, hkv, d, r, r2, scale,
+                       interpret):
+    """Decode with one prefix: the suffix kernel without incoming states (it does not wait for
+    the prefix partials), then one XLA merge of ``o_pre [n, Hkv, >= B * R2, D]`` (row
+    ``b * R2 + j`` is query head ``h * G + j`` of sequence ``b``) with the suffix state."""
+    o_s, lse_s = suffix_decode_merge(q[:, 0], suffix_k, suffix_v, lim_s[:, 0], None, scale=scale,
+                                     interpret=interpret, **DECODE_SUFFIX_TILING)
+    n = o_pre.shape[0]
+    m = b * r2
+    o_p = o_pre[:, :, :m].reshape(n, hkv, b, r2, d)[:, :, :, :r]
+    o_p = jnp.transpose(o_p, (0, 2, 1, 3, 4)).reshape(n, b, hq, d)
+    l_p = lse_pre[:, :, :m].reshape(n, hkv, b, r2)[:, :, :, :r]
+    l_p = jnp.transpose(l_p, (0, 2, 1, 3)).reshape(n, b, hq)
+    o_all = jnp.concatenate([o_p.astype(jnp.float32), o_s[None].astype(jnp.float32)], axis=0)
+    l_all = jnp.concatenate([l_p, lse_s[None]], axis=0)
+    o, lse = merge_partials(o_all, l_all)
+    return o.astype(q.dtype)[:, None], lse[:, None]
+
+
 def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
                           *, scale, interpret=False, prefix_cfg=None, suffix_block_k=None,
                           suffix_warps=None, suffix_stages=None, suffix_splits=None, variant=None):
@@ -323,8 +360,13 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     # tail padding rows: full limit (their zero queries' results are never used)
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
     if g == 1 and tq == 1:  # the Mosaic GPU kernel, where it applies
+        if MGPU_MERGE not in MGPU_MERGES:
+            raise ValueError(f"MGPU_MERGE must be one of {MGPU_MERGES}, got {MGPU_MERGE!r}")
         mg = _mgpu_decode_partials(q[:, 0], prefix_k[0], prefix_v[0], jnp.max(lim_p), scale=scale,
-                                   interpret=interpret)
+                                   interpret=interpret, num_splits=MGPU_SPLITS)
+        if mg is not None and MGPU_MERGE == "independent" and suffix_splits in (None, 1):
+            return _independent_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], b=b, hq=hq,
+                                      hkv=hkv, d=d, r=r, r2=r2, scale=scale, interpret=interpret)
         if mg is not None:
             return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], order, inv,
                                       b=b, tq=tq, hq=hq, hkv=hkv, d=d, r=r, r2=r2, r16=r16, m=m,

@@ -116,14 +116,17 @@ def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits, sc
     np.testing.assert_allclose(np.asarray(lse), np.asarray(rl), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("merge", ["epilogue", "independent"])
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [(3, 8, 2, 64, 256, 20),
                                            (32, 8, 2, 64, 128, 9)])  # 128 rows: unwritten tail rows read
-def test_shared_path_with_mgpu_backend_in_cpu_interpreter(monkeypatch, b, hq, hkv, d, p, s):
-    """The whole shared path (Mosaic prefix partials in 16-bit, padding of the rows, fused merge
-    in the Triton suffix kernel) against the concatenation oracle, on the CPU."""
+def test_shared_path_with_mgpu_backend_in_cpu_interpreter(monkeypatch, b, hq, hkv, d, p, s, merge):
+    """The whole shared path (Mosaic prefix partials in 16-bit, padding of the rows, merge in the
+    Triton suffix kernel's epilogue or, ``independent``, in XLA after two independent launches)
+    against the concatenation oracle, on the CPU."""
     from jax_prefix_attn import shared_prefix_attention
     from test_shared_prefix import check, make_case, oracle
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    monkeypatch.setattr(pa, "MGPU_MERGE", merge)
     args, kw, meta = make_case(7, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=jnp.bfloat16,
                                suffix_lengths=[0, s] + [7] * (b - 2))
     out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl="pallas_interpret")
@@ -168,12 +171,14 @@ def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["epilogue", "independent"])
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [(24, 32, 8, 128, 1024, 300), (256, 8, 1, 128, 4096, 64),
                                            (16, 8, 8, 64, 512, 100)])
-def test_gpu_shared_path_with_mgpu_backend(monkeypatch, b, hq, hkv, d, p, s):
+def test_gpu_shared_path_with_mgpu_backend(monkeypatch, b, hq, hkv, d, p, s, merge):
     from jax_prefix_attn import shared_prefix_attention
     from test_shared_prefix import check, make_case, oracle
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    monkeypatch.setattr(pa, "MGPU_MERGE", merge)
     sl = np.random.default_rng(b).integers(0, s + 1, size=b)
     sl[:2] = [0, s]
     args, kw, meta = make_case(90 + b, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=jnp.bfloat16,
