@@ -50,6 +50,7 @@ L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kerne
 MMA = 3.0e14         # FLOP/s of the Triton-lowered prefix kernel's dots (measured 205-322)
 T_LAUNCH = 3e-6      # seconds per kernel launch / dependent stage (launch + ramp + tail)
 T_KEY = 4.0e-8       # seconds per key on one program's critical path (tile load latency)
+MMA_MGPU = 5.0e14    # FLOP/s of the Mosaic GPU prefix kernel (ncu: 443-549 TFLOP/s on an H200)
 SMS = 132            # streaming multiprocessors (H100 / H200)
 
 
@@ -62,9 +63,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _kernel_s(nbytes: float, flops: float, programs: int, *, l2_bytes: float = 0.0,
-              serial_keys: float = 0.0) -> float:
-    util = min(1.0, programs / (2 * SMS))
-    throughput = max(nbytes / BW + l2_bytes / L2_BW, flops / MMA) / util
+              serial_keys: float = 0.0, mma: float = MMA, slots: int = 2 * SMS) -> float:
+    util = min(1.0, programs / slots)
+    throughput = max(nbytes / BW + l2_bytes / L2_BW, flops / mma) / util
     return max(throughput, serial_keys * T_KEY) + T_LAUNCH
 
 
@@ -116,11 +117,36 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
     suffix_bytes = b * s * kv + q_bytes + partial_bytes
     t_suffix = _kernel_s(suffix_bytes, 0.0, b * heads_kv * s_splits,
                          serial_keys=_cdiv(s, s_splits))
-    from pallas_kernels.prefix_attention import choose_variant  # noqa: PLC0415
+    # the overlap variant's suffix programs do not read the prefix partials (its XLA merge does)
+    t_suffix_own = _kernel_s(b * s * kv + q_bytes, 0.0, b * heads_kv * s_splits,
+                             serial_keys=_cdiv(s, s_splits))
+    from pallas_kernels.prefix_attention import (choose_variant, default_suffix_splits,  # noqa: PLC0415
+                                                 mgpu_decode_splits)
+    mg_splits = (mgpu_decode_splits(b, heads_q, heads_kv, p, head_dim, itemsize)
+                 if tq == 1 and g == 1 else None)
+    if mg_splits is not None:
+        # Mosaic GPU prefix kernel (one CTA per SM, 128-row blocks, normalised 16-bit partials),
+        # XLA row gather of q before it; suffix kernel; XLA merge (or the split suffix + merge).
+        m128 = _cdiv(b * r2, 128) * 128
+        ctas = heads_kv * (m128 // 128) * mg_splits
+        part16 = mg_splits * heads_kv * m128 * (head_dim * itemsize + 4)
+        # (no per-key latency chain: 128-key TMA tiles, prefetched two ahead)
+        t_prefix = _kernel_s(g * p * kv + part16, 4.0 * m128 * heads_kv * p * head_dim, ctas,
+                             mma=MMA_MGPU, slots=SMS)
+        ss = default_suffix_splits(b, heads_kv, s)
+        t_suffix = _kernel_s(b * s * kv + q_bytes, 0.0, b * heads_kv * ss,
+                             serial_keys=_cdiv(s, ss))
+        n_parts = mg_splits + ss
+        t_merge = _kernel_s(part16 + n_parts * b * heads_q * (head_dim + 1) * 4 + q_bytes, 0.0,
+                            2 * SMS)
+        t_gather = _kernel_s(q_bytes, 0.0, 2 * SMS)
+        return PathCosts(flat_s=flat_s, shared_s=t_gather + t_prefix + t_suffix + t_merge,
+                         flat_bytes=flat_dram + flat_l2, shared_bytes=g * p * kv + b * s * kv,
+                         shared_flops=4.0 * m128 * heads_kv * p * head_dim)
     if choose_variant(b, heads_kv, r2) == "overlap":
         # One launch with interleaved prefix and suffix programs: the two overlap (imperfectly),
         # then one XLA merge of the float32 partials.
-        shared_s = (max(t_prefix, t_suffix) + 0.3 * min(t_prefix, t_suffix)
+        shared_s = (max(t_prefix, t_suffix_own) + 0.3 * min(t_prefix, t_suffix_own)
                     + _kernel_s(2 * (p_splits + 1) * b * tq * heads_q * (head_dim + 1) * 4, 0.0,
                                 2 * SMS))
     else:

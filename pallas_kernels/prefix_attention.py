@@ -51,7 +51,7 @@ VARIANT = "auto"
 # ``JPA_PREFIX_BACKEND``:
 # "auto" (default): ``prefix_attention_mgpu.prefix_partials_mgpu`` (Pallas Mosaic GPU: TMA,
 #   wgmma, warp specialisation) on a Hopper GPU wherever it applies -- one prefix, Tq == 1,
-#   16-bit, head_dim 64 or 128, prefix length a multiple of 128, enough rows (MGPU_MIN_CTAS);
+#   16-bit, head_dim 64 or 128, prefix length a multiple of 128, enough CTAs (MGPU_MIN_CTAS);
 #   not in interpret mode -- then the suffix pass with the fused merge; everywhere else the
 #   Triton kernels below.
 # "mgpu": the Mosaic GPU kernel wherever it applies, also in interpret mode (Mosaic GPU's CPU
@@ -61,15 +61,17 @@ PREFIX_BACKEND = os.environ.get("JPA_PREFIX_BACKEND", "auto")
 PREFIX_BACKENDS = ("auto", "mgpu", "triton")
 
 
-# "auto" takes the Mosaic GPU kernel only with at least this many (kv head, 128-row block) CTAs
-# before splitting the prefix.  Measured on an H200 (bench/results/shared_prefix_h200_mgpu_all.json, the
-# run with both backends, 72 grid points): at >= 65 such CTAs (Hq=32/Hkv=8 with B >= 256;
-# Hq=8/Hkv=1 with B = 1024) the shared path was 0.97-1.62x faster with it (median 1.14x); at
-# <= 24 (B <= 64, or Hq=8/Hkv=1 with B = 256) the Triton kernels (overlap variant) were as fast
-# or up to 2.4x faster (128-row blocks of mostly padding rows, too few CTAs).  (Those counts
-# included a padding row block that the shared path no longer computes: the same points, Hq=32
-# with B >= 256 and Hq=8 with B = 1024, now count 64 CTAs and more.)
+# "auto" takes the Mosaic GPU kernel only with at least this many CTAs after splitting the
+# prefix (``prefix_attention_mgpu.choose_splits``) and with at least MGPU_MIN_REAL_ROWS of its
+# 128-row blocks' rows real (not padding).  History: session 3 required 64 (kv head, 128-row
+# block) CTAs *before* splitting, from a run with at most 4 splits
+# (bench/results/shared_prefix_h200_mgpu_all.json: at <= 24 such CTAs the Triton kernels were
+# as fast or up to 2.4x faster).  Session 6 measured up to 16 splits at 4 and 16 CTAs
+# (bench/results/logs/session6_probe_mgpu_splits_h200.json, H200): with 8-16 splits the Mosaic
+# GPU path was 1.2-2.4x faster than the Triton path at all 7 such points (Hq=8/Hkv=1 B=64 and
+# B=256, Hq=32/Hkv=8 B=64; e.g. Hq=8 B=256 P=16K S=64: 0.045 ms against 0.108 ms).
 MGPU_MIN_CTAS = 64
+MGPU_MIN_REAL_ROWS = 0.75
 
 # Tiling of the decode suffix kernel (``suffix_attention.suffix_decode_merge``, launch 2 when
 # Tq == 1).  H200 sweep of launch 2 alone (bench/results/shared_breakdown_h200.json, 10
@@ -85,7 +87,9 @@ MGPU_SCHEDULE_BARRIER = True
 # How the decode path with the Mosaic GPU prefix kernel combines the two parts:
 # "independent" (default): prefix partials and suffix state come from two launches that do not
 #   depend on each other, then one small XLA fusion merges them (reading only the G real rows
-#   of each sequence's prefix partials);
+#   of each sequence's prefix partials); taken when the suffix keys are not split
+#   (``default_suffix_splits`` == 1, i.e. ``B * Hkv >= 264`` or short suffixes), else the
+#   split suffix pass and its XLA merge as on the Triton path;
 # "epilogue": the suffix kernel reads the prefix partials and merges them in its epilogue (each
 #   program reads a 16-row tile per prefix split, 4x the real rows when G = 4).
 # Measured on an H200 in one run (bench/results/logs/session6_probe_concurrent_h200.json,
@@ -101,9 +105,11 @@ MGPU_MERGES = ("epilogue", "independent")
 MGPU_SPLITS: int | None = None
 
 
-def _use_mgpu(g: int, tq: int, interpret: bool, ctas: int | None = None) -> bool:
+def _use_mgpu(g: int, tq: int, interpret: bool, ctas: int | None = None,
+              real_rows: float = 1.0) -> bool:
     """Whether the shared path takes the Mosaic GPU prefix kernel (static; shapes checked by the
-    caller with ``mgpu_supported``).  ``ctas``: (kv head, 128-row block) pairs, for "auto"."""
+    caller with ``mgpu_supported``).  For "auto": ``ctas`` the kernel's CTAs after splitting the
+    prefix, ``real_rows`` the fraction of its rows that are not padding."""
     if PREFIX_BACKEND not in PREFIX_BACKENDS:
         raise ValueError(f"JPA_PREFIX_BACKEND / PREFIX_BACKEND must be one of {PREFIX_BACKENDS}, "
                          f"got {PREFIX_BACKEND!r}")
@@ -112,7 +118,7 @@ def _use_mgpu(g: int, tq: int, interpret: bool, ctas: int | None = None) -> bool
     if PREFIX_BACKEND == "mgpu":
         return True
     from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
-    if ctas is not None and ctas < MGPU_MIN_CTAS:
+    if (ctas is not None and ctas < MGPU_MIN_CTAS) or real_rows < MGPU_MIN_REAL_ROWS:
         return False
     return not interpret and pm.mgpu_device_ok()
 
@@ -177,6 +183,25 @@ def prefix_partials(q_hmd, prefix_k, prefix_v, row_group, row_limit, *, scale, b
                             interpret=interpret, two_phase=two_phase)
 
 
+def mgpu_decode_splits(b: int, hq: int, hkv: int, p: int, d: int, itemsize: int, *,
+                       interpret: bool = False, num_splits: int | None = None) -> int | None:
+    """Static plan of the decode path's prefix launch (one prefix, ``Tq == 1``): the Mosaic GPU
+    kernel's prefix splits when it runs (``_use_mgpu`` and ``mgpu_supported``), else ``None``
+    (the Triton kernels).  Used by the path itself and by the cost model."""
+    from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
+    r2 = next_pow2(q_rows_layout(1, hq, hkv)[0])
+    m = b * r2
+    m128 = cdiv(m, 128) * 128
+    ctas = hkv * (m128 // 128)
+    splits = pm.choose_splits(max(1, p // 128), ctas) if num_splits is None else int(num_splits)
+    if not _use_mgpu(1, 1, interpret, ctas=ctas * splits, real_rows=m / m128):
+        return None
+    dtype = jnp.bfloat16 if itemsize == 2 else jnp.float32
+    if pm.mgpu_supported(rows=m128, prefix_len=p, head_dim=d, dtype=dtype) is not None:
+        return None
+    return splits
+
+
 def _mgpu_decode_partials(q_bhd, k_phd, v_phd, length, *, scale, interpret, num_splits=None):
     """Launch 1 through the Mosaic GPU kernel when it applies (see ``_use_mgpu``), else ``None``.
 
@@ -190,16 +215,16 @@ def _mgpu_decode_partials(q_bhd, k_phd, v_phd, length, *, scale, interpret, num_
     r2 = next_pow2(r)
     m = b * r2
     m128 = cdiv(m, 128) * 128
-    if not _use_mgpu(1, 1, interpret, ctas=hkv * (m128 // 128)):
-        return None
     from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
-    if pm.mgpu_supported(rows=m128, prefix_len=k_phd.shape[0], head_dim=d, dtype=q_bhd.dtype) is not None:
+    splits = mgpu_decode_splits(b, hq, hkv, k_phd.shape[0], d, jnp.dtype(q_bhd.dtype).itemsize,
+                                interpret=interpret, num_splits=num_splits)
+    if splits is None:
         return None
     qm = rows_from_q(q_bhd[:, None], hkv, r2)  # [Hkv, m, D]
     qm = jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm
     # (interpret: Mosaic GPU's CPU interpreter, with its operand-form substitutions)
     return pm.prefix_partials_mgpu(qm, k_phd, v_phd, length, scale=scale, interpret=interpret,
-                                   num_splits=num_splits, out_rows=max(m128, m - r2 + r16),
+                                   num_splits=splits, out_rows=max(m128, m - r2 + r16),
                                    schedule_barrier=MGPU_SCHEDULE_BARRIER, _cpu_check=interpret)
 
 
@@ -237,6 +262,14 @@ def decode_prefix_partials(q_bhd, prefix_k, prefix_v, length, *, scale, interpre
     return o, lse, r2
 
 
+def default_suffix_splits(b: int, hkv: int, s_len: int, block_k: int = 64) -> int:
+    """Splits of the suffix keys when ``B * Hkv`` programs cannot fill the GPU (264 = two per
+    SM), at least two key tiles each."""
+    if b * hkv >= 264:
+        return 1
+    return max(1, min(cdiv(264, b * hkv), cdiv(s_len, 2 * block_k)))
+
+
 def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv, *, b, tq, hq, hkv, d,
                        r, r2, r16, m, scale, interpret, two_phase, suffix_block_k, suffix_warps,
                        suffix_stages, suffix_splits):
@@ -245,9 +278,7 @@ def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
     grp = hq // hkv
     s_len = suffix_k.shape[1]
     if suffix_splits is None:
-        suffix_splits = 1
-        if b * hkv < 264:
-            suffix_splits = max(1, min(cdiv(264, b * hkv), cdiv(s_len, 2 * (suffix_block_k or 64))))
+        suffix_splits = default_suffix_splits(b, hkv, s_len, suffix_block_k or 64)
     if tq == 1 and suffix_splits == 1:
         # Decoding: the suffix kernel reads q and writes out/lse in their own layout (no padded
         # row copies); sequence b's prefix partials are rows block inv[b] (sorted by group).
@@ -364,7 +395,8 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
             raise ValueError(f"MGPU_MERGE must be one of {MGPU_MERGES}, got {MGPU_MERGE!r}")
         mg = _mgpu_decode_partials(q[:, 0], prefix_k[0], prefix_v[0], jnp.max(lim_p), scale=scale,
                                    interpret=interpret, num_splits=MGPU_SPLITS)
-        if mg is not None and MGPU_MERGE == "independent" and suffix_splits in (None, 1):
+        ss = default_suffix_splits(b, hkv, suffix_k.shape[1]) if suffix_splits is None else suffix_splits
+        if mg is not None and MGPU_MERGE == "independent" and ss == 1:
             return _independent_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], b=b, hq=hq,
                                       hkv=hkv, d=d, r=r, r2=r2, scale=scale, interpret=interpret)
         if mg is not None:

@@ -84,22 +84,33 @@ def mgpu_supported(*, rows: int, prefix_len: int, head_dim: int, dtype, block_q:
     return None
 
 
-def choose_splits(n_tiles: int, ctas: int, sms: int = SMS, max_splits: int = 4) -> int:
-    """Splits of the prefix for ``ctas`` (kv head, 128-row block) CTAs: 1 when they already
-    fill most of one wave (``ctas >= 3/4 * sms``), else the largest divisor of ``n_tiles`` up
-    to ``max_splits`` that keeps ``ctas * splits`` within two waves (one CTA per SM).
+FEW_CTAS = 48  # below this many (kv head, 128-row block) CTAs, split to about one wave
 
-    Measured on an H200 (``bench/results/shared_breakdown_h200.json``, splits 1/2/4/8, the
-    kernel alone, Hq=32/Hkv=8): at 64 CTAs (B=256, P=4K) 4 splits were fastest, 2 within 10%
-    and 1 split 37% slower; at 128 and 256 CTAs (B=512 P=8K, B=1024 P=4K) 1 split was fastest,
-    2-13% ahead of 2 or 4 and 15-30% ahead of 8.  Fewer splits also mean fewer partials for
-    the suffix pass to merge.
+
+def choose_splits(n_tiles: int, ctas: int, sms: int = SMS) -> int:
+    """Splits of the prefix for ``ctas`` (kv head, 128-row block) CTAs (a divisor of the
+    ``n_tiles`` key tiles):
+
+    * 1 when the CTAs already fill most of one wave (``ctas >= 3/4 * sms``);
+    * with at least ``FEW_CTAS`` CTAs, the largest divisor up to 4 that keeps ``ctas * splits``
+      within two waves (one CTA per SM);
+    * with fewer, the largest divisor up to 16 that keeps ``ctas * splits`` within one wave and
+      at least 2 tiles per split (the pipeline depth).
+
+    Measured on an H200, the whole shared path: at 64 CTAs (Hq=32/Hkv=8 B=256 P=4K, Hq=8/Hkv=1
+    B=1024 P=4K) 4 splits were fastest, 2 within 10% and 1 split 37% slower, 8 splits 13-19%
+    slower; at 128 and 256 CTAs 1 split was fastest (``bench/results/shared_breakdown_h200.json``).
+    At 16 CTAs (Hq=8/Hkv=1 B=256, Hq=32/Hkv=8 B=64) 8 splits were fastest at all six points
+    measured, 1.0-1.6x faster than 4 and 1.1-1.2x faster than 16; at 4 CTAs (Hq=8/Hkv=1 B=64
+    P=16K) 16 splits were fastest (``bench/results/logs/session6_probe_mgpu_splits_h200.json``).
     """
     if 4 * ctas >= 3 * sms:
         return 1
+    few = ctas < FEW_CTAS
+    max_splits, limit = (16, sms) if few else (4, 2 * sms)
     best = 1
     for s in range(1, min(n_tiles, max_splits) + 1):
-        if n_tiles % s == 0 and ctas * s <= 2 * sms:
+        if n_tiles % s == 0 and ctas * s <= limit and (not few or s == 1 or n_tiles // s >= 2):
             best = s
     return best
 

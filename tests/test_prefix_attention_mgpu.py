@@ -40,9 +40,16 @@ def test_supported_shapes_and_splits():
     assert choose_splits(32, 8 * 9) == 2          # 72 CTAs: 4 splits would pass two waves
     assert choose_splits(64, 8 * 16) == 1         # 128 CTAs: one wave already
     assert choose_splits(32, 8 * 32) == 1
-    assert choose_splits(30, 1) == 3              # largest divisor of the tile count up to 4
-    assert choose_splits(7, 8) == 1               # 7 tiles: no divisor in 2..4
-    assert choose_splits(2, 8) == 2
+    assert choose_splits(30, 48) == 3             # largest divisor of the tile count up to 4
+    assert choose_splits(7, 48) == 1              # 7 tiles: no divisor in 2..4
+    assert choose_splits(2, 48) == 2
+    # fewer than FEW_CTAS CTAs: up to 16 splits within one wave, >= 2 tiles per split
+    assert choose_splits(32, 16) == 8             # 16 CTAs -> 128
+    assert choose_splits(128, 4) == 16            # 4 CTAs -> 64
+    assert choose_splits(128, 16) == 8
+    assert choose_splits(8, 16) == 4              # 2 tiles per split
+    assert choose_splits(2, 8) == 1               # one tile per split would starve the pipeline
+    assert choose_splits(30, 1) == 15
     with pytest.raises(ValueError, match="head_dim"):
         prefix_partials_mgpu(jnp.zeros((1, 128, 96), jnp.bfloat16), jnp.zeros((128, 1, 96), jnp.bfloat16),
                              jnp.zeros((128, 1, 96), jnp.bfloat16), 128, scale=0.1)
@@ -58,8 +65,9 @@ def test_backend_selection(monkeypatch):
     assert not pa._use_mgpu(1, 1, interpret=True)      # interpret mode: Triton kernels unless forced
     assert not pa._use_mgpu(2, 1, interpret=False)     # several prefixes
     assert not pa._use_mgpu(1, 4, interpret=False)     # Tq > 1
-    assert not pa._use_mgpu(1, 1, interpret=False, ctas=pa.MGPU_MIN_CTAS - 1)  # too few rows
+    assert not pa._use_mgpu(1, 1, interpret=False, ctas=pa.MGPU_MIN_CTAS - 1)  # too few CTAs
     assert pa._use_mgpu(1, 1, interpret=False, ctas=pa.MGPU_MIN_CTAS) == pm.mgpu_device_ok()
+    assert not pa._use_mgpu(1, 1, interpret=False, ctas=128, real_rows=0.5)   # mostly padding
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
     assert pa._use_mgpu(1, 1, interpret=True)
     assert pa._use_mgpu(1, 1, interpret=True, ctas=1)  # forced: no row threshold
@@ -148,7 +156,8 @@ def _reference_partials(q_hmd, k, v, n, scale):
 @pytest.mark.parametrize("hkv,m,d,p,n,splits,sched,out_rows", [
     (8, 1152, 128, 4096, 4096, None, True, None), (8, 256, 128, 2048, 1500, 4, True, 268),
     (1, 128, 64, 512, 512, 1, True, None), (2, 384, 128, 1024, 0, 2, True, None),
-    (8, 1024, 128, 4096, 3000, None, False, 1036), (1, 256, 64, 1024, 1024, 2, False, None)])
+    (8, 1024, 128, 4096, 3000, None, False, 1036), (1, 256, 64, 1024, 1024, 2, False, None),
+    (1, 512, 128, 16384, 16000, 16, True, None), (8, 256, 128, 4096, 4000, 8, True, 268)])
 def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows):
     from pallas_kernels.decode_attention import merge_partials
     rng = np.random.default_rng(m + p)
