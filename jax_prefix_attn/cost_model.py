@@ -36,6 +36,17 @@ runs 0-1) the old constants chose within 5% of the better path at 66 of 75 point
 (in-sample); run 2 of that file re-measured the 34 small points with these constants: 28 of
 them within 5% (25 of 34 in run 1 with the old ones), 69 of 75 over the grid, the worst 1.46x
 (B=16, P=16K, Hq=8/Hkv=1, 24 us against 35 us).
+Session 6 added the Mosaic GPU path, which the shared path takes on Hopper where
+``pallas_kernels.prefix_attention.mgpu_decode_splits`` says it runs: q row gather, the prefix
+kernel (one CTA per SM, ``MMA_MGPU``, no per-key latency term: 128-key TMA tiles prefetched two
+ahead), the suffix kernel (split as the Triton path splits it) and one XLA merge, all in
+sequence; and it stopped charging the overlap variant's suffix programs for the prefix partials
+(its XLA merge reads them).  On the session-6 grid (``bench/results/shared_prefix_h200.json``)
+that chose within 5% of the better path at 69 of 75 points (in-sample; the grid's measured
+``auto`` column, run with the model before these two changes, at 66), and at 9 of 12 shapes
+outside the grid (``bench/results/logs/session6_validate_auto_h200.json``, worst 1.14x: B=32,
+Hq=8/Hkv=1, 19 us against 22 us).  The misses left are all Hq=8/Hkv=1 or B=16 points under
+0.05 ms where the two paths differ by 8-23%.
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.
 """

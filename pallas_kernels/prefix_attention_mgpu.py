@@ -6,9 +6,9 @@ Measured on an H200 (jax 0.11.2), Hq=32/Hkv=8, D=128: 443 / 549 / 536 TFLOP/s at
 B=512 P=8K / B=1024 P=4K (Nsight Compute device time, ``bench/results/kernel_profile_h200.json``),
 against 150-330 for the Triton prefix kernel (``bench/results/shared_breakdown_h200.json``); the
 ping-pong schedule barrier is worth 4-8% of the whole shared path at the three points; over the
-grid (``bench/results/shared_prefix_h200.json``) the shared path with it ran 1.0-2.1x (median
-1.26x) the speed of the Triton backend where ``auto`` uses it; its GPU tests
-(``tests/test_prefix_attention_mgpu.py -m gpu``) pass.
+session-6 grid (``bench/results/shared_prefix_h200.json``) the shared path with it ran 1.03-2.53x
+(median 1.42x) the speed of the Triton backend at the 51 grid points where ``auto`` uses it; its
+GPU tests (``tests/test_prefix_attention_mgpu.py -m gpu``) pass.
 The CPU tests lower it for CUDA and run it in Mosaic GPU's CPU interpreter against the
 reference, except two operand forms that interpreter lacks (``_cpu_check=True`` swaps them: K
 pre-transposed in memory for ``Q K^T``; ``P`` staged through shared memory and ``P V`` into a
