@@ -52,8 +52,8 @@ VARIANT = "auto"
 # "auto" (default): ``prefix_attention_mgpu.prefix_partials_mgpu`` (Pallas Mosaic GPU: TMA,
 #   wgmma, warp specialisation) on a Hopper GPU wherever it applies -- one prefix, Tq == 1,
 #   16-bit, head_dim 64 or 128, prefix length a multiple of 128, enough CTAs (MGPU_MIN_CTAS);
-#   not in interpret mode -- then the suffix pass with the fused merge; everywhere else the
-#   Triton kernels below.
+#   not in interpret mode -- then the suffix pass and the merge (``MGPU_MERGE``); everywhere
+#   else the Triton kernels below.
 # "mgpu": the Mosaic GPU kernel wherever it applies, also in interpret mode (Mosaic GPU's CPU
 #   interpreter; tests).
 # "triton": never the Mosaic GPU kernel.
