@@ -270,8 +270,8 @@ def default_suffix_splits(b: int, hkv: int, s_len: int, block_k: int = 64) -> in
     return max(1, min(cdiv(264, b * hkv), cdiv(s_len, 2 * block_k)))
 
 
-def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv, *, b, tq, hq, hkv, d,
-                       r, r2, r16, m, scale, interpret, two_phase, suffix_block_k, suffix_warps,
+def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv, *, b, tq, hq, hkv,
+                       r, r2, r16, scale, interpret, two_phase, suffix_block_k, suffix_warps,
                        suffix_stages, suffix_splits):
     """Launch 2 of the fused variant: the suffix decode merging the prefix partials
     ``(o_pre [splits, Hkv, >= M + R16, D], lse_pre)`` (rows ``R2`` per sequence)."""
@@ -307,23 +307,30 @@ def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
                                       block_k=suffix_block_k, num_splits=suffix_splits,
                                       finalize=False, num_warps=suffix_warps,
                                       num_stages=suffix_stages, interpret=interpret)
-        ns, npf = suffix_splits, o_pre.shape[0]
-        o_all = jnp.concatenate([
-            o_pre[:, :, :m].reshape(npf, hkv, b, r2, d)[:, :, :, :r],
-            o_s.reshape(ns, hkv, b, r16, d)[:, :, :, :r]], axis=0)
-        l_all = jnp.concatenate([
-            lse_pre[:, :, :m].reshape(npf, hkv, b, r2)[:, :, :, :r],
-            lse_s.reshape(ns, hkv, b, r16)[:, :, :, :r]], axis=0)
-        o, lse = merge_partials(o_all, l_all)
-        o = o.astype(q.dtype).reshape(hkv, b * r, d)
-        lse = lse.reshape(hkv, b * r)
-        return rows_to_out(o, b, tq, hq, r, inv), rows_to_out(lse, b, tq, hq, r, inv)
+        return _merge_row_parts([(o_pre, lse_pre, r2), (o_s, lse_s, r16)], b=b, tq=tq, hq=hq,
+                                r=r, dtype=q.dtype, inv=inv)
     o, lse = ragged_attention(qs, [src_s], scale=scale, block_m=r16, block_k=suffix_block_k,
                               num_splits=1, incoming=(o_pre, lse_pre), in_stride=r2,
                               finalize=True, out_dtype=q.dtype, num_warps=suffix_warps,
                               num_stages=suffix_stages, interpret=interpret,
                               two_phase=two_phase)
     return rows_to_out(o, b, tq, hq, r16, inv), rows_to_out(lse, b, tq, hq, r16, inv)
+
+
+def _merge_row_parts(parts, *, b, tq, hq, r, dtype, inv):
+    """One XLA merge of several sets of partial states in the row layout: each part is
+    ``(o [n, Hkv, >= B * rows, D], lse [n, Hkv, >= B * rows], rows)`` with sequence ``b``'s
+    ``r`` real rows at ``b * rows``.  Returns ``(out [B, Tq, Hq, D] in dtype, lse [B, Tq, Hq])``
+    (``inv``: the inverse of a sort of the sequences, or None)."""
+    o_all, l_all = [], []
+    for o, lse, rows in parts:
+        n, hkv, _, d = o.shape
+        o_all.append(o[:, :, :b * rows].reshape(n, hkv, b, rows, d)[:, :, :, :r].astype(jnp.float32))
+        l_all.append(lse[:, :, :b * rows].reshape(n, hkv, b, rows)[:, :, :, :r])
+    o, lse = merge_partials(jnp.concatenate(o_all, axis=0), jnp.concatenate(l_all, axis=0))
+    hkv, d = o.shape[0], o.shape[-1]
+    o = o.astype(dtype).reshape(hkv, b * r, d)
+    return rows_to_out(o, b, tq, hq, r, inv), rows_to_out(lse.reshape(hkv, b * r), b, tq, hq, r, inv)
 
 
 def _independent_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, *, b, hq, hkv, d, r, r2, scale,
@@ -333,16 +340,11 @@ def _independent_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, *, b, hq, h
     ``b * R2 + j`` is query head ``h * G + j`` of sequence ``b``) with the suffix state."""
     o_s, lse_s = suffix_decode_merge(q[:, 0], suffix_k, suffix_v, lim_s[:, 0], None, scale=scale,
                                      interpret=interpret, **DECODE_SUFFIX_TILING)
-    n = o_pre.shape[0]
-    m = b * r2
-    o_p = o_pre[:, :, :m].reshape(n, hkv, b, r2, d)[:, :, :, :r]
-    o_p = jnp.transpose(o_p, (0, 2, 1, 3, 4)).reshape(n, b, hq, d)
-    l_p = lse_pre[:, :, :m].reshape(n, hkv, b, r2)[:, :, :, :r]
-    l_p = jnp.transpose(l_p, (0, 2, 1, 3)).reshape(n, b, hq)
-    o_all = jnp.concatenate([o_p.astype(jnp.float32), o_s[None].astype(jnp.float32)], axis=0)
-    l_all = jnp.concatenate([l_p, lse_s[None]], axis=0)
-    o, lse = merge_partials(o_all, l_all)
-    return o.astype(q.dtype)[:, None], lse[:, None]
+    # the suffix state [B, Hq(, D)] in the partials' row layout [1, Hkv, B * G(, D)]
+    o_s = jnp.swapaxes(o_s.reshape(b, hkv, r, d), 0, 1).reshape(1, hkv, b * r, d)
+    lse_s = jnp.swapaxes(lse_s.reshape(b, hkv, r), 0, 1).reshape(1, hkv, b * r)
+    return _merge_row_parts([(o_pre, lse_pre, r2), (o_s, lse_s, r)], b=b, tq=1, hq=hq, r=r,
+                            dtype=q.dtype, inv=None)
 
 
 def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
@@ -395,14 +397,14 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
             raise ValueError(f"MGPU_MERGE must be one of {MGPU_MERGES}, got {MGPU_MERGE!r}")
         mg = _mgpu_decode_partials(q[:, 0], prefix_k[0], prefix_v[0], jnp.max(lim_p), scale=scale,
                                    interpret=interpret, num_splits=MGPU_SPLITS)
-        ss = default_suffix_splits(b, hkv, suffix_k.shape[1]) if suffix_splits is None else suffix_splits
+        ss = (default_suffix_splits(b, hkv, suffix_k.shape[1], suffix_block_k or 64)
+              if suffix_splits is None else suffix_splits)
         if mg is not None and MGPU_MERGE == "independent" and ss == 1:
             return _independent_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], b=b, hq=hq,
                                       hkv=hkv, d=d, r=r, r2=r2, scale=scale, interpret=interpret)
         if mg is not None:
             return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], order, inv,
-                                      b=b, tq=tq, hq=hq, hkv=hkv, d=d, r=r, r2=r2, r16=r16, m=m,
-                                      scale=scale, interpret=interpret, two_phase=False,
+                                      b=b, tq=tq, hq=hq, hkv=hkv, r=r, r2=r2, r16=r16, scale=scale, interpret=interpret, two_phase=False,
                                       suffix_block_k=suffix_block_k, suffix_warps=suffix_warps,
                                       suffix_stages=suffix_stages, suffix_splits=suffix_splits)
     if variant == "overlap":
@@ -416,7 +418,7 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                      two_phase=cfg.get("two_phase", False))
 
     return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv, b=b, tq=tq,
-                              hq=hq, hkv=hkv, d=d, r=r, r2=r2, r16=r16, m=m, scale=scale,
+                              hq=hq, hkv=hkv, r=r, r2=r2, r16=r16, scale=scale,
                               interpret=interpret, two_phase=cfg.get("two_phase", False),
                               suffix_block_k=suffix_block_k, suffix_warps=suffix_warps,
                               suffix_stages=suffix_stages, suffix_splits=suffix_splits)
@@ -550,7 +552,6 @@ def _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, li
     grp = hq // hkv
     r, r16 = q_rows_layout(tq, hq, hkv)
     r2 = next_pow2(r)
-    m = b * r2
     qs = rows_from_q(q, hkv, r16, order)
     b_sorted = jnp.arange(b, dtype=jnp.int32) if order is None else order
     sidx = row_meta(jnp.broadcast_to(b_sorted[:, None], (b, tq)), grp, r16, pad_value=b_sorted)
@@ -560,11 +561,5 @@ def _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, li
         scale=scale, block_m=cfg["block_m"], block_k=cfg["block_k"],
         num_splits=cfg["num_splits"], r16=r16, suffix_block_k=suffix_block_k,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=interpret)
-    npf, ns = o_pre.shape[0], o_s.shape[0]
-    o_all = jnp.concatenate([o_pre[:, :, :m].reshape(npf, hkv, b, r2, d)[:, :, :, :r],
-                             o_s.reshape(ns, hkv, b, r16, d)[:, :, :, :r]], axis=0)
-    l_all = jnp.concatenate([lse_pre[:, :, :m].reshape(npf, hkv, b, r2)[:, :, :, :r],
-                             lse_s.reshape(ns, hkv, b, r16)[:, :, :, :r]], axis=0)
-    o, lse = merge_partials(o_all, l_all)
-    o = o.astype(q.dtype).reshape(hkv, b * r, d)
-    return (rows_to_out(o, b, tq, hq, r, inv), rows_to_out(lse.reshape(hkv, b * r), b, tq, hq, r, inv))
+    return _merge_row_parts([(o_pre, lse_pre, r2), (o_s, lse_s, r16)], b=b, tq=tq, hq=hq, r=r,
+                            dtype=q.dtype, inv=inv)
