@@ -100,7 +100,15 @@ MGPU_SCHEDULE_BARRIER = True
 # graph with ``CONCURRENT_COMPILER_OPTIONS`` (jax_prefix_attn) passed to ``jax.jit``: in the
 # same run that gave a further 1-6% (0.0877 / 0.2075 / 0.2826 / 0.1777 / 0.1209 / 0.0698 ms).
 MGPU_MERGE = "independent"
-MGPU_MERGES = ("epilogue", "independent")
+MGPU_MERGES = ("epilogue", "independent", "one_launch")
+# "one_launch": prefix and suffix in the CTAs of one Mosaic GPU kernel
+#   (``shared_decode_mgpu.shared_decode_partials_mgpu``), then the same XLA merge as
+#   "independent"; taken where ``one_launch_plan`` returns a plan (else "independent").
+# Knobs of the one-launch kernel (None: the plan's choice).
+ONE_LAUNCH = dict(order="interleave", block_s=None, suffix_splits=None, num_splits=None,
+                  suffix_steps=None)
+SMEM_BYTES = 232448  # shared memory per CTA on Hopper
+ONE_LAUNCH_MIN_GROUP = 4  # the suffix tasks spend 64 / G times the useful tensor-core work
 # Prefix splits of the Mosaic GPU kernel on the decode path (None: ``choose_splits``).
 MGPU_SPLITS: int | None = None
 
@@ -347,6 +355,64 @@ def _independent_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, *, b, hq, h
                             dtype=q.dtype, inv=None)
 
 
+def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
+                    interpret: bool = False) -> dict | None:
+    """Static plan of the one-launch decode kernel (``MGPU_MERGE == "one_launch"``): its
+    keyword arguments, or ``None`` where it does not apply (the Mosaic GPU prefix kernel not
+    taken, ``G < ONE_LAUNCH_MIN_GROUP``, or shapes outside ``fused_supported``).
+
+    Suffix tiles of 64 keys, as many pipeline stages (up to 3) as fit in shared memory; suffix
+    splits so that the suffix tasks number at most about one wave, or more where needed to keep
+    each task to at most 8 tiles per sequence; prefix splits by ``choose_splits`` over the
+    prefix CTAs."""
+    from pallas_kernels import shared_decode_mgpu as sd  # noqa: PLC0415
+    g = hq // hkv
+    if g < ONE_LAUNCH_MIN_GROUP:
+        return None
+    if mgpu_decode_splits(b, hq, hkv, p, d, jnp.dtype(dtype).itemsize, interpret=interpret) is None:
+        return None
+    cfg = dict(ONE_LAUNCH)
+    block_s = cfg["block_s"] or 64
+    if cfg["suffix_steps"] is None:  # 4 tiles per stage (k, v of both warpgroups) + queries
+        stage = 4 * block_s * d * jnp.dtype(dtype).itemsize
+        cfg["suffix_steps"] = max(1, min(3, (SMEM_BYTES - 2 * 64 * d * 2 - 8192) // stage))
+    if sd.fused_supported(batch=b, heads_q=hq, heads_kv=hkv, prefix_len=p, suffix_cap=s,
+                          head_dim=d, dtype=dtype, block_s=block_s) is not None:
+        return None
+    ctas = hkv * cdiv(b * g, 128)
+    n_tiles = s // block_s
+    ss = cfg["suffix_splits"]
+    if ss is None:
+        ss = 1
+        for c in range(1, n_tiles + 1):
+            if n_tiles % c == 0 and ctas * c <= 132:
+                ss = c
+            if n_tiles % c == 0 and n_tiles // c <= 8 and ctas * c > 132:
+                ss = c
+                break
+    cfg.update(block_s=block_s, suffix_splits=ss)
+    return cfg
+
+
+def _one_launch_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, order,
+                       block_s, suffix_splits, num_splits, suffix_steps):
+    """Decode with one prefix through the one-launch kernel, then one XLA merge."""
+    from pallas_kernels import shared_decode_mgpu as sd  # noqa: PLC0415
+    b, _, hq, d = q.shape
+    hkv = pk.shape[1]
+    g = hq // hkv
+    m = b * g
+    m128 = cdiv(m, 128) * 128
+    qm = rows_from_q(q, hkv, g)  # [Hkv, B * G, D]
+    qm = jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm
+    o_pre, lse_pre, o_suf, lse_suf = sd.shared_decode_partials_mgpu(
+        qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale, group=g, num_splits=num_splits,
+        suffix_splits=suffix_splits, block_s=block_s, order=order, suffix_steps=suffix_steps,
+        schedule_barrier=MGPU_SCHEDULE_BARRIER, interpret=interpret, _cpu_check=interpret)
+    return _merge_row_parts([(o_pre, lse_pre, g), (o_suf, lse_suf, g)], b=b, tq=1, hq=hq, r=g,
+                            dtype=q.dtype, inv=None)
+
+
 def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
                           *, scale, interpret=False, prefix_cfg=None, suffix_block_k=None,
                           suffix_warps=None, suffix_stages=None, suffix_splits=None, variant=None):
@@ -399,7 +465,12 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                    interpret=interpret, num_splits=MGPU_SPLITS)
         ss = (default_suffix_splits(b, hkv, suffix_k.shape[1], suffix_block_k or 64)
               if suffix_splits is None else suffix_splits)
-        if mg is not None and MGPU_MERGE == "independent" and ss == 1:
+        plan = (one_launch_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret)
+                if mg is not None and MGPU_MERGE == "one_launch" and ss == 1 else None)
+        if plan is not None:
+            return _one_launch_decode(q, prefix_k[0], prefix_v[0], jnp.max(lim_p), suffix_k, suffix_v,
+                                      lim_s[:, 0], scale=scale, interpret=interpret, **plan)
+        if mg is not None and MGPU_MERGE in ("independent", "one_launch") and ss == 1:
             return _independent_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], b=b, hq=hq,
                                       hkv=hkv, d=d, r=r, r2=r2, scale=scale, interpret=interpret)
         if mg is not None:

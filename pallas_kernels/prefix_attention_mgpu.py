@@ -42,6 +42,7 @@ one's matrix products overlap the other's softmax (FlashAttention-3's ping-pong 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -176,103 +177,13 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
 
     def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2, q_barriers,
                sched_barrier, *maybe_p):
-        p_smem2 = maybe_p[0] if _cpu_check else None
-
-        def take_turn():
-            # Both compute warpgroups arrive, then wait: with warpgroup 1 one phase behind
-            # (it takes one extra turn before its first tile and warpgroup 0 one after its
-            # last), their tensor-core and softmax phases alternate.
-            if schedule_barrier:
-                plgpu.barrier_arrive(sched_barrier)
-                plgpu.barrier_wait(sched_barrier)
-        h = lax.axis_index("h")
-        mb = lax.axis_index("m")
-        sp = lax.axis_index("s")
-        wg = lax.axis_index("wg")
-        n_keys = len_ref[0]
-        first_tile = sp * tiles_per_split
-
-        def compute_context(run_pipeline):
-            q_smem = q_smem2.at[wg]
-            r0 = mb * (2 * block_q) + wg * block_q
-            plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(r0, block_q)], q_smem, q_barriers.at[wg])
-            plgpu.barrier_wait(q_barriers.at[wg])
-            carry = (jnp.zeros((block_q, d), jnp.float32),
-                     jnp.full((block_q,), -jnp.inf, jnp.float32),
-                     jnp.zeros((block_q,), jnp.float32))
-            pl.when(wg == 1)(take_turn)
-            acc, m_i, l_i = run_pipeline(carry)
-            pl.when(wg == 0)(take_turn)
-            has = l_i > 0.0
-            l_safe = jnp.where(has, l_i, 1.0)
-            o_smem = q_smem  # the queries are no longer needed: their buffer takes the output
-            lse_smem = lse_smem2.at[wg]
-            o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, (block_q, d), [0])).astype(dtype)
-            lse_smem[...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, h, pl.ds(r0, block_q)])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, h, pl.ds(r0, block_q)])
-            plgpu.wait_smem_to_gmem(0)
-
-        def tile_body(indices, k_smem, v_smem, k_consumed, v_consumed, carry):
-            acc, m_i, l_i = carry
-            q_smem = q_smem2.at[wg]
-
-            def scores(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem if _cpu_check else k_smem.transpose((1, 0)))
-                take_turn()
-                return s_ref[...]
-            s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_consumed)
-            key0 = (first_tile + indices[0]) * block_kv
-            cols = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
-            s = jnp.where(key0 + cols < n_keys, s * scale_log2, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # rows with no key yet
-            alpha = jnp.exp2(m_i - m_use)
-            prob = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            l_i = l_i * alpha + prob.sum(axis=1)
-            p16 = prob.astype(dtype)
-
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if schedule_barrier:  # softmax done: wait for the tensor cores' turn
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                plgpu.barrier_arrive(sched_barrier)
-                plgpu.barrier_wait(sched_barrier)
-            if _cpu_check:
-                # The CPU interpreter has no ``run_state`` and reads wgmma's operand A from shared
-                # memory only: P is staged there and P V goes into a fresh (zeroed) accumulator.
-                p_smem = p_smem2.at[wg]
-                p_smem[...] = p16
-                plgpu.commit_smem()
-
-                def pv_fresh(pv_ref):
-                    plgpu.wgmma(pv_ref, p_smem, v_smem)
-                    return pv_ref[...]
-                acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((block_q, d), jnp.float32))
-            else:
-                def pv(acc_ref):  # O += P V in place, P from registers
-                    plgpu.wgmma(acc_ref, p16, v_smem)
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_consumed)
-            return acc, m_new, l_i
-
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            tile_body,
-            grid=(tiles_per_split,),
-            max_concurrent_steps=steps,
-            num_compute_wgs=2,
-            memory_registers=40,
-            wg_axis="wg",
-            manual_consumed_barriers=True,
-            compute_context=compute_context,
-            in_specs=[plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, first_tile + t))
-                      if _cpu_check else
-                      plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0)),
-                      plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0))],
-            out_specs=[],
-        )
-        pipeline(k_ref.at[h] if _cpu_check else k_ref.at[:, h, :], v_ref.at[:, h, :])
+        prefix_task(h=lax.axis_index("h"), mb=lax.axis_index("m"), sp=lax.axis_index("s"),
+                    n_keys=len_ref[0], q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref,
+                    lse_ref=lse_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers,
+                    sched_barrier=sched_barrier, p_smem2=maybe_p[0] if _cpu_check else None,
+                    tiles_per_split=tiles_per_split, steps=steps, block_q=block_q,
+                    block_kv=block_kv, scale_log2=scale_log2, schedule_barrier=schedule_barrier,
+                    cpu_check=_cpu_check)
 
     o, lse = plgpu.kernel(
         kernel,
@@ -292,3 +203,145 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
         **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )(jnp.asarray(length, jnp.int32).reshape(1), q_hmd, k_phd, v_phd)
     return o, lse
+
+
+# ----------------------------------------------------------------------------- kernel pieces
+# Shared by this module's kernel and the one-launch prefix + suffix kernel
+# (``shared_decode_mgpu``); all run inside a Mosaic GPU kernel with warpgroup semantics.
+
+def take_turn(sched_barrier, enabled: bool):
+    """Both compute warpgroups arrive on the two-arrival ``sched_barrier``, then wait (the
+    ping-pong schedule; nothing when not ``enabled``)."""
+    if enabled:
+        plgpu.barrier_arrive(sched_barrier)
+        plgpu.barrier_wait(sched_barrier)
+
+
+def wg_scores(q_smem, k_smem, *, shape, cpu_check: bool, after_issue=None):
+    """``S = Q K^T`` as float32 ``shape = (rows, keys)`` on the tensor cores: ``q_smem [rows, D]``,
+    ``k_smem [keys, D]`` (``[D, keys]`` pre-transposed with ``cpu_check``).  ``after_issue`` runs
+    between issuing the product and reading it (the ping-pong turn)."""
+    def scores(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_smem if cpu_check else k_smem.transpose((1, 0)))
+        if after_issue is not None:
+            after_issue()
+        return s_ref[...]
+    return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+
+
+def softmax_step(s, valid, carry, *, scale_log2: float, dtype):
+    """One online-softmax step in base 2 over the score tile ``s [rows, keys]`` float32, entries
+    where ``valid`` is false excluded.  ``carry = (acc [rows, D], m [rows], l [rows])``.  Returns
+    ``(acc rescaled, m_new, l_new, p)`` with ``p`` the probabilities in ``dtype`` (rows that have
+    seen no key keep ``m = -inf``, ``l = 0``, ``acc = 0``)."""
+    acc, m_i, l_i = carry
+    s = jnp.where(valid, s * scale_log2, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # rows with no key yet
+    alpha = jnp.exp2(m_i - m_use)
+    prob = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    l_new = l_i * alpha + prob.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return acc, m_new, l_new, prob.astype(dtype)
+
+
+def wg_accumulate_pv(acc, p16, v_smem, p_smem, *, cpu_check: bool):
+    """``acc + P V`` on the tensor cores (``P`` from registers; with ``cpu_check`` staged through
+    ``p_smem`` into a fresh accumulator, the operand forms Mosaic GPU's CPU interpreter has)."""
+    if cpu_check:
+        p_smem[...] = p16
+        plgpu.commit_smem()
+
+        def pv_fresh(pv_ref):
+            plgpu.wgmma(pv_ref, p_smem, v_smem)
+            return pv_ref[...]
+        return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+    def pv(acc_ref):  # O += P V in place, P from registers
+        plgpu.wgmma(acc_ref, p16, v_smem)
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
+def wg_compute_context(*, q_src, q_smem, q_barrier, lse_smem, o_dst, lse_dst, block_q, d, dtype,
+                       before=None, after=None):
+    """A ``compute_context`` for ``emit_pipeline_warp_specialized``: load this warpgroup's
+    ``block_q`` query rows from ``q_src`` into ``q_smem``, run the pipeline from the empty state
+    (``before`` / ``after`` around it), then write the normalised output (through ``q_smem``) to
+    ``o_dst [block_q, D]`` and the natural-log LSE (``-inf`` for rows that saw no key) to
+    ``lse_dst [block_q]``."""
+    def compute_context(run_pipeline):
+        plgpu.copy_gmem_to_smem(q_src, q_smem, q_barrier)
+        plgpu.barrier_wait(q_barrier)
+        carry = (jnp.zeros((block_q, d), jnp.float32),
+                 jnp.full((block_q,), -jnp.inf, jnp.float32),
+                 jnp.zeros((block_q,), jnp.float32))
+        if before is not None:
+            before()
+        acc, m_i, l_i = run_pipeline(carry)
+        if after is not None:
+            after()
+        has = l_i > 0.0
+        l_safe = jnp.where(has, l_i, 1.0)
+        q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, (block_q, d), [0])).astype(dtype)
+        lse_smem[...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_dst)
+        plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+        plgpu.wait_smem_to_gmem(0)
+    return compute_context
+
+
+def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2,
+                q_barriers, sched_barrier, p_smem2, tiles_per_split, steps, block_q, block_kv,
+                scale_log2, schedule_barrier, cpu_check):
+    """One CTA of the prefix kernel: rows ``[mb * 2 * block_q, +2 * block_q)`` of kv head ``h``
+    (one ``block_q``-row block per compute warpgroup) against key tiles
+    ``[sp * tiles_per_split, +tiles_per_split)`` of the prefix (keys ``>= n_keys`` masked),
+    partial state written to split ``sp`` of ``o_ref [splits, Hkv, M, D]`` / ``lse_ref``.
+    ``k_ref/v_ref [P, Hkv, D]`` (``k_ref [Hkv, D, P]`` with ``cpu_check``)."""
+    wg = lax.axis_index("wg")
+    d = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    first_tile = sp * tiles_per_split
+    r0 = mb * (2 * block_q) + wg * block_q
+    turn = functools.partial(take_turn, sched_barrier, schedule_barrier)
+    # Warpgroup 1 starts one phase behind (one extra turn before its first tile, warpgroup 0
+    # one after its last): their tensor-core and softmax phases alternate.
+    compute_context = wg_compute_context(
+        q_src=q_ref.at[h, pl.ds(r0, block_q)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
+        lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[sp, h, pl.ds(r0, block_q)],
+        lse_dst=lse_ref.at[sp, h, pl.ds(r0, block_q)], block_q=block_q, d=d, dtype=dtype,
+        before=lambda: pl.when(wg == 1)(turn), after=lambda: pl.when(wg == 0)(turn))
+
+    def tile_body(indices, k_smem, v_smem, k_consumed, v_consumed, carry):
+        s = wg_scores(q_smem2.at[wg], k_smem, shape=(block_q, block_kv), cpu_check=cpu_check,
+                      after_issue=turn)
+        plgpu.barrier_arrive(k_consumed)
+        key0 = (first_tile + indices[0]) * block_kv
+        cols = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
+        acc, m_new, l_i, p16 = softmax_step(s, key0 + cols < n_keys, carry,
+                                            scale_log2=scale_log2, dtype=dtype)
+        if schedule_barrier:  # softmax done: wait for the tensor cores' turn
+            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+            turn()
+        acc = wg_accumulate_pv(acc, p16, v_smem, None if p_smem2 is None else p_smem2.at[wg],
+                               cpu_check=cpu_check)
+        plgpu.barrier_arrive(v_consumed)
+        return acc, m_new, l_i
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        tile_body,
+        grid=(tiles_per_split,),
+        max_concurrent_steps=steps,
+        num_compute_wgs=2,
+        memory_registers=40,
+        wg_axis="wg",
+        manual_consumed_barriers=True,
+        compute_context=compute_context,
+        in_specs=[plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, first_tile + t))
+                  if cpu_check else
+                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0)),
+                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0))],
+        out_specs=[],
+    )
+    pipeline(k_ref.at[h] if cpu_check else k_ref.at[:, h, :], v_ref.at[:, h, :])

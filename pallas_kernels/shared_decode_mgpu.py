@@ -1,0 +1,298 @@
+"""One-launch shared-prefix decode through Pallas Mosaic GPU: the prefix partials and the
+per-sequence suffix states computed by the CTAs of *one* kernel, so the compute-bound prefix
+work (tensor cores) and the bandwidth-bound suffix work (HBM) run at the same time on
+different SMs instead of one launch after the other.
+
+Why: with two launches the shared path costs about ``t_prefix + t_suffix`` (H200, Hq=32/Hkv=8,
+B=256 P=4K S=128: 39 us + 48 us under Nsight Compute), while its floor is
+``max(bytes / bandwidth, flops / matmul rate)``; running the two launches concurrently through
+CUDA graphs gained only 1-6% because the prefix kernel's CTAs fill every SM
+(``bench/results/logs/session6_probe_concurrent_h200.json``).
+
+Scope (static, checked by :func:`fused_supported`): decoding (one query per sequence), one
+prefix shared by every sequence (all see the same ``p_len`` keys), 16-bit inputs, ``head_dim``
+64 or 128, ``G = Hq / Hkv`` a power of two dividing 64, ``P % 128 == 0``, suffix capacity
+``S % block_s == 0``.
+
+Layouts: ``q_hmd [Hkv, M, D]`` rows ``b * G + j`` (query head ``h * G + j`` of sequence ``b``,
+``M`` a multiple of 128, rows ``>= B * G`` padding); prefix ``k/v [P, Hkv, D]``; suffix
+``k/v [B, S, Hkv, D]`` with ``s_len [B]`` int32 valid keys (dynamic); ``p_len [1]`` int32.
+Outputs: ``o_pre [splits, Hkv, M, D]`` / ``lse_pre [splits, Hkv, M]`` as
+:func:`prefix_attention_mgpu.prefix_partials_mgpu`, and ``o_suf [suffix_splits, Hkv, M, D]`` /
+``lse_suf`` the same for the suffix keys (normalised, q's dtype; LSE float32, natural log,
+``-inf`` and ``o = 0`` where nothing was seen).  The caller merges the partial sets (one small
+XLA fusion, ``prefix_attention._merge_row_parts``).
+
+Kernel: one grid axis of tasks, prefix and suffix tasks interleaved (``order``); every CTA
+has two compute warpgroups of 64 rows and one memory warpgroup (TMA pipeline):
+
+* prefix task ``(h, 128-row block, split)``: ``prefix_attention_mgpu.prefix_task`` (both
+  warpgroups share each 128-key tile; ping-pong schedule);
+* suffix task ``(h, 128-row block, suffix split)``: warpgroup ``w``'s 64 rows are the ``64 / G``
+  sequences ``b0 + w * 64 / G + i``; the pipeline walks those sequences one after another, each
+  in ``block_s``-key tiles of its own suffix (one TMA box ``[block_s, D]`` per warpgroup and
+  tensor per step), so a step's scores ``[64, block_s]`` count only for the ``G`` rows of the
+  current sequence (the others are masked: they see an empty tile).  That spends ``64 / G``
+  times the useful tensor-core work (16x at G = 4) to keep every load a whole TMA tile and
+  every store a whole 64-row block; the suffix is bandwidth-bound, so the tensor cores have
+  the room.  Tiles wholly past a sequence's length are not fetched again (the index map
+  repeats its last tile, which is then masked) and the ``V`` rows past the length are zeroed
+  in shared memory before ``P V``, so whatever the cache holds there (even NaN) never reaches
+  the output.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import prefix_attention_mgpu as pm
+from pallas_kernels.prefix_attention_mgpu import plgpu
+
+__all__ = ["fused_supported", "shared_decode_partials_mgpu", "task_order"]
+
+_LOG2E = math.log2(math.e)
+ORDERS = ("interleave", "suffix_first", "prefix_first")
+
+
+def fused_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
+                    head_dim: int, dtype, block_s: int = 64) -> str | None:
+    """``None`` when the one-launch kernel handles these static shapes, else the reason."""
+    g = heads_q // heads_kv
+    if g < 1 or heads_q % heads_kv or g & (g - 1) or 64 % g:
+        return f"query heads per kv head must be a power of two dividing 64, got {heads_q}/{heads_kv}"
+    rows = -(-batch * g // 128) * 128
+    why = pm.mgpu_supported(rows=rows, prefix_len=prefix_len, head_dim=head_dim, dtype=dtype)
+    if why is not None:
+        return why
+    if suffix_cap % block_s or suffix_cap == 0:
+        return f"suffix capacity {suffix_cap} must be a positive multiple of block_s={block_s}"
+    return None
+
+
+def task_order(t, n_pre: int, n_suf: int, order: str):
+    """Map grid index ``t`` to ``(is_suffix, index among its kind)``.  ``"interleave"``:
+    alternate suffix / prefix tasks while both last (a suffix task first), then the rest;
+    ``"suffix_first"`` / ``"prefix_first"``: one kind after the other."""
+    if order == "suffix_first":
+        return t < n_suf, jnp.where(t < n_suf, t, t - n_suf)
+    if order == "prefix_first":
+        return t >= n_pre, jnp.where(t >= n_pre, t - n_pre, t)
+    if order != "interleave":
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    c = min(n_pre, n_suf)
+    mixed = t < 2 * c
+    is_suf = jnp.where(mixed, t % 2 == 0, n_suf > n_pre)
+    return is_suf, jnp.where(mixed, t // 2, t - c)
+
+
+def _suffix_task(*, h, mb, ss, q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem2, lse_smem2,
+                 q_barriers, p_smem2, batch, group, block_s, tiles_per_split, steps, scale_log2,
+                 cpu_check):
+    """One suffix CTA: rows ``[mb * 128, +128)`` of kv head ``h`` against their own sequences'
+    suffix keys in tiles ``[ss * tiles_per_split, +tiles_per_split)``; see the module docstring."""
+    wg = lax.axis_index("wg")
+    d = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    block_q = 64
+    seqs = block_q // group                      # sequences per warpgroup
+    first_tile = ss * tiles_per_split
+    r0 = mb * 128 + wg * block_q
+    compute_context = pm.wg_compute_context(
+        q_src=q_ref.at[h, pl.ds(r0, block_q)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
+        lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[ss, h, pl.ds(r0, block_q)],
+        lse_dst=lse_ref.at[ss, h, pl.ds(r0, block_q)], block_q=block_q, d=d, dtype=dtype)
+
+    def seq_and_tile(t, w):
+        """Sequence of warpgroup ``w`` at step ``t``, its valid keys and the nominal key tile."""
+        i, j = t // tiles_per_split, t % tiles_per_split
+        b = mb * (128 // group) + w * seqs + i
+        n = jnp.where(b < batch, len_ref[jnp.minimum(b, batch - 1)], 0)
+        return jnp.minimum(b, batch - 1), n, first_tile + j
+
+    def load_index(t, w):
+        b, n, tile = seq_and_tile(t, w)
+        last = jnp.maximum((n + block_s - 1) // block_s - 1, 0)
+        return b, jnp.minimum(tile, last)       # past the length: repeat the last tile (cached)
+
+    def kspec(w):
+        if cpu_check:                            # k_ref [B, Hkv, D, S] (pre-transposed)
+            return plgpu.BlockSpec(block_shape=(None, d, block_s),
+                                   index_map=lambda t: (load_index(t, w)[0], 0, load_index(t, w)[1]))
+        return plgpu.BlockSpec(block_shape=(None, block_s, d),
+                               index_map=lambda t: (*load_index(t, w), 0))
+
+    def vspec(w):
+        return plgpu.BlockSpec(block_shape=(None, block_s, d),
+                               index_map=lambda t: (*load_index(t, w), 0))
+
+    def tile_body(indices, k0, k1, v0, v1, k0_done, k1_done, v0_done, v1_done, carry):
+        t = indices[0]
+        # the other warpgroup's tiles: nothing to do with them
+        @pl.when(wg == 0)
+        def _():
+            plgpu.barrier_arrive(k1_done)
+            plgpu.barrier_arrive(v1_done)
+
+        @pl.when(wg == 1)
+        def _():
+            plgpu.barrier_arrive(k0_done)
+            plgpu.barrier_arrive(v0_done)
+        _, n, tile = seq_and_tile(t, wg)
+        i = t // tiles_per_split
+        key0 = tile * block_s
+
+        def attend(k_smem, v_smem, k_done, v_done):
+            s = pm.wg_scores(q_smem2.at[wg], k_smem, shape=(block_q, block_s), cpu_check=cpu_check)
+            plgpu.barrier_arrive(k_done)
+            rows = lax.broadcasted_iota(jnp.int32, (block_q, block_s), 0)
+            cols = lax.broadcasted_iota(jnp.int32, (block_q, block_s), 1)
+            valid = (rows >= i * group) & (rows < (i + 1) * group) & (key0 + cols < n)
+
+            @pl.when(key0 + block_s > n)
+            def _zero_past_length():             # keep NaN / Inf past the length out of P V
+                keys = lax.broadcasted_iota(jnp.int32, (block_s, d), 0)
+                v_smem[...] = jnp.where(key0 + keys < n, v_smem[...], jnp.zeros_like(v_smem[...]))
+                plgpu.commit_smem()
+            acc, m_new, l_i, p16 = pm.softmax_step(s, valid, carry, scale_log2=scale_log2,
+                                                   dtype=dtype)
+            acc = pm.wg_accumulate_pv(acc, p16, v_smem, None if p_smem2 is None else p_smem2.at[wg],
+                                      cpu_check=cpu_check)
+            plgpu.barrier_arrive(v_done)
+            return acc, m_new, l_i
+        return lax.cond(wg == 0, lambda: attend(k0, v0, k0_done, v0_done),
+                        lambda: attend(k1, v1, k1_done, v1_done))
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        tile_body,
+        grid=(seqs * tiles_per_split,),
+        max_concurrent_steps=steps,
+        num_compute_wgs=2,
+        memory_registers=40,
+        wg_axis="wg",
+        manual_consumed_barriers=True,
+        compute_context=compute_context,
+        in_specs=[kspec(0), kspec(1), vspec(0), vspec(1)],
+        out_specs=[],
+    )
+    kh = k_ref.at[:, h] if cpu_check else k_ref.at[:, :, h, :]
+    vh = v_ref.at[:, :, h, :]
+    pipeline(kh, kh, vh, vh)
+
+
+def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, scale,
+                                group: int, num_splits: int | None = None, suffix_splits: int = 1,
+                                block_s: int = 64, order: str = "interleave",
+                                prefix_steps: int = 2, suffix_steps: int = 2,
+                                schedule_barrier: bool = True, interpret: bool = False,
+                                _cpu_check: bool = False):
+    """Prefix partials and suffix states of every row in one Mosaic GPU launch.
+
+    ``q_hmd [Hkv, M, D]`` (row ``b * group + j``), ``pk/pv [P, Hkv, D]``, ``p_len`` int32 scalar
+    (prefix keys ``>= p_len`` masked), ``sk/sv [B, S, Hkv, D]``, ``s_len [B]`` int32.
+    Returns ``(o_pre [splits, Hkv, M, D], lse_pre [splits, Hkv, M], o_suf [suffix_splits, Hkv,
+    M, D], lse_suf [suffix_splits, Hkv, M])`` (module docstring).  ``num_splits``: prefix splits
+    (None: ``prefix_attention_mgpu.choose_splits`` over the prefix CTAs alone).
+    ``interpret`` runs Mosaic GPU's CPU interpreter and needs ``_cpu_check`` (tests only).
+
+    Raises ``ValueError`` for shapes outside the kernel's scope or splits that do not divide
+    the tiles.
+    """
+    hkv, m, d = q_hmd.shape
+    p = pk_phd.shape[0]
+    b, s_cap = sk_bshd.shape[:2]
+    dtype = q_hmd.dtype
+    if m % 128 or m < b * group:
+        raise ValueError(f"q rows {m} must be a multiple of 128 covering {b} x {group} rows")
+    why = fused_supported(batch=b, heads_q=hkv * group, heads_kv=hkv, prefix_len=p,
+                          suffix_cap=s_cap, head_dim=d, dtype=dtype, block_s=block_s)
+    if why is not None:
+        raise ValueError(f"shared_decode_partials_mgpu cannot run these shapes: {why}")
+    if sk_bshd.shape != (b, s_cap, hkv, d) or sv_bshd.shape != sk_bshd.shape:
+        raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
+                         f"{sk_bshd.shape} and {sv_bshd.shape}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    pk_phd, pv_phd, sk_bshd, sv_bshd = (x.astype(dtype) for x in (pk_phd, pv_phd, sk_bshd, sv_bshd))
+    if _cpu_check:  # CPU-interpreter check only: its wgmma cannot read a transposed ref
+        pk_phd = jnp.transpose(pk_phd, (1, 2, 0))       # [Hkv, D, P]
+        sk_bshd = jnp.transpose(sk_bshd, (0, 2, 3, 1))  # [B, Hkv, D, S]
+    m_blocks = m // 128
+    n_tiles = p // 128
+    splits = pm.choose_splits(n_tiles, hkv * m_blocks) if num_splits is None else int(num_splits)
+    s_tiles = s_cap // block_s
+    if n_tiles % splits or s_tiles % suffix_splits:
+        raise ValueError(f"num_splits={splits} must divide the {n_tiles} prefix tiles and "
+                         f"suffix_splits={suffix_splits} the {s_tiles} suffix tiles")
+    n_pre = hkv * m_blocks * splits
+    n_suf = hkv * m_blocks * suffix_splits
+    pre_cfg = dict(tiles_per_split=n_tiles // splits,
+                   steps=max(1, min(prefix_steps, n_tiles // splits)), block_q=64, block_kv=128,
+                   scale_log2=float(scale) * _LOG2E, schedule_barrier=schedule_barrier,
+                   cpu_check=_cpu_check)
+    suf_cfg = dict(batch=b, group=group, block_s=block_s,
+                   tiles_per_split=s_tiles // suffix_splits,
+                   steps=max(1, min(suffix_steps, (64 // group) * (s_tiles // suffix_splits))),
+                   scale_log2=float(scale) * _LOG2E, cpu_check=_cpu_check)
+
+    def launch(kinds):
+        n_p = n_pre if "prefix" in kinds else 0
+        n_s = n_suf if "suffix" in kinds else 0
+
+        def kernel(plen_ref, slen_ref, q_ref, pk_ref, pv_ref, sk_ref, sv_ref, o_pre_ref,
+                   lse_pre_ref, o_suf_ref, lse_suf_ref, q_smem2, lse_smem2, q_barriers,
+                   sched_barrier, *maybe_p):
+            p_pre, p_suf = maybe_p if _cpu_check else (None, None)
+            is_suf, idx = task_order(lax.axis_index("t"), n_p, n_s, order)
+            common = dict(q_ref=q_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers)
+
+            def prefix():
+                hb, sp = idx // splits, idx % splits
+                pm.prefix_task(h=hb // m_blocks, mb=hb % m_blocks, sp=sp, n_keys=plen_ref[0],
+                               k_ref=pk_ref, v_ref=pv_ref, o_ref=o_pre_ref, lse_ref=lse_pre_ref,
+                               sched_barrier=sched_barrier, p_smem2=p_pre, **common, **pre_cfg)
+
+            def suffix():
+                hb, ss = idx // suffix_splits, idx % suffix_splits
+                _suffix_task(h=hb // m_blocks, mb=hb % m_blocks, ss=ss, k_ref=sk_ref, v_ref=sv_ref,
+                             len_ref=slen_ref, o_ref=o_suf_ref, lse_ref=lse_suf_ref,
+                             p_smem2=p_suf, **common, **suf_cfg)
+            if n_p:
+                pl.when(jnp.logical_not(is_suf))(prefix)
+            if n_s:
+                pl.when(is_suf)(suffix)
+
+        return plgpu.kernel(
+            kernel,
+            grid=(n_p + n_s,),
+            grid_names=("t",),
+            num_threads=3,
+            thread_name="wg",
+            out_type=(jax.ShapeDtypeStruct((splits, hkv, m, d), dtype),
+                      jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32),
+                      jax.ShapeDtypeStruct((suffix_splits, hkv, m, d), dtype),
+                      jax.ShapeDtypeStruct((suffix_splits, hkv, m), jnp.float32)),
+            scratch_types=(plgpu.SMEM((2, 64, d), dtype),
+                           plgpu.SMEM((2, 64), jnp.float32),
+                           plgpu.Barrier(num_barriers=2),
+                           plgpu.Barrier(num_arrivals=2))
+                          + ((plgpu.SMEM((2, 64, 128), dtype), plgpu.SMEM((2, 64, block_s), dtype))
+                             if _cpu_check else ()),
+            compiler_params=plgpu.CompilerParams(
+                approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            **({"interpret": pm._gpu_interpret_params()} if interpret else {}),
+        )(jnp.asarray(p_len, jnp.int32).reshape(1), jnp.asarray(s_len, jnp.int32).reshape(b), q_hmd,
+          pk_phd, pv_phd, sk_bshd, sv_bshd)
+
+    if not interpret:
+        return launch(("prefix", "suffix"))
+    # Mosaic GPU's CPU interpreter (jax 0.10-0.11) cannot trace two pipelines in one kernel
+    # (it leaks a tracer): interpret mode launches the same prefix and suffix tasks as two
+    # kernels.  The interleaving itself is ``task_order``, tested on its own.
+    o_pre, lse_pre, _, _ = launch(("prefix",))
+    _, _, o_suf, lse_suf = launch(("suffix",))
+    return o_pre, lse_pre, o_suf, lse_suf
