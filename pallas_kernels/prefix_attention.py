@@ -99,16 +99,35 @@ MGPU_SCHEDULE_BARRIER = True
 # Because the two launches are independent, XLA may run them at the same time inside a CUDA
 # graph with ``CONCURRENT_COMPILER_OPTIONS`` (jax_prefix_attn) passed to ``jax.jit``: in the
 # same run that gave a further 1-6% (0.0877 / 0.2075 / 0.2826 / 0.1777 / 0.1209 / 0.0698 ms).
-MGPU_MERGE = "independent"
-MGPU_MERGES = ("epilogue", "independent", "one_launch")
 # "one_launch": prefix and suffix in the CTAs of one Mosaic GPU kernel
 #   (``shared_decode_mgpu.shared_decode_partials_mgpu``), then the same XLA merge as
-#   "independent"; taken where ``one_launch_plan`` returns a plan (else "independent").
-# Knobs of the one-launch kernel (None: the plan's choice).
-ONE_LAUNCH = dict(order="interleave", block_s=None, suffix_splits=None, num_splits=None,
+#   "independent", wherever the kernel applies (``one_launch_plan(..., force=True)``);
+# "auto" (default): "one_launch" where ``one_launch_plan`` says it pays (measured), else
+#   "independent".
+MGPU_MERGE = "auto"
+MGPU_MERGES = ("epilogue", "independent", "one_launch", "auto")
+# Knobs of the one-launch kernel (None: the plan's choice).  Session 7, H200, one run
+# (bench/results/logs/session7_probe_one_launch2_h200.json): the unsplit prefix (num_splits=1)
+# with interleaved tasks was the fastest setting at P=4K; splitting the prefix, or suffix tasks
+# first, lost 5-20% there.
+ONE_LAUNCH = dict(order="interleave", block_s=None, suffix_splits=None, num_splits=1,
                   suffix_steps=None)
 SMEM_BYTES = 232448  # shared memory per CTA on Hopper
 ONE_LAUNCH_MIN_GROUP = 4  # the suffix tasks spend 64 / G times the useful tensor-core work
+# Where "auto" takes it (static): prefix of ONE_LAUNCH_PREFIX keys, suffix capacity in
+# ONE_LAUNCH_SUFFIX, at least ONE_LAUNCH_MIN_CTAS (kv head, 128-row) prefix CTAs.
+# Measured one-launch / independent time, H200 (bench/results/logs/session7_*):
+# * probe (session7_probe_one_launch2_h200.json): 0.86 at Hq=32/Hkv=8 B=256 P=4K S=128, 0.93
+#   at S=256, 0.97-0.99 at B=1024 P=4K S=128, 0.90 at Hq=8/Hkv=1 B=1024 P=4K S=256; but
+#   0.95-1.17 at S=64 and 1.11-1.67 at P=8K-16K (the unsplit prefix tasks run long; split,
+#   the suffix tasks wait behind them);
+# * validation runs 1 and 2 (session7_validate_one_launch{,2}_h200.json): 0.87 / 0.83 at B=256
+#   P=4K S=128, 0.90 / 0.85 at Hq=8 B=1024 P=4K S=256, 0.95-1.01 at the other P=4K S<=256
+#   points; at P=2K 0.91 then 1.04 (B=256 S=128), 1.07 (B=256 S=256), 0.82 (Hq=8 B=1024
+#   S=128): mixed, so excluded; 1.03-1.11 at P=1K and 1.06 at S=1024 (excluded).
+ONE_LAUNCH_PREFIX = (4096, 4096)
+ONE_LAUNCH_SUFFIX = (128, 256)
+ONE_LAUNCH_MIN_CTAS = 64
 # Prefix splits of the Mosaic GPU kernel on the decode path (None: ``choose_splits``).
 MGPU_SPLITS: int | None = None
 
@@ -356,12 +375,13 @@ def _independent_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, *, b, hq, h
 
 
 def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
-                    interpret: bool = False) -> dict | None:
-    """Static plan of the one-launch decode kernel (``MGPU_MERGE == "one_launch"``): its
-    keyword arguments, or ``None`` where it does not apply (the Mosaic GPU prefix kernel not
-    taken, ``G < ONE_LAUNCH_MIN_GROUP``, or shapes outside ``fused_supported``).
+                    interpret: bool = False, force: bool = False) -> dict | None:
+    """Static plan of the one-launch decode kernel: its keyword arguments, or ``None`` where
+    it does not apply (the Mosaic GPU prefix kernel not taken, ``G < ONE_LAUNCH_MIN_GROUP``, or
+    shapes outside ``fused_supported``) or, unless ``force``, where it was not measured to pay
+    (``ONE_LAUNCH_PREFIX``, ``ONE_LAUNCH_SUFFIX``, ``ONE_LAUNCH_MIN_CTAS``).
 
-    Suffix tiles of 64 keys, as many pipeline stages (up to 3) as fit in shared memory; suffix
+    Suffix tiles of 64 keys, as many pipeline stages (up to 4) as fit in shared memory; suffix
     splits so that the suffix tasks number at most about one wave, or more where needed to keep
     each task to at most 8 tiles per sequence; prefix splits by ``choose_splits`` over the
     prefix CTAs."""
@@ -375,11 +395,15 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
     block_s = cfg["block_s"] or 64
     if cfg["suffix_steps"] is None:  # 4 tiles per stage (k, v of both warpgroups) + queries
         stage = 4 * block_s * d * jnp.dtype(dtype).itemsize
-        cfg["suffix_steps"] = max(1, min(3, (SMEM_BYTES - 2 * 64 * d * 2 - 8192) // stage))
+        cfg["suffix_steps"] = max(1, min(4, (SMEM_BYTES - 2 * 64 * d * 2 - 8192) // stage))
     if sd.fused_supported(batch=b, heads_q=hq, heads_kv=hkv, prefix_len=p, suffix_cap=s,
                           head_dim=d, dtype=dtype, block_s=block_s) is not None:
         return None
     ctas = hkv * cdiv(b * g, 128)
+    if not force and not (ONE_LAUNCH_PREFIX[0] <= p <= ONE_LAUNCH_PREFIX[1]
+                          and ONE_LAUNCH_SUFFIX[0] <= s <= ONE_LAUNCH_SUFFIX[1]
+                          and ctas >= ONE_LAUNCH_MIN_CTAS):
+        return None
     n_tiles = s // block_s
     ss = cfg["suffix_splits"]
     if ss is None:
@@ -465,12 +489,13 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                    interpret=interpret, num_splits=MGPU_SPLITS)
         ss = (default_suffix_splits(b, hkv, suffix_k.shape[1], suffix_block_k or 64)
               if suffix_splits is None else suffix_splits)
-        plan = (one_launch_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret)
-                if mg is not None and MGPU_MERGE == "one_launch" and ss == 1 else None)
+        plan = (one_launch_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret,
+                                force=MGPU_MERGE == "one_launch")
+                if mg is not None and MGPU_MERGE in ("one_launch", "auto") and ss == 1 else None)
         if plan is not None:
             return _one_launch_decode(q, prefix_k[0], prefix_v[0], jnp.max(lim_p), suffix_k, suffix_v,
                                       lim_s[:, 0], scale=scale, interpret=interpret, **plan)
-        if mg is not None and MGPU_MERGE in ("independent", "one_launch") and ss == 1:
+        if mg is not None and MGPU_MERGE != "epilogue" and ss == 1:
             return _independent_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], b=b, hq=hq,
                                       hkv=hkv, d=d, r=r, r2=r2, scale=scale, interpret=interpret)
         if mg is not None:

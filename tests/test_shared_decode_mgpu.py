@@ -152,7 +152,8 @@ def test_shared_path_one_launch_in_cpu_interpreter(monkeypatch):
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
     monkeypatch.setattr(pa, "MGPU_MERGE", "one_launch")
     b, hq, hkv, d, p, s = 36, 8, 2, 64, 256, 64
-    assert pa.one_launch_plan(b, hq, hkv, p, s, d, jnp.bfloat16, interpret=True) is not None
+    assert pa.one_launch_plan(b, hq, hkv, p, s, d, jnp.bfloat16, interpret=True, force=True) is not None
+    assert pa.one_launch_plan(b, hq, hkv, p, s, d, jnp.bfloat16, interpret=True) is None  # S < 128
     args, kw, meta = make_case(11, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=jnp.bfloat16,
                                suffix_lengths=[0, s] + [5] * (b - 2))
     out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl="pallas_interpret")
@@ -179,7 +180,7 @@ def test_gpu_shared_path_one_launch(monkeypatch, b, hq, hkv, d, p, s):
     from test_shared_prefix import check, make_case, oracle
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
     monkeypatch.setattr(pa, "MGPU_MERGE", "one_launch")
-    assert pa.one_launch_plan(b, hq, hkv, p, s, d, jnp.bfloat16) is not None
+    assert pa.one_launch_plan(b, hq, hkv, p, s, d, jnp.bfloat16, force=True) is not None
     sl = np.random.default_rng(b).integers(0, s + 1, size=b)
     sl[:2] = [0, s]
     args, kw, meta = make_case(70 + b, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s,
