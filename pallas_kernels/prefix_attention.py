@@ -383,8 +383,8 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
 
     Suffix tiles of 64 keys, as many pipeline stages (up to 4) as fit in shared memory; suffix
     splits so that the suffix tasks number at most about one wave, or more where needed to keep
-    each task to at most 8 tiles per sequence; prefix splits by ``choose_splits`` over the
-    prefix CTAs."""
+    each task to at most 8 tiles per sequence; the prefix unsplit (``ONE_LAUNCH["num_splits"]``;
+    None: ``choose_splits`` over the prefix CTAs alone)."""
     from pallas_kernels import shared_decode_mgpu as sd  # noqa: PLC0415
     g = hq // hkv
     if g < ONE_LAUNCH_MIN_GROUP:
@@ -409,9 +409,9 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
     if ss is None:
         ss = 1
         for c in range(1, n_tiles + 1):
-            if n_tiles % c == 0 and ctas * c <= 132:
+            if n_tiles % c == 0 and ctas * c <= sd.pm.SMS:
                 ss = c
-            if n_tiles % c == 0 and n_tiles // c <= 8 and ctas * c > 132:
+            if n_tiles % c == 0 and n_tiles // c <= 8 and ctas * c > sd.pm.SMS:
                 ss = c
                 break
     cfg.update(block_s=block_s, suffix_splits=ss)
@@ -500,7 +500,8 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                       hkv=hkv, d=d, r=r, r2=r2, scale=scale, interpret=interpret)
         if mg is not None:
             return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], order, inv,
-                                      b=b, tq=tq, hq=hq, hkv=hkv, r=r, r2=r2, r16=r16, scale=scale, interpret=interpret, two_phase=False,
+                                      b=b, tq=tq, hq=hq, hkv=hkv, r=r, r2=r2, r16=r16, scale=scale,
+                                      interpret=interpret, two_phase=False,
                                       suffix_block_k=suffix_block_k, suffix_warps=suffix_warps,
                                       suffix_stages=suffix_stages, suffix_splits=suffix_splits)
     if variant == "overlap":

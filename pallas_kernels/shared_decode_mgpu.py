@@ -42,7 +42,6 @@ has two compute warpgroups of 64 rows and one memory warpgroup (TMA pipeline):
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
