@@ -535,7 +535,11 @@ def main():
     ap.add_argument("--resume", action="store_true",
                     help="keep the points already measured in --out, measure the rest (each record "
                          "carries the rates of the run that measured it)")
+    ap.add_argument("--redo", nargs="+", default=[], metavar="B:P:S:HQ",
+                    help="with --resume: measure these points again (all their columns, in this "
+                         "run) even though --out has them")
     args = ap.parse_args()
+    redo = {tuple(int(x) for x in spec.split(":")) for spec in args.redo}
     global INTERPRET, HEADS, BATCH, PREFIX, SUFFIX, PROBES
     if args.smoke:
         INTERPRET = True
@@ -580,7 +584,7 @@ def main():
     if not args.smoke and args.tune_large_m:
         tune_large_m(doc)
     for (b, p, s, hq, hkv, d, probe) in pts:
-        if (b, p, s, hq, hkv, d, probe) in done:
+        if (b, p, s, hq, hkv, d, probe) in done and (b, p, s, hq) not in redo:
             doc["results"].append(done[(b, p, s, hq, hkv, d, probe)])
             continue
         if time.time() - t_start > args.budget_s:

@@ -110,8 +110,14 @@ MGPU_MERGES = ("epilogue", "independent", "one_launch", "auto")
 # (bench/results/logs/session7_probe_one_launch2_h200.json): the unsplit prefix (num_splits=1)
 # with interleaved tasks was the fastest setting at P=4K; splitting the prefix, or suffix tasks
 # first, lost 5-20% there.
+# suffix_mode "rows" (each warpgroup its own 64 rows, 2 stages at D=128) rather than
+# "alternate" (both on the same 64 rows taking steps in turn, 5 stages): the suffix tasks alone
+# took 52-55 us alternating against 46 us with "rows" at B=256 P=4K S=128 (H200, separate runs:
+# session7_probe_alternate_h200.json, session7_probe_parts_h200.json), the whole path 0.0826
+# against 0.0786 ms in one run -- the suffix steps are bound by their own latency, not by the
+# stages in flight.
 ONE_LAUNCH = dict(order="interleave", block_s=None, suffix_splits=None, num_splits=1,
-                  suffix_steps=None)
+                  suffix_steps=None, suffix_mode="rows")
 SMEM_BYTES = 232448  # shared memory per CTA on Hopper
 ONE_LAUNCH_MIN_GROUP = 4  # the suffix tasks spend 64 / G times the useful tensor-core work
 # Where "auto" takes it (static): prefix of ONE_LAUNCH_PREFIX keys, suffix capacity in
@@ -393,9 +399,10 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
         return None
     cfg = dict(ONE_LAUNCH)
     block_s = cfg["block_s"] or 64
-    if cfg["suffix_steps"] is None:  # 4 tiles per stage (k, v of both warpgroups) + queries
-        stage = 4 * block_s * d * jnp.dtype(dtype).itemsize
-        cfg["suffix_steps"] = max(1, min(4, (SMEM_BYTES - 2 * 64 * d * 2 - 8192) // stage))
+    alternate = cfg["suffix_mode"] == "alternate"
+    if cfg["suffix_steps"] is None:  # k, v tiles (of each warpgroup for "rows") + the queries
+        stage = (2 if alternate else 4) * block_s * d * jnp.dtype(dtype).itemsize
+        cfg["suffix_steps"] = max(1, min(5, (SMEM_BYTES - 2 * 64 * d * 2 - 8192) // stage))
     if sd.fused_supported(batch=b, heads_q=hq, heads_kv=hkv, prefix_len=p, suffix_cap=s,
                           head_dim=d, dtype=dtype, block_s=block_s) is not None:
         return None
@@ -405,13 +412,14 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
                           and ctas >= ONE_LAUNCH_MIN_CTAS):
         return None
     n_tiles = s // block_s
+    suf_ctas = ctas * 2 if alternate else ctas  # 64-row suffix tasks when alternating
     ss = cfg["suffix_splits"]
     if ss is None:
         ss = 1
         for c in range(1, n_tiles + 1):
-            if n_tiles % c == 0 and ctas * c <= sd.pm.SMS:
+            if n_tiles % c == 0 and suf_ctas * c <= sd.pm.SMS:
                 ss = c
-            if n_tiles % c == 0 and n_tiles // c <= 8 and ctas * c > sd.pm.SMS:
+            if n_tiles % c == 0 and n_tiles // c <= 8 and suf_ctas * c > sd.pm.SMS:
                 ss = c
                 break
     cfg.update(block_s=block_s, suffix_splits=ss)
@@ -419,7 +427,7 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
 
 
 def _one_launch_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, order,
-                       block_s, suffix_splits, num_splits, suffix_steps):
+                       block_s, suffix_splits, num_splits, suffix_steps, suffix_mode):
     """Decode with one prefix through the one-launch kernel, then one XLA merge."""
     from pallas_kernels import shared_decode_mgpu as sd  # noqa: PLC0415
     b, _, hq, d = q.shape
@@ -432,7 +440,7 @@ def _one_launch_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, in
     o_pre, lse_pre, o_suf, lse_suf = sd.shared_decode_partials_mgpu(
         qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale, group=g, num_splits=num_splits,
         suffix_splits=suffix_splits, block_s=block_s, order=order, suffix_steps=suffix_steps,
-        schedule_barrier=MGPU_SCHEDULE_BARRIER, interpret=interpret, _cpu_check=interpret)
+        suffix_mode=suffix_mode, schedule_barrier=MGPU_SCHEDULE_BARRIER, interpret=interpret, _cpu_check=interpret)
     return _merge_row_parts([(o_pre, lse_pre, g), (o_suf, lse_suf, g)], b=b, tq=1, hq=hq, r=g,
                             dtype=q.dtype, inv=None)
 

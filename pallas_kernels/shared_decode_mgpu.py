@@ -38,11 +38,22 @@ has two compute warpgroups of 64 rows and one memory warpgroup (TMA pipeline):
   the room.  Tiles wholly past a sequence's length are not fetched again (the index map
   repeats its last tile, which is then masked) and the ``V`` rows past the length are zeroed
   in shared memory before ``P V``, so whatever the cache holds there (even NaN) never reaches
-  the output.
+  the output.  ``suffix_mode="alternate"``: both warpgroups on the same 64 rows, taking the
+  steps in turn (one ``K``/``V`` tile per step, up to 5 stages at D=128 instead of 2); each
+  writes its own partial state.  Measured no faster (the suffix steps are latency-bound), so
+  ``"rows"`` is the default.
+
+Measured (H200, ``bench/results/logs/session7_*``): alone, the suffix tasks stream B=256 S=128
+Hq=32/Hkv=8 (134 MB) in 46 us over 128 CTAs (2.9 TB/s), 63 us over 64; the unsplit prefix
+tasks (64 CTAs of 32 tiles) take 69 us, 2 splits 39 us.  Together, 73-80 us: the suffix CTAs
+hold their SMs while they wait on memory, so the overlap is partial; with the prefix unsplit
+the launch is bound by the prefix CTAs' length.
 """
 from __future__ import annotations
 
 import math
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +67,7 @@ __all__ = ["fused_supported", "shared_decode_partials_mgpu", "task_order"]
 
 _LOG2E = math.log2(math.e)
 ORDERS = ("interleave", "suffix_first", "prefix_first")
+SUFFIX_MODES = ("alternate", "rows")
 
 
 def fused_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
@@ -89,82 +101,116 @@ def task_order(t, n_pre: int, n_suf: int, order: str):
     return is_suf, jnp.where(mixed, t // 2, t - c)
 
 
+def _suffix_lengths(len_ref, b, batch):
+    """``(b clamped to a real sequence, its valid suffix keys; 0 for padding sequences)``."""
+    return jnp.minimum(b, batch - 1), jnp.where(b < batch, len_ref[jnp.minimum(b, batch - 1)], 0)
+
+
+def _last_tile(n, block_s):
+    """The last tile holding a valid key (0 when there is none): tiles past the length are
+    fetched as this one again (an L2 hit), and masked."""
+    return jnp.maximum((n + block_s - 1) // block_s - 1, 0)
+
+
+def _suffix_step(*, q_smem, k_smem, v_smem, k_done, v_done, carry, seq, n, key0, group,
+                 block_s, scale_log2, dtype, p_smem, cpu_check):
+    """One suffix tile for one warpgroup: its 64 rows against ``k/v_smem [block_s, D]`` (keys
+    ``key0 + j`` of local sequence ``seq``): only rows ``[seq * group, +group)`` and keys
+    ``< n`` count; ``V`` rows past ``n`` are zeroed first (NaN-safe)."""
+    d = v_smem.shape[-1]
+    s = pm.wg_scores(q_smem, k_smem, shape=(64, block_s), cpu_check=cpu_check)
+    plgpu.barrier_arrive(k_done)
+    rows = lax.broadcasted_iota(jnp.int32, (64, block_s), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (64, block_s), 1)
+    valid = (rows >= seq * group) & (rows < (seq + 1) * group) & (key0 + cols < n)
+
+    @pl.when(key0 + block_s > n)
+    def _zero_past_length():             # keep NaN / Inf past the length out of P V
+        keys = lax.broadcasted_iota(jnp.int32, (block_s, d), 0)
+        v_smem[...] = jnp.where(key0 + keys < n, v_smem[...], jnp.zeros_like(v_smem[...]))
+        plgpu.commit_smem()
+    acc, m_new, l_i, p16 = pm.softmax_step(s, valid, carry, scale_log2=scale_log2, dtype=dtype)
+    acc = pm.wg_accumulate_pv(acc, p16, v_smem, p_smem, cpu_check=cpu_check)
+    plgpu.barrier_arrive(v_done)
+    return acc, m_new, l_i
+
+
 def _suffix_task(*, h, mb, ss, q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem2, lse_smem2,
                  q_barriers, p_smem2, batch, group, block_s, tiles_per_split, steps, scale_log2,
-                 cpu_check):
-    """One suffix CTA: rows ``[mb * 128, +128)`` of kv head ``h`` against their own sequences'
-    suffix keys in tiles ``[ss * tiles_per_split, +tiles_per_split)``; see the module docstring."""
+                 cpu_check, mode):
+    """One suffix CTA of kv head ``h`` over the suffix tiles ``[ss * tiles_per_split,
+    +tiles_per_split)`` of its sequences; see the module docstring.
+
+    ``mode="rows"``: rows ``[mb * 128, +128)``, 64 per warpgroup; each pipeline step brings a
+    ``K``/``V`` tile for each warpgroup (4 TMA boxes); state written to split ``ss``.
+    ``mode="alternate"``: rows ``[mb * 64, +64)`` in both warpgroups, which take the steps in
+    turn (one ``K``/``V`` tile per step, so twice the stages fit in shared memory and one
+    warpgroup's compute overlaps the other's); warpgroup ``w`` writes its partial state to split
+    ``2 * ss + w``."""
     wg = lax.axis_index("wg")
     d = q_ref.shape[-1]
     dtype = q_ref.dtype
-    block_q = 64
-    seqs = block_q // group                      # sequences per warpgroup
+    alternate = mode == "alternate"
+    seqs = 64 // group                                    # sequences per 64 rows
     first_tile = ss * tiles_per_split
-    r0 = mb * 128 + wg * block_q
+    r0 = mb * 64 if alternate else mb * 128 + wg * 64
+    split = 2 * ss + wg if alternate else ss
     compute_context = pm.wg_compute_context(
-        q_src=q_ref.at[h, pl.ds(r0, block_q)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
-        lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[ss, h, pl.ds(r0, block_q)],
-        lse_dst=lse_ref.at[ss, h, pl.ds(r0, block_q)], block_q=block_q, d=d, dtype=dtype)
+        q_src=q_ref.at[h, pl.ds(r0, 64)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
+        lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[split, h, pl.ds(r0, 64)],
+        lse_dst=lse_ref.at[split, h, pl.ds(r0, 64)], block_q=64, d=d, dtype=dtype)
+    step = functools.partial(_suffix_step, group=group, block_s=block_s, scale_log2=scale_log2,
+                             dtype=dtype, cpu_check=cpu_check)
+    p_smem = None if p_smem2 is None else p_smem2.at[wg]
 
-    def seq_and_tile(t, w):
-        """Sequence of warpgroup ``w`` at step ``t``, its valid keys and the nominal key tile."""
+    def seq_tile(t, w):
+        """(local sequence, clamped sequence, its valid keys, nominal tile) of step ``t``."""
         i, j = t // tiles_per_split, t % tiles_per_split
-        b = mb * (128 // group) + w * seqs + i
-        n = jnp.where(b < batch, len_ref[jnp.minimum(b, batch - 1)], 0)
-        return jnp.minimum(b, batch - 1), n, first_tile + j
+        b, n = _suffix_lengths(len_ref, (mb * seqs if alternate else mb * 2 * seqs + w * seqs) + i,
+                               batch)
+        return i, b, n, first_tile + j
 
-    def load_index(t, w):
-        b, n, tile = seq_and_tile(t, w)
-        last = jnp.maximum((n + block_s - 1) // block_s - 1, 0)
-        return b, jnp.minimum(tile, last)       # past the length: repeat the last tile (cached)
+    def spec(w, transposed):
+        def index_map(t):
+            _, b, n, tile = seq_tile(t, w)
+            tile = jnp.minimum(tile, _last_tile(n, block_s))
+            return (b, 0, tile) if transposed else (b, tile, 0)
+        shape = (None, d, block_s) if transposed else (None, block_s, d)
+        return plgpu.BlockSpec(block_shape=shape, index_map=index_map)
 
-    def kspec(w):
-        if cpu_check:                            # k_ref [B, Hkv, D, S] (pre-transposed)
-            return plgpu.BlockSpec(block_shape=(None, d, block_s),
-                                   index_map=lambda t: (load_index(t, w)[0], 0, load_index(t, w)[1]))
-        return plgpu.BlockSpec(block_shape=(None, block_s, d),
-                               index_map=lambda t: (*load_index(t, w), 0))
+    if alternate:
+        def tile_body(indices, k_smem, v_smem, k_done, v_done, carry):
+            t = indices[0]
+            i, _, n, tile = seq_tile(t, 0)
 
-    def vspec(w):
-        return plgpu.BlockSpec(block_shape=(None, block_s, d),
-                               index_map=lambda t: (*load_index(t, w), 0))
+            def skip():                                   # the other warpgroup's step
+                plgpu.barrier_arrive(k_done)
+                plgpu.barrier_arrive(v_done)
+                return carry
+            return lax.cond(t % 2 == wg, lambda: step(
+                q_smem=q_smem2.at[wg], k_smem=k_smem, v_smem=v_smem, k_done=k_done,
+                v_done=v_done, carry=carry, seq=i, n=n, key0=tile * block_s, p_smem=p_smem), skip)
+        in_specs = [spec(0, cpu_check), spec(0, False)]
+    else:
+        def tile_body(indices, k0, k1, v0, v1, k0_done, k1_done, v0_done, v1_done, carry):
+            t = indices[0]
 
-    def tile_body(indices, k0, k1, v0, v1, k0_done, k1_done, v0_done, v1_done, carry):
-        t = indices[0]
-        # the other warpgroup's tiles: nothing to do with them
-        @pl.when(wg == 0)
-        def _():
-            plgpu.barrier_arrive(k1_done)
-            plgpu.barrier_arrive(v1_done)
+            @pl.when(wg == 0)                             # the other warpgroup's tiles
+            def _():
+                plgpu.barrier_arrive(k1_done)
+                plgpu.barrier_arrive(v1_done)
 
-        @pl.when(wg == 1)
-        def _():
-            plgpu.barrier_arrive(k0_done)
-            plgpu.barrier_arrive(v0_done)
-        _, n, tile = seq_and_tile(t, wg)
-        i = t // tiles_per_split
-        key0 = tile * block_s
-
-        def attend(k_smem, v_smem, k_done, v_done):
-            s = pm.wg_scores(q_smem2.at[wg], k_smem, shape=(block_q, block_s), cpu_check=cpu_check)
-            plgpu.barrier_arrive(k_done)
-            rows = lax.broadcasted_iota(jnp.int32, (block_q, block_s), 0)
-            cols = lax.broadcasted_iota(jnp.int32, (block_q, block_s), 1)
-            valid = (rows >= i * group) & (rows < (i + 1) * group) & (key0 + cols < n)
-
-            @pl.when(key0 + block_s > n)
-            def _zero_past_length():             # keep NaN / Inf past the length out of P V
-                keys = lax.broadcasted_iota(jnp.int32, (block_s, d), 0)
-                v_smem[...] = jnp.where(key0 + keys < n, v_smem[...], jnp.zeros_like(v_smem[...]))
-                plgpu.commit_smem()
-            acc, m_new, l_i, p16 = pm.softmax_step(s, valid, carry, scale_log2=scale_log2,
-                                                   dtype=dtype)
-            acc = pm.wg_accumulate_pv(acc, p16, v_smem, None if p_smem2 is None else p_smem2.at[wg],
-                                      cpu_check=cpu_check)
-            plgpu.barrier_arrive(v_done)
-            return acc, m_new, l_i
-        return lax.cond(wg == 0, lambda: attend(k0, v0, k0_done, v0_done),
-                        lambda: attend(k1, v1, k1_done, v1_done))
+            @pl.when(wg == 1)
+            def _():
+                plgpu.barrier_arrive(k0_done)
+                plgpu.barrier_arrive(v0_done)
+            i, _, n, tile = seq_tile(t, wg)
+            kw = dict(q_smem=q_smem2.at[wg], carry=carry, seq=i, n=n, key0=tile * block_s,
+                      p_smem=p_smem)
+            return lax.cond(wg == 0,
+                            lambda: step(k_smem=k0, v_smem=v0, k_done=k0_done, v_done=v0_done, **kw),
+                            lambda: step(k_smem=k1, v_smem=v1, k_done=k1_done, v_done=v1_done, **kw))
+        in_specs = [spec(0, cpu_check), spec(1, cpu_check), spec(0, False), spec(1, False)]
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         tile_body,
@@ -175,28 +221,33 @@ def _suffix_task(*, h, mb, ss, q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_s
         wg_axis="wg",
         manual_consumed_barriers=True,
         compute_context=compute_context,
-        in_specs=[kspec(0), kspec(1), vspec(0), vspec(1)],
+        in_specs=in_specs,
         out_specs=[],
     )
     kh = k_ref.at[:, h] if cpu_check else k_ref.at[:, :, h, :]
     vh = v_ref.at[:, :, h, :]
-    pipeline(kh, kh, vh, vh)
+    pipeline(*((kh, vh) if alternate else (kh, kh, vh, vh)))
 
 
 def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, scale,
                                 group: int, num_splits: int | None = None, suffix_splits: int = 1,
                                 block_s: int = 64, order: str = "interleave",
                                 prefix_steps: int = 2, suffix_steps: int = 2,
-                                schedule_barrier: bool = True, interpret: bool = False,
-                                _cpu_check: bool = False):
+                                schedule_barrier: bool = True, suffix_mode: str = "rows",
+                                tasks=("prefix", "suffix"),
+                                interpret: bool = False, _cpu_check: bool = False):
     """Prefix partials and suffix states of every row in one Mosaic GPU launch.
 
     ``q_hmd [Hkv, M, D]`` (row ``b * group + j``), ``pk/pv [P, Hkv, D]``, ``p_len`` int32 scalar
     (prefix keys ``>= p_len`` masked), ``sk/sv [B, S, Hkv, D]``, ``s_len [B]`` int32.
-    Returns ``(o_pre [splits, Hkv, M, D], lse_pre [splits, Hkv, M], o_suf [suffix_splits, Hkv,
-    M, D], lse_suf [suffix_splits, Hkv, M])`` (module docstring).  ``num_splits``: prefix splits
-    (None: ``prefix_attention_mgpu.choose_splits`` over the prefix CTAs alone).
-    ``interpret`` runs Mosaic GPU's CPU interpreter and needs ``_cpu_check`` (tests only).
+    Returns ``(o_pre [splits, Hkv, M, D], lse_pre [splits, Hkv, M], o_suf [n, Hkv, M, D],
+    lse_suf [n, Hkv, M])`` (module docstring) with ``n = 2 * suffix_splits`` for
+    ``suffix_mode="alternate"`` (each warpgroup's partial state) and ``suffix_splits`` for
+    ``"rows"``.  ``num_splits``: prefix splits (None: ``prefix_attention_mgpu.choose_splits``
+    over the prefix CTAs alone).  ``suffix_steps``: pipeline stages of the suffix tasks.
+    ``tasks``: run only the ``"prefix"`` or the ``"suffix"`` tasks (the other outputs are left
+    unwritten; for timing the two parts apart).  ``interpret`` runs Mosaic GPU's CPU
+    interpreter and needs ``_cpu_check`` (tests only).
 
     Raises ``ValueError`` for shapes outside the kernel's scope or splits that do not divide
     the tiles.
@@ -216,6 +267,9 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
                          f"{sk_bshd.shape} and {sv_bshd.shape}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if suffix_mode not in SUFFIX_MODES:
+        raise ValueError(f"suffix_mode must be one of {SUFFIX_MODES}, got {suffix_mode!r}")
+    alternate = suffix_mode == "alternate"
     pk_phd, pv_phd, sk_bshd, sv_bshd = (x.astype(dtype) for x in (pk_phd, pv_phd, sk_bshd, sv_bshd))
     if _cpu_check:  # CPU-interpreter check only: its wgmma cannot read a transposed ref
         pk_phd = jnp.transpose(pk_phd, (1, 2, 0))       # [Hkv, D, P]
@@ -228,7 +282,9 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
         raise ValueError(f"num_splits={splits} must divide the {n_tiles} prefix tiles and "
                          f"suffix_splits={suffix_splits} the {s_tiles} suffix tiles")
     n_pre = hkv * m_blocks * splits
-    n_suf = hkv * m_blocks * suffix_splits
+    suf_blocks = m // 64 if alternate else m_blocks
+    n_suf = hkv * suf_blocks * suffix_splits
+    n_suf_out = 2 * suffix_splits if alternate else suffix_splits
     pre_cfg = dict(tiles_per_split=n_tiles // splits,
                    steps=max(1, min(prefix_steps, n_tiles // splits)), block_q=64, block_kv=128,
                    scale_log2=float(scale) * _LOG2E, schedule_barrier=schedule_barrier,
@@ -236,7 +292,7 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
     suf_cfg = dict(batch=b, group=group, block_s=block_s,
                    tiles_per_split=s_tiles // suffix_splits,
                    steps=max(1, min(suffix_steps, (64 // group) * (s_tiles // suffix_splits))),
-                   scale_log2=float(scale) * _LOG2E, cpu_check=_cpu_check)
+                   scale_log2=float(scale) * _LOG2E, cpu_check=_cpu_check, mode=suffix_mode)
 
     def launch(kinds):
         n_p = n_pre if "prefix" in kinds else 0
@@ -257,7 +313,7 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
 
             def suffix():
                 hb, ss = idx // suffix_splits, idx % suffix_splits
-                _suffix_task(h=hb // m_blocks, mb=hb % m_blocks, ss=ss, k_ref=sk_ref, v_ref=sv_ref,
+                _suffix_task(h=hb // suf_blocks, mb=hb % suf_blocks, ss=ss, k_ref=sk_ref, v_ref=sv_ref,
                              len_ref=slen_ref, o_ref=o_suf_ref, lse_ref=lse_suf_ref,
                              p_smem2=p_suf, **common, **suf_cfg)
             if n_p:
@@ -273,8 +329,8 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
             thread_name="wg",
             out_type=(jax.ShapeDtypeStruct((splits, hkv, m, d), dtype),
                       jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32),
-                      jax.ShapeDtypeStruct((suffix_splits, hkv, m, d), dtype),
-                      jax.ShapeDtypeStruct((suffix_splits, hkv, m), jnp.float32)),
+                      jax.ShapeDtypeStruct((n_suf_out, hkv, m, d), dtype),
+                      jax.ShapeDtypeStruct((n_suf_out, hkv, m), jnp.float32)),
             scratch_types=(plgpu.SMEM((2, 64, d), dtype),
                            plgpu.SMEM((2, 64), jnp.float32),
                            plgpu.Barrier(num_barriers=2),
@@ -287,8 +343,10 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
         )(jnp.asarray(p_len, jnp.int32).reshape(1), jnp.asarray(s_len, jnp.int32).reshape(b), q_hmd,
           pk_phd, pv_phd, sk_bshd, sv_bshd)
 
-    if not interpret:
-        return launch(("prefix", "suffix"))
+    if not set(tasks) <= {"prefix", "suffix"} or not tasks:
+        raise ValueError(f"tasks must name 'prefix' and/or 'suffix', got {tasks!r}")
+    if not interpret or len(set(tasks)) == 1:
+        return launch(tuple(tasks))
     # Mosaic GPU's CPU interpreter (jax 0.10-0.11) cannot trace two pipelines in one kernel
     # (it leaks a tracer): interpret mode launches the same prefix and suffix tasks as two
     # kernels.  The interleaving itself is ``task_order``, tested on its own.

@@ -110,19 +110,22 @@ def _check_states(got, want, b, group):
         np.testing.assert_allclose(lse[fin], wl[fin], atol=2e-2, rtol=1e-3, err_msg=name)
 
 
-def _run(b, hq, hkv, d, p, p_len, s, splits, ss, order, block_s, interpret):
+def _run(b, hq, hkv, d, p, p_len, s, splits, ss, order, block_s, interpret, mode="alternate",
+         steps=2):
     q, pk, pv, sk, sv, sl = _case(b * 31 + p + s, b, hq, hkv, d, p, s)
     g = hq // hkv
     o_pre, l_pre, o_suf, l_suf = shared_decode_partials_mgpu(
         q, pk, pv, p_len, sk, sv, jnp.asarray(sl, jnp.int32), scale=d ** -0.5, group=g,
-        num_splits=splits, suffix_splits=ss, order=order, block_s=block_s, interpret=interpret,
-        _cpu_check=interpret)
+        num_splits=splits, suffix_splits=ss, order=order, block_s=block_s, suffix_mode=mode,
+        suffix_steps=steps, interpret=interpret, _cpu_check=interpret)
+    assert o_suf.shape[0] == (2 * ss if mode == "alternate" else ss)
     want = _numpy_states(q, pk, pv, p_len, sk, sv, sl, g, d ** -0.5)
     _check_states([(o_pre, l_pre), (o_suf, l_suf)], want, b, g)
 
 
-@pytest.mark.parametrize("d,block_s,steps", [(128, 64, 2), (64, 128, 3)])
-def test_kernel_lowers_for_cuda(d, block_s, steps):
+@pytest.mark.parametrize("d,block_s,steps,mode", [(128, 64, 2, "rows"), (64, 128, 3, "rows"),
+                                                  (128, 64, 5, "alternate")])
+def test_kernel_lowers_for_cuda(d, block_s, steps, mode):
     """Lowered for CUDA (shared memory checked against Hopper's 227 KB per CTA)."""
     from test_prefix_attention_mgpu import _lower_for_cuda
     S = jax.ShapeDtypeStruct
@@ -130,19 +133,20 @@ def test_kernel_lowers_for_cuda(d, block_s, steps):
     txt = _lower_for_cuda(
         lambda q, pk, pv, n, sk, sv, sl: shared_decode_partials_mgpu(
             q, pk, pv, n, sk, sv, sl, scale=d ** -0.5, group=4, suffix_splits=2,
-            block_s=block_s, suffix_steps=steps),
+            block_s=block_s, suffix_steps=steps, suffix_mode=mode),
         S((hkv, b * 4, d), jnp.bfloat16), S((p, hkv, d), jnp.bfloat16), S((p, hkv, d), jnp.bfloat16),
         S((), jnp.int32), S((b, s, hkv, d), jnp.bfloat16), S((b, s, hkv, d), jnp.bfloat16),
         S((b,), jnp.int32))
     assert "mosaic_gpu" in txt
 
 
-@pytest.mark.parametrize("b,hq,hkv,d,p,p_len,s,splits,ss,order,block_s", [
-    (40, 8, 2, 64, 256, 200, 128, 2, 1, "interleave", 64),
-    (20, 8, 1, 128, 256, 256, 128, 1, 2, "suffix_first", 64),   # G = 8, suffix split in 2
+@pytest.mark.parametrize("b,hq,hkv,d,p,p_len,s,splits,ss,order,block_s,mode", [
+    (40, 8, 2, 64, 256, 200, 128, 2, 1, "interleave", 64, "rows"),
+    (40, 8, 2, 64, 256, 200, 128, 2, 1, "interleave", 64, "alternate"),
+    (20, 8, 1, 128, 256, 256, 128, 1, 2, "suffix_first", 64, "alternate"),  # G = 8, S split in 2
 ])
-def test_kernel_in_cpu_interpreter(b, hq, hkv, d, p, p_len, s, splits, ss, order, block_s):
-    _run(b, hq, hkv, d, p, p_len, s, splits, ss, order, block_s, interpret=True)
+def test_kernel_in_cpu_interpreter(b, hq, hkv, d, p, p_len, s, splits, ss, order, block_s, mode):
+    _run(b, hq, hkv, d, p, p_len, s, splits, ss, order, block_s, interpret=True, mode=mode)
 
 
 def test_shared_path_one_launch_in_cpu_interpreter(monkeypatch):
@@ -163,14 +167,16 @@ def test_shared_path_one_launch_in_cpu_interpreter(monkeypatch):
 # --------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,hq,hkv,d,p,p_len,s,splits,ss,order,block_s", [
-    (256, 32, 8, 128, 4096, 4000, 128, None, 1, "interleave", 64),
-    (100, 32, 8, 128, 1024, 1024, 256, 2, 2, "suffix_first", 64),
-    (300, 8, 1, 128, 2048, 1500, 128, None, 1, "prefix_first", 64),
-    (64, 16, 4, 64, 512, 0, 256, 1, 1, "interleave", 128),   # D = 64: 128-key tiles fit
+@pytest.mark.parametrize("b,hq,hkv,d,p,p_len,s,splits,ss,order,block_s,mode,steps", [
+    (256, 32, 8, 128, 4096, 4000, 128, None, 1, "interleave", 64, "rows", 2),
+    (256, 32, 8, 128, 4096, 4000, 128, 1, 1, "interleave", 64, "alternate", 5),
+    (100, 32, 8, 128, 1024, 1024, 256, 2, 2, "suffix_first", 64, "alternate", 4),
+    (300, 8, 1, 128, 2048, 1500, 128, None, 1, "prefix_first", 64, "alternate", 2),
+    (64, 16, 4, 64, 512, 0, 256, 1, 1, "interleave", 128, "rows", 2),  # D = 64: 128-key tiles
 ])
-def test_gpu_kernel(b, hq, hkv, d, p, p_len, s, splits, ss, order, block_s):
-    _run(b, hq, hkv, d, p, p_len, s, splits, ss, order, block_s, interpret=False)
+def test_gpu_kernel(b, hq, hkv, d, p, p_len, s, splits, ss, order, block_s, mode, steps):
+    _run(b, hq, hkv, d, p, p_len, s, splits, ss, order, block_s, interpret=False, mode=mode,
+         steps=steps)
 
 
 @pytest.mark.gpu
