@@ -50,7 +50,7 @@ P=2K, S=512, Hq=8/Hkv=1, auto 22 us where the better path took 19 us).  The miss
 Session 7's one-launch kernel (prefix 4K, suffix capacity 128-256, >= 64 prefix CTAs) is not
 modelled separately: it is charged as the two launches in sequence, an overestimate of the
 shared path by up to ~17% at those points (measured), where the model already picks shared
-(flat is 6-8x slower there), so the choice does not change.
+(flat is 3.9-7.6x slower there in grid run 3), so the choice does not change.
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.
 """
