@@ -193,3 +193,23 @@ def test_gpu_shared_path_one_launch(monkeypatch, b, hq, hkv, d, p, s):
                                dtype=jnp.bfloat16, suffix_lengths=sl)
     out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, impl="shared"))(*args)
     check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
+
+
+def test_one_launch_plan_follows_the_measured_rule(monkeypatch):
+    """``MGPU_MERGE="auto"`` takes the one launch only at prefix 4K, suffix capacity 128-256,
+    G >= 4 and >= 64 prefix CTAs (where it was measured faster); ``force`` takes it wherever the
+    kernel applies."""
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    bf = jnp.bfloat16
+    plan = pa.one_launch_plan(256, 32, 8, 4096, 128, 128, bf)
+    assert plan is not None and plan["num_splits"] == 1 and plan["suffix_mode"] == "rows"
+    assert plan["suffix_steps"] == 2                       # 4 x 16 KB tiles per stage at D=128
+    assert pa.one_launch_plan(1024, 8, 1, 4096, 256, 128, bf) is not None
+    for args in [(512, 32, 8, 8192, 128), (256, 32, 8, 4096, 64), (256, 32, 8, 4096, 1024),
+                 (256, 32, 8, 2048, 128), (256, 8, 1, 4096, 256), (1024, 16, 8, 4096, 128)]:
+        b, hq, hkv, p, s = args
+        assert pa.one_launch_plan(b, hq, hkv, p, s, 128, bf) is None, args
+    assert pa.one_launch_plan(256, 32, 8, 4096, 1024, 128, bf, force=True) is not None
+    assert pa.one_launch_plan(256, 16, 8, 4096, 128, 128, bf, force=True) is None  # G = 2
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "triton")
+    assert pa.one_launch_plan(256, 32, 8, 4096, 128, 128, bf, force=True) is None
