@@ -493,16 +493,16 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     if g == 1 and tq == 1:  # the Mosaic GPU kernel, where it applies
         if MGPU_MERGE not in MGPU_MERGES:
             raise ValueError(f"MGPU_MERGE must be one of {MGPU_MERGES}, got {MGPU_MERGE!r}")
-        mg = _mgpu_decode_partials(q[:, 0], prefix_k[0], prefix_v[0], jnp.max(lim_p), scale=scale,
-                                   interpret=interpret, num_splits=MGPU_SPLITS)
         ss = (default_suffix_splits(b, hkv, suffix_k.shape[1], suffix_block_k or 64)
               if suffix_splits is None else suffix_splits)
         plan = (one_launch_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret,
                                 force=MGPU_MERGE == "one_launch")
-                if mg is not None and MGPU_MERGE in ("one_launch", "auto") and ss == 1 else None)
-        if plan is not None:
+                if MGPU_MERGE in ("one_launch", "auto") and ss == 1 else None)
+        if plan is not None:  # (its own plan checks that the Mosaic GPU kernel applies)
             return _one_launch_decode(q, prefix_k[0], prefix_v[0], jnp.max(lim_p), suffix_k, suffix_v,
                                       lim_s[:, 0], scale=scale, interpret=interpret, **plan)
+        mg = _mgpu_decode_partials(q[:, 0], prefix_k[0], prefix_v[0], jnp.max(lim_p), scale=scale,
+                                   interpret=interpret, num_splits=MGPU_SPLITS)
         if mg is not None and MGPU_MERGE != "epilogue" and ss == 1:
             return _independent_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], b=b, hq=hq,
                                       hkv=hkv, d=d, r=r, r2=r2, scale=scale, interpret=interpret)
