@@ -148,7 +148,8 @@ def run_point(b, p, s, hq, hkv, d, bw, mma):
         def suf(q, sk, sv, sl, bk=bk, nw=nw, ns=ns):
             lim_s = sl[:, None]
             out, _ = pa._suffix_with_merge(q[:, None], sk, sv, lim_s, o_in, l_in, None, None, b=b,
-                                           tq=1, hq=hq, hkv=hkv, r=r, r2=r2, r16=r16, scale=scale, interpret=False, two_phase=False,
+                                           tq=1, hq=hq, hkv=hkv, r=r, r2=r2, r16=r16, scale=scale,
+                                           interpret=False, two_phase=False,
                                            suffix_block_k=bk, suffix_warps=nw, suffix_stages=ns,
                                            suffix_splits=None)
             return out[:, 0]

@@ -17,6 +17,6 @@ from jax_prefix_attn.shared_prefix import CONCURRENT_COMPILER_OPTIONS, shared_pr
 from jax_prefix_attn.tree import PrefixTree
 from jax_prefix_attn.tree_attention import tree_attention
 
-__all__ = ["CONCURRENT_COMPILER_OPTIONS", "attention", "merge_attention_states", "merge_two", "reference", "shared_prefix_attention",
-           "PrefixTree", "tree_attention"]
+__all__ = ["CONCURRENT_COMPILER_OPTIONS", "attention", "merge_attention_states", "merge_two",
+           "reference", "shared_prefix_attention", "PrefixTree", "tree_attention"]
 __version__ = "0.1.0"

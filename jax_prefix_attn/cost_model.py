@@ -45,8 +45,8 @@ sequence; and it stopped charging the overlap variant's suffix programs for the 
 that chose within 5% of the better path at 69 of 75 points (in-sample; the grid's measured
 ``auto`` column, run with the model before these two changes, at 66), and at 9 of 12 shapes
 outside the grid (``bench/results/logs/session6_validate_auto_h200.json``, worst 1.14x: B=32,
-P=2K, S=512, Hq=8/Hkv=1, auto 22 us where the better path took 19 us).  The misses left are all Hq=8/Hkv=1 or B=16 points under
-0.05 ms where the two paths differ by 8-23%.
+P=2K, S=512, Hq=8/Hkv=1, auto 22 us where the better path took 19 us).  The misses left are
+all Hq=8/Hkv=1 or B=16 points under 0.05 ms where the two paths differ by 8-23%.
 Session 7's one-launch kernel (prefix 4K, suffix capacity 128-256, >= 64 prefix CTAs) is not
 modelled separately: it is charged as the two launches in sequence, an overestimate of the
 shared path by up to ~17% at those points (measured), where the model already picks shared

@@ -291,6 +291,17 @@ def wg_compute_context(*, q_src, q_smem, q_barrier, lse_smem, o_dst, lse_dst, bl
     return compute_context
 
 
+def wg_pipeline(tile_body, *, n_steps, steps, compute_context, in_specs):
+    """The K/V pipeline both kernels use: two compute warpgroups (axis ``"wg"``) consuming
+    ``n_steps`` steps of ``in_specs`` tiles, ``steps`` of them in flight, fed by one memory
+    warpgroup; consumed barriers arrived on by the body itself; carries through
+    ``compute_context``."""
+    return plgpu.emit_pipeline_warp_specialized(
+        tile_body, grid=(n_steps,), max_concurrent_steps=steps, num_compute_wgs=2,
+        memory_registers=40, wg_axis="wg", manual_consumed_barriers=True,
+        compute_context=compute_context, in_specs=in_specs, out_specs=[])
+
+
 def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2,
                 q_barriers, sched_barrier, p_smem2, tiles_per_split, steps, block_q, block_kv,
                 scale_log2, schedule_barrier, cpu_check):
@@ -329,19 +340,10 @@ def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_sme
         plgpu.barrier_arrive(v_consumed)
         return acc, m_new, l_i
 
-    pipeline = plgpu.emit_pipeline_warp_specialized(
-        tile_body,
-        grid=(tiles_per_split,),
-        max_concurrent_steps=steps,
-        num_compute_wgs=2,
-        memory_registers=40,
-        wg_axis="wg",
-        manual_consumed_barriers=True,
-        compute_context=compute_context,
+    pipeline = wg_pipeline(
+        tile_body, n_steps=tiles_per_split, steps=steps, compute_context=compute_context,
         in_specs=[plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, first_tile + t))
                   if cpu_check else
                   plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0)),
-                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0))],
-        out_specs=[],
-    )
+                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0))])
     pipeline(k_ref.at[h] if cpu_check else k_ref.at[:, h, :], v_ref.at[:, h, :])

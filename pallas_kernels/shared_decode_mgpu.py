@@ -212,18 +212,8 @@ def _suffix_task(*, h, mb, ss, q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_s
                             lambda: step(k_smem=k1, v_smem=v1, k_done=k1_done, v_done=v1_done, **kw))
         in_specs = [spec(0, cpu_check), spec(1, cpu_check), spec(0, False), spec(1, False)]
 
-    pipeline = plgpu.emit_pipeline_warp_specialized(
-        tile_body,
-        grid=(seqs * tiles_per_split,),
-        max_concurrent_steps=steps,
-        num_compute_wgs=2,
-        memory_registers=40,
-        wg_axis="wg",
-        manual_consumed_barriers=True,
-        compute_context=compute_context,
-        in_specs=in_specs,
-        out_specs=[],
-    )
+    pipeline = pm.wg_pipeline(tile_body, n_steps=seqs * tiles_per_split, steps=steps,
+                              compute_context=compute_context, in_specs=in_specs)
     kh = k_ref.at[:, h] if cpu_check else k_ref.at[:, :, h, :]
     vh = v_ref.at[:, :, h, :]
     pipeline(*((kh, vh) if alternate else (kh, kh, vh, vh)))
