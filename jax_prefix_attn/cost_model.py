@@ -161,14 +161,15 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
     if choose_variant(b, heads_kv, r2) == "overlap":
         # One launch with interleaved prefix and suffix programs: the two overlap (imperfectly),
         # then one XLA merge of the float32 partials.
+        # (the suffix keys split like the fused variant's; one merge of all the parts)
         shared_s = (max(t_prefix, t_suffix_own) + 0.3 * min(t_prefix, t_suffix_own)
-                    + _kernel_s(2 * (p_splits + 1) * b * tq * heads_q * (head_dim + 1) * 4, 0.0,
-                                2 * SMS))
+                    + _kernel_s(2 * (p_splits + s_splits) * b * tq * heads_q * (head_dim + 1) * 4,
+                                0.0, 2 * SMS))
     else:
         shared_s = t_prefix + t_suffix
-    if s_splits > 1:
-        shared_s += _kernel_s((p_splits + s_splits) * b * tq * heads_q * (head_dim + 1) * 4, 0.0,
-                              2 * SMS)
+        if s_splits > 1:
+            shared_s += _kernel_s((p_splits + s_splits) * b * tq * heads_q * (head_dim + 1) * 4,
+                                  0.0, 2 * SMS)
     return PathCosts(flat_s=flat_s, shared_s=shared_s, flat_bytes=flat_dram + flat_l2,
                      shared_bytes=g * p * kv + suffix_bytes, shared_flops=prefix_flops)
 

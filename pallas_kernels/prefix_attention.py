@@ -515,7 +515,7 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     if variant == "overlap":
         return _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, lim_rows,
                                 lim_s, order, inv, cfg=cfg, scale=scale, interpret=interpret,
-                                suffix_block_k=suffix_block_k or 64)
+                                suffix_block_k=suffix_block_k or 64, suffix_splits=suffix_splits)
     o_pre, lse_pre = prefix_partials(qp, prefix_k, prefix_v, grp_rows, lim_rows, scale=scale,
                                      block_m=block_m, block_k=cfg["block_k"],
                                      num_splits=cfg["num_splits"], num_warps=cfg["num_warps"],
@@ -651,9 +651,14 @@ def overlap_partials(q_pre, grp_rows, limp_rows, prefix_k, prefix_v, q_suf, sidx
 
 
 def _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, lim_rows, lim_s,
-                     order, inv, *, cfg, scale, interpret, suffix_block_k):
+                     order, inv, *, cfg, scale, interpret, suffix_block_k, suffix_splits=None):
+    """The overlap variant: one launch of interleaved prefix and suffix programs, then one XLA
+    merge.  The suffix keys are split like the fused variant's (``default_suffix_splits``) so a
+    small batch with a long suffix does not leave ``B * Hkv`` programs walking it alone."""
     b, tq, hq, d = q.shape
     hkv = prefix_k.shape[2]
+    if suffix_splits is None:
+        suffix_splits = default_suffix_splits(b, hkv, suffix_k.shape[1], suffix_block_k)
     grp = hq // hkv
     r, r16 = q_rows_layout(tq, hq, hkv)
     r2 = next_pow2(r)
@@ -665,6 +670,6 @@ def _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, li
         qp, grp_rows, lim_rows, prefix_k, prefix_v, qs, sidx, lims, suffix_k, suffix_v,
         scale=scale, block_m=cfg["block_m"], block_k=cfg["block_k"],
         num_splits=cfg["num_splits"], r16=r16, suffix_block_k=suffix_block_k,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=interpret)
+        suffix_splits=suffix_splits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=interpret)
     return _merge_row_parts([(o_pre, lse_pre, r2), (o_s, lse_s, r16)], b=b, tq=tq, hq=hq, r=r,
                             dtype=q.dtype, inv=inv)

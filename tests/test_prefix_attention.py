@@ -35,7 +35,8 @@ def test_prefix_config_fills_gpu_and_splits_small_batches():
 
 
 @pytest.mark.parametrize("tq,hq,hkv,g,suffix_splits,variant", [
-    (1, 8, 1, 3, 1, "fused"), (4, 4, 2, 0, 2, "fused"), (4, 8, 2, 3, 1, "overlap")])
+    (1, 8, 1, 3, 1, "fused"), (4, 4, 2, 0, 2, "fused"), (4, 8, 2, 3, 1, "overlap"),
+    (1, 8, 1, 3, 2, "overlap"), (4, 4, 2, 0, 3, "overlap")])
 def test_shared_forward_forced_splits(tq, hq, hkv, g, suffix_splits, variant):
     from test_shared_prefix import check, make_case, oracle
     from jax_prefix_attn.shared_prefix import row_limits
