@@ -588,6 +588,9 @@ def main():
             doc["results"].append(done[(b, p, s, hq, hkv, d, probe)])
             continue
         if time.time() - t_start > args.budget_s:
+            if (b, p, s, hq, hkv, d, probe) in done:  # a --redo point not reached: keep the old run
+                doc["results"].append(done[(b, p, s, hq, hkv, d, probe)])
+                continue
             doc["results"].append(dict(batch=b, prefix=p, suffix=s, heads_q=hq, heads_kv=hkv,
                                        head_dim=d, probe=probe, status="skipped (time budget)"))
             continue

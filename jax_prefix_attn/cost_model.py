@@ -63,10 +63,12 @@ __all__ = ["PathCosts", "estimate", "choose_path"]
 BW = 2.5e12          # bytes/s the decode kernels stream from DRAM (fit to the H200 grid)
 L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kernel (measured)
 MMA = 3.0e14         # FLOP/s of the Triton-lowered prefix kernel's dots (measured 205-322)
-T_LAUNCH = 3e-6      # seconds per kernel launch / dependent stage (launch + ramp + tail)
-T_KEY = 4.0e-8       # seconds per key on one program's critical path (tile load latency)
+T_LAUNCH = 3.5e-6     # seconds per kernel launch / dependent stage (launch + ramp + tail)
+T_KEY = 3.0e-8       # seconds per key on one program's critical path (tile load latency)
+T_KEY_FLAT = 4.0e-8  # the same for the flat decode kernel
 MMA_MGPU = 5.0e14    # FLOP/s of the Mosaic GPU prefix kernel (ncu: 443-549 TFLOP/s on an H200)
 SMS = 132            # streaming multiprocessors (H100 / H200)
+SLOTS = 198          # programs that reach full bandwidth (fewer: proportionally less)
 
 
 def _next_pow2(x: int) -> int:
@@ -78,10 +80,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _kernel_s(nbytes: float, flops: float, programs: int, *, l2_bytes: float = 0.0,
-              serial_keys: float = 0.0, mma: float = MMA, slots: int = 2 * SMS) -> float:
-    util = min(1.0, programs / slots)
+              serial_keys: float = 0.0, mma: float = MMA, slots: int | None = None,
+              t_key: float | None = None) -> float:
+    util = min(1.0, programs / (SLOTS if slots is None else slots))
     throughput = max(nbytes / BW + l2_bytes / L2_BW, flops / mma) / util
-    return max(throughput, serial_keys * T_KEY) + T_LAUNCH
+    return max(throughput, serial_keys * (T_KEY if t_key is None else t_key)) + T_LAUNCH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +115,7 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
     splits = 1 if b * heads_kv >= 2 * SMS else max(1, min(_cdiv(2 * SMS, b * heads_kv),
                                                           _cdiv(p + s, 256)))
     flat_s = _kernel_s(flat_dram, 0.0, b * heads_kv * splits, l2_bytes=flat_l2,
-                       serial_keys=_cdiv(p + s, splits))
+                       serial_keys=_cdiv(p + s, splits), t_key=T_KEY_FLAT)
     if splits > 1:  # XLA merge of float32 partials over rows padded to >= 16 per (seq, kv head)
         rows16 = b * heads_kv * max(16, r2)
         flat_s += _kernel_s(2 * splits * rows16 * (head_dim + 1) * 4, 0.0, 2 * SMS)
