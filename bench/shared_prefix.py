@@ -574,6 +574,9 @@ def main():
     if args.resume and os.path.exists(out):
         with open(out) as fh:
             old = json.load(fh)
+        for k, v in old.items():  # notes added to the file by hand (e.g. "session7_note")
+            if k.endswith("_note"):
+                doc[k] = v
         doc["earlier_runs"] = old.get("earlier_runs", []) + [
             {k: old.get(k) for k in ("info", "copy_bw_Bps", "matmul_flops", "read_bw_Bps")}]
         for r in old["results"]:

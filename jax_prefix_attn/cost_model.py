@@ -51,6 +51,18 @@ Session 7's one-launch kernel (prefix 4K, suffix capacity 128-256, >= 64 prefix 
 modelled separately: it is charged as the two launches in sequence, an overestimate of the
 shared path by up to ~17% at those points (measured), where the model already picks shared
 (flat is 3.9-7.6x slower there in grid run 3), so the choice does not change.
+Session 8 fit the latency terms to a probe of both paths at the 45 small grid points
+(``bench/results/logs/session8_probe_small_h200.json``: B <= 64, and Hq=8 B=256), where the
+misses were: ``T_LAUNCH`` 3 -> 3.5 us, ``T_KEY`` 4e-8 -> 3e-8 s for the shared kernels with a
+separate ``T_KEY_FLAT`` = 4e-8 s for the flat decode kernel, and ``SLOTS`` (programs that reach
+full bandwidth) 264 -> 198; and the overlap variant now splits its suffix keys as the fused
+variant does (the model had assumed so) with one merge of all parts (it had been charged a
+second).  Grid run 4 (``bench/results/shared_prefix_h200.json``) re-measured the 24 points that
+changed: the measured ``auto`` column is within 5% of the better path at 74 of 75 points (worst
+1.09x: Hq=8/Hkv=1 B=64 P=1K S=1K, 26.5 us against 24.4 us); out of sample
+(``bench/results/logs/session8_validate_auto_h200.json``, 26 shapes not used in the fit) at 25
+of 26 (worst 1.11x: Hq=32 B=40 P=1K S=2K, where the overlap variant's suffix streams slower
+than the flat kernel).
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.
 """

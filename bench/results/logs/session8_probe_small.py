@@ -21,6 +21,13 @@ oos = [(b, p, s, hq, hkv) for (hq, hkv) in H for b in (8, 32, 128) for p in (204
        for s in (128, 512)]
 OLD = {(16, 4096, 1024, 8, 1), (16, 1024, 1024, 8, 1), (64, 1024, 1024, 8, 1),
        (16, 1024, 1024, 32, 8), (16, 16384, 1024, 32, 8)}
+if os.environ.get("POINTS") == "validate":  # shapes not used to fit the cost model
+    grid = []
+    oos = [(b, p, s, hq, hkv) for (hq, hkv) in H for b in (8, 32, 128) for p in (2048, 8192)
+           for s in (128, 512)][4:]
+    oos += [(48, 3000, 384, 8, 1), (24, 6000, 200, 32, 8), (96, 1500, 700, 8, 1),
+            (200, 2500, 100, 8, 1), (12, 12000, 64, 8, 1), (40, 1024, 2048, 32, 8)]
+    OLD = set()
 orig_ovl = pa._overlap_forward
 res = []
 for (b, p, s, hq, hkv) in grid + oos:
@@ -54,7 +61,7 @@ for (b, p, s, hq, hkv) in grid + oos:
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     res.append(row)
 json.dump(dict(device=device_info(), bw=bw, mma=mma, results=res),
-          open(os.environ["OUT"] + "/probe_small.json", "w"), indent=1)
+          open(os.environ["OUT"] + "/probe_" + os.environ.get("POINTS", "small") + ".json", "w"), indent=1)
 print("\n%-24s %7s %7s %7s %7s %7s" % ("point", "shared", "flat", "m_sh", "m_fl", "old"))
 for r in res:
     g = lambda k: r.get(k) if isinstance(r.get(k), float) else float("nan")
