@@ -131,8 +131,13 @@ ONE_LAUNCH_MIN_GROUP = 4  # the suffix tasks spend 64 / G times the useful tenso
 #   P=4K S=128, 0.90 / 0.85 at Hq=8 B=1024 P=4K S=256, 0.95-1.01 at the other P=4K S<=256
 #   points; at P=2K 0.91 then 1.04 (B=256 S=128), 1.07 (B=256 S=256), 0.82 (Hq=8 B=1024
 #   S=128): mixed, so excluded; 1.03-1.11 at P=1K and 1.06 at S=1024 (excluded).
-ONE_LAUNCH_PREFIX = (4096, 4096)
-ONE_LAUNCH_SUFFIX = (128, 256)
+# * session 8 (session8_probe_splits_h200.json): 0.90 at Hq=8/Hkv=1 B=1024 P=16K S=1024 (the
+#   suffix, 537 MB, streams while the prefix tasks compute), 0.93 with the prefix split in two;
+#   but 1.33 at S=256 and 1.00 at S=64 there, 0.95 at Hq=32 B=1024 P=16K S=256 (the prefix split
+#   in two), 1.02-1.10 at Hq=32 B=256 P=16K S=64/256.
+# Regions (prefix keys, suffix capacity, minimum G), each a measured range:
+ONE_LAUNCH_REGIONS = (((4096, 4096), (128, 256), 4),
+                      ((16384, 16384), (1024, 1024), 8))
 ONE_LAUNCH_MIN_CTAS = 64
 # Prefix splits of the Mosaic GPU kernel on the decode path (None: ``choose_splits``).
 MGPU_SPLITS: int | None = None
@@ -385,7 +390,7 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
     """Static plan of the one-launch decode kernel: its keyword arguments, or ``None`` where
     it does not apply (the Mosaic GPU prefix kernel not taken, ``G < ONE_LAUNCH_MIN_GROUP``, or
     shapes outside ``fused_supported``) or, unless ``force``, where it was not measured to pay
-    (``ONE_LAUNCH_PREFIX``, ``ONE_LAUNCH_SUFFIX``, ``ONE_LAUNCH_MIN_CTAS``).
+    (``ONE_LAUNCH_REGIONS``, ``ONE_LAUNCH_MIN_CTAS``).
 
     Suffix tiles of 64 keys, as many pipeline stages (up to 4) as fit in shared memory; suffix
     splits so that the suffix tasks number at most about one wave, or more where needed to keep
@@ -407,9 +412,9 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
                           head_dim=d, dtype=dtype, block_s=block_s) is not None:
         return None
     ctas = hkv * cdiv(b * g, 128)
-    if not force and not (ONE_LAUNCH_PREFIX[0] <= p <= ONE_LAUNCH_PREFIX[1]
-                          and ONE_LAUNCH_SUFFIX[0] <= s <= ONE_LAUNCH_SUFFIX[1]
-                          and ctas >= ONE_LAUNCH_MIN_CTAS):
+    in_region = any(pr[0] <= p <= pr[1] and sr[0] <= s <= sr[1] and g >= g_min
+                    for pr, sr, g_min in ONE_LAUNCH_REGIONS)
+    if not force and not (in_region and ctas >= ONE_LAUNCH_MIN_CTAS):
         return None
     n_tiles = s // block_s
     suf_ctas = ctas * 2 if alternate else ctas  # 64-row suffix tasks when alternating

@@ -196,16 +196,18 @@ def test_gpu_shared_path_one_launch(monkeypatch, b, hq, hkv, d, p, s):
 
 
 def test_one_launch_plan_follows_the_measured_rule(monkeypatch):
-    """``MGPU_MERGE="auto"`` takes the one launch only at prefix 4K, suffix capacity 128-256,
-    G >= 4 and >= 64 prefix CTAs (where it was measured faster); ``force`` takes it wherever the
-    kernel applies."""
+    """``MGPU_MERGE="auto"`` takes the one launch only where it was measured faster (prefix 4K,
+    suffix capacity 128-256, G >= 4; prefix 16K, suffix 1024, G >= 8; >= 64 prefix CTAs);
+    ``force`` takes it wherever the kernel applies."""
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
     bf = jnp.bfloat16
     plan = pa.one_launch_plan(256, 32, 8, 4096, 128, 128, bf)
     assert plan is not None and plan["num_splits"] == 1 and plan["suffix_mode"] == "rows"
     assert plan["suffix_steps"] == 2                       # 4 x 16 KB tiles per stage at D=128
     assert pa.one_launch_plan(1024, 8, 1, 4096, 256, 128, bf) is not None
+    assert pa.one_launch_plan(1024, 8, 1, 16384, 1024, 128, bf)["num_splits"] == 1
     for args in [(512, 32, 8, 8192, 128), (256, 32, 8, 4096, 64), (256, 32, 8, 4096, 1024),
+                 (1024, 8, 1, 16384, 256), (1024, 32, 8, 16384, 1024), (256, 8, 1, 16384, 1024),
                  (256, 32, 8, 2048, 128), (256, 8, 1, 4096, 256), (1024, 16, 8, 4096, 128)]:
         b, hq, hkv, p, s = args
         assert pa.one_launch_plan(b, hq, hkv, p, s, 128, bf) is None, args
