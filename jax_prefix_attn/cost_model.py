@@ -5,9 +5,8 @@ launches.  With ``B`` sequences, ``Tq`` queries each, ``Hq``/``Hkv`` heads of si
 prefix groups of padded length ``P``, suffix capacity ``S`` and ``e`` bytes per element, one
 token of K+V is ``kv = 2 * Hkv * D * e`` bytes.  Each kernel costs
 
-    t = max(bytes / BW, flops / MMA) / util + T_LAUNCH,   util = min(1, programs / (2 * SMS))
-
-    t = max(t, serial_keys * T_KEY)       # one program's chain of key tiles (latency)
+    t = max(max(bytes / BW, flops / MMA) / util, serial_keys * T_KEY) + T_LAUNCH
+    util = min(1, programs / SLOTS)       # serial_keys: one program's chain of keys (latency)
 
 (``util`` models a grid too small to fill the GPU), and
 
@@ -47,10 +46,11 @@ that chose within 5% of the better path at 69 of 75 points (in-sample; the grid'
 outside the grid (``bench/results/logs/session6_validate_auto_h200.json``, worst 1.14x: B=32,
 P=2K, S=512, Hq=8/Hkv=1, auto 22 us where the better path took 19 us).  The misses left are
 all Hq=8/Hkv=1 or B=16 points under 0.05 ms where the two paths differ by 8-23%.
-Session 7's one-launch kernel (prefix 4K, suffix capacity 128-256, >= 64 prefix CTAs) is not
-modelled separately: it is charged as the two launches in sequence, an overestimate of the
-shared path by up to ~17% at those points (measured), where the model already picks shared
-(flat is 3.9-7.6x slower there in grid run 3), so the choice does not change.
+Session 7's one-launch kernel (prefix 4K, suffix capacity 128-256, >= 64 prefix CTAs; since
+session 8 also G = 8, prefix 16K, suffix 1K) is not modelled separately: it is charged as the
+two launches in sequence, an overestimate of the shared path by up to ~17% at those points
+(measured), where the model already picks shared (flat is 3.9-7.6x slower there in grid run 3,
+4.6x in run 5), so the choice does not change.
 Session 8 fit the latency terms to a probe of both paths at the 45 small grid points
 (``bench/results/logs/session8_probe_small_h200.json``: B <= 64, and Hq=8 B=256), where the
 misses were: ``T_LAUNCH`` 3 -> 3.5 us, ``T_KEY`` 4e-8 -> 3e-8 s for the shared kernels with a
@@ -75,7 +75,7 @@ __all__ = ["PathCosts", "estimate", "choose_path"]
 BW = 2.5e12          # bytes/s the decode kernels stream from DRAM (fit to the H200 grid)
 L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kernel (measured)
 MMA = 3.0e14         # FLOP/s of the Triton-lowered prefix kernel's dots (measured 205-322)
-T_LAUNCH = 3.5e-6     # seconds per kernel launch / dependent stage (launch + ramp + tail)
+T_LAUNCH = 3.5e-6    # seconds per kernel launch / dependent stage (launch + ramp + tail)
 T_KEY = 3.0e-8       # seconds per key on one program's critical path (tile load latency)
 T_KEY_FLAT = 4.0e-8  # the same for the flat decode kernel
 MMA_MGPU = 5.0e14    # FLOP/s of the Mosaic GPU prefix kernel (ncu: 443-549 TFLOP/s on an H200)
@@ -174,9 +174,9 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
                          flat_bytes=flat_dram + flat_l2, shared_bytes=g * p * kv + b * s * kv,
                          shared_flops=4.0 * m128 * heads_kv * p * head_dim)
     if choose_variant(b, heads_kv, r2) == "overlap":
-        # One launch with interleaved prefix and suffix programs: the two overlap (imperfectly),
-        # then one XLA merge of the float32 partials.
-        # (the suffix keys split like the fused variant's; one merge of all the parts)
+        # One launch with interleaved prefix and suffix programs (the suffix keys split like the
+        # fused variant's): the two overlap (imperfectly), then one XLA merge of all the float32
+        # partials.
         shared_s = (max(t_prefix, t_suffix_own) + 0.3 * min(t_prefix, t_suffix_own)
                     + _kernel_s(2 * (p_splits + s_splits) * b * tq * heads_q * (head_dim + 1) * 4,
                                 0.0, 2 * SMS))

@@ -675,6 +675,7 @@ def _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, li
         qp, grp_rows, lim_rows, prefix_k, prefix_v, qs, sidx, lims, suffix_k, suffix_v,
         scale=scale, block_m=cfg["block_m"], block_k=cfg["block_k"],
         num_splits=cfg["num_splits"], r16=r16, suffix_block_k=suffix_block_k,
-        suffix_splits=suffix_splits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=interpret)
+        suffix_splits=suffix_splits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        interpret=interpret)
     return _merge_row_parts([(o_pre, lse_pre, r2), (o_s, lse_s, r16)], b=b, tq=tq, hq=hq, r=r,
                             dtype=q.dtype, inv=inv)
