@@ -38,8 +38,8 @@ them within 5% (25 of 34 in run 1 with the old ones), 69 of 75 over the grid, th
 Session 6 added the Mosaic GPU path, which the shared path takes on Hopper where
 ``pallas_kernels.prefix_attention.mgpu_decode_splits`` says it runs: q row gather, the prefix
 kernel (one CTA per SM, ``MMA_MGPU``, no per-key latency term: 128-key TMA tiles prefetched two
-ahead), the suffix kernel (split as the Triton path splits it) and one XLA merge, all in
-sequence; and it stopped charging the overlap variant's suffix programs for the prefix partials
+ahead), the suffix kernel (split as the Triton path splits it; since session 8 only below 256
+(sequence, kv head) programs) and one XLA merge, all in sequence; and it stopped charging the overlap variant's suffix programs for the prefix partials
 (its XLA merge reads them).  On the session-6 grid (``bench/results/shared_prefix_h200.json``)
 that chose within 5% of the better path at 69 of 75 points (in-sample; the grid's measured
 ``auto`` column, run with the model before these two changes, at 66), and at 9 of 12 shapes
@@ -150,8 +150,8 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
     # the overlap variant's suffix programs do not read the prefix partials (its XLA merge does)
     t_suffix_own = _kernel_s(b * s * kv + q_bytes, 0.0, b * heads_kv * s_splits,
                              serial_keys=_cdiv(s, s_splits))
-    from pallas_kernels.prefix_attention import (choose_variant, default_suffix_splits,  # noqa: PLC0415
-                                                 mgpu_decode_splits)
+    from pallas_kernels.prefix_attention import (choose_variant, mgpu_decode_splits,  # noqa: PLC0415
+                                                 mgpu_suffix_splits)
     mg_splits = (mgpu_decode_splits(b, heads_q, heads_kv, p, head_dim, itemsize)
                  if tq == 1 and g == 1 else None)
     if mg_splits is not None:
@@ -163,7 +163,7 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
         # (no per-key latency chain: 128-key TMA tiles, prefetched two ahead)
         t_prefix = _kernel_s(g * p * kv + part16, 4.0 * m128 * heads_kv * p * head_dim, ctas,
                              mma=MMA_MGPU, slots=SMS)
-        ss = default_suffix_splits(b, heads_kv, s)
+        ss = mgpu_suffix_splits(b, heads_kv, s)
         t_suffix = _kernel_s(b * s * kv + q_bytes, 0.0, b * heads_kv * ss,
                              serial_keys=_cdiv(s, ss))
         n_parts = mg_splits + ss

@@ -308,6 +308,21 @@ def default_suffix_splits(b: int, hkv: int, s_len: int, block_k: int = 64) -> in
     return max(1, min(cdiv(264, b * hkv), cdiv(s_len, 2 * block_k)))
 
 
+# On the Mosaic GPU decode path the suffix is split only below this many (sequence, kv head)
+# programs.  At 256 (Hq=8/Hkv=1 B=256) the unsplit suffix kernel + one XLA merge took 0.77-0.92x
+# the time of the split suffix at S=256/1024, P=4K/16K (H200, same run:
+# bench/results/logs/session8_probe_hq8_b256_h200.json, variant "ss1").
+MGPU_SUFFIX_SPLIT_BELOW = 256
+
+
+def mgpu_suffix_splits(b: int, hkv: int, s_len: int, block_k: int = 64) -> int:
+    """Suffix splits on the Mosaic GPU decode path: ``default_suffix_splits`` below
+    ``MGPU_SUFFIX_SPLIT_BELOW`` programs, else 1."""
+    if b * hkv >= MGPU_SUFFIX_SPLIT_BELOW:
+        return 1
+    return default_suffix_splits(b, hkv, s_len, block_k)
+
+
 def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv, *, b, tq, hq, hkv,
                        r, r2, r16, scale, interpret, two_phase, suffix_block_k, suffix_warps,
                        suffix_stages, suffix_splits):
@@ -498,7 +513,7 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     if g == 1 and tq == 1:  # the Mosaic GPU kernel, where it applies
         if MGPU_MERGE not in MGPU_MERGES:
             raise ValueError(f"MGPU_MERGE must be one of {MGPU_MERGES}, got {MGPU_MERGE!r}")
-        ss = (default_suffix_splits(b, hkv, suffix_k.shape[1], suffix_block_k or 64)
+        ss = (mgpu_suffix_splits(b, hkv, suffix_k.shape[1], suffix_block_k or 64)
               if suffix_splits is None else suffix_splits)
         plan = (one_launch_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret,
                                 force=MGPU_MERGE == "one_launch")
@@ -516,7 +531,7 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                       b=b, tq=tq, hq=hq, hkv=hkv, r=r, r2=r2, r16=r16, scale=scale,
                                       interpret=interpret, two_phase=False,
                                       suffix_block_k=suffix_block_k, suffix_warps=suffix_warps,
-                                      suffix_stages=suffix_stages, suffix_splits=suffix_splits)
+                                      suffix_stages=suffix_stages, suffix_splits=ss)
     if variant == "overlap":
         return _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, lim_rows,
                                 lim_s, order, inv, cfg=cfg, scale=scale, interpret=interpret,
