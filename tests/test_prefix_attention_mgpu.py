@@ -205,7 +205,8 @@ def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("merge", ["epilogue", "independent"])
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [(24, 32, 8, 128, 1024, 300), (256, 8, 1, 128, 4096, 64),
-                                           (16, 8, 8, 64, 512, 100)])
+                                           (16, 8, 8, 64, 512, 100),
+                                           (256, 8, 1, 128, 2048, 300)])  # unsplit suffix at 256
 def test_gpu_shared_path_with_mgpu_backend(monkeypatch, b, hq, hkv, d, p, s, merge):
     from jax_prefix_attn import shared_prefix_attention
     from test_shared_prefix import check, make_case, oracle
