@@ -40,9 +40,10 @@ Session 6 added the Mosaic GPU path, which the shared path takes on Hopper where
 kernel (one CTA per SM, ``MMA_MGPU``, no per-key latency term: 128-key TMA tiles prefetched two
 ahead), the suffix kernel (split as the Triton path splits it; since session 8 only below 256
 (sequence, kv head) programs) and one XLA merge, all in sequence; and it stopped charging the
-overlap variant's suffix programs for the prefix partials (its XLA merge reads them).  On the session-6 grid (``bench/results/shared_prefix_h200.json``)
-that chose within 5% of the better path at 69 of 75 points (in-sample; the grid's measured
-``auto`` column, run with the model before these two changes, at 66), and at 9 of 12 shapes
+overlap variant's suffix programs for the prefix partials (its XLA merge reads them).  On the
+session-6 grid (``bench/results/shared_prefix_h200.json``) that chose within 5% of the better
+path at 69 of 75 points (in-sample; the grid's measured ``auto`` column, run with the model
+before these two changes, at 66), and at 9 of 12 shapes
 outside the grid (``bench/results/logs/session6_validate_auto_h200.json``, worst 1.14x: B=32,
 P=2K, S=512, Hq=8/Hkv=1, auto 22 us where the better path took 19 us).  The misses left are
 all Hq=8/Hkv=1 or B=16 points under 0.05 ms where the two paths differ by 8-23%.

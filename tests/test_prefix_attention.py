@@ -34,6 +34,14 @@ def test_prefix_config_fills_gpu_and_splits_small_batches():
     assert big["num_splits"] == 1 and big["block_m"] == 128 and big["two_phase"]
 
 
+def test_mgpu_suffix_splits_rule():
+    from pallas_kernels.prefix_attention import default_suffix_splits, mgpu_suffix_splits
+    assert default_suffix_splits(256, 1, 1024) == 2        # 256 programs < 264: split
+    assert mgpu_suffix_splits(256, 1, 1024) == 1           # Mosaic GPU path: not at 256
+    assert mgpu_suffix_splits(128, 1, 1024) == default_suffix_splits(128, 1, 1024) > 1
+    assert mgpu_suffix_splits(16, 8, 64) == 1               # one 128-key chunk: nothing to split
+
+
 @pytest.mark.parametrize("tq,hq,hkv,g,suffix_splits,variant", [
     (1, 8, 1, 3, 1, "fused"), (4, 4, 2, 0, 2, "fused"), (4, 8, 2, 3, 1, "overlap"),
     (1, 8, 1, 3, 2, "overlap"), (4, 4, 2, 0, 3, "overlap")])
