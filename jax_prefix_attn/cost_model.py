@@ -151,8 +151,8 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
     # the overlap variant's suffix programs do not read the prefix partials (its XLA merge does)
     t_suffix_own = _kernel_s(b * s * kv + q_bytes, 0.0, b * heads_kv * s_splits,
                              serial_keys=_cdiv(s, s_splits))
-    from pallas_kernels.prefix_attention import (choose_variant, mgpu_decode_splits,  # noqa: PLC0415
-                                                 mgpu_suffix_splits)
+    from pallas_kernels.prefix_attention import (  # noqa: PLC0415
+        choose_variant, mgpu_decode_splits, mgpu_suffix_splits)
     mg_splits = (mgpu_decode_splits(b, heads_q, heads_kv, p, head_dim, itemsize)
                  if tq == 1 and g == 1 else None)
     if mg_splits is not None:
