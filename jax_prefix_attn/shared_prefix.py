@@ -23,8 +23,9 @@ that fall inside the prefix) is therefore handled too.
 * ``"shared"``: two Pallas launches on the GPU: the inter-sequence batched prefix kernel,
   then the suffix decode kernel that merges the prefix partials in its epilogue (when decoding
   with one prefix on Hopper: the Mosaic GPU prefix kernel and the suffix kernel as two
-  independent launches, or at prefix 4K / suffix capacity 128-256 one Mosaic GPU launch
-  computing both (``pallas_kernels.shared_decode_mgpu``), merged by one small XLA fusion);
+  independent launches, or, where ``pallas_kernels.prefix_attention.one_launch_plan`` says it
+  was measured to pay, one Mosaic GPU launch computing both
+  (``pallas_kernels.shared_decode_mgpu``), merged by one small XLA fusion);
 * ``"flat"``: one ragged split-KV decode launch (plus a small reduction when the keys are
   split) that reads the prefix through a per-sequence index for every sequence, without
   copying it (the PagedAttention-style baseline);

@@ -378,12 +378,14 @@ def _merge_row_parts(parts, *, b, tq, hq, r, dtype, inv):
     o_all, l_all = [], []
     for o, lse, rows in parts:
         n, hkv, _, d = o.shape
-        o_all.append(o[:, :, :b * rows].reshape(n, hkv, b, rows, d)[:, :, :, :r].astype(jnp.float32))
+        o_all.append(o[:, :, :b * rows].reshape(n, hkv, b, rows, d)[:, :, :, :r]
+                     .astype(jnp.float32))
         l_all.append(lse[:, :, :b * rows].reshape(n, hkv, b, rows)[:, :, :, :r])
     o, lse = merge_partials(jnp.concatenate(o_all, axis=0), jnp.concatenate(l_all, axis=0))
     hkv, d = o.shape[0], o.shape[-1]
     o = o.astype(dtype).reshape(hkv, b * r, d)
-    return rows_to_out(o, b, tq, hq, r, inv), rows_to_out(lse.reshape(hkv, b * r), b, tq, hq, r, inv)
+    lse = lse.reshape(hkv, b * r)
+    return rows_to_out(o, b, tq, hq, r, inv), rows_to_out(lse, b, tq, hq, r, inv)
 
 
 def _independent_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, *, b, hq, hkv, d, r, r2, scale,
@@ -407,7 +409,7 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
     shapes outside ``fused_supported``) or, unless ``force``, where it was not measured to pay
     (``ONE_LAUNCH_REGIONS``, ``ONE_LAUNCH_MIN_CTAS``).
 
-    Suffix tiles of 64 keys, as many pipeline stages (up to 4) as fit in shared memory; suffix
+    Suffix tiles of 64 keys, as many pipeline stages (up to 5) as fit in shared memory; suffix
     splits so that the suffix tasks number at most about one wave, or more where needed to keep
     each task to at most 8 tiles per sequence; the prefix unsplit (``ONE_LAUNCH["num_splits"]``;
     None: ``choose_splits`` over the prefix CTAs alone)."""
@@ -460,7 +462,8 @@ def _one_launch_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, in
     o_pre, lse_pre, o_suf, lse_suf = sd.shared_decode_partials_mgpu(
         qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale, group=g, num_splits=num_splits,
         suffix_splits=suffix_splits, block_s=block_s, order=order, suffix_steps=suffix_steps,
-        suffix_mode=suffix_mode, schedule_barrier=MGPU_SCHEDULE_BARRIER, interpret=interpret, _cpu_check=interpret)
+        suffix_mode=suffix_mode, schedule_barrier=MGPU_SCHEDULE_BARRIER, interpret=interpret,
+        _cpu_check=interpret)
     return _merge_row_parts([(o_pre, lse_pre, g), (o_suf, lse_suf, g)], b=b, tq=1, hq=hq, r=g,
                             dtype=q.dtype, inv=None)
 
@@ -519,8 +522,9 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                 force=MGPU_MERGE == "one_launch")
                 if MGPU_MERGE in ("one_launch", "auto") and ss == 1 else None)
         if plan is not None:  # (its own plan checks that the Mosaic GPU kernel applies)
-            return _one_launch_decode(q, prefix_k[0], prefix_v[0], jnp.max(lim_p), suffix_k, suffix_v,
-                                      lim_s[:, 0], scale=scale, interpret=interpret, **plan)
+            return _one_launch_decode(q, prefix_k[0], prefix_v[0], jnp.max(lim_p), suffix_k,
+                                      suffix_v, lim_s[:, 0], scale=scale, interpret=interpret,
+                                      **plan)
         mg = _mgpu_decode_partials(q[:, 0], prefix_k[0], prefix_v[0], jnp.max(lim_p), scale=scale,
                                    interpret=interpret, num_splits=MGPU_SPLITS)
         if mg is not None and MGPU_MERGE != "epilogue" and ss == 1:
