@@ -37,7 +37,8 @@ them within 5% (25 of 34 in run 1 with the old ones), 69 of 75 over the grid, th
 (B=16, P=16K, Hq=8/Hkv=1, 24 us against 35 us).
 Session 6 added the Mosaic GPU path, which the shared path takes on Hopper where
 ``pallas_kernels.prefix_attention.mgpu_decode_splits`` says it runs: q row gather, the prefix
-kernel (one CTA per SM, ``MMA_MGPU``, no per-key latency term: 128-key TMA tiles prefetched two
+kernel (one CTA per SM, ``MMA_MGPU``; 5e14 until session 9 made the kernel 6-12% faster,
+which changes no choice on the grid; no per-key latency term: 128-key TMA tiles prefetched two
 ahead), the suffix kernel (split as the Triton path splits it; since session 8 only below 256
 (sequence, kv head) programs) and one XLA merge, all in sequence; and it stopped charging the
 overlap variant's suffix programs for the prefix partials (its XLA merge reads them).  On the
@@ -79,7 +80,7 @@ MMA = 3.0e14         # FLOP/s of the Triton-lowered prefix kernel's dots (measur
 T_LAUNCH = 3.5e-6    # seconds per kernel launch / dependent stage (launch + ramp + tail)
 T_KEY = 3.0e-8       # seconds per key on one program's critical path (tile load latency)
 T_KEY_FLAT = 4.0e-8  # the same for the flat decode kernel
-MMA_MGPU = 5.0e14    # FLOP/s of the Mosaic GPU prefix kernel (ncu: 443-549 TFLOP/s on an H200)
+MMA_MGPU = 5.5e14    # FLOP/s of the Mosaic GPU prefix kernel (H200: 429-620 measured, session 9)
 SMS = 132            # streaming multiprocessors (H100 / H200)
 SLOTS = 198          # programs that reach full bandwidth (fewer: proportionally less)
 

@@ -9,6 +9,12 @@ ping-pong schedule barrier is worth 4-8% of the whole shared path at the three p
 session-6 grid (``bench/results/shared_prefix_h200.json``) the shared path with it ran 1.03-2.53x
 (median 1.42x) the speed of the Triton backend at the 51 grid points where ``auto`` uses it; its
 GPU tests (``tests/test_prefix_attention_mgpu.py -m gpu``) pass.
+Session 9 moved the softmax to the fused multiply-add form (the running max kept in scaled
+base-2 units, ``p = exp2(s * c - m)``) and builds the length mask only on a tile that holds a
+masked key (a uniform branch, :func:`masked_softmax_step`): the kernel alone went from 389-563
+to 429-620 TFLOP/s (1.06-1.12x faster at the six grid shapes probed, one run; measured matmul
+rate 664 TFLOP/s; ``bench/results/logs/session9_probe_softmax_h200.json``).  A third pipeline
+stage does not fit at D=128 (232544 of 232448 bytes of shared memory).
 The CPU tests lower it for CUDA and run it in Mosaic GPU's CPU interpreter against the
 reference, except two operand forms that interpreter lacks (``_cpu_check=True`` swaps them: K
 pre-transposed in memory for ``Q K^T``; ``P`` staged through shared memory and ``P V`` into a
@@ -230,19 +236,34 @@ def wg_scores(q_smem, k_smem, *, shape, cpu_check: bool, after_issue=None):
 
 
 def softmax_step(s, valid, carry, *, scale_log2: float, dtype):
-    """One online-softmax step in base 2 over the score tile ``s [rows, keys]`` float32, entries
-    where ``valid`` is false excluded.  ``carry = (acc [rows, D], m [rows], l [rows])``.  Returns
-    ``(acc rescaled, m_new, l_new, p)`` with ``p`` the probabilities in ``dtype`` (rows that have
-    seen no key keep ``m = -inf``, ``l = 0``, ``acc = 0``)."""
+    """One online-softmax step in base 2 over the raw score tile ``s [rows, keys]`` float32
+    (the scale is applied here), entries where ``valid`` is false excluded; ``valid=None``
+    means every entry is a real key (the fast form: no select, no guard for rows that have
+    seen no key).  ``carry = (acc [rows, D], m [rows], l [rows])`` with ``m`` the running max
+    of the scaled base-2 scores, so ``p = exp2(s * scale_log2 - m)`` is one fused multiply-add
+    per score.  Returns ``(acc rescaled, m_new, l_new, p)`` with ``p`` the probabilities in
+    ``dtype`` (rows that have seen no key keep ``m = -inf``, ``l = 0``, ``acc = 0``)."""
     acc, m_i, l_i = carry
-    s = jnp.where(valid, s * scale_log2, -jnp.inf)
-    m_new = jnp.maximum(m_i, s.max(axis=1))
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # rows with no key yet
+    if valid is not None:
+        s = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+    m_use = m_new if valid is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet
     alpha = jnp.exp2(m_i - m_use)
-    prob = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    prob = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
     l_new = l_i * alpha + prob.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     return acc, m_new, l_new, prob.astype(dtype)
+
+
+def masked_softmax_step(s, valid_fn, any_masked, carry, *, scale_log2: float, dtype):
+    """:func:`softmax_step` that builds and applies the mask only where the tile has a masked
+    entry (``any_masked``, a dynamic scalar bool; a uniform branch): ``valid_fn()`` gives the
+    ``[rows, keys]`` mask.  Full tiles, all but the last tile of a prefix, take the fast form."""
+    return lax.cond(
+        any_masked,
+        lambda s, c: softmax_step(s, valid_fn(), c, scale_log2=scale_log2, dtype=dtype),
+        lambda s, c: softmax_step(s, None, c, scale_log2=scale_log2, dtype=dtype),
+        s, carry)
 
 
 def wg_accumulate_pv(acc, p16, v_smem, p_smem, *, cpu_check: bool):
@@ -329,9 +350,9 @@ def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_sme
                       after_issue=turn)
         plgpu.barrier_arrive(k_consumed)
         key0 = (first_tile + indices[0]) * block_kv
-        cols = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
-        acc, m_new, l_i, p16 = softmax_step(s, key0 + cols < n_keys, carry,
-                                            scale_log2=scale_log2, dtype=dtype)
+        acc, m_new, l_i, p16 = masked_softmax_step(
+            s, lambda: key0 + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1) < n_keys,
+            key0 + block_kv > n_keys, carry, scale_log2=scale_log2, dtype=dtype)
         if schedule_barrier:  # softmax done: wait for the tensor cores' turn
             acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
             turn()

@@ -1,0 +1,349 @@
+"""Inter-sequence batched prefix attention through Pallas Mosaic GPU (Hopper: TMA, wgmma,
+warp specialisation): the compute-bound part of the shared path, the default prefix backend on
+Hopper where it applies (see ``prefix_attention.PREFIX_BACKEND``).
+
+Measured on an H200 (jax 0.11.2), Hq=32/Hkv=8, D=128: 443 / 549 / 536 TFLOP/s at B=256 P=4K /
+B=512 P=8K / B=1024 P=4K (Nsight Compute device time, ``bench/results/kernel_profile_h200.json``),
+against 150-330 for the Triton prefix kernel (``bench/results/shared_breakdown_h200.json``); the
+ping-pong schedule barrier is worth 4-8% of the whole shared path at the three points; over the
+session-6 grid (``bench/results/shared_prefix_h200.json``) the shared path with it ran 1.03-2.53x
+(median 1.42x) the speed of the Triton backend at the 51 grid points where ``auto`` uses it; its
+GPU tests (``tests/test_prefix_attention_mgpu.py -m gpu``) pass.
+The CPU tests lower it for CUDA and run it in Mosaic GPU's CPU interpreter against the
+reference, except two operand forms that interpreter lacks (``_cpu_check=True`` swaps them: K
+pre-transposed in memory for ``Q K^T``; ``P`` staged through shared memory and ``P V`` into a
+fresh accumulator instead of in place).  Selection: ``pallas_kernels.prefix_attention.PREFIX_BACKEND``
+(environment variable ``JPA_PREFIX_BACKEND``): ``"auto"`` (default) uses it on a Hopper GPU
+wherever it applies, ``"mgpu"`` forces it where it applies (also in interpret mode),
+``"triton"`` never uses it.
+
+Why: the Triton-lowered prefix kernel (``prefix_attention.prefix_partials``) reaches 200-320
+TFLOP/s on an H200, and the prefix matmul dominates the shared path at large batch (B=1024,
+P=16K: ~0.86 ms of ~1.0 ms); Mosaic GPU kernels reach ~600 TFLOP/s on this GPU
+(``../shared/GPU_NOTES.md``).
+
+Scope (static conditions, checked): one prefix shared by all rows, every row sees the same
+number of keys ``length`` (true for decoding, ``Tq == 1``), 16-bit inputs, ``head_dim`` 64 or
+128, ``P % block_kv == 0``, rows ``M % (2 * block_q) == 0``.
+
+Layouts: ``q [Hkv, M, D]`` (rows of kv head ``h``), ``k/v [P, Hkv, D]``, ``length [1]`` int32
+(keys ``>= length`` are masked; dynamic, read in the kernel).  Outputs the same partial states
+as ``prefix_partials`` except that ``o [splits, Hkv, M, D]`` (normalised) is in q's 16-bit
+dtype (written through the queries' shared-memory buffer: a float32 staging buffer does not
+fit next to the K/V pipeline), and ``lse [splits, Hkv, M]`` float32, natural log, ``-inf``
+(and ``o = 0``) where a split sees no key.
+
+Kernel: grid ``(Hkv, M / (2 * block_q), splits)``; three warpgroups per CTA: two compute
+warpgroups of ``block_q`` rows each and one memory warpgroup streaming the split's K/V tiles
+through shared memory (``emit_pipeline_warp_specialized``).  Per tile: ``S = Q K^T`` (wgmma,
+float32 accumulator), online softmax in base 2 with the scale folded in, ``O += P V`` (wgmma
+with ``P`` from registers).  A two-arrival barrier makes the compute warpgroups alternate, so
+one's matrix products overlap the other's softmax (FlashAttention-3's ping-pong schedule).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Mosaic GPU is part of jax; guarded so that an unusual build still imports this package
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+__all__ = ["prefix_partials_mgpu", "mgpu_supported", "choose_splits", "mgpu_device_ok"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+SMS = 132  # streaming multiprocessors of an H100 / H200
+
+
+def _gpu_interpret_params():
+    """Mosaic GPU's own interpreter (simulated shared memory, warpgroups, barriers, TMA, wgmma)
+    on the CPU; a JAX-internal class (jax >= 0.10), so looked up lazily."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
+    return InterpretGPUParams()
+
+
+def mgpu_supported(*, rows: int, prefix_len: int, head_dim: int, dtype, block_q: int = 64,
+                   block_kv: int = 128) -> str | None:
+    """``None`` when the kernel handles these static shapes, else the reason."""
+    if plgpu is None:
+        return "jax.experimental.pallas.mosaic_gpu is not available"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype must be bfloat16 or float16, got {jnp.dtype(dtype)}"
+    if head_dim not in (64, 128):
+        return f"head_dim must be 64 or 128, got {head_dim}"
+    if prefix_len % block_kv:
+        return f"prefix length {prefix_len} must be a multiple of block_kv={block_kv}"
+    if rows % (2 * block_q):
+        return f"rows {rows} must be a multiple of 2 * block_q = {2 * block_q}"
+    return None
+
+
+FEW_CTAS = 48  # below this many (kv head, 128-row block) CTAs, split to about one wave
+
+
+def choose_splits(n_tiles: int, ctas: int, sms: int = SMS) -> int:
+    """Splits of the prefix for ``ctas`` (kv head, 128-row block) CTAs (a divisor of the
+    ``n_tiles`` key tiles):
+
+    * 1 when the CTAs already fill most of one wave (``ctas >= 3/4 * sms``);
+    * with at least ``FEW_CTAS`` CTAs, the largest divisor up to 4 that keeps ``ctas * splits``
+      within two waves (one CTA per SM);
+    * with fewer, the largest divisor up to 16 that keeps ``ctas * splits`` within one wave and
+      at least 2 tiles per split (the pipeline depth).
+
+    Measured on an H200, the whole shared path: at 64 CTAs (Hq=32/Hkv=8 B=256 P=4K, Hq=8/Hkv=1
+    B=1024 P=4K) 4 splits were fastest, 2 within 10% and 1 split 37% slower, 8 splits 13-19%
+    slower; at 128 and 256 CTAs 1 split was fastest (``bench/results/shared_breakdown_h200.json``).
+    At 16 CTAs (Hq=8/Hkv=1 B=256, Hq=32/Hkv=8 B=64) 8 splits were fastest at all six points
+    measured, 1.0-1.6x faster than 4 and 1.1-1.2x faster than 16; at 4 CTAs (Hq=8/Hkv=1 B=64
+    P=16K) 16 splits were fastest (``bench/results/logs/session6_probe_mgpu_splits_h200.json``).
+    """
+    if 4 * ctas >= 3 * sms:
+        return 1
+    few = ctas < FEW_CTAS
+    max_splits, limit = (16, sms) if few else (4, 2 * sms)
+    best = 1
+    for s in range(1, min(n_tiles, max_splits) + 1):
+        if n_tiles % s == 0 and ctas * s <= limit and (not few or s == 1 or n_tiles // s >= 2):
+            best = s
+    return best
+
+
+def mgpu_device_ok() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x: wgmma and TMA as used
+    here exist only there)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:  # pragma: no cover
+        return False
+    if dev.platform != "gpu":
+        return False
+    cc = str(getattr(dev, "compute_capability", ""))
+    return cc.split(".")[0] == "9"
+
+
+def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, length: jax.Array, *,
+                         scale: float, num_splits: int | None = None, block_q: int = 64,
+                         block_kv: int = 128, max_concurrent_steps: int = 2,
+                         schedule_barrier: bool = True, out_rows: int | None = None,
+                         interpret: bool = False, _cpu_check: bool = False):
+    """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
+
+    Returns ``(o, lse)``: ``o [splits, Hkv, M, D]`` in q's dtype (normalised) and
+    ``lse [splits, Hkv, M]`` float32; see the module docstring for the layouts and the
+    conditions (:func:`mgpu_supported`).  ``interpret`` runs Mosaic GPU's CPU interpreter and
+    needs ``_cpu_check`` (the operand forms it supports; tests only).
+
+    Raises ``ValueError`` for unsupported shapes or ``out_rows < M``.
+
+    ``schedule_barrier``: the two compute warpgroups take turns on the tensor cores (one issues
+    its ``Q K^T`` / ``P V`` while the other runs its softmax; FlashAttention-3's "ping-pong"
+    scheduling, through one two-arrival barrier).  ``out_rows``: rows of ``o``/``lse`` to
+    allocate (``>= M``, rounded up to a multiple of 16); rows ``>= M`` are left unwritten, for a
+    consumer that reads whole tiles past the last real row and discards them (the suffix pass),
+    instead of computing a padding row block.
+    """
+    hkv, m, d = q_hmd.shape
+    p = k_phd.shape[0]
+    m_out = m if out_rows is None else -(-int(out_rows) // 16) * 16  # (TMA tiling of the rows)
+    if m_out < m:
+        raise ValueError(f"out_rows={out_rows} must be at least the {m} query rows")
+    why = mgpu_supported(rows=m, prefix_len=p, head_dim=d, dtype=q_hmd.dtype, block_q=block_q,
+                         block_kv=block_kv)
+    if why is not None:
+        raise ValueError(f"prefix_partials_mgpu cannot run these shapes: {why}")
+    if k_phd.shape != (p, hkv, d) or v_phd.shape != k_phd.shape:
+        raise ValueError(f"k/v must have shape {(p, hkv, d)}, got {k_phd.shape} and {v_phd.shape}")
+    dtype = q_hmd.dtype
+    k_phd = k_phd.astype(dtype)
+    v_phd = v_phd.astype(dtype)
+    if _cpu_check:  # CPU-interpreter check only: its wgmma cannot read a transposed ref
+        k_phd = jnp.transpose(k_phd, (1, 2, 0))  # [Hkv, D, P]
+    n_tiles = p // block_kv
+    m_blocks = m // (2 * block_q)
+    splits = choose_splits(n_tiles, hkv * m_blocks) if num_splits is None else int(num_splits)
+    if n_tiles % splits:
+        raise ValueError(f"num_splits={splits} must divide the {n_tiles} key tiles")
+    tiles_per_split = n_tiles // splits
+    steps = max(1, min(max_concurrent_steps, tiles_per_split))
+    scale_log2 = float(scale) * _LOG2E
+
+    def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2, q_barriers,
+               sched_barrier, *maybe_p):
+        prefix_task(h=lax.axis_index("h"), mb=lax.axis_index("m"), sp=lax.axis_index("s"),
+                    n_keys=len_ref[0], q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref,
+                    lse_ref=lse_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers,
+                    sched_barrier=sched_barrier, p_smem2=maybe_p[0] if _cpu_check else None,
+                    tiles_per_split=tiles_per_split, steps=steps, block_q=block_q,
+                    block_kv=block_kv, scale_log2=scale_log2, schedule_barrier=schedule_barrier,
+                    cpu_check=_cpu_check)
+
+    o, lse = plgpu.kernel(
+        kernel,
+        grid=(hkv, m_blocks, splits),
+        grid_names=("h", "m", "s"),
+        num_threads=3,
+        thread_name="wg",
+        out_type=(jax.ShapeDtypeStruct((splits, hkv, m_out, d), dtype),
+                  jax.ShapeDtypeStruct((splits, hkv, m_out), jnp.float32)),
+        scratch_types=(plgpu.SMEM((2, block_q, d), dtype),
+                       plgpu.SMEM((2, block_q), jnp.float32),
+                       plgpu.Barrier(num_barriers=2),
+                       plgpu.Barrier(num_arrivals=2))
+                      + ((plgpu.SMEM((2, block_q, block_kv), dtype),) if _cpu_check else ()),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": _gpu_interpret_params()} if interpret else {}),
+    )(jnp.asarray(length, jnp.int32).reshape(1), q_hmd, k_phd, v_phd)
+    return o, lse
+
+
+# ----------------------------------------------------------------------------- kernel pieces
+# Shared by this module's kernel and the one-launch prefix + suffix kernel
+# (``shared_decode_mgpu``); all run inside a Mosaic GPU kernel with warpgroup semantics.
+
+def take_turn(sched_barrier, enabled: bool):
+    """Both compute warpgroups arrive on the two-arrival ``sched_barrier``, then wait (the
+    ping-pong schedule; nothing when not ``enabled``)."""
+    if enabled:
+        plgpu.barrier_arrive(sched_barrier)
+        plgpu.barrier_wait(sched_barrier)
+
+
+def wg_scores(q_smem, k_smem, *, shape, cpu_check: bool, after_issue=None):
+    """``S = Q K^T`` as float32 ``shape = (rows, keys)`` on the tensor cores: ``q_smem [rows, D]``,
+    ``k_smem [keys, D]`` (``[D, keys]`` pre-transposed with ``cpu_check``).  ``after_issue`` runs
+    between issuing the product and reading it (the ping-pong turn)."""
+    def scores(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_smem if cpu_check else k_smem.transpose((1, 0)))
+        if after_issue is not None:
+            after_issue()
+        return s_ref[...]
+    return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+
+
+def softmax_step(s, valid, carry, *, scale_log2: float, dtype):
+    """One online-softmax step in base 2 over the score tile ``s [rows, keys]`` float32, entries
+    where ``valid`` is false excluded.  ``carry = (acc [rows, D], m [rows], l [rows])``.  Returns
+    ``(acc rescaled, m_new, l_new, p)`` with ``p`` the probabilities in ``dtype`` (rows that have
+    seen no key keep ``m = -inf``, ``l = 0``, ``acc = 0``)."""
+    acc, m_i, l_i = carry
+    s = jnp.where(valid, s * scale_log2, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # rows with no key yet
+    alpha = jnp.exp2(m_i - m_use)
+    prob = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    l_new = l_i * alpha + prob.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return acc, m_new, l_new, prob.astype(dtype)
+
+
+def wg_accumulate_pv(acc, p16, v_smem, p_smem, *, cpu_check: bool):
+    """``acc + P V`` on the tensor cores (``P`` from registers; with ``cpu_check`` staged through
+    ``p_smem`` into a fresh accumulator, the operand forms Mosaic GPU's CPU interpreter has)."""
+    if cpu_check:
+        p_smem[...] = p16
+        plgpu.commit_smem()
+
+        def pv_fresh(pv_ref):
+            plgpu.wgmma(pv_ref, p_smem, v_smem)
+            return pv_ref[...]
+        return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+    def pv(acc_ref):  # O += P V in place, P from registers
+        plgpu.wgmma(acc_ref, p16, v_smem)
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
+def wg_compute_context(*, q_src, q_smem, q_barrier, lse_smem, o_dst, lse_dst, block_q, d, dtype,
+                       before=None, after=None):
+    """A ``compute_context`` for ``emit_pipeline_warp_specialized``: load this warpgroup's
+    ``block_q`` query rows from ``q_src`` into ``q_smem``, run the pipeline from the empty state
+    (``before`` / ``after`` around it), then write the normalised output (through ``q_smem``) to
+    ``o_dst [block_q, D]`` and the natural-log LSE (``-inf`` for rows that saw no key) to
+    ``lse_dst [block_q]``."""
+    def compute_context(run_pipeline):
+        plgpu.copy_gmem_to_smem(q_src, q_smem, q_barrier)
+        plgpu.barrier_wait(q_barrier)
+        carry = (jnp.zeros((block_q, d), jnp.float32),
+                 jnp.full((block_q,), -jnp.inf, jnp.float32),
+                 jnp.zeros((block_q,), jnp.float32))
+        if before is not None:
+            before()
+        acc, m_i, l_i = run_pipeline(carry)
+        if after is not None:
+            after()
+        has = l_i > 0.0
+        l_safe = jnp.where(has, l_i, 1.0)
+        q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, (block_q, d), [0])).astype(dtype)
+        lse_smem[...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_dst)
+        plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+        plgpu.wait_smem_to_gmem(0)
+    return compute_context
+
+
+def wg_pipeline(tile_body, *, n_steps, steps, compute_context, in_specs):
+    """The K/V pipeline both kernels use: two compute warpgroups (axis ``"wg"``) consuming
+    ``n_steps`` steps of ``in_specs`` tiles, ``steps`` of them in flight, fed by one memory
+    warpgroup; consumed barriers arrived on by the body itself; carries through
+    ``compute_context``."""
+    return plgpu.emit_pipeline_warp_specialized(
+        tile_body, grid=(n_steps,), max_concurrent_steps=steps, num_compute_wgs=2,
+        memory_registers=40, wg_axis="wg", manual_consumed_barriers=True,
+        compute_context=compute_context, in_specs=in_specs, out_specs=[])
+
+
+def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2,
+                q_barriers, sched_barrier, p_smem2, tiles_per_split, steps, block_q, block_kv,
+                scale_log2, schedule_barrier, cpu_check):
+    """One CTA of the prefix kernel: rows ``[mb * 2 * block_q, +2 * block_q)`` of kv head ``h``
+    (one ``block_q``-row block per compute warpgroup) against key tiles
+    ``[sp * tiles_per_split, +tiles_per_split)`` of the prefix (keys ``>= n_keys`` masked),
+    partial state written to split ``sp`` of ``o_ref [splits, Hkv, M, D]`` / ``lse_ref``.
+    ``k_ref/v_ref [P, Hkv, D]`` (``k_ref [Hkv, D, P]`` with ``cpu_check``)."""
+    wg = lax.axis_index("wg")
+    d = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    first_tile = sp * tiles_per_split
+    r0 = mb * (2 * block_q) + wg * block_q
+    turn = functools.partial(take_turn, sched_barrier, schedule_barrier)
+    # Warpgroup 1 starts one phase behind (one extra turn before its first tile, warpgroup 0
+    # one after its last): their tensor-core and softmax phases alternate.
+    compute_context = wg_compute_context(
+        q_src=q_ref.at[h, pl.ds(r0, block_q)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
+        lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[sp, h, pl.ds(r0, block_q)],
+        lse_dst=lse_ref.at[sp, h, pl.ds(r0, block_q)], block_q=block_q, d=d, dtype=dtype,
+        before=lambda: pl.when(wg == 1)(turn), after=lambda: pl.when(wg == 0)(turn))
+
+    def tile_body(indices, k_smem, v_smem, k_consumed, v_consumed, carry):
+        s = wg_scores(q_smem2.at[wg], k_smem, shape=(block_q, block_kv), cpu_check=cpu_check,
+                      after_issue=turn)
+        plgpu.barrier_arrive(k_consumed)
+        key0 = (first_tile + indices[0]) * block_kv
+        cols = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
+        acc, m_new, l_i, p16 = softmax_step(s, key0 + cols < n_keys, carry,
+                                            scale_log2=scale_log2, dtype=dtype)
+        if schedule_barrier:  # softmax done: wait for the tensor cores' turn
+            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+            turn()
+        acc = wg_accumulate_pv(acc, p16, v_smem, None if p_smem2 is None else p_smem2.at[wg],
+                               cpu_check=cpu_check)
+        plgpu.barrier_arrive(v_consumed)
+        return acc, m_new, l_i
+
+    pipeline = wg_pipeline(
+        tile_body, n_steps=tiles_per_split, steps=steps, compute_context=compute_context,
+        in_specs=[plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, first_tile + t))
+                  if cpu_check else
+                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0)),
+                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0))])
+    pipeline(k_ref.at[h] if cpu_check else k_ref.at[:, h, :], v_ref.at[:, h, :])
