@@ -10,6 +10,9 @@ upper bound of the in-loop time when launches could overlap (they do not in one 
     ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \\
         --log-file prof.csv python bench/kernel_profile.py
     python bench/kernel_profile.py --parse prof.csv --out prof.json      (add --tree to both)
+
+``--points B:P:S:HQ ...`` (both steps) profiles those shared-path points instead of the three
+probe points (``HKV`` = 8 for ``HQ`` = 32, else 1; ``D`` = 128).
 """
 from __future__ import annotations
 
@@ -29,12 +32,23 @@ TREE_POINTS = [("apps8", "auto"), ("apps8", "levelwise"), ("tot", "auto"), ("tot
                ("spec_t64", "auto")]
 
 
-def _calls(tree: bool):
+def _points(specs):
+    """``(B, P, S, Hq, Hkv, D)`` tuples from ``B:P:S:HQ`` strings (``POINTS`` when none)."""
+    if not specs:
+        return POINTS
+    out = []
+    for spec in specs:
+        b, p, s, hq = (int(x) for x in spec.split(":"))
+        out.append((b, p, s, hq, 8 if hq == 32 else 1, 128))
+    return out
+
+
+def _calls(tree: bool, points=POINTS):
     """``[(label, jitted function, args)]`` of the points to profile."""
     import jax
     if not tree:
         from bench.shared_prefix import make_inputs, ours
-        for pt in POINTS:
+        for pt in points:
             b, p, s, hq, hkv, d = pt
             yield dict(zip(("batch", "prefix", "suffix", "heads_q", "heads_kv", "head_dim"), pt)), \
                 jax.jit(ours("shared")), make_inputs(b, p, s, hkv, hq, d)
@@ -53,12 +67,12 @@ def _calls(tree: bool):
         yield label, f, (q, meta, kp, vp, sk, sv, sl)
 
 
-def run(tree: bool = False):
+def run(tree: bool = False, points=POINTS):
     import jax
     import jax.numpy as jnp
     marker = jax.jit(jnp.sin)
     x = jnp.ones((8,), jnp.float32)
-    for label, f, args in _calls(tree):
+    for label, f, args in _calls(tree, points):
         for _ in range(2):
             jax.block_until_ready(f(*args))
         jax.block_until_ready(marker(x))
@@ -67,7 +81,7 @@ def run(tree: bool = False):
         print("profiled", label, flush=True)
 
 
-def parse(path, tree: bool = False):
+def parse(path, tree: bool = False, points=POINTS):
     text = open(path).read()
     start = text.find('"ID"')
     rows = list(csv.DictReader(io.StringIO(text[start:])))
@@ -84,7 +98,7 @@ def parse(path, tree: bool = False):
     out = []
     # markers come in pairs per point, after the warm-up calls
     labels = ([dict(workload=w, impl=i) for w, i in TREE_POINTS] if tree else
-              [dict(zip(("batch", "prefix", "suffix", "heads_q", "heads_kv", "head_dim"), pt)) for pt in POINTS])
+              [dict(zip(("batch", "prefix", "suffix", "heads_q", "heads_kv", "head_dim"), pt)) for pt in points])
     for pi, label in enumerate(labels):
         if len(marks) < 2 * (pi + 1):
             break
@@ -99,11 +113,12 @@ def main():
     ap.add_argument("--parse")
     ap.add_argument("--out")
     ap.add_argument("--tree", action="store_true", help="tree_attention workloads instead")
+    ap.add_argument("--points", nargs="+", default=None, metavar="B:P:S:HQ")
     a = ap.parse_args()
     if not a.parse:
-        run(a.tree)
+        run(a.tree, _points(a.points))
         return
-    res = parse(a.parse, a.tree)
+    res = parse(a.parse, a.tree, _points(a.points))
     for r in res:
         print(r["point"], f"total {r['total_us']:.1f} us")
         for k in r["kernels"]:
