@@ -92,6 +92,7 @@ def mgpu_supported(*, rows: int, prefix_len: int, head_dim: int, dtype, block_q:
 
 
 FEW_CTAS = 48  # below this many (kv head, 128-row block) CTAs, split to about one wave
+LONG_TILES = 128  # from this many key tiles (a 16K prefix), at most 2 splits with >= FEW_CTAS
 
 
 def choose_splits(n_tiles: int, ctas: int, sms: int = SMS) -> int:
@@ -99,8 +100,8 @@ def choose_splits(n_tiles: int, ctas: int, sms: int = SMS) -> int:
     ``n_tiles`` key tiles):
 
     * 1 when the CTAs already fill most of one wave (``ctas >= 3/4 * sms``);
-    * with at least ``FEW_CTAS`` CTAs, the largest divisor up to 4 that keeps ``ctas * splits``
-      within two waves (one CTA per SM);
+    * with at least ``FEW_CTAS`` CTAs, the largest divisor up to 4 (up to 2 from ``LONG_TILES``
+      key tiles on) that keeps ``ctas * splits`` within two waves (one CTA per SM);
     * with fewer, the largest divisor up to 16 that keeps ``ctas * splits`` within one wave and
       at least 2 tiles per split (the pipeline depth).
 
@@ -110,11 +111,16 @@ def choose_splits(n_tiles: int, ctas: int, sms: int = SMS) -> int:
     At 16 CTAs (Hq=8/Hkv=1 B=256, Hq=32/Hkv=8 B=64) 8 splits were fastest at all six points
     measured, 1.0-1.6x faster than 4 and 1.1-1.2x faster than 16; at 4 CTAs (Hq=8/Hkv=1 B=64
     P=16K) 16 splits were fastest (``bench/results/logs/session6_probe_mgpu_splits_h200.json``).
+    Session 9 (after the softmax change, ``bench/results/logs/session9_probe_splits9_h200.json``,
+    one run, whole path): at 64 CTAs and a 16K prefix 2 splits took 0.95-0.97x the time of 4
+    (Hq=32/Hkv=8 B=256 S=64 and S=256, Hq=8/Hkv=1 B=1024 S=256; session 8 had 0.97-0.98 at the
+    first two); at a 4K prefix the two were mixed (0.97x at Hq=32 B=256 S=64, 1.02x at Hq=8
+    B=1024 S=64), so 4 stays there.
     """
     if 4 * ctas >= 3 * sms:
         return 1
     few = ctas < FEW_CTAS
-    max_splits, limit = (16, sms) if few else (4, 2 * sms)
+    max_splits, limit = (16, sms) if few else (2 if n_tiles >= LONG_TILES else 4, 2 * sms)
     best = 1
     for s in range(1, min(n_tiles, max_splits) + 1):
         if n_tiles % s == 0 and ctas * s <= limit and (not few or s == 1 or n_tiles // s >= 2):

@@ -40,6 +40,9 @@ def test_supported_shapes_and_splits():
     assert choose_splits(32, 8 * 9) == 2          # 72 CTAs: 4 splits would pass two waves
     assert choose_splits(64, 8 * 16) == 1         # 128 CTAs: one wave already
     assert choose_splits(32, 8 * 32) == 1
+    assert choose_splits(128, 8 * 8) == 2         # 16K prefix: at most 2 splits (measured)
+    assert choose_splits(64, 8 * 8) == 4          # 8K prefix: still 4
+    assert choose_splits(128, 16) == 8            # fewer than FEW_CTAS: unchanged
     assert choose_splits(30, 48) == 3             # largest divisor of the tile count up to 4
     assert choose_splits(7, 48) == 1              # 7 tiles: no divisor in 2..4
     assert choose_splits(2, 48) == 2
@@ -180,7 +183,8 @@ def _reference_partials(q_hmd, k, v, n, scale):
     (8, 1152, 128, 4096, 4096, None, True, None), (8, 256, 128, 2048, 1500, 4, True, 268),
     (1, 128, 64, 512, 512, 1, True, None), (2, 384, 128, 1024, 0, 2, True, None),
     (8, 1024, 128, 4096, 3000, None, False, 1036), (1, 256, 64, 1024, 1024, 2, False, None),
-    (1, 512, 128, 16384, 16000, 16, True, None), (8, 256, 128, 4096, 4000, 8, True, 268)])
+    (1, 512, 128, 16384, 16000, 16, True, None), (8, 256, 128, 4096, 4000, 8, True, 268),
+    (8, 1024, 128, 16384, 16384, None, True, None)])  # 64 CTAs, 16K prefix: 2 splits (session 9)
 def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows):
     from pallas_kernels.decode_attention import merge_partials
     rng = np.random.default_rng(m + p)
