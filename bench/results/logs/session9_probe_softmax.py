@@ -7,7 +7,9 @@ sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), ".
 import jax, jax.numpy as jnp, numpy as np
 from bench.timing import loop_time, measure_copy_bandwidth, measure_matmul_rate, device_info
 import pallas_kernels.prefix_attention_mgpu as pm
-import session9_prefix_attention_mgpu_before as pm_old  # the kernel before this session (commit 6d6d587)
+# pm_old: the kernel module before session 9, not kept in the repository (it is git history):
+#   git show 6d6d587:pallas_kernels/prefix_attention_mgpu.py > .gpu/pm_old.py
+import pm_old
 
 t_start = time.time()
 bw = measure_copy_bandwidth(1 << 30); mma = measure_matmul_rate(8192)
