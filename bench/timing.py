@@ -38,7 +38,7 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 3, iters: 
     return min(times) if stat == "min" else statistics.median(times)
 
 
-LOOP_COUNTS = (4, 8, 16, 32, 64, 128, 256)  # static trip counts loop_time may compile
+LOOP_COUNTS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # static trip counts loop_time may compile
 
 
 def loop_time(fn: Callable, q, rest: tuple, *, target_s: float = 0.03, reps: int = 3,

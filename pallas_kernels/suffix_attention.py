@@ -96,9 +96,11 @@ def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, 
         for (o_in_ref, lse_in_ref, pos_ref), stride in zip(inc, strides):
             pos = b if pos_ref is None else jnp.max(pos_ref[...])
             p_rows = pl.ds(pos * stride, rows)
-            for i in range(o_in_ref.shape[0]):
-                o_parts.append(o_in_ref[i, p_rows, :])
-                l_parts.append(lse_in_ref[i, p_rows])
+            for i in range(o_in_ref.shape[0]):  # only the G real rows are read
+                i = jnp.int32(i)  # (an array index: interpret mode's masked load needs a shape)
+                o_parts.append(plgpu.load(o_in_ref.at[i, p_rows, :], mask=ok[:, None],
+                                          other=0.0))
+                l_parts.append(plgpu.load(lse_in_ref.at[i, p_rows], mask=ok, other=-jnp.inf))
         o_own, lse_own = merge_tile_states(o_parts, l_parts)
     plgpu.store(o_ref.at[q_rows, :], o_own.astype(out_dtype), mask=ok[:, None])
     plgpu.store(lse_ref.at[q_rows], lse_own, mask=ok)
