@@ -28,12 +28,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["Source", "ragged_attention", "merge_partials", "flat_forward", "next_pow2",
-           "rows_from_q", "q_rows_layout", "rows_to_out"]
+           "rows_from_q", "q_rows_layout", "rows_to_out", "row_meta", "seq_rows", "pad_rows",
+           "merge_partial_list"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -263,8 +265,36 @@ def ragged_attention(q_hmd: jax.Array, sources: list[Source], *, scale: float, b
     )(*args)
 
 
+UNROLL_MERGE = 32  # merge up to this many partial states as one elementwise fusion
+
+
+def merge_partial_list(o_parts, lse_parts):
+    """Merge partial states given as lists ``o_parts [n] x [..., D]`` (normalised, any float
+    dtype) and ``lse_parts [n] x [...]`` (natural log, ``-inf`` for none) -> float32 ``(o, lse)``.
+
+    Written elementwise over the ``n`` parts (a static count), so XLA emits one fusion that also
+    absorbs the slicing/reshaping that produced the parts; a reduction over a stacked axis is
+    two (the max and exp, then the weighted sum) plus the stacking copy.  Rows where every part
+    is empty get ``o = 0``, ``lse = -inf``."""
+    m = functools.reduce(jnp.maximum, lse_parts)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    tot = out = None
+    for o_x, l_x in zip(o_parts, lse_parts):
+        w = jnp.exp(l_x - m)
+        term = w[..., None] * jnp.where((w > 0)[..., None], o_x.astype(jnp.float32), 0.0)
+        tot = w if tot is None else tot + w
+        out = term if out is None else out + term
+    ok = tot > 0
+    tot_safe = jnp.where(ok, tot, 1.0)
+    return out / tot_safe[..., None], jnp.where(ok, m + jnp.log(tot_safe), -jnp.inf)
+
+
 def merge_partials(o_nhmd: jax.Array, lse_nhm: jax.Array):
-    """Merge float32 partial states over axis 0 (XLA; small follow-up reduction)."""
+    """Merge float32 partial states over axis 0 (XLA; small follow-up reduction: one fusion up
+    to :data:`UNROLL_MERGE` parts, see :func:`merge_partial_list`)."""
+    n = o_nhmd.shape[0]
+    if n <= UNROLL_MERGE:
+        return merge_partial_list([o_nhmd[i] for i in range(n)], [lse_nhm[i] for i in range(n)])
     m = jnp.max(lse_nhm, axis=0)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse_nhm - m)
@@ -307,6 +337,24 @@ def rows_from_q(q_bthd: jax.Array, hkv: int, r_pad: int, order_b: jax.Array | No
     return q.reshape(hkv, b * r_pad, d)
 
 
+def seq_rows(values_b, r_pad: int, order_b: jax.Array | None = None):
+    """Per-row array ``[B * r_pad]`` holding, on every row of sequence ``b`` (in the order
+    ``order_b``), the per-sequence value ``values_b[b]``: the row metadata of a pool index, or of
+    a key limit when ``Tq == 1``.  A NumPy ``values_b`` without ``order_b`` gives a NumPy array
+    (a constant of the compiled step: no device work, where XLA would launch a small fusion per
+    metadata array); otherwise one broadcast."""
+    if isinstance(values_b, np.ndarray) and order_b is None:
+        return np.repeat(values_b.astype(np.int32), r_pad)
+    v = jnp.asarray(values_b)
+    v = v if order_b is None else v[order_b]
+    return jnp.broadcast_to(v[:, None], (v.shape[0], r_pad)).reshape(v.shape[0] * r_pad)
+
+
+def pad_rows(x, n: int, **kw):
+    """``jnp.pad(x, (0, n), **kw)`` for a 1-D row array, in NumPy when ``x`` is a NumPy array."""
+    return np.pad(x, (0, n), **kw) if isinstance(x, np.ndarray) else jnp.pad(x, (0, n), **kw)
+
+
 def row_meta(values_bt: jax.Array, grp: int, r_pad: int, order_b: jax.Array | None = None,
              pad_value=None):
     """Per-row array ``[B * r_pad]`` from per-(sequence, position) values ``[B, Tq]``.
@@ -315,6 +363,8 @@ def row_meta(values_bt: jax.Array, grp: int, r_pad: int, order_b: jax.Array | No
     sequence's largest value, so a padding row's key limit never shortens the unmasked tiles
     (padding rows are computed from zero queries and discarded).
     """
+    if values_bt.shape[1] == 1 and pad_value is None:  # one position: every row the same value
+        return seq_rows(values_bt[:, 0], r_pad, order_b)
     v = values_bt if order_b is None else values_bt[order_b]
     b, tq = v.shape
     if pad_value is None:
@@ -371,13 +421,10 @@ def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p
     if num_splits is None:
         num_splits = _pick_splits(b * hkv, p + s, block_k)
     q_rows = rows_from_q(q.astype(prefix_k.dtype), hkv, r_pad)
-    b_idx = jnp.arange(b, dtype=jnp.int32)
-    src_p = Source(prefix_k, prefix_v,
-                   row_meta(jnp.broadcast_to(seq_to_prefix[:, None], (b, tq)), grp, r_pad,
-                            pad_value=seq_to_prefix),
-                   row_meta(lim_p, grp, r_pad))
-    src_s = Source(suffix_k, suffix_v,
-                   row_meta(jnp.broadcast_to(b_idx[:, None], (b, tq)), grp, r_pad, pad_value=b_idx),
+    # (pool indices are constants where static: one prefix, and each suffix its own entry)
+    s2p = np.zeros((b,), np.int32) if prefix_k.shape[0] == 1 else seq_to_prefix
+    src_p = Source(prefix_k, prefix_v, seq_rows(s2p, r_pad), row_meta(lim_p, grp, r_pad))
+    src_s = Source(suffix_k, suffix_v, seq_rows(np.arange(b, dtype=np.int32), r_pad),
                    row_meta(lim_s, grp, r_pad))
     kw = dict(scale=scale, block_m=r_pad, block_k=block_k, num_splits=num_splits,
               num_warps=num_warps, num_stages=num_stages, interpret=interpret,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import functools
 import math
@@ -35,10 +36,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.suffix_attention import suffix_decode_merge
-from pallas_kernels.decode_attention import (Source, attend_pool, cdiv, check_rows_per_tile, finish_state,
-                                             large_m_layout, merge_partials, next_pow2, q_rows_layout,
-                                             ragged_attention, row_meta, rows_from_q,
-                                             rows_to_out)
+from pallas_kernels.decode_attention import (Source, attend_pool, cdiv, check_rows_per_tile,
+                                             finish_state, large_m_layout, merge_partial_list,
+                                             merge_partials, next_pow2, pad_rows, q_rows_layout,
+                                             ragged_attention, row_meta, rows_from_q, rows_to_out,
+                                             seq_rows)
 
 # Shared-path variant used by ``shared_prefix_forward`` when none is given:
 # "fused": prefix kernel, then suffix kernel merging the prefix partials in its epilogue;
@@ -350,11 +352,8 @@ def _suffix_with_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, order, inv,
     # Launch 2: per-sequence suffix decode (R16 rows per sequence, same sorted order); its
     # epilogue merges the prefix partials of rows [rb * R2, rb * R2 + R16).
     qs = rows_from_q(q, hkv, r16, order)
-    b_sorted = jnp.arange(b, dtype=jnp.int32) if order is None else order
-    src_s = Source(suffix_k, suffix_v,
-                   row_meta(jnp.broadcast_to(b_sorted[:, None], (b, tq)), grp, r16,
-                            pad_value=b_sorted),
-                   row_meta(lim_s, grp, r16, order))
+    b_sorted = np.arange(b, dtype=np.int32) if order is None else order
+    src_s = Source(suffix_k, suffix_v, seq_rows(b_sorted, r16), row_meta(lim_s, grp, r16, order))
     if suffix_splits > 1:
         o_s, lse_s = ragged_attention(qs, [src_s], scale=scale, block_m=r16,
                                       block_k=suffix_block_k, num_splits=suffix_splits,
@@ -378,10 +377,9 @@ def _merge_row_parts(parts, *, b, tq, hq, r, dtype, inv):
     o_all, l_all = [], []
     for o, lse, rows in parts:
         n, hkv, _, d = o.shape
-        o_all.append(o[:, :, :b * rows].reshape(n, hkv, b, rows, d)[:, :, :, :r]
-                     .astype(jnp.float32))
-        l_all.append(lse[:, :, :b * rows].reshape(n, hkv, b, rows)[:, :, :, :r])
-    o, lse = merge_partials(jnp.concatenate(o_all, axis=0), jnp.concatenate(l_all, axis=0))
+        o_all += list(o[:, :, :b * rows].reshape(n, hkv, b, rows, d)[:, :, :, :r])
+        l_all += list(lse[:, :, :b * rows].reshape(n, hkv, b, rows)[:, :, :, :r])
+    o, lse = merge_partial_list(o_all, l_all)
     hkv, d = o.shape[0], o.shape[-1]
     o = o.astype(dtype).reshape(hkv, b * r, d)
     lse = lse.reshape(hkv, b * r)
@@ -497,7 +495,7 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
 
     if g == 1:
         order = inv = None
-        s2p_sorted = seq_to_prefix
+        s2p_sorted = np.zeros((b,), np.int32)  # (a constant: see ``seq_rows``)
     else:
         order = jnp.argsort(seq_to_prefix, stable=True).astype(jnp.int32)
         inv = jnp.argsort(order).astype(jnp.int32)
@@ -508,9 +506,7 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     m_pad = cdiv(m + r16, block_m) * block_m
     qp = rows_from_q(q, hkv, r2, order)
     qp = jnp.pad(qp, ((0, 0), (0, m_pad - m), (0, 0)))
-    grp_rows = row_meta(jnp.broadcast_to(s2p_sorted[:, None], (b, tq)), grp, r2,
-                        pad_value=s2p_sorted)
-    grp_rows = jnp.pad(grp_rows, (0, m_pad - m), mode="edge")
+    grp_rows = pad_rows(seq_rows(s2p_sorted, r2), m_pad - m, mode="edge")
     # tail padding rows: full limit (their zero queries' results are never used)
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
     if g == 1 and tq == 1:  # the Mosaic GPU kernel, where it applies
@@ -565,12 +561,11 @@ def shared_prefix_forward_unfused(q, prefix_k, prefix_v, suffix_k, suffix_v, seq
     q = q.astype(prefix_k.dtype)
     order = None if g == 1 else jnp.argsort(seq_to_prefix, stable=True).astype(jnp.int32)
     inv = None if g == 1 else jnp.argsort(order).astype(jnp.int32)
-    s2p_sorted = seq_to_prefix if order is None else seq_to_prefix[order]
+    s2p_sorted = np.zeros((b,), np.int32) if order is None else seq_to_prefix[order]
     m = b * r2
     m_pad = cdiv(m, cfg["block_m"]) * cfg["block_m"]
     qp = jnp.pad(rows_from_q(q, hkv, r2, order), ((0, 0), (0, m_pad - m), (0, 0)))
-    grp_rows = jnp.pad(row_meta(jnp.broadcast_to(s2p_sorted[:, None], (b, tq)), grp, r2,
-                                pad_value=s2p_sorted), (0, m_pad - m), mode="edge")
+    grp_rows = pad_rows(seq_rows(s2p_sorted, r2), m_pad - m, mode="edge")
     # tail padding rows: full limit (their zero queries' results are never used)
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
     o_pre, lse_pre = prefix_partials(qp, prefix_k, prefix_v, grp_rows, lim_rows, scale=scale,
@@ -578,9 +573,7 @@ def shared_prefix_forward_unfused(q, prefix_k, prefix_v, suffix_k, suffix_v, seq
     o_pre, lse_pre = merge_partials(o_pre, lse_pre)
     o_pre = rows_to_out(o_pre[:, :m], b, tq, hq, r2, inv)
     lse_pre = rows_to_out(lse_pre[:, :m], b, tq, hq, r2, inv)
-    b_idx = jnp.arange(b, dtype=jnp.int32)
-    src_s = Source(suffix_k, suffix_v,
-                   row_meta(jnp.broadcast_to(b_idx[:, None], (b, tq)), grp, r16, pad_value=b_idx),
+    src_s = Source(suffix_k, suffix_v, seq_rows(np.arange(b, dtype=np.int32), r16),
                    row_meta(lim_s, grp, r16))
     o_s, lse_s = ragged_attention(rows_from_q(q, hkv, r16), [src_s], scale=scale, block_m=r16,
                                   finalize=False, interpret=interpret)
@@ -687,8 +680,7 @@ def _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, li
     r, r16 = q_rows_layout(tq, hq, hkv)
     r2 = next_pow2(r)
     qs = rows_from_q(q, hkv, r16, order)
-    b_sorted = jnp.arange(b, dtype=jnp.int32) if order is None else order
-    sidx = row_meta(jnp.broadcast_to(b_sorted[:, None], (b, tq)), grp, r16, pad_value=b_sorted)
+    sidx = seq_rows(np.arange(b, dtype=np.int32) if order is None else order, r16)
     lims = row_meta(lim_s, grp, r16, order)
     o_pre, lse_pre, o_s, lse_s = overlap_partials(
         qp, grp_rows, lim_rows, prefix_k, prefix_v, qs, sidx, lims, suffix_k, suffix_v,
