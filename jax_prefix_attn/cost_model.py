@@ -178,7 +178,11 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
     if choose_variant(b, heads_kv, r2) == "overlap":
         # One launch with interleaved prefix and suffix programs (the suffix keys split like the
         # fused variant's): the two overlap (imperfectly), then one XLA merge of all the float32
-        # partials.
+        # partials.  Its prefix rows are not padded for a suffix pass (session 10).
+        n_rb_ov = _cdiv(rows, block_m)
+        t_prefix = _kernel_s(g * p * kv + p_splits * n_rb_ov * block_m * heads_kv
+                             * (head_dim + 1) * 4, 4.0 * n_rb_ov * block_m * heads_kv * p * head_dim,
+                             heads_kv * n_rb_ov * p_splits, serial_keys=_cdiv(p, p_splits))
         shared_s = (max(t_prefix, t_suffix_own) + 0.3 * min(t_prefix, t_suffix_own)
                     + _kernel_s(2 * (p_splits + s_splits) * b * tq * heads_q * (head_dim + 1) * 4,
                                 0.0, 2 * SMS))

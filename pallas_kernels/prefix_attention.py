@@ -503,9 +503,11 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
 
     # Launch 1: prefix partials over compact rows (R2 per sequence), sorted by group.
     m = b * r2
-    m_pad = cdiv(m + r16, block_m) * block_m
+    # (+R16 rows: the fused variant's suffix pass reads whole R16-row tiles of the partials past
+    # the last sequence; the overlap variant's merge reads only the real rows)
+    m_pad = cdiv(m + (0 if variant == "overlap" else r16), block_m) * block_m
     qp = rows_from_q(q, hkv, r2, order)
-    qp = jnp.pad(qp, ((0, 0), (0, m_pad - m), (0, 0)))
+    qp = jnp.pad(qp, ((0, 0), (0, m_pad - m), (0, 0))) if m_pad > m else qp
     grp_rows = pad_rows(seq_rows(s2p_sorted, r2), m_pad - m, mode="edge")
     # tail padding rows: full limit (their zero queries' results are never used)
     lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
