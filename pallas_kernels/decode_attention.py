@@ -275,7 +275,11 @@ def merge_partial_list(o_parts, lse_parts):
     Written elementwise over the ``n`` parts (a static count), so XLA emits one fusion that also
     absorbs the slicing/reshaping that produced the parts; a reduction over a stacked axis is
     two (the max and exp, then the weighted sum) plus the stacking copy.  Rows where every part
-    is empty get ``o = 0``, ``lse = -inf``."""
+    is empty get ``o = 0``, ``lse = -inf``.  More than :data:`UNROLL_MERGE` parts: stacked and
+    reduced (:func:`merge_partials`)."""
+    if len(o_parts) > UNROLL_MERGE:
+        return _merge_stacked(jnp.stack([o.astype(jnp.float32) for o in o_parts]),
+                              jnp.stack(lse_parts))
     m = functools.reduce(jnp.maximum, lse_parts)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     tot = out = None
@@ -295,6 +299,10 @@ def merge_partials(o_nhmd: jax.Array, lse_nhm: jax.Array):
     n = o_nhmd.shape[0]
     if n <= UNROLL_MERGE:
         return merge_partial_list([o_nhmd[i] for i in range(n)], [lse_nhm[i] for i in range(n)])
+    return _merge_stacked(o_nhmd, lse_nhm)
+
+
+def _merge_stacked(o_nhmd, lse_nhm):
     m = jnp.max(lse_nhm, axis=0)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse_nhm - m)
