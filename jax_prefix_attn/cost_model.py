@@ -65,6 +65,14 @@ changed: the measured ``auto`` column is within 5% of the better path at 74 of 7
 (``bench/results/logs/session8_validate_auto_h200.json``, 26 shapes not used in the fit) at 25
 of 26 (worst 1.11x: Hq=32 B=40 P=1K S=2K, where the overlap variant's suffix streams slower
 than the flat kernel).
+Session 10 removed XLA glue kernels from both paths (constant row indices, one-fusion merges:
+the flat path 3-4 kernels instead of 6-8, the shared path 6-7 instead of 8-9 at small points) and
+stopped padding the overlap variant's prefix rows by 16 (modelled: ``n_rb_ov``); the glue
+is not modelled kernel by kernel.  On the grid's re-measured small points (runs 9-11) the model
+chooses within 5% of the better path at 42 of 45, 72 of 75 over the grid; the three misses are
+Hq=8/Hkv=1 B=16 points of 14-21 us where the two paths are 1-1.5 us apart (worst 1.11x), below
+the 5-16% spread of repeated timings of one path there
+(``bench/results/logs/session10_probe_timing10_h200.json``).
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.
 """

@@ -131,3 +131,57 @@ def test_unmasked_full_tiles_then_masked_tail(num_splits, two_phase):
     o, lse = merge_partials(po, pl_)
     ro, rl = rows_oracle(q, [(k, v, idx, lim)], 0.3)
     _check(o, lse, ro, rl, 1e-5)
+
+
+def test_row_metadata_constants_and_broadcasts():
+    """``seq_rows``: a NumPy constant for static per-sequence values (no device work), a broadcast
+    otherwise; ``row_meta`` with one position equals it (and the general form)."""
+    import jax
+    from pallas_kernels.decode_attention import pad_rows, row_meta, seq_rows
+    idx = np.array([3, 0, 2], np.int32)
+    out = seq_rows(idx, 4)
+    assert isinstance(out, np.ndarray) and out.dtype == np.int32
+    np.testing.assert_array_equal(out, np.repeat(idx, 4))
+    order = jnp.array([2, 0, 1], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(seq_rows(idx, 4, order)), np.repeat(idx[[2, 0, 1]], 4))
+    lim = jnp.array([[5], [0], [7]], jnp.int32)
+    traced = jax.jit(lambda x: row_meta(x, 2, 4))(lim)
+    np.testing.assert_array_equal(np.asarray(traced), [5] * 4 + [0] * 4 + [7] * 4)
+    lim2 = jnp.array([[5, 6], [0, 1], [7, 8]], jnp.int32)  # two positions: the general form
+    np.testing.assert_array_equal(np.asarray(row_meta(lim2, 2, 8)),
+                                  [5, 5, 6, 6, 6, 6, 6, 6, 0, 0, 1, 1, 1, 1, 1, 1,
+                                   7, 7, 8, 8, 8, 8, 8, 8])
+    padded = pad_rows(out, 3, mode="edge")
+    assert isinstance(padded, np.ndarray) and padded.tolist()[-4:] == [2, 2, 2, 2]
+    assert np.asarray(pad_rows(jnp.asarray(out), 2, constant_values=9)).tolist()[-2:] == [9, 9]
+
+
+@pytest.mark.parametrize("unroll", [32, 0])
+def test_merge_partial_list_matches_float64(monkeypatch, unroll):
+    """The merge of partial states, as one elementwise expression over the parts and (``unroll``
+    0) as the stacked reduction, against float64 NumPy; empty parts and all-empty rows included."""
+    import pallas_kernels.decode_attention as da
+    monkeypatch.setattr(da, "UNROLL_MERGE", unroll)
+    rng = np.random.default_rng(7)
+    n, hkv, m, d = 5, 2, 6, 8
+    o = rng.standard_normal((n, hkv, m, d)).astype(np.float32)
+    lse = (3 * rng.standard_normal((n, hkv, m))).astype(np.float32)
+    lse[1, 0, 2] = -np.inf
+    lse[:, 1, 4] = -np.inf          # a row no part saw
+    o[1, 0, 2] = np.nan             # an empty part's output must not leak (0 * NaN)
+    mo, ml = da.merge_partial_list([jnp.asarray(o[i]).astype(jnp.bfloat16) if i == 3 else
+                                    jnp.asarray(o[i]) for i in range(n)],
+                                   [jnp.asarray(lse[i]) for i in range(n)])
+    o64, l64 = o.astype(np.float64), lse.astype(np.float64)
+    o64[3] = np.asarray(jnp.asarray(o[3]).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    mx = np.max(l64, axis=0)
+    mx = np.where(np.isfinite(mx), mx, 0.0)
+    w = np.exp(l64 - mx)
+    tot = w.sum(0)
+    exp_o = np.where(tot[..., None] > 0, np.einsum("nhm,nhmd->hmd", w, np.nan_to_num(o64))
+                     / np.where(tot > 0, tot, 1)[..., None], 0.0)
+    exp_l = np.where(tot > 0, mx + np.log(np.where(tot > 0, tot, 1)), -np.inf)
+    assert np.all(np.isfinite(np.asarray(mo)))
+    _check(mo, ml, exp_o, exp_l, 1e-5)
+    so, sl = da.merge_partials(jnp.asarray(np.nan_to_num(o64).astype(np.float32)), jnp.asarray(lse))
+    _check(so, sl, exp_o, exp_l, 1e-5)
