@@ -144,9 +144,10 @@ def finish_state(acc, m_i, l_i):
 
 
 def merge_tile_states(o_parts, lse_parts):
-    """In-kernel merge of one row tile's partial states: ``o [BM, D]`` (normalised, any float
-    dtype) and ``lse [BM]`` (natural log, ``-inf`` for none) -> float32 ``(o, lse)``; rows where
-    every part is empty get ``o = 0``, ``lse = -inf``."""
+    """Merge partial states, elementwise over the parts: ``o [..., D]`` (normalised, any float
+    dtype) and ``lse [...]`` (natural log, ``-inf`` for none) -> float32 ``(o, lse)``; rows where
+    every part is empty get ``o = 0``, ``lse = -inf``.  Used inside the kernels on one row
+    tile (``[BM, D]``) and, through :func:`merge_partial_list`, by XLA."""
     m_all = lse_parts[0]
     for x in lse_parts[1:]:
         m_all = jnp.maximum(m_all, x)
@@ -156,10 +157,10 @@ def merge_tile_states(o_parts, lse_parts):
     for o_x, l_x in zip(o_parts, lse_parts):
         w = jnp.exp(l_x - m_all)
         tot = tot + w
-        out = out + w[:, None] * jnp.where((w > 0)[:, None], o_x.astype(jnp.float32), 0.0)
+        out = out + w[..., None] * jnp.where((w > 0)[..., None], o_x.astype(jnp.float32), 0.0)
     nonempty = tot > 0
     tot_safe = jnp.where(nonempty, tot, 1.0)
-    return out / tot_safe[:, None], jnp.where(nonempty, m_all + jnp.log(tot_safe), -jnp.inf)
+    return out / tot_safe[..., None], jnp.where(nonempty, m_all + jnp.log(tot_safe), -jnp.inf)
 
 
 def _kernel(*refs, n_src, chunks, block_k, seq_lens, scale_log2, n_in, in_stride,
@@ -280,17 +281,7 @@ def merge_partial_list(o_parts, lse_parts):
     if len(o_parts) > UNROLL_MERGE:
         return _merge_stacked(jnp.stack([o.astype(jnp.float32) for o in o_parts]),
                               jnp.stack(lse_parts))
-    m = functools.reduce(jnp.maximum, lse_parts)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    tot = out = None
-    for o_x, l_x in zip(o_parts, lse_parts):
-        w = jnp.exp(l_x - m)
-        term = w[..., None] * jnp.where((w > 0)[..., None], o_x.astype(jnp.float32), 0.0)
-        tot = w if tot is None else tot + w
-        out = term if out is None else out + term
-    ok = tot > 0
-    tot_safe = jnp.where(ok, tot, 1.0)
-    return out / tot_safe[..., None], jnp.where(ok, m + jnp.log(tot_safe), -jnp.inf)
+    return merge_tile_states(o_parts, lse_parts)
 
 
 def merge_partials(o_nhmd: jax.Array, lse_nhm: jax.Array):
