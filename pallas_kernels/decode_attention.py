@@ -402,23 +402,51 @@ def _pick_splits(programs: int, seq_len: int, block_k: int, target: int = 264) -
     return max(1, min(cdiv(target, programs), cdiv(seq_len, 2 * block_k)))
 
 
+# Decoding (``Tq == 1``) on the flat path: "own" reads q and writes out/lse in their own layout
+# (pallas_kernels.suffix_attention.suffix_decode_merge with the prefix as a pool span and key
+# splits); "rows" the row-layout kernel below (q padded to 16 rows per sequence and kv head, the
+# output transposed back: two more XLA passes).  Tiling of the "own" kernel: FLAT_DECODE_TILING.
+FLAT_DECODE_LAYOUT = "own"
+FLAT_DECODE_LAYOUTS = ("own", "rows")
+FLAT_DECODE_TILING = dict(block_k=64, num_warps=4, num_stages=2)
+
+
 def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s, *,
-                 scale, interpret=False, block_k=128, num_warps=4, num_stages=2, num_splits=None):
+                 scale, interpret=False, block_k=128, num_warps=4, num_stages=2, num_splits=None,
+                 layout=None):
     """Flat decode over shared storage: every sequence reads its prefix (through
     ``seq_to_prefix``, no copy) and its suffix in one launch (plus an XLA merge of the key
     splits when ``B * Hkv`` is too small to fill the GPU).
 
     ``q [B, Tq, Hq, D]``, ``prefix_k/v [G, P, Hkv, D]``, ``suffix_k/v [B, S, Hkv, D]``,
-    ``lim_p/lim_s [B, Tq]`` per-row key limits.  Returns ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])``.
+    ``seq_to_prefix [B]``, ``lim_p/lim_s [B, Tq]`` per-row key limits.  Returns
+    ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])``.  ``layout`` (static, ``Tq == 1`` only): see
+    :data:`FLAT_DECODE_LAYOUT` (default); ``block_k``/``num_warps``/``num_stages`` tile the
+    row-layout kernel, whose ``block_k`` also sets the default key splits of both.
     """
     b, tq, hq, d = q.shape
-    hkv = prefix_k.shape[2]
+    g, p, hkv, _ = prefix_k.shape
     grp = hq // hkv
     check_rows_per_tile(tq, hq, hkv)
     _, r_pad = q_rows_layout(tq, hq, hkv)
-    p, s = prefix_k.shape[1], suffix_k.shape[1]
+    s = suffix_k.shape[1]
     if num_splits is None:
         num_splits = _pick_splits(b * hkv, p + s, block_k)
+    layout = FLAT_DECODE_LAYOUT if layout is None else layout
+    if layout not in FLAT_DECODE_LAYOUTS:
+        raise ValueError(f"layout must be one of {FLAT_DECODE_LAYOUTS}, got {layout!r}")
+    if tq == 1 and layout == "own":
+        from pallas_kernels.suffix_attention import suffix_decode_merge  # noqa: PLC0415
+        # the prefix pool as one span per sequence: entry g's keys start at g * P
+        start = np.zeros((b,), np.int32) if g == 1 else seq_to_prefix.astype(jnp.int32) * p
+        span = (prefix_k.reshape(g * p, hkv, d), prefix_v.reshape(g * p, hkv, d), start,
+                lim_p[:, 0])
+        o, lse = suffix_decode_merge(q[:, 0].astype(prefix_k.dtype), suffix_k, suffix_v,
+                                     lim_s[:, 0], span=span, span_max=p, num_splits=num_splits,
+                                     scale=scale, interpret=interpret, **FLAT_DECODE_TILING)
+        if num_splits > 1:
+            o, lse = merge_partials(o, lse)
+        return o.astype(q.dtype)[:, None], lse[:, None]
     q_rows = rows_from_q(q.astype(prefix_k.dtype), hkv, r_pad)
     # (pool indices are constants where static: one prefix, and each suffix its own entry)
     s2p = np.zeros((b,), np.int32) if prefix_k.shape[0] == 1 else seq_to_prefix

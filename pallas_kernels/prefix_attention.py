@@ -386,16 +386,26 @@ def _merge_row_parts(parts, *, b, tq, hq, r, dtype, inv):
     return rows_to_out(o, b, tq, hq, r, inv), rows_to_out(lse, b, tq, hq, r, inv)
 
 
+# Split suffix on the Mosaic GPU decode path (Tq == 1, more than one suffix split): "own" runs
+# the suffix kernel in the queries' own layout with key splits and merges its partials with the
+# prefix's in the one XLA merge (:func:`_independent_merge`); "rows" pads q to 16 rows per
+# sequence and kv head for the row-layout kernel (:func:`_suffix_with_merge`).
+SPLIT_SUFFIX_LAYOUT = "own"
+
+
 def _independent_merge(q, suffix_k, suffix_v, lim_s, o_pre, lse_pre, *, b, hq, hkv, d, r, r2, scale,
-                       interpret):
+                       interpret, suffix_splits=1):
     """Decode with one prefix: the suffix kernel without incoming states (it does not wait for
-    the prefix partials), then one XLA merge of ``o_pre [n, Hkv, >= B * R2, D]`` (row
-    ``b * R2 + j`` is query head ``h * G + j`` of sequence ``b``) with the suffix state."""
+    the prefix partials; its keys cut into ``suffix_splits`` chunks), then one XLA merge of
+    ``o_pre [n, Hkv, >= B * R2, D]`` (row ``b * R2 + j`` is query head ``h * G + j`` of
+    sequence ``b``) with the suffix state(s)."""
     o_s, lse_s = suffix_decode_merge(q[:, 0], suffix_k, suffix_v, lim_s[:, 0], None, scale=scale,
-                                     interpret=interpret, **DECODE_SUFFIX_TILING)
-    # the suffix state [B, Hq(, D)] in the partials' row layout [1, Hkv, B * G(, D)]
-    o_s = jnp.swapaxes(o_s.reshape(b, hkv, r, d), 0, 1).reshape(1, hkv, b * r, d)
-    lse_s = jnp.swapaxes(lse_s.reshape(b, hkv, r), 0, 1).reshape(1, hkv, b * r)
+                                     num_splits=suffix_splits, interpret=interpret,
+                                     **DECODE_SUFFIX_TILING)
+    n = suffix_splits
+    # the suffix states [n, B, Hq(, D)] in the partials' row layout [n, Hkv, B * G(, D)]
+    o_s = jnp.swapaxes(o_s.reshape(n, b, hkv, r, d), 1, 2).reshape(n, hkv, b * r, d)
+    lse_s = jnp.swapaxes(lse_s.reshape(n, b, hkv, r), 1, 2).reshape(n, hkv, b * r)
     return _merge_row_parts([(o_pre, lse_pre, r2), (o_s, lse_s, r)], b=b, tq=1, hq=hq, r=r,
                             dtype=q.dtype, inv=None)
 
@@ -525,9 +535,11 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                       **plan)
         mg = _mgpu_decode_partials(q[:, 0], prefix_k[0], prefix_v[0], jnp.max(lim_p), scale=scale,
                                    interpret=interpret, num_splits=MGPU_SPLITS)
-        if mg is not None and MGPU_MERGE != "epilogue" and ss == 1:
+        if mg is not None and MGPU_MERGE != "epilogue" and (ss == 1
+                                                             or SPLIT_SUFFIX_LAYOUT == "own"):
             return _independent_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], b=b, hq=hq,
-                                      hkv=hkv, d=d, r=r, r2=r2, scale=scale, interpret=interpret)
+                                      hkv=hkv, d=d, r=r, r2=r2, scale=scale, interpret=interpret,
+                                      suffix_splits=ss)
         if mg is not None:
             return _suffix_with_merge(q, suffix_k, suffix_v, lim_s, mg[0], mg[1], order, inv,
                                       b=b, tq=tq, hq=hq, hkv=hkv, r=r, r2=r2, r16=r16, scale=scale,

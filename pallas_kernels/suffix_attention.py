@@ -63,7 +63,7 @@ def _attend_span(q, kp_ref, vp_ref, h, start, n, carry, *, block_k, scale_log2, 
 
 
 def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, scale_log2,
-            precision, out_dtype):
+            precision, out_dtype, splits, span_chunk, suffix_chunk):
     it = iter(refs)
     q_ref, len_ref = next(it), next(it)
     if has_span:
@@ -76,6 +76,7 @@ def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, 
     o_ref, lse_ref = next(it), next(it)
     h = pl.program_id(0)
     b = pl.program_id(1)
+    sp = pl.program_id(2)  # key split: chunk ``sp`` of the span and of the suffix
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
     ok = r < grp
     q_rows = pl.ds(b * hq + h * grp, rows)
@@ -84,13 +85,20 @@ def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, 
     carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
     if has_span:  # the pool span first (the softmax state does not care about key order)
-        carry = _attend_span(q, kp_ref, vp_ref, h, jnp.max(st_ref[...]), jnp.max(sn_ref[...]),
+        s0 = sp * span_chunk
+        n_span = jnp.clip(jnp.max(sn_ref[...]) - s0, 0, span_chunk)
+        carry = _attend_span(q, kp_ref, vp_ref, h, jnp.max(st_ref[...]) + s0, n_span,
                              carry, block_k=block_k, scale_log2=scale_log2, precision=precision)
     n = jnp.max(len_ref[...])  # keys of this sequence's suffix
     acc, m_i, l_i = attend_pool(q, jnp.broadcast_to(b, (rows,)), jnp.broadcast_to(n, (rows,)),
-                                k_ref, v_ref, h, 0, carry, chunk=seq_len, block_k=block_k,
-                                seq_len=seq_len, scale_log2=scale_log2, precision=precision)
+                                k_ref, v_ref, h, sp * suffix_chunk, carry, chunk=suffix_chunk,
+                                block_k=block_k, seq_len=seq_len, scale_log2=scale_log2,
+                                precision=precision)
     o_own, lse_own = finish_state(acc, m_i, l_i)
+    if splits > 1:  # float32 partial state of this split (merged by the caller)
+        plgpu.store(o_ref.at[q_rows, :], o_own, mask=ok[:, None])
+        plgpu.store(lse_ref.at[q_rows], lse_own, mask=ok)
+        return
     if inc:
         o_parts, l_parts = [o_own], [lse_own]
         for (o_in_ref, lse_in_ref, pos_ref), stride in zip(inc, strides):
@@ -107,8 +115,8 @@ def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, 
 
 
 def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, in_stride=0,
-                        position_b=None, span=None, scale, block_k=32, num_warps=2, num_stages=3,
-                        interpret=False):
+                        position_b=None, span=None, span_max=None, num_splits=1, scale,
+                        block_k=32, num_warps=2, num_stages=3, interpret=False):
     """Decode attention of each sequence over its suffix (and optionally a span of a shared KV
     pool), merged with incoming partial states.
 
@@ -127,6 +135,14 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
       span: optional ``(k_pool, v_pool [N, Hkv, D], start_b [B], len_b [B])`` (int32,
         dynamic): sequence ``b`` also attends the pool keys ``[start_b[b], start_b[b] +
         len_b[b])`` (e.g. a tree node only it reads), read where they live.
+      span_max: static bound on ``len_b`` (default: the pool size ``N``); it sets the span's
+        chunk per key split.
+      num_splits: static; the span's and the suffix's keys are each cut into ``num_splits``
+        chunks (multiples of ``block_k``), one per program (grid ``(Hkv, B, num_splits)``:
+        flash-decoding when ``B * Hkv`` programs cannot fill the GPU; chunks past a sequence's
+        lengths run no iterations).  With more than one split the kernel returns float32
+        partial states ``(o [num_splits, B, Hq, D], lse [num_splits, B, Hq])`` for the caller
+        to merge (``incoming`` must then be None).
       scale: score scale.  ``block_k``: key tile (power of two >= 16).
 
     Returns ``(out [B, Hq, D] in q's dtype, lse [B, Hq] float32)``; a row with no visible key
@@ -149,6 +165,13 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
     for o_in, lse_in, stride, _ in sources:
         need = (b - 1) * stride + rows
         assert o_in.ndim == 4 and lse_in.ndim == 3 and o_in.shape[2] >= need, (o_in.shape, need)
+    splits = int(num_splits)
+    assert splits >= 1 and (splits == 1 or not sources), (splits, len(sources))
+    suffix_chunk = -(-(-(-s_len // splits)) // block_k) * block_k
+    span_chunk = 0
+    if span is not None:
+        n_max = int(span[0].shape[0] if span_max is None else span_max)
+        span_chunk = -(-(-(-n_max // splits)) // block_k) * block_k
     pad = rows - grp if interpret else 0  # see the module docstring
     q2 = q_bhd.reshape(b * hq, d)
     if pad:
@@ -158,9 +181,9 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
         _kernel, hq=hq, grp=grp, rows=rows, strides=tuple(int(s[2]) for s in sources),
         has_pos=tuple(s[3] is not None for s in sources), has_span=span is not None,
         block_k=block_k, seq_len=s_len, scale_log2=float(scale) * _LOG2E, precision=precision,
-        out_dtype=q_bhd.dtype)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda h, i, n=x.ndim: (0,) * n)  # noqa: E731
-    one = pl.BlockSpec((1,), lambda h, i: (i,))
+        out_dtype=q_bhd.dtype, splits=splits, span_chunk=span_chunk, suffix_chunk=suffix_chunk)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda h, i, s, n=x.ndim: (0,) * n)  # noqa: E731
+    one = pl.BlockSpec((1,), lambda h, i, s: (i,))
     args = [q2, lengths_b.astype(jnp.int32).reshape(b)]
     in_specs = [whole(q2), one]
     if span is not None:
@@ -175,21 +198,30 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
     in_specs += [whole(suffix_k), whole(suffix_v)]
     for o_in, lse_in, _, pos in sources:
         n_in, _, m_in, _ = o_in.shape
-        in_specs += [pl.BlockSpec((n_in, None, m_in, d), lambda h, i: (0, h, 0, 0)),
-                     pl.BlockSpec((n_in, None, m_in), lambda h, i: (0, h, 0))]
+        in_specs += [pl.BlockSpec((n_in, None, m_in, d), lambda h, i, s: (0, h, 0, 0)),
+                     pl.BlockSpec((n_in, None, m_in), lambda h, i, s: (0, h, 0))]
         args += [o_in, lse_in]
         if pos is not None:
             in_specs.append(one)
             args.append(pos.astype(jnp.int32).reshape(b))
-    out_shape = [jax.ShapeDtypeStruct((b * hq + pad, d), q_bhd.dtype),
-                 jax.ShapeDtypeStruct((b * hq + pad,), jnp.float32)]
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((b * hq + pad, d), q_bhd.dtype),
+                     jax.ShapeDtypeStruct((b * hq + pad,), jnp.float32)]
+        out_specs = [whole(out_shape[0]), whole(out_shape[1])]
+    else:  # split s writes its own [B * Hq(, D)] slab of the partials
+        out_shape = [jax.ShapeDtypeStruct((splits, b * hq + pad, d), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, b * hq + pad), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, b * hq + pad, d), lambda h, i, s: (s, 0, 0)),
+                     pl.BlockSpec((None, b * hq + pad), lambda h, i, s: (s, 0))]
     out, lse = pl.pallas_call(
-        kernel, grid=(hkv, b), in_specs=in_specs,
-        out_specs=[whole(out_shape[0]), whole(out_shape[1])], out_shape=out_shape,
-        interpret=interpret,
+        kernel, grid=(hkv, b, splits), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="suffix_decode_merge",
+        name="suffix_decode_merge" if splits == 1 else "split_decode_partials",
     )(*args)
+    if splits > 1:
+        return (out[:, :b * hq].reshape(splits, b, hq, d),
+                lse[:, :b * hq].reshape(splits, b, hq))
     if pad:
         out, lse = out[:b * hq], lse[:b * hq]
     return out.reshape(b, hq, d), lse.reshape(b, hq)

@@ -114,6 +114,36 @@ def test_flat_forward_tq4_gqa(num_splits):
     check(out, lse, oracle(args, kw, meta), jnp.float32)
 
 
+@pytest.mark.parametrize("layout", ["own", "rows"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("hq,hkv,g", [(8, 2, 2), (8, 1, 0), (6, 6, 3)])
+def test_flat_forward_decode_layouts(layout, num_splits, hq, hkv, g):
+    """Decoding (Tq=1) on the flat path in both layouts: one prefix or ragged groups, suffix
+    lengths 0 and S_max, key splits that leave some chunks empty; float64 oracle."""
+    from test_shared_prefix import check, make_case, oracle
+    from jax_prefix_attn.shared_prefix import row_limits
+    args, kw, meta = make_case(12 + hq + g, b=4, tq=1, hq=hq, hkv=hkv, d=16, g=g, p=70, s=40,
+                               suffix_lengths=[0, 40, 5, 17])
+    q, pk, pv, sk, sv = args
+    s2p = kw.get("seq_to_prefix", jnp.zeros((4,), jnp.int32))
+    plen = kw.get("prefix_lengths", jnp.full((pk.shape[0] if pk.ndim == 4 else 1,), 70, jnp.int32))
+    pk4, pv4 = (pk, pv) if pk.ndim == 4 else (pk[None], pv[None])
+    lim_p, lim_s = row_limits(1, plen[s2p], kw["suffix_lengths"])
+    out, lse = flat_forward(q, pk4, pv4, sk, sv, s2p, lim_p, lim_s, scale=0.25,
+                            interpret=True, block_k=16, num_splits=num_splits, layout=layout)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3]
+    check(out, lse, oracle(args, kw, meta), jnp.float32)
+
+
+def test_flat_forward_rejects_unknown_layout():
+    q = jnp.ones((1, 1, 2, 16))
+    kv = jnp.ones((1, 32, 1, 16))
+    lim = jnp.ones((1, 1), jnp.int32)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        flat_forward(q, kv, kv, kv, kv, None, lim, lim, scale=0.25, interpret=True,
+                     layout="paged")
+
+
 @pytest.mark.parametrize("num_splits,two_phase", [(1, True), (2, True), (2, False)])
 def test_unmasked_full_tiles_then_masked_tail(num_splits, two_phase):
     """One pool entry per row block and limits >= several tiles: the kernel runs the tiles every

@@ -167,6 +167,24 @@ def test_shared_path_with_mgpu_backend_in_cpu_interpreter(monkeypatch, b, hq, hk
     check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("layout", ["own", "rows"])
+def test_shared_path_mgpu_split_suffix_layouts(monkeypatch, layout):
+    """Few (sequence, kv head) programs and a long suffix: the suffix keys are split (3 chunks
+    here), in the queries' own layout merged in XLA with the prefix partials (``own``) or in
+    the padded row layout (``rows``); both against the concatenation oracle."""
+    from jax_prefix_attn import shared_prefix_attention
+    from test_shared_prefix import check, make_case, oracle
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    monkeypatch.setattr(pa, "MGPU_MERGE", "independent")
+    monkeypatch.setattr(pa, "SPLIT_SUFFIX_LAYOUT", layout)
+    b, hkv, s = 3, 2, 300
+    assert pa.mgpu_suffix_splits(b, hkv, s) == 3
+    args, kw, meta = make_case(8, b=b, tq=1, hq=8, hkv=hkv, d=64, g=0, p=128, s=s,
+                               dtype=jnp.bfloat16, suffix_lengths=[0, s, 131])
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl="pallas_interpret")
+    check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
+
+
 # --------------------------------------------------------------------------- GPU
 
 def _reference_partials(q_hmd, k, v, n, scale):

@@ -128,9 +128,27 @@ def test_gpu_span_and_two_sources_match_float64(b, hq, hkv, d, s, dtype, bk):
     _check_span(b, hq, hkv, d, s, dtype, bk, gpu=True)
 
 
-def _check_span(b, hq, hkv, d, s, dtype, bk, gpu):
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("b,hq,hkv,d,s,dtype,bk", SPAN_CASES[:1] + SPAN_CASES[2:])
+def test_split_span_partials_match_float64(b, hq, hkv, d, s, dtype, bk, num_splits):
+    _check_span(b, hq, hkv, d, s, dtype, bk, gpu=False, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [3, 17])
+@pytest.mark.parametrize("b,hq,hkv,d,s,dtype,bk", [(9, 32, 8, 128, 40, jnp.bfloat16, 64),
+                                                   (16, 8, 1, 128, 1000, jnp.bfloat16, 64)])
+def test_gpu_split_span_partials_match_float64(b, hq, hkv, d, s, dtype, bk, num_splits):
+    _check_span(b, hq, hkv, d, s, dtype, bk, gpu=True, num_splits=num_splits)
+
+
+def _check_span(b, hq, hkv, d, s, dtype, bk, gpu, num_splits=1):
     """Pool spans at unaligned starts (some empty, one at the very end of the pool) plus two
-    incoming sources in different layouts (one permuted with a wider stride, one in order)."""
+    incoming sources in different layouts (one permuted with a wider stride, one in order).
+
+    ``num_splits > 1``: no incoming sources; the span's and the suffix's keys are split across
+    programs and the float32 partial states merged afterwards (``merge_partials``)."""
+    from pallas_kernels.decode_attention import merge_partials
     rng = np.random.default_rng(b * 7 + s)
     g = hq // hkv
     r = suffix_rows(hq, hkv)
@@ -156,7 +174,7 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu):
     kp[~used] = np.nan                                 # pool tokens outside every span
     vp[~used] = np.nan
     sources, np_sources = [], []
-    for stride, permute in ((g + 3, True), (g, False)):
+    for stride, permute in ((g + 3, True), (g, False)) if num_splits == 1 else ():
         m_in = (b - 1) * stride + r
         o_in = rng.standard_normal((2, hkv, m_in, d))
         lse_in = rng.standard_normal((2, hkv, m_in)) * 3
@@ -168,9 +186,14 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu):
     scale = d ** -0.5
     to = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     out, lse = jax.jit(lambda q, k, v, n, kp, vp, st, sn: suffix_decode_merge(
-        q, k, v, n, sources, span=(kp, vp, st, sn), scale=scale, block_k=bk, interpret=not gpu))(
+        q, k, v, n, sources or None, span=(kp, vp, st, sn), span_max=150, num_splits=num_splits,
+        scale=scale, block_k=bk, interpret=not gpu))(
         to(q), to(k), to(v), jnp.asarray(lens, jnp.int32), to(kp), to(vp),
         jnp.asarray(span_start, jnp.int32), jnp.asarray(span_len, jnp.int32))
+    if num_splits > 1:
+        assert out.shape == (num_splits, b, hq, d) and out.dtype == jnp.float32
+        assert lse.shape == (num_splits, b, hq)
+        out, lse = merge_partials(out, lse)
     qf, kf, vf, kpf, vpf = (np.asarray(to(x), np.float64) for x in (q, k, v, kp, vp))
     eo = np.zeros((b, hq, d))
     el = np.zeros((b, hq))
@@ -187,12 +210,19 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu):
                     os_.append(o_in[t, h, pos[i] * stride + j])
                     ls_.append(lse_in[t, h, pos[i] * stride + j])
             ls_ = np.array(ls_)
+            if ls_.max() == -np.inf:  # (split case: neither span nor suffix keys)
+                el[i, hh] = -np.inf
+                continue
             w = np.exp(ls_ - ls_.max())
             eo[i, hh] = sum(wi * oi for wi, oi in zip(w, os_)) / w.sum()
             el[i, hh] = ls_.max() + np.log(w.sum())
     out = np.asarray(out, np.float64)
     lse = np.asarray(lse, np.float64)
-    assert not np.isnan(out).any() and np.isfinite(lse).all()
-    np.testing.assert_allclose(lse, el, atol=1e-4 if dtype == jnp.float32 else 2e-2)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    fin = np.isfinite(el)
+    assert num_splits > 1 or fin.all()
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    assert np.all(out[~fin] == 0)
+    np.testing.assert_allclose(lse[fin], el[fin], atol=1e-4 if dtype == jnp.float32 else 2e-2)
     rel = np.linalg.norm(out - eo) / np.linalg.norm(eo)
     assert rel < (1e-5 if dtype == jnp.float32 else 2e-2), rel
