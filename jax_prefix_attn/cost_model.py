@@ -87,7 +87,7 @@ L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kerne
 MMA = 3.0e14         # FLOP/s of the Triton-lowered prefix kernel's dots (measured 205-322)
 T_LAUNCH = 3.5e-6    # seconds per kernel launch / dependent stage (launch + ramp + tail)
 T_KEY = 3.0e-8       # seconds per key on one program's critical path (tile load latency)
-T_KEY_FLAT = 4.0e-8  # the same for the flat decode kernel
+T_KEY_FLAT = 2.5e-8  # the same for the flat decode kernel (own layout, session 11; was 4e-8)
 MMA_MGPU = 5.5e14    # FLOP/s of the Mosaic GPU prefix kernel (H200: 429-620 measured, session 9)
 SMS = 132            # streaming multiprocessors (H100 / H200)
 SLOTS = 198          # programs that reach full bandwidth (fewer: proportionally less)
@@ -138,9 +138,10 @@ def estimate(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
                                                           _cdiv(p + s, 256)))
     flat_s = _kernel_s(flat_dram, 0.0, b * heads_kv * splits, l2_bytes=flat_l2,
                        serial_keys=_cdiv(p + s, splits), t_key=T_KEY_FLAT)
-    if splits > 1:  # XLA merge of float32 partials over rows padded to >= 16 per (seq, kv head)
-        rows16 = b * heads_kv * max(16, r2)
-        flat_s += _kernel_s(2 * splits * rows16 * (head_dim + 1) * 4, 0.0, 2 * SMS)
+    if splits > 1:  # XLA merge of float32 partials: the real rows when decoding (own layout),
+        # else rows padded to >= 16 per (sequence, kv head)
+        rows_m = b * heads_q if tq == 1 else b * heads_kv * max(16, r2)
+        flat_s += _kernel_s(2 * splits * rows_m * (head_dim + 1) * 4, 0.0, 2 * SMS)
 
     # shared: prefix kernel (row blocks of 128 or 64 rows, prefix split to fill the GPU).
     rows = b * r2

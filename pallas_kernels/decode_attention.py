@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["Source", "ragged_attention", "merge_partials", "flat_forward", "next_pow2",
            "rows_from_q", "q_rows_layout", "rows_to_out", "row_meta", "seq_rows", "pad_rows",
-           "merge_partial_list"]
+           "merge_partial_list", "flat_decode_tiling"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -405,10 +405,30 @@ def _pick_splits(programs: int, seq_len: int, block_k: int, target: int = 264) -
 # Decoding (``Tq == 1``) on the flat path: "own" reads q and writes out/lse in their own layout
 # (pallas_kernels.suffix_attention.suffix_decode_merge with the prefix as a pool span and key
 # splits); "rows" the row-layout kernel below (q padded to 16 rows per sequence and kv head, the
-# output transposed back: two more XLA passes).  Tiling of the "own" kernel: FLAT_DECODE_TILING.
+# output transposed back: two more XLA passes).  Measured on an H200, one run
+# (bench/results/logs/session11_probe_layout11_h200.json), "own" took 0.73-0.93x the time of
+# "rows" at 11 of 12 points (B=16-1024, P=1K-16K, Hq=8/Hkv=1 and 32/8) with the tiling below,
+# and 0.98x at the twelfth (Hq=8 B=64 P=4K S=256).
 FLAT_DECODE_LAYOUT = "own"
 FLAT_DECODE_LAYOUTS = ("own", "rows")
-FLAT_DECODE_TILING = dict(block_k=64, num_warps=4, num_stages=2)
+# Tiling of the "own" kernel by its program count (kv heads x sequences x key splits), from the
+# same probe: few programs stream best with 128-key tiles and 4 warps; at about 2-8 programs per
+# SM 64-key tiles; beyond that small CTAs (32 keys, 2 warps, 3 stages), more of them per SM
+# (B=1024 Hq=32 P=4K: 0.87x "rows" against 0.96x with 128-key tiles).  None: this rule.
+FLAT_DECODE_TILING = None
+FLAT_DECODE_TILES = ((400, dict(block_k=128, num_warps=4, num_stages=2)),
+                     (1024, dict(block_k=64, num_warps=4, num_stages=2)),
+                     (None, dict(block_k=32, num_warps=2, num_stages=3)))
+
+
+def flat_decode_tiling(programs: int) -> dict:
+    """Tiling of the own-layout flat decode kernel for ``programs`` programs (static)."""
+    if FLAT_DECODE_TILING is not None:
+        return dict(FLAT_DECODE_TILING)
+    for bound, cfg in FLAT_DECODE_TILES:
+        if bound is None or programs <= bound:
+            return dict(cfg)
+    raise AssertionError("FLAT_DECODE_TILES must end with a catch-all entry")
 
 
 def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s, *,
@@ -443,7 +463,8 @@ def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p
                 lim_p[:, 0])
         o, lse = suffix_decode_merge(q[:, 0].astype(prefix_k.dtype), suffix_k, suffix_v,
                                      lim_s[:, 0], span=span, span_max=p, num_splits=num_splits,
-                                     scale=scale, interpret=interpret, **FLAT_DECODE_TILING)
+                                     scale=scale, interpret=interpret,
+                                     **flat_decode_tiling(b * hkv * num_splits))
         if num_splits > 1:
             o, lse = merge_partials(o, lse)
         return o.astype(q.dtype)[:, None], lse[:, None]
