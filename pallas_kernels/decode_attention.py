@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["Source", "ragged_attention", "merge_partials", "flat_forward", "next_pow2",
            "rows_from_q", "q_rows_layout", "rows_to_out", "row_meta", "seq_rows", "pad_rows",
-           "merge_partial_list", "flat_decode_tiling"]
+           "merge_partial_list", "flat_decode_tiling", "flat_decode_layout"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -405,12 +405,27 @@ def _pick_splits(programs: int, seq_len: int, block_k: int, target: int = 264) -
 # Decoding (``Tq == 1``) on the flat path: "own" reads q and writes out/lse in their own layout
 # (pallas_kernels.suffix_attention.suffix_decode_merge with the prefix as a pool span and key
 # splits); "rows" the row-layout kernel below (q padded to 16 rows per sequence and kv head, the
-# output transposed back: two more XLA passes).  Measured on an H200, one run
+# output transposed back: two more XLA passes); "auto" (default) picks by
+# :func:`flat_decode_layout`.  Measured on an H200, one run
 # (bench/results/logs/session11_probe_layout11_h200.json), "own" took 0.73-0.93x the time of
 # "rows" at 11 of 12 points (B=16-1024, P=1K-16K, Hq=8/Hkv=1 and 32/8) with the tiling below,
-# and 0.98x at the twelfth (Hq=8 B=64 P=4K S=256).
-FLAT_DECODE_LAYOUT = "own"
-FLAT_DECODE_LAYOUTS = ("own", "rows")
+# and 0.98x at the twelfth (Hq=8 B=64 P=4K S=256).  The grid (runs 12-13) and a second probe
+# (logs/session11_probe_h32b16_h200.json) then found "own" slower where few programs (128-key
+# tiles) each stream a long prefix chunk: Hq=32 B=16 and Hq=8 B=64 at P=16K, S>=256: 1.19-1.32x;
+# the cause was not identified (both layouts run the same tiles, splits and loop structure).
+FLAT_DECODE_LAYOUT = "auto"
+FLAT_DECODE_LAYOUTS = ("auto", "own", "rows")
+FLAT_OWN_MAX_CHUNK = 1024  # "auto": longest prefix chunk per program for "own" at <= 400 programs
+
+
+def flat_decode_layout(programs: int, prefix_chunk: int) -> str:
+    """Layout of the flat decode kernel (``FLAT_DECODE_LAYOUT == "auto"``) for ``programs``
+    programs (kv heads x sequences x key splits) each reading ``prefix_chunk`` prefix keys."""
+    if FLAT_DECODE_LAYOUT != "auto":
+        return FLAT_DECODE_LAYOUT
+    if programs <= FLAT_DECODE_TILES[0][0] and prefix_chunk > FLAT_OWN_MAX_CHUNK:
+        return "rows"
+    return "own"
 # Tiling of the "own" kernel by its program count (kv heads x sequences x key splits), from the
 # same probe: few programs stream best with 128-key tiles and 4 warps; at about 2-8 programs per
 # SM 64-key tiles; beyond that small CTAs (32 keys, 2 warps, 3 stages), more of them per SM
@@ -440,9 +455,12 @@ def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p
 
     ``q [B, Tq, Hq, D]``, ``prefix_k/v [G, P, Hkv, D]``, ``suffix_k/v [B, S, Hkv, D]``,
     ``seq_to_prefix [B]``, ``lim_p/lim_s [B, Tq]`` per-row key limits.  Returns
-    ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])``.  ``layout`` (static, ``Tq == 1`` only): see
-    :data:`FLAT_DECODE_LAYOUT` (default); ``block_k``/``num_warps``/``num_stages`` tile the
-    row-layout kernel, whose ``block_k`` also sets the default key splits of both.
+    ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])``.
+
+    ``layout`` (static, ``Tq == 1`` only): ``"own"``, ``"rows"`` or ``"auto"``/None
+    (:func:`flat_decode_layout`, see :data:`FLAT_DECODE_LAYOUT`); it depends on shapes only, so
+    changing lengths do not recompile.  ``block_k``/``num_warps``/``num_stages`` tile the
+    row-layout kernel; its ``block_k`` also sets the default key splits of both layouts.
     """
     b, tq, hq, d = q.shape
     g, p, hkv, _ = prefix_k.shape
@@ -452,9 +470,10 @@ def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p
     s = suffix_k.shape[1]
     if num_splits is None:
         num_splits = _pick_splits(b * hkv, p + s, block_k)
-    layout = FLAT_DECODE_LAYOUT if layout is None else layout
-    if layout not in FLAT_DECODE_LAYOUTS:
+    if layout not in FLAT_DECODE_LAYOUTS + (None,):
         raise ValueError(f"layout must be one of {FLAT_DECODE_LAYOUTS}, got {layout!r}")
+    if layout in (None, "auto"):
+        layout = flat_decode_layout(b * hkv * num_splits, cdiv(p, num_splits))
     if tq == 1 and layout == "own":
         from pallas_kernels.suffix_attention import suffix_decode_merge  # noqa: PLC0415
         # the prefix pool as one span per sequence: entry g's keys start at g * P

@@ -114,7 +114,7 @@ def test_flat_forward_tq4_gqa(num_splits):
     check(out, lse, oracle(args, kw, meta), jnp.float32)
 
 
-@pytest.mark.parametrize("layout", ["own", "rows"])
+@pytest.mark.parametrize("layout", ["own", "rows", "auto"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("hq,hkv,g", [(8, 2, 2), (8, 1, 0), (6, 6, 3)])
 def test_flat_forward_decode_layouts(layout, num_splits, hq, hkv, g):
@@ -133,6 +133,20 @@ def test_flat_forward_decode_layouts(layout, num_splits, hq, hkv, g):
                             interpret=True, block_k=16, num_splits=num_splits, layout=layout)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3]
     check(out, lse, oracle(args, kw, meta), jnp.float32)
+
+
+def test_flat_decode_layout_and_tiling_rules(monkeypatch):
+    import pallas_kernels.decode_attention as da
+    assert da.flat_decode_layout(80, 256) == "own"            # B=16 Hq=8: 16 x 5 splits
+    assert da.flat_decode_layout(384, 5462) == "rows"         # Hq=32 B=16 P=16K: 3 splits
+    assert da.flat_decode_layout(512, 8192) == "own"          # 64-key tiles
+    assert da.flat_decode_tiling(80)["block_k"] == 128
+    assert da.flat_decode_tiling(512)["block_k"] == 64
+    assert da.flat_decode_tiling(8192) == dict(block_k=32, num_warps=2, num_stages=3)
+    monkeypatch.setattr(da, "FLAT_DECODE_LAYOUT", "own")
+    assert da.flat_decode_layout(384, 5462) == "own"
+    monkeypatch.setattr(da, "FLAT_DECODE_TILING", dict(block_k=16, num_warps=1, num_stages=1))
+    assert da.flat_decode_tiling(8192)["block_k"] == 16
 
 
 def test_flat_forward_rejects_unknown_layout():
