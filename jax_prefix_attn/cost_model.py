@@ -73,6 +73,13 @@ chooses within 5% of the better path at 42 of 45, 72 of 75 over the grid; the th
 Hq=8/Hkv=1 B=16 points of 14-21 us where the two paths are 1-1.5 us apart (worst 1.11x), below
 the 5-16% spread of repeated timings of one path there
 (``bench/results/logs/session10_probe_timing10_h200.json``).
+Session 11 moved the flat path's decoding to the queries' own layout (0.71-1.09x its time over
+the grid, median 0.88x): ``T_KEY_FLAT`` 4e-8 -> 3e-8 s (median model/measured 1.02 over the 36
+small points of grid runs 12-13; the session-10 value overestimated the new kernel by ~20%), and
+its merge reads only the real rows.  On the re-measured grid (runs 12-15) auto is within 5% at 72
+of 75 points (misses: Hq=8/Hkv=1 B=16 P=4K S=64 1.05x and S=256 1.13x, Hq=32 B=16 P=1K S=64
+1.11x, where auto takes flat and shared was 1-2 us faster), and out of sample at 14 of 15 shapes
+(``bench/results/logs/session11_validate_auto11_h200.json``, worst 1.15x: Hq=32 B=40 P=1K S=2K).
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.
 """

@@ -2,7 +2,10 @@
 
 Launch 2 of the shared path when decoding (``Tq == 1``) with one program per (kv head,
 sequence): the program attends its sequence's suffix keys, merges the prefix partial states
-computed by launch 1 in its epilogue, and writes the final output and LSE.
+computed by launch 1 in its epilogue, and writes the final output and LSE.  With a pool span
+(the prefix) and key splits (grid ``(Hkv, B, splits)``, float32 partial states per split) it is
+also the flat path's decode kernel (:func:`pallas_kernels.decode_attention.flat_forward`) and
+the shared path's split suffix on the Mosaic GPU backend.
 
 Unlike the general row-layout kernel (:func:`pallas_kernels.decode_attention.ragged_attention`),
 which takes queries as ``[Hkv, M, D]`` rows padded to 16 per sequence and writes outputs in
