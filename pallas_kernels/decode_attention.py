@@ -418,14 +418,6 @@ FLAT_DECODE_LAYOUTS = ("auto", "own", "rows")
 FLAT_OWN_MAX_CHUNK = 1024  # "auto": longest prefix chunk per program for "own" at <= 400 programs
 
 
-def flat_decode_layout(programs: int, prefix_chunk: int) -> str:
-    """Layout of the flat decode kernel (``FLAT_DECODE_LAYOUT == "auto"``) for ``programs``
-    programs (kv heads x sequences x key splits) each reading ``prefix_chunk`` prefix keys."""
-    if FLAT_DECODE_LAYOUT != "auto":
-        return FLAT_DECODE_LAYOUT
-    if programs <= FLAT_DECODE_TILES[0][0] and prefix_chunk > FLAT_OWN_MAX_CHUNK:
-        return "rows"
-    return "own"
 # Tiling of the "own" kernel by its program count (kv heads x sequences x key splits), from the
 # same probe: few programs stream best with 128-key tiles and 4 warps; at about 2-8 programs per
 # SM 64-key tiles; beyond that small CTAs (32 keys, 2 warps, 3 stages), more of them per SM
@@ -434,6 +426,16 @@ FLAT_DECODE_TILING = None
 FLAT_DECODE_TILES = ((400, dict(block_k=128, num_warps=4, num_stages=2)),
                      (1024, dict(block_k=64, num_warps=4, num_stages=2)),
                      (None, dict(block_k=32, num_warps=2, num_stages=3)))
+
+
+def flat_decode_layout(programs: int, prefix_chunk: int) -> str:
+    """Layout of the flat decode kernel (``FLAT_DECODE_LAYOUT == "auto"``) for ``programs``
+    programs (kv heads x sequences x key splits) each reading ``prefix_chunk`` prefix keys."""
+    if FLAT_DECODE_LAYOUT != "auto":
+        return FLAT_DECODE_LAYOUT
+    if programs <= FLAT_DECODE_TILES[0][0] and prefix_chunk > FLAT_OWN_MAX_CHUNK:
+        return "rows"
+    return "own"
 
 
 def flat_decode_tiling(programs: int) -> dict:

@@ -118,8 +118,9 @@ def test_flat_forward_tq4_gqa(num_splits):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("hq,hkv,g", [(8, 2, 2), (8, 1, 0), (6, 6, 3)])
 def test_flat_forward_decode_layouts(layout, num_splits, hq, hkv, g):
-    """Decoding (Tq=1) on the flat path in both layouts: one prefix or ragged groups, suffix
-    lengths 0 and S_max, key splits that leave some chunks empty; float64 oracle."""
+    """Decoding (Tq=1) on the flat path in both layouts and by the rule: one prefix or ragged
+    groups, suffix lengths 0 and S_max, key splits that leave some chunks empty; against the
+    reference over the explicit concatenation."""
     from test_shared_prefix import check, make_case, oracle
     from jax_prefix_attn.shared_prefix import row_limits
     args, kw, meta = make_case(12 + hq + g, b=4, tq=1, hq=hq, hkv=hkv, d=16, g=g, p=70, s=40,
