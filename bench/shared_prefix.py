@@ -10,7 +10,8 @@ Columns, all measured in one run (bf16, Tq = 1, every suffix full):
   suffix programs + XLA merge (``shared_variant``); ``shared_fused`` / ``shared_overlap``
   force one Triton variant, ``shared_mgpu`` / ``shared_triton`` one backend (``--cols``);
 * ``flat``: ours, one ragged split-KV decode launch reading the prefix through
-  ``seq_to_prefix`` for every sequence (no copy: "flat over shared storage");
+  ``seq_to_prefix`` for every sequence (no copy: "flat over shared storage"; since session 11
+  in the queries' own layout where ``decode_attention.flat_decode_layout`` says so);
 * ``flat_gqa``: JAX's ``pallas.ops.gpu.decode_attention.gqa`` over materialised
   per-sequence KV ``[B, P + S, Hkv, D]`` (built outside the timed region);
 * ``composed``: the Hydragen decomposition from JAX's deprecated ops:
