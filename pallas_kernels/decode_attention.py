@@ -49,6 +49,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def split_chunk(n: int, splits: int, block_k: int) -> int:
+    """Keys per program when ``n`` keys are cut into ``splits`` chunks of whole ``block_k`` tiles."""
+    return cdiv(cdiv(n, splits), block_k) * block_k
+
+
 @dataclasses.dataclass(frozen=True)
 class Source:
     """A KV source: pools ``k/v [N, S, Hkv, D]``, per-row pool entry and key limit ``[M]``."""
@@ -225,7 +230,7 @@ def ragged_attention(q_hmd: jax.Array, sources: list[Source], *, scale: float, b
     if finalize and total != 1:
         raise ValueError(f"finalize needs num_splits == 1, got {total}")
     seq_lens = tuple(int(s.k.shape[1]) for s in sources)
-    chunks = tuple(cdiv(cdiv(sl, total), block_k) * block_k for sl in seq_lens)
+    chunks = tuple(split_chunk(sl, total, block_k) for sl in seq_lens)
     precision = (lax.Precision.HIGHEST if q_hmd.dtype == jnp.float32 else lax.Precision.DEFAULT)
     n_in = 0 if incoming is None else int(incoming[0].shape[0])
     kernel = functools.partial(

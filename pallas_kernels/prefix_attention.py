@@ -40,7 +40,7 @@ from pallas_kernels.decode_attention import (Source, attend_pool, cdiv, check_ro
                                              finish_state, large_m_layout, merge_partial_list,
                                              merge_partials, next_pow2, pad_rows, q_rows_layout,
                                              ragged_attention, row_meta, rows_from_q, rows_to_out,
-                                             seq_rows)
+                                             seq_rows, split_chunk)
 
 # Shared-path variant used by ``shared_prefix_forward`` when none is given:
 # "fused": prefix kernel, then suffix kernel merging the prefix partials in its epilogue;
@@ -658,8 +658,8 @@ def overlap_partials(q_pre, grp_rows, limp_rows, prefix_k, prefix_v, q_suf, sidx
     n_suf = hkv * batch * suffix_splits
     total = n_pre + n_suf
     stride = max(1, total // n_pre)
-    chunk_p = cdiv(cdiv(p_len, num_splits), block_k) * block_k
-    chunk_s = cdiv(cdiv(s_len, suffix_splits), suffix_block_k) * suffix_block_k
+    chunk_p = split_chunk(p_len, num_splits, block_k)
+    chunk_s = split_chunk(s_len, suffix_splits, suffix_block_k)
     precision = lax.Precision.HIGHEST if q_pre.dtype == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(
         _overlap_kernel, n_pre=n_pre, stride=stride, n_rb=n_rb, p_splits=num_splits,

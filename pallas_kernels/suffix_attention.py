@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.decode_attention import (attend_pool, finish_state, merge_tile_states, next_pow2,
-                                             online_update)
+                                             online_update, split_chunk)
 
 __all__ = ["suffix_decode_merge", "suffix_rows"]
 
@@ -170,11 +170,11 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
         assert o_in.ndim == 4 and lse_in.ndim == 3 and o_in.shape[2] >= need, (o_in.shape, need)
     splits = int(num_splits)
     assert splits >= 1 and (splits == 1 or not sources), (splits, len(sources))
-    suffix_chunk = -(-(-(-s_len // splits)) // block_k) * block_k
+    suffix_chunk = split_chunk(s_len, splits, block_k)
     span_chunk = 0
     if span is not None:
         n_max = int(span[0].shape[0] if span_max is None else span_max)
-        span_chunk = -(-(-(-n_max // splits)) // block_k) * block_k
+        span_chunk = split_chunk(n_max, splits, block_k)
     pad = rows - grp if interpret else 0  # see the module docstring
     q2 = q_bhd.reshape(b * hq, d)
     if pad:
