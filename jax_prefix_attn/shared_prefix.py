@@ -222,13 +222,19 @@ def query_chunks(tq: int, group: int, max_rows: int | None = None) -> list[tuple
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
                  suffix_lengths, scale, path, interpret):
-    lim_p, lim_s = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
+    if q.shape[1] == 1:
+        # Decoding: ``row_limits`` is then the identity on valid (non-negative) lengths; using
+        # the lengths themselves leaves XLA no clamp / broadcast kernel to launch before the
+        # Pallas calls (the suffix lengths are passed as they are, a bitcast).
+        lim_p, lim_s = prefix_lengths[seq_to_prefix][:, None], suffix_lengths[:, None]
+    else:
+        lim_p, lim_s = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
     if path == "shared":
         from pallas_kernels.prefix_attention import shared_prefix_forward as fwd  # noqa: PLC0415
     else:
         from pallas_kernels.decode_attention import flat_forward as fwd  # noqa: PLC0415
     parts = [fwd(q[:, a:b], prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p[:, a:b],
-                 lim_s[:, a:b], scale=scale, interpret=interpret)
+                 lim_s[:, a:b], scale=scale, interpret=interpret, prefix_len_g=prefix_lengths)
              for a, b in query_chunks(q.shape[1], q.shape[2] // prefix_k.shape[2])]
     if len(parts) == 1:
         return parts[0]

@@ -455,14 +455,16 @@ def flat_decode_tiling(programs: int) -> dict:
 
 def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s, *,
                  scale, interpret=False, block_k=128, num_warps=4, num_stages=2, num_splits=None,
-                 layout=None):
+                 layout=None, prefix_len_g=None):
     """Flat decode over shared storage: every sequence reads its prefix (through
     ``seq_to_prefix``, no copy) and its suffix in one launch (plus an XLA merge of the key
     splits when ``B * Hkv`` is too small to fill the GPU).
 
     ``q [B, Tq, Hq, D]``, ``prefix_k/v [G, P, Hkv, D]``, ``suffix_k/v [B, S, Hkv, D]``,
     ``seq_to_prefix [B]``, ``lim_p/lim_s [B, Tq]`` per-row key limits.  Returns
-    ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])``.
+    ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])``.  ``prefix_len_g`` (optional, ``[G]`` int32): the
+    prefix lengths; when decoding with one prefix (``Tq == G == 1``), where ``lim_p`` is that
+    length on every row, the own-layout kernel takes it as it is (no per-sequence array).
 
     ``layout`` (static, ``Tq == 1`` only): ``"own"``, ``"rows"`` or ``"auto"``/None
     (:func:`flat_decode_layout`, see :data:`FLAT_DECODE_LAYOUT`); it depends on shapes only, so
@@ -484,9 +486,11 @@ def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p
     if tq == 1 and layout == "own":
         from pallas_kernels.suffix_attention import suffix_decode_merge  # noqa: PLC0415
         # the prefix pool as one span per sequence: entry g's keys start at g * P
-        start = np.zeros((b,), np.int32) if g == 1 else seq_to_prefix.astype(jnp.int32) * p
+        # (one prefix: start 0 and, when given, its length for every sequence, no [B] arrays)
+        start = None if g == 1 else seq_to_prefix.astype(jnp.int32) * p
+        span_len = prefix_len_g if g == 1 and prefix_len_g is not None else lim_p[:, 0]
         span = (prefix_k.reshape(g * p, hkv, d), prefix_v.reshape(g * p, hkv, d), start,
-                lim_p[:, 0])
+                span_len)
         o, lse = suffix_decode_merge(q[:, 0].astype(prefix_k.dtype), suffix_k, suffix_v,
                                      lim_s[:, 0], span=span, span_max=p, num_splits=num_splits,
                                      scale=scale, interpret=interpret,

@@ -478,7 +478,8 @@ def _one_launch_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, in
 
 def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
                           *, scale, interpret=False, prefix_cfg=None, suffix_block_k=None,
-                          suffix_warps=None, suffix_stages=None, suffix_splits=None, variant=None):
+                          suffix_warps=None, suffix_stages=None, suffix_splits=None, variant=None,
+                          prefix_len_g=None):
     """Shared path: batched prefix kernel, then suffix decode with the merge in its epilogue.
 
     When ``B * Hkv`` is too small to fill the GPU the suffix keys are split across programs
@@ -486,7 +487,10 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     partials (3 stages instead of 2).
 
     ``q [B, Tq, Hq, D]``, ``prefix_k/v [G, P, Hkv, D]``, ``suffix_k/v [B, S, Hkv, D]``,
-    ``seq_to_prefix [B]``, ``lim_p/lim_s [B, Tq]`` per-row key limits.
+    ``seq_to_prefix [B]``, ``lim_p/lim_s [B, Tq]`` per-row key limits.  ``prefix_len_g``
+    (optional, ``[G]`` int32): the prefix lengths; when decoding with one prefix
+    (``Tq == G == 1``), where ``lim_p`` is that length on every row, the kernels take it as it
+    is instead of per-row arrays built from ``lim_p`` (each one more XLA launch on the GPU).
     Returns ``(out [B, Tq, Hq, D] in q's dtype, lse [B, Tq, Hq] float32)``.
     """
     b, tq, hq, d = q.shape
@@ -519,8 +523,12 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
     qp = rows_from_q(q, hkv, r2, order)
     qp = jnp.pad(qp, ((0, 0), (0, m_pad - m), (0, 0))) if m_pad > m else qp
     grp_rows = pad_rows(seq_rows(s2p_sorted, r2), m_pad - m, mode="edge")
-    # tail padding rows: full limit (their zero queries' results are never used)
-    lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
+    # tail padding rows (zero queries, results never used): the last real row's entry and
+    # limit, so they load no key that the real rows of their block do not (a prefix may hold
+    # anything, NaN included, past its length: 0 * NaN in ``p @ v`` would reach those rows)
+    lim_rows = pad_rows(row_meta(lim_p, grp, r2, order), m_pad - m, mode="edge")
+    # decoding with one prefix and its length given: that length for every row
+    one_len = prefix_len_g.reshape(1) if g == 1 and tq == 1 and prefix_len_g is not None else None
     if g == 1 and tq == 1:  # the Mosaic GPU kernel, where it applies
         if MGPU_MERGE not in MGPU_MERGES:
             raise ValueError(f"MGPU_MERGE must be one of {MGPU_MERGES}, got {MGPU_MERGE!r}")
@@ -529,11 +537,12 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
         plan = (one_launch_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret,
                                 force=MGPU_MERGE == "one_launch")
                 if MGPU_MERGE in ("one_launch", "auto") and ss == 1 else None)
+        p_len = jnp.max(lim_p) if one_len is None else one_len.reshape(())
         if plan is not None:  # (its own plan checks that the Mosaic GPU kernel applies)
-            return _one_launch_decode(q, prefix_k[0], prefix_v[0], jnp.max(lim_p), suffix_k,
+            return _one_launch_decode(q, prefix_k[0], prefix_v[0], p_len, suffix_k,
                                       suffix_v, lim_s[:, 0], scale=scale, interpret=interpret,
                                       **plan)
-        mg = _mgpu_decode_partials(q[:, 0], prefix_k[0], prefix_v[0], jnp.max(lim_p), scale=scale,
+        mg = _mgpu_decode_partials(q[:, 0], prefix_k[0], prefix_v[0], p_len, scale=scale,
                                    interpret=interpret, num_splits=MGPU_SPLITS)
         if mg is not None and MGPU_MERGE != "epilogue" and (ss == 1
                                                              or SPLIT_SUFFIX_LAYOUT == "own"):
@@ -547,6 +556,8 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                       suffix_block_k=suffix_block_k, suffix_warps=suffix_warps,
                                       suffix_stages=suffix_stages, suffix_splits=ss)
     if variant == "overlap":
+        if one_len is not None:  # no per-row arrays: one pool entry, one length
+            grp_rows, lim_rows = None, one_len
         return _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, lim_rows,
                                 lim_s, order, inv, cfg=cfg, scale=scale, interpret=interpret,
                                 suffix_block_k=suffix_block_k or 64, suffix_splits=suffix_splits)
@@ -580,8 +591,10 @@ def shared_prefix_forward_unfused(q, prefix_k, prefix_v, suffix_k, suffix_v, seq
     m_pad = cdiv(m, cfg["block_m"]) * cfg["block_m"]
     qp = jnp.pad(rows_from_q(q, hkv, r2, order), ((0, 0), (0, m_pad - m), (0, 0)))
     grp_rows = pad_rows(seq_rows(s2p_sorted, r2), m_pad - m, mode="edge")
-    # tail padding rows: full limit (their zero queries' results are never used)
-    lim_rows = jnp.pad(row_meta(lim_p, grp, r2, order), (0, m_pad - m), constant_values=p)
+    # tail padding rows (zero queries, results never used): the last real row's entry and
+    # limit, so they load no key that the real rows of their block do not (a prefix may hold
+    # anything, NaN included, past its length: 0 * NaN in ``p @ v`` would reach those rows)
+    lim_rows = pad_rows(row_meta(lim_p, grp, r2, order), m_pad - m, mode="edge")
     o_pre, lse_pre = prefix_partials(qp, prefix_k, prefix_v, grp_rows, lim_rows, scale=scale,
                                      interpret=interpret, **cfg)
     o_pre, lse_pre = merge_partials(o_pre, lse_pre)
@@ -599,10 +612,15 @@ def shared_prefix_forward_unfused(q, prefix_k, prefix_v, suffix_k, suffix_v, seq
 
 # ----------------------------------------------------------------------------- overlap variant
 
-def _overlap_kernel(q_pre_ref, grp_ref, limp_ref, pk_ref, pv_ref, q_suf_ref, sidx_ref, lims_ref,
-                    sk_ref, sv_ref, o_pre_ref, lse_pre_ref, o_suf_ref, lse_suf_ref, *, n_pre,
-                    stride, n_rb, p_splits, batch, s_splits, chunk_p, chunk_s, block_m, r16,
-                    block_k_p, block_k_s, seq_p, seq_s, scale_log2, precision):
+def _overlap_kernel(*refs, n_pre, stride, n_rb, p_splits, batch, s_splits, chunk_p, chunk_s,
+                    block_m, r16, block_k_p, block_k_s, seq_p, seq_s, scale_log2, precision,
+                    one_entry, one_limit, seq_limits):
+    it = iter(refs)
+    q_pre_ref = next(it)
+    grp_ref = None if one_entry else next(it)
+    limp_ref, pk_ref, pv_ref, q_suf_ref, sidx_ref, lims_ref, sk_ref, sv_ref = (
+        next(it) for _ in range(8))
+    o_pre_ref, lse_pre_ref, o_suf_ref, lse_suf_ref = (next(it) for _ in range(4))
     pid = pl.program_id(0)
     is_pre = jnp.logical_and(pid % stride == 0, pid // stride < n_pre)
     d = q_pre_ref.shape[-1]
@@ -618,7 +636,10 @@ def _overlap_kernel(q_pre_ref, grp_ref, limp_ref, pk_ref, pv_ref, q_suf_ref, sid
         rem = i % (n_rb * p_splits)
         rb, sp = rem // p_splits, rem % p_splits
         rows = pl.ds(pl.multiple_of(rb * block_m, block_m), block_m)
-        carry = attend_pool(q_pre_ref[h, rows, :], grp_ref[rows], limp_ref[rows], pk_ref, pv_ref,
+        idx = (jnp.zeros((block_m,), jnp.int32) if one_entry else grp_ref[rows])
+        lim = (jnp.broadcast_to(jnp.max(limp_ref[...]), (block_m,)) if one_limit
+               else limp_ref[rows])
+        carry = attend_pool(q_pre_ref[h, rows, :], idx, lim, pk_ref, pv_ref,
                             h, sp * chunk_p, init(block_m), chunk=chunk_p, block_k=block_k_p,
                             seq_len=seq_p, scale_log2=scale_log2, precision=precision)
         o, lse = finish_state(*carry)
@@ -632,7 +653,9 @@ def _overlap_kernel(q_pre_ref, grp_ref, limp_ref, pk_ref, pv_ref, q_suf_ref, sid
         rem = j % (batch * s_splits)
         b, ss = rem // s_splits, rem % s_splits
         rows = pl.ds(pl.multiple_of(b * r16, r16), r16)
-        carry = attend_pool(q_suf_ref[h, rows, :], sidx_ref[rows], lims_ref[rows], sk_ref, sv_ref,
+        lim = (jnp.broadcast_to(jnp.max(lims_ref[pl.ds(b, 1)]), (r16,)) if seq_limits
+               else lims_ref[rows])
+        carry = attend_pool(q_suf_ref[h, rows, :], sidx_ref[rows], lim, sk_ref, sv_ref,
                             h, ss * chunk_s, init(r16), chunk=chunk_s, block_k=block_k_s,
                             seq_len=seq_s, scale_log2=scale_log2, precision=precision)
         o, lse = finish_state(*carry)
@@ -648,6 +671,12 @@ def overlap_partials(q_pre, grp_rows, limp_rows, prefix_k, prefix_v, q_suf, sidx
     partials (one sequence's ``r16`` rows per program) with the two kinds of programs
     interleaved over the grid so tensor-core-bound and bandwidth-bound work run together.
 
+    Row metadata: ``grp_rows [M]`` pool entry and ``limp_rows [M]`` key limit of each prefix
+    row, ``sidx_rows [B * r16]`` / ``lims_rows [B * r16]`` the same for the suffix rows.
+    Without per-row arrays (each one more XLA launch on the GPU when it must be built):
+    ``grp_rows=None`` (every row reads entry 0), ``limp_rows [1]`` (one limit for every prefix
+    row) and ``lims_rows [B]`` (one limit per sequence, e.g. decoding).
+
     Returns ``(o_pre [splits, Hkv, M, D], lse_pre, o_suf [suffix_splits, Hkv, B*r16, D], lse_suf)``.
     """
     hkv, m, d = q_pre.shape
@@ -661,13 +690,20 @@ def overlap_partials(q_pre, grp_rows, limp_rows, prefix_k, prefix_v, q_suf, sidx
     chunk_p = split_chunk(p_len, num_splits, block_k)
     chunk_s = split_chunk(s_len, suffix_splits, suffix_block_k)
     precision = lax.Precision.HIGHEST if q_pre.dtype == jnp.float32 else lax.Precision.DEFAULT
+    one_limit = limp_rows.shape == (1,) and m != 1
+    seq_limits = lims_rows.shape == (batch,) and r16 != 1
+    assert one_limit or limp_rows.shape == (m,), (limp_rows.shape, m)
+    assert seq_limits or lims_rows.shape == (batch * r16,), (lims_rows.shape, batch, r16)
     kernel = functools.partial(
         _overlap_kernel, n_pre=n_pre, stride=stride, n_rb=n_rb, p_splits=num_splits,
         batch=batch, s_splits=suffix_splits, chunk_p=chunk_p, chunk_s=chunk_s, block_m=block_m,
         r16=r16, block_k_p=block_k, block_k_s=suffix_block_k, seq_p=p_len, seq_s=s_len,
-        scale_log2=float(scale) * math.log2(math.e), precision=precision)
-    args = [q_pre, grp_rows.astype(jnp.int32), limp_rows.astype(jnp.int32), prefix_k, prefix_v,
-            q_suf, sidx_rows.astype(jnp.int32), lims_rows.astype(jnp.int32), suffix_k, suffix_v]
+        scale_log2=float(scale) * math.log2(math.e), precision=precision,
+        one_entry=grp_rows is None, one_limit=one_limit, seq_limits=seq_limits)
+    meta = lambda x: x if isinstance(x, np.ndarray) else x.astype(jnp.int32)  # noqa: E731
+    args = ([q_pre] + ([] if grp_rows is None else [meta(grp_rows)])
+            + [meta(limp_rows), prefix_k, prefix_v, q_suf, meta(sidx_rows), meta(lims_rows),
+               suffix_k, suffix_v])
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, n=x.ndim: (0,) * n)  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((num_splits, hkv, m, d), jnp.float32),
                  jax.ShapeDtypeStruct((num_splits, hkv, m), jnp.float32),
@@ -695,7 +731,8 @@ def _overlap_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, qp, grp_rows, li
     r2 = next_pow2(r)
     qs = rows_from_q(q, hkv, r16, order)
     sidx = seq_rows(np.arange(b, dtype=np.int32) if order is None else order, r16)
-    lims = row_meta(lim_s, grp, r16, order)
+    # decoding: one key limit per sequence, broadcast to its rows in the kernel
+    lims = lim_s[:, 0] if tq == 1 and order is None else row_meta(lim_s, grp, r16, order)
     o_pre, lse_pre, o_s, lse_s = overlap_partials(
         qp, grp_rows, lim_rows, prefix_k, prefix_v, qs, sidx, lims, suffix_k, suffix_v,
         scale=scale, block_m=cfg["block_m"], block_k=cfg["block_k"],

@@ -33,7 +33,9 @@ number of keys ``length`` (true for decoding, ``Tq == 1``), 16-bit inputs, ``hea
 128, ``P % block_kv == 0``, rows ``M % (2 * block_q) == 0``.
 
 Layouts: ``q [Hkv, M, D]`` (rows of kv head ``h``), ``k/v [P, Hkv, D]``, ``length [1]`` int32
-(keys ``>= length`` are masked; dynamic, read in the kernel).  Outputs the same partial states
+(keys ``>= length`` are masked; dynamic, read in the kernel; the masked keys' values must be
+finite: the last tile is read whole and its masked scores give weight 0, and 0 times a NaN or
+an infinity in ``v`` is NaN -- the Triton kernels do not load masked keys).  Outputs the same partial states
 as ``prefix_partials`` except that ``o [splits, Hkv, M, D]`` (normalised) is in q's 16-bit
 dtype (written through the queries' shared-memory buffer: a float32 staging buffer does not
 fit next to the K/V pipeline), and ``lse [splits, Hkv, M]`` float32, natural log, ``-inf``

@@ -61,3 +61,29 @@ def test_shared_forward_forced_splits(tq, hq, hkv, g, suffix_splits, variant):
                                      interpret=True, prefix_cfg=cfg, suffix_block_k=16,
                                      suffix_splits=suffix_splits, variant=variant)
     check(out, lse, oracle(args, kw, meta), jnp.float32)
+
+
+@pytest.mark.parametrize("hq,hkv,variant,suffix_splits", [
+    (8, 1, "overlap", 1), (8, 2, "overlap", 2), (4, 4, "fused", 1), (8, 1, "fused", 2)])
+def test_decode_one_prefix_length_given(hq, hkv, variant, suffix_splits):
+    """Decoding with one prefix of ragged length (37 of 48 keys, NaN past it): the shared path
+    given ``prefix_len_g`` (no per-row metadata arrays; the overlap kernel broadcasts the one
+    prefix length and each sequence's suffix length to its rows) gives the same result, bit for
+    bit, as with the per-row limits only, and matches the oracle."""
+    from test_shared_prefix import check, make_case, oracle
+    args, kw, meta = make_case(31 + hq, b=5, tq=1, hq=hq, hkv=hkv, d=16, g=1, p=48, s=20,
+                               suffix_lengths=[0, 20, 2, 7, 1], prefix_lengths=[37])
+    q, pk, pv, sk, sv = args
+    pk = pk.at[:, 37:].set(jnp.nan)
+    pv = pv.at[:, 37:].set(jnp.nan)
+    s2p = kw["seq_to_prefix"]
+    lim_p, lim_s = kw["prefix_lengths"][s2p][:, None], kw["suffix_lengths"][:, None]
+    cfg = dict(block_m=16, block_k=16, num_splits=2, num_warps=4, num_stages=2)
+    outs = [shared_prefix_forward(q, pk, pv, sk, sv, s2p, lim_p, lim_s, scale=0.25,
+                                  interpret=True, prefix_cfg=cfg, suffix_block_k=16,
+                                  suffix_splits=suffix_splits, variant=variant, prefix_len_g=plg)
+            for plg in (None, kw["prefix_lengths"])]
+    np.testing.assert_array_equal(np.asarray(outs[0][0]), np.asarray(outs[1][0]))
+    np.testing.assert_array_equal(np.asarray(outs[0][1]), np.asarray(outs[1][1]))
+    check(*outs[1], oracle((q, pk.at[:, 37:].set(0), pv.at[:, 37:].set(0), sk, sv), kw, meta),
+          jnp.float32)

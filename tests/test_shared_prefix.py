@@ -314,6 +314,32 @@ def test_gpu_long_suffix_prefill(impl, hq, hkv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["shared", "flat"])
+@pytest.mark.parametrize("b,hq,hkv,g", [(16, 8, 1, 1), (300, 8, 1, 1), (64, 32, 8, 1),
+                                        (300, 32, 8, 1), (40, 32, 8, 3)])
+def test_gpu_ragged_prefix_with_nan_tail(impl, b, hq, hkv, g):
+    """Prefixes shorter than their buffer, garbage past each length: it must not reach the
+    output.  Covers the one-prefix decode forms without per-row metadata (the overlap launch at
+    small batch, the Mosaic GPU kernel at large) and grouped prefixes whose row blocks end in
+    padding rows.  The garbage is NaN except for the shared path with one prefix, where the
+    Mosaic GPU kernel may run: it masks scores, not the values it multiplies by 0, so there it
+    is large finite values (``prefix_attention_mgpu``'s docstring states this limit)."""
+    sl = np.random.default_rng(7).integers(0, 65, size=b)
+    sl[:2] = [0, 64]
+    args, kw, meta = make_case(70 + b, b=b, tq=1, hq=hq, hkv=hkv, d=128, g=g, p=1024, s=64,
+                               dtype=jnp.bfloat16, suffix_lengths=sl,
+                               prefix_lengths=[1000] if g == 1 else [1000, 333, 1024])
+    q, pk, pv, sk, sv = args
+    plen = np.asarray(meta[0])
+    tail = np.arange(1024)[None, :, None, None] >= plen[:, None, None, None]
+    bad = 3e4 if impl == "shared" and g == 1 else jnp.nan
+    pk_nan, pv_nan = (jnp.where(tail, bad, x).astype(x.dtype) for x in (pk, pv))
+    out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, impl=impl))(
+        q, pk_nan, pv_nan, sk, sv)
+    check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
+
+
+@pytest.mark.gpu
 def test_gpu_small_batch_splits():
     args, kw, meta = make_case(40, b=2, tq=1, hq=8, hkv=1, d=128, p=4000, s=64,
                                dtype=jnp.bfloat16, suffix_lengths=[64, 0])

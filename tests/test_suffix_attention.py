@@ -142,9 +142,26 @@ def test_gpu_split_span_partials_match_float64(b, hq, hkv, d, s, dtype, bk, num_
     _check_span(b, hq, hkv, d, s, dtype, bk, gpu=True, num_splits=num_splits)
 
 
-def _check_span(b, hq, hkv, d, s, dtype, bk, gpu, num_splits=1):
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("b,hq,hkv,d,s,dtype,bk", SPAN_CASES[:1] + SPAN_CASES[2:])
+def test_one_span_for_all_sequences_matches_float64(b, hq, hkv, d, s, dtype, bk, num_splits):
+    _check_span(b, hq, hkv, d, s, dtype, bk, gpu=False, num_splits=num_splits, one_span=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("b,hq,hkv,d,s,dtype,bk", [(9, 32, 8, 128, 40, jnp.bfloat16, 64),
+                                                   (16, 8, 1, 128, 300, jnp.bfloat16, 128)])
+def test_gpu_one_span_for_all_sequences_matches_float64(b, hq, hkv, d, s, dtype, bk, num_splits):
+    _check_span(b, hq, hkv, d, s, dtype, bk, gpu=True, num_splits=num_splits, one_span=True)
+
+
+def _check_span(b, hq, hkv, d, s, dtype, bk, gpu, num_splits=1, one_span=False):
     """Pool spans at unaligned starts (some empty, one at the very end of the pool) plus two
     incoming sources in different layouts (one permuted with a wider stride, one in order).
+
+    ``one_span``: the form a single shared prefix takes, every sequence the same span from pool
+    token 0 given as ``start_b=None`` and a ``[1]`` length (123 keys: unaligned to any tile).
 
     ``num_splits > 1``: no incoming sources; the span's and the suffix's keys are split across
     programs and the float32 partial states merged afterwards (``merge_partials``)."""
@@ -168,6 +185,8 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu, num_splits=1):
     span_len[0] = 0
     span_start = np.array([rng.integers(0, n_pool - n + 1) for n in span_len])
     span_start[-1], span_len[-1] = n_pool - 37, 37      # runs to the last pool token
+    if one_span:
+        span_start, span_len = np.zeros(b, np.int64), np.full(b, 123)
     used = np.zeros(n_pool, bool)
     for a, n in zip(span_start, span_len):
         used[a:a + n] = True
@@ -185,11 +204,13 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu, num_splits=1):
         np_sources.append((o_in, lse_in, stride, np.arange(b) if pos is None else pos))
     scale = d ** -0.5
     to = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    out, lse = jax.jit(lambda q, k, v, n, kp, vp, st, sn: suffix_decode_merge(
+    st, sn = jnp.asarray(span_start, jnp.int32), jnp.asarray(span_len, jnp.int32)
+    if one_span:
+        st, sn = None, jnp.asarray([123], jnp.int32)
+    out, lse = jax.jit(lambda q, k, v, n, kp, vp, sn, st=st: suffix_decode_merge(
         q, k, v, n, sources or None, span=(kp, vp, st, sn), span_max=150, num_splits=num_splits,
         scale=scale, block_k=bk, interpret=not gpu))(
-        to(q), to(k), to(v), jnp.asarray(lens, jnp.int32), to(kp), to(vp),
-        jnp.asarray(span_start, jnp.int32), jnp.asarray(span_len, jnp.int32))
+        to(q), to(k), to(v), jnp.asarray(lens, jnp.int32), to(kp), to(vp), sn)
     if num_splits > 1:
         assert out.shape == (num_splits, b, hq, d) and out.dtype == jnp.float32
         assert lse.shape == (num_splits, b, hq)
