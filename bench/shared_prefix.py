@@ -30,7 +30,10 @@ Columns, all measured in one run (bf16, Tq = 1, every suffix full):
 Timing: each function runs ``n`` times inside one jitted ``fori_loop`` whose iterations depend
 on each other (the output perturbs the next query), median of 3 such calls divided by ``n``;
 ``n`` is a compile-time constant from session 5 on (``bench.timing.loop_time``: a traced trip
-count had added 14-20 us of host synchronisation to every call).
+count had added 14-20 us of host synchronisation to every call); from session 12 on every
+column's loop is compiled with ``bench.timing.GRAPH_ALWAYS`` (the loop body one CUDA graph, as
+inside a model's decode step; XLA's default graphs only bodies of at least 5 kernels and
+launched paths with fewer kernel by kernel).
 Points that do not fit in memory are recorded as ``"X"``; points not reached within the time
 budget as ``"skipped"``.  Each finished point is appended to the JSON as it completes.
 
@@ -52,7 +55,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import (device_info, gpu_slug, is_oom, loop_time,  # noqa: E402
+from bench.timing import (GRAPH_ALWAYS, device_info, gpu_slug, is_oom, loop_time,  # noqa: E402
                           measure_copy_bandwidth, measure_matmul_rate)
 from jax_prefix_attn import shared_prefix_attention  # noqa: E402
 from jax_prefix_attn.cost_model import choose_path  # noqa: E402
@@ -243,7 +246,7 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
                                                   seq_to_prefix=s2p,
                                                   impl="flat_interpret" if INTERPRET else "flat")
                     return out[:, 0]
-                t = loop_time(fm, q, (pk_b, pv_b, sk, sv, sl, s2p))
+                t = loop_time(fm, q, (pk_b, pv_b, sk, sv, sl, s2p), compiler_options=GRAPH_ALWAYS)
                 del pk_b, pv_b
             elif c in ("shared", "shared_fused", "shared_overlap", "shared_mgpu", "shared_triton", "flat",
                        "auto"):
@@ -251,7 +254,7 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
                     f = ours("shared", backend=c.split("_")[1])
                 else:
                     f = ours("shared", c.split("_")[1]) if c.startswith("shared_") else ours(c)
-                t = loop_time(f, q, (pk, pv, sk, sv, sl))
+                t = loop_time(f, q, (pk, pv, sk, sv, sl), compiler_options=GRAPH_ALWAYS)
                 if check:
                     out = jax.jit(f)(q, pk, pv, sk, sv, sl)
                     if ref is None:
@@ -266,13 +269,13 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
                 k_full = jnp.concatenate([jnp.broadcast_to(pk[None], (b,) + pk.shape), sk], axis=1)
                 v_full = jnp.concatenate([jnp.broadcast_to(pv[None], (b,) + pv.shape), sv], axis=1)
                 lens = jnp.full((b,), p + s, jnp.int32)
-                t = loop_time(flat_gqa, q, (k_full, v_full, lens))
+                t = loop_time(flat_gqa, q, (k_full, v_full, lens), compiler_options=GRAPH_ALWAYS)
                 if check and ref is not None:
                     rec[c + "_maxdiff_vs_shared"] = float(jnp.max(jnp.abs(jax.jit(flat_gqa)(
                         q, k_full, v_full, lens).astype(jnp.float32) - ref.astype(jnp.float32))))
                 del k_full, v_full
             elif c == "composed":
-                t = loop_time(composed, q, (pk, pv, sk, sv, sl))
+                t = loop_time(composed, q, (pk, pv, sk, sv, sl), compiler_options=GRAPH_ALWAYS)
                 if check and ref is not None:
                     rec[c + "_maxdiff_vs_shared"] = float(jnp.max(jnp.abs(jax.jit(composed)(
                         q, pk, pv, sk, sv, sl).astype(jnp.float32) - ref.astype(jnp.float32))))

@@ -38,6 +38,15 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 3, iters: 
     return min(times) if stat == "min" else statistics.median(times)
 
 
+# XLA compile options for timing loops that stand for a kernel inside a model's decode step:
+# every loop body becomes one CUDA graph.  XLA's default (``xla_gpu_graph_min_graph_size`` 5)
+# graphs only bodies of at least 5 kernels, so a path that launches fewer kernels is launched
+# kernel by kernel from the host and measured slower than with more: session 12 measured the
+# shared path at Hq=8 B=16 P=1K S=64 at 23.6 us with 2 launches (default) against 13.8 us with
+# 5 (bench/results/logs/session12_ab12x_h200.jsonl), and 11.4 us with 2 launches under these
+# options.  Inside a model's step the body holds many kernels and is graphed either way.
+GRAPH_ALWAYS = {"xla_gpu_graph_min_graph_size": 1}
+
 LOOP_COUNTS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # static trip counts loop_time may compile
 
 
