@@ -65,13 +65,12 @@ def _attend_span(q, kp_ref, vp_ref, h, start, n, carry, *, block_k, scale_log2, 
     return lax.fori_loop(0, (n + block_k - 1) // block_k, body, carry)
 
 
-def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, span_start, block_k, seq_len,
-            scale_log2, precision, out_dtype, splits, span_chunk, suffix_chunk):
+def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, scale_log2,
+            precision, out_dtype, splits, span_chunk, suffix_chunk):
     it = iter(refs)
     q_ref, len_ref = next(it), next(it)
     if has_span:
-        st_ref = next(it) if span_start else None
-        sn_ref, kp_ref, vp_ref = next(it), next(it), next(it)
+        st_ref, sn_ref, kp_ref, vp_ref = next(it), next(it), next(it), next(it)
     k_ref, v_ref = next(it), next(it)
     inc = []
     for hp in has_pos:
@@ -91,8 +90,10 @@ def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, span_start, block_
     if has_span:  # the pool span first (the softmax state does not care about key order)
         s0 = sp * span_chunk
         n_span = jnp.clip(jnp.max(sn_ref[...]) - s0, 0, span_chunk)
-        start = s0 if st_ref is None else jnp.max(st_ref[...]) + s0
-        carry = _attend_span(q, kp_ref, vp_ref, h, start, n_span,
+        # (the start is always read from memory: with a start known to the compiler, e.g. 0,
+        # Triton built a loop that ran 1.1-1.65x slower at Hq=32 B=64-256 P=4K-16K S=64-128 on
+        # an H200, bench/results/logs/session12_probe_span12_h200.jsonl)
+        carry = _attend_span(q, kp_ref, vp_ref, h, jnp.max(st_ref[...]) + s0, n_span,
                              carry, block_k=block_k, scale_log2=scale_log2, precision=precision)
     n = jnp.max(len_ref[...])  # keys of this sequence's suffix
     acc, m_i, l_i = attend_pool(q, jnp.broadcast_to(b, (rows,)), jnp.broadcast_to(n, (rows,)),
@@ -139,10 +140,10 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
         ``suffix_rows(Hq, Hkv)`` rows from there, so ``M_in >= (B - 1) * stride + R``.
       span: optional ``(k_pool, v_pool [N, Hkv, D], start_b [B], len_b [B])`` (int32,
         dynamic): sequence ``b`` also attends the pool keys ``[start_b[b], start_b[b] +
-        len_b[b])`` (e.g. a tree node only it reads), read where they live.  ``start_b`` may
-        be None (0 for every sequence) and ``len_b`` may have shape ``[1]`` (one length for
-        every sequence, e.g. one shared prefix): then no per-sequence array has to be built
-        for the call (on the GPU each would be one more XLA launch before this one).
+        len_b[b])`` (e.g. a tree node only it reads), read where they live.  ``start_b`` and
+        ``len_b`` may each have shape ``[1]`` (the same for every sequence, e.g. one shared
+        prefix): then no per-sequence array has to be built for the call (on the GPU each would
+        be one more XLA launch before this one).
       span_max: static bound on ``len_b`` (default: the pool size ``N``); it sets the span's
         chunk per key split.
       num_splits: static; the span's and the suffix's keys are each cut into ``num_splits``
@@ -188,7 +189,7 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
     kernel = functools.partial(
         _kernel, hq=hq, grp=grp, rows=rows, strides=tuple(int(s[2]) for s in sources),
         has_pos=tuple(s[3] is not None for s in sources), has_span=span is not None,
-        span_start=span is not None and span[2] is not None, block_k=block_k, seq_len=s_len, scale_log2=float(scale) * _LOG2E, precision=precision,
+        block_k=block_k, seq_len=s_len, scale_log2=float(scale) * _LOG2E, precision=precision,
         out_dtype=q_bhd.dtype, splits=splits, span_chunk=span_chunk, suffix_chunk=suffix_chunk)
     whole = lambda x: pl.BlockSpec(x.shape, lambda h, i, s, n=x.ndim: (0,) * n)  # noqa: E731
     one = pl.BlockSpec((1,), lambda h, i, s: (i,))
@@ -200,13 +201,12 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
         if interpret:  # the CPU interpreter clamps a slice that runs past the pool (see above)
             kp = jnp.pad(kp, ((0, block_k), (0, 0), (0, 0)))
             vp = jnp.pad(vp, ((0, block_k), (0, 0), (0, 0)))
-        if st is not None:
-            args.append(st.astype(jnp.int32).reshape(b))
-            in_specs.append(one)
-        n_len = 1 if sn.shape == (1,) else b
-        args += [sn.astype(jnp.int32).reshape(n_len), kp, vp]
-        in_specs += [one if n_len == b else pl.BlockSpec((1,), lambda h, i, s: (0,)), whole(kp),
-                     whole(vp)]
+        for x in (st, sn):  # [B], or [1]: the same for every sequence
+            n_x = 1 if x.shape == (1,) else b
+            args.append(x.astype(jnp.int32).reshape(n_x))
+            in_specs.append(one if n_x == b else pl.BlockSpec((1,), lambda h, i, s: (0,)))
+        args += [kp, vp]
+        in_specs += [whole(kp), whole(vp)]
     args += [suffix_k, suffix_v]
     in_specs += [whole(suffix_k), whole(suffix_v)]
     for o_in, lse_in, _, pos in sources:

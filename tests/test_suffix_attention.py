@@ -160,8 +160,8 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu, num_splits=1, one_span=False):
     """Pool spans at unaligned starts (some empty, one at the very end of the pool) plus two
     incoming sources in different layouts (one permuted with a wider stride, one in order).
 
-    ``one_span``: the form a single shared prefix takes, every sequence the same span from pool
-    token 0 given as ``start_b=None`` and a ``[1]`` length (123 keys: unaligned to any tile).
+    ``one_span``: the form a single shared prefix takes, every sequence the same span given as
+    a ``[1]`` start and a ``[1]`` length (from pool token 3, 123 keys: unaligned to any tile).
 
     ``num_splits > 1``: no incoming sources; the span's and the suffix's keys are split across
     programs and the float32 partial states merged afterwards (``merge_partials``)."""
@@ -186,7 +186,7 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu, num_splits=1, one_span=False):
     span_start = np.array([rng.integers(0, n_pool - n + 1) for n in span_len])
     span_start[-1], span_len[-1] = n_pool - 37, 37      # runs to the last pool token
     if one_span:
-        span_start, span_len = np.zeros(b, np.int64), np.full(b, 123)
+        span_start, span_len = np.full(b, 3), np.full(b, 123)
     used = np.zeros(n_pool, bool)
     for a, n in zip(span_start, span_len):
         used[a:a + n] = True
@@ -206,7 +206,7 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu, num_splits=1, one_span=False):
     to = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     st, sn = jnp.asarray(span_start, jnp.int32), jnp.asarray(span_len, jnp.int32)
     if one_span:
-        st, sn = None, jnp.asarray([123], jnp.int32)
+        st, sn = jnp.asarray([3], jnp.int32), jnp.asarray([123], jnp.int32)
     out, lse = jax.jit(lambda q, k, v, n, kp, vp, sn, st=st: suffix_decode_merge(
         q, k, v, n, sources or None, span=(kp, vp, st, sn), span_max=150, num_splits=num_splits,
         scale=scale, block_k=bk, interpret=not gpu))(
