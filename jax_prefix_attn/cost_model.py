@@ -80,6 +80,19 @@ its merge reads only the real rows.  On the re-measured grid (runs 12-15) auto i
 of 75 points (misses: Hq=8/Hkv=1 B=16 P=4K S=64 1.05x and S=256 1.13x, Hq=32 B=16 P=1K S=64
 1.11x, where auto takes flat and shared was 1-2 us faster), and out of sample at 14 of 15 shapes
 (``bench/results/logs/session11_validate_auto11_h200.json``, worst 1.15x: Hq=32 B=40 P=1K S=2K).
+Session 12 removed the decode path's remaining XLA glue before the Pallas calls (row limits,
+per-row metadata arrays: the overlap variant's glue went from 3-4 kernels to 1) and the grid's
+timing loops became one CUDA graph each (``bench.timing.GRAPH_ALWAYS``).  Re-measured (runs
+16-19), the shared path took a median 0.98x its session-11 time (0.80x-1.05x; small points
+0.85-0.95x), the flat path 1.00x; the model then overestimated the overlap variant by a median
+24% at the 45 small points against 6% for flat, and chose within 5% at 70 of 75 points (worst
+1.23x: Hq=32 B=16 P=1K S=256, flat 23.3 us where shared took 19.0).  ``T_KEY_FLAT`` back to
+4e-8 s: 71 of 75 (worst 1.12x) in-sample; out of sample
+(``bench/results/logs/session12_validate_auto12_h200.json``, 14 shapes measured in
+the same session at commit 89a36c0, before a fix that made flat 1.1-1.65x faster at some Hq=32
+shapes: its flat times there may be high) 12 of 14 within 5% instead of 11 (worst 1.11x either way).  No
+setting of ``T_LAUNCH`` (2-3.5 us), ``T_KEY_FLAT`` (3-4e-8 s) or the overlap weight (0-0.3)
+got below 4 misses: they are points 1-4 us apart, below the model's resolution.
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.
 """
@@ -94,7 +107,7 @@ L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kerne
 MMA = 3.0e14         # FLOP/s of the Triton-lowered prefix kernel's dots (measured 205-322)
 T_LAUNCH = 3.5e-6    # seconds per kernel launch / dependent stage (launch + ramp + tail)
 T_KEY = 3.0e-8       # seconds per key on one program's critical path (tile load latency)
-T_KEY_FLAT = 3.0e-8  # the same for the flat decode kernel (session 11: 4e-8 -> 3e-8, see below)
+T_KEY_FLAT = 4.0e-8  # the same for the flat decode kernel (session 11: 4e-8 -> 3e-8, 12: back)
 MMA_MGPU = 5.5e14    # FLOP/s of the Mosaic GPU prefix kernel (H200: 429-620 measured, session 9)
 SMS = 132            # streaming multiprocessors (H100 / H200)
 SLOTS = 198          # programs that reach full bandwidth (fewer: proportionally less)
