@@ -83,8 +83,8 @@ of 75 points (misses: Hq=8/Hkv=1 B=16 P=4K S=64 1.05x and S=256 1.13x, Hq=32 B=1
 Session 12 removed the decode path's remaining XLA glue before the Pallas calls (row limits,
 per-row metadata arrays: the overlap variant's glue went from 3-4 kernels to 1) and the grid's
 timing loops became one CUDA graph each (``bench.timing.GRAPH_ALWAYS``).  Re-measured (runs
-16-19), the shared path took a median 0.98x its session-11 time (0.80x-1.05x; small points
-0.85-0.95x), the flat path 1.00x; the model then overestimated the overlap variant by a median
+18-19), the shared path took a median 0.98x its session-11 time (0.80-1.05x), the flat path
+1.00x (0.84-1.13x); the model then overestimated the overlap variant by a median
 24% at the 45 small points against 6% for flat, and chose within 5% at 70 of 75 points (worst
 1.23x: Hq=32 B=16 P=1K S=256, flat 23.3 us where shared took 19.0).  ``T_KEY_FLAT`` back to
 4e-8 s: 71 of 75 (worst 1.12x) in-sample; out of sample

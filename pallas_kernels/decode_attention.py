@@ -486,7 +486,8 @@ def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p
     if tq == 1 and layout == "own":
         from pallas_kernels.suffix_attention import suffix_decode_merge  # noqa: PLC0415
         # the prefix pool as one span per sequence: entry g's keys start at g * P
-        # (one prefix: start 0 and, when given, its length for every sequence, no [B] arrays)
+        # (one prefix: start 0 and, when given, its length, each one [1] array for every
+        # sequence: no [B] array to build)
         start = np.zeros((1,), np.int32) if g == 1 else seq_to_prefix.astype(jnp.int32) * p
         span_len = prefix_len_g if g == 1 and prefix_len_g is not None else lim_p[:, 0]
         span = (prefix_k.reshape(g * p, hkv, d), prefix_v.reshape(g * p, hkv, d), start,
