@@ -501,7 +501,7 @@ def flat_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p
         return o.astype(q.dtype)[:, None], lse[:, None]
     q_rows = rows_from_q(q.astype(prefix_k.dtype), hkv, r_pad)
     # (pool indices are constants where static: one prefix, and each suffix its own entry)
-    s2p = np.zeros((b,), np.int32) if prefix_k.shape[0] == 1 else seq_to_prefix
+    s2p = np.zeros((b,), np.int32) if g == 1 else seq_to_prefix
     src_p = Source(prefix_k, prefix_v, seq_rows(s2p, r_pad), row_meta(lim_p, grp, r_pad))
     src_s = Source(suffix_k, suffix_v, seq_rows(np.arange(b, dtype=np.int32), r_pad),
                    row_meta(lim_s, grp, r_pad))

@@ -690,8 +690,8 @@ def overlap_partials(q_pre, grp_rows, limp_rows, prefix_k, prefix_v, q_suf, sidx
     chunk_p = split_chunk(p_len, num_splits, block_k)
     chunk_s = split_chunk(s_len, suffix_splits, suffix_block_k)
     precision = lax.Precision.HIGHEST if q_pre.dtype == jnp.float32 else lax.Precision.DEFAULT
-    one_limit = limp_rows.shape == (1,) and m != 1
-    seq_limits = lims_rows.shape == (batch,) and r16 != 1
+    one_limit = limp_rows.shape == (1,)  # (m and r16 are >= 16: the forms cannot be confused)
+    seq_limits = lims_rows.shape == (batch,)
     assert one_limit or limp_rows.shape == (m,), (limp_rows.shape, m)
     assert seq_limits or lims_rows.shape == (batch * r16,), (lims_rows.shape, batch, r16)
     kernel = functools.partial(
