@@ -104,10 +104,18 @@ MGPU_SCHEDULE_BARRIER = True
 # "one_launch": prefix and suffix in the CTAs of one Mosaic GPU kernel
 #   (``shared_decode_mgpu.shared_decode_partials_mgpu``), then the same XLA merge as
 #   "independent", wherever the kernel applies (``one_launch_plan(..., force=True)``);
+# "joint": one Mosaic GPU pass where each CTA brings its rows' suffix tiles through the same
+#   pipeline as the prefix tiles, into the same softmax state (``joint_decode_mgpu``); measured
+#   1.03-1.40x the default's time at 7 Hq=32 points (session 13, see that module): opt-in;
 # "auto" (default): "one_launch" where ``one_launch_plan`` says it pays (measured), else
 #   "independent".
+# Session 13 re-measured "epilogue" against the default after the suffix kernel's move to the
+# queries' own layout (session 11), and the default under ``CONCURRENT_COMPILER_OPTIONS``
+# (H200, one run, 17 points of the grid with B >= 256, P >= 4K:
+# ``bench/results/logs/session13_probe_merge13_h200.jsonl``): "epilogue" 0.98-1.21x the
+# default's time (median 1.035x), concurrent scheduling 0.98-1.12x (median 0.997x).
 MGPU_MERGE = "auto"
-MGPU_MERGES = ("epilogue", "independent", "one_launch", "auto")
+MGPU_MERGES = ("epilogue", "independent", "one_launch", "joint", "auto")
 # Knobs of the one-launch kernel (None: the plan's choice).  Session 7, H200, one run
 # (bench/results/logs/session7_probe_one_launch2_h200.json): the unsplit prefix (num_splits=1)
 # with interleaved tasks was the fastest setting at P=4K; splitting the prefix, or suffix tasks
@@ -476,6 +484,45 @@ def _one_launch_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, in
                             dtype=q.dtype, inv=None)
 
 
+def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
+               interpret: bool = False) -> dict | None:
+    """Static plan of the one-pass decode kernel (``joint_decode_mgpu``): its keyword arguments,
+    or ``None`` where it does not apply (the Mosaic GPU prefix kernel not taken, or shapes
+    outside ``joint_supported``)."""
+    from pallas_kernels import joint_decode_mgpu as jd  # noqa: PLC0415
+    if mgpu_decode_splits(b, hq, hkv, p, d, jnp.dtype(dtype).itemsize, interpret=interpret) is None:
+        return None
+    if jd.joint_supported(batch=b, heads_q=hq, heads_kv=hkv, prefix_len=p, suffix_cap=s,
+                          head_dim=d, dtype=dtype) is not None:
+        return None
+    return dict(num_splits=JOINT_SPLITS)
+
+
+JOINT_SPLITS: int | None = None  # prefix splits of the one-pass kernel (None: choose_splits)
+
+
+def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, num_splits):
+    """Decode with one prefix through the one-pass kernel; with one prefix split its output is
+    the attention itself (a layout change only), else one XLA merge of the splits."""
+    from pallas_kernels import joint_decode_mgpu as jd  # noqa: PLC0415
+    b, _, hq, d = q.shape
+    hkv = pk.shape[1]
+    g = hq // hkv
+    m = b * g
+    m128 = cdiv(m, 128) * 128
+    qm = rows_from_q(q, hkv, g)  # [Hkv, B * G, D]
+    qm = jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm
+    # (interpret: no ping-pong barrier -- Mosaic GPU's CPU interpreter (jax 0.10) hangs on the
+    # turns taken inside this kernel's conditional prefix step; the GPU runs it)
+    o, lse = jd.joint_decode_mgpu(qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale,
+                                  group=g, num_splits=num_splits, schedule_barrier=not interpret,
+                                  interpret=interpret, _cpu_check=interpret)
+    if o.shape[0] == 1:
+        return (rows_to_out(o[0, :, :m], b, 1, hq, g).astype(q.dtype),
+                rows_to_out(lse[0, :, :m], b, 1, hq, g))
+    return _merge_row_parts([(o, lse, g)], b=b, tq=1, hq=hq, r=g, dtype=q.dtype, inv=None)
+
+
 def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
                           *, scale, interpret=False, prefix_cfg=None, suffix_block_k=None,
                           suffix_warps=None, suffix_stages=None, suffix_splits=None, variant=None,
@@ -538,6 +585,11 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                 force=MGPU_MERGE == "one_launch")
                 if MGPU_MERGE in ("one_launch", "auto") and ss == 1 else None)
         p_len = jnp.max(lim_p) if one_len is None else one_len.reshape(())
+        jplan = (joint_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret)
+                 if MGPU_MERGE == "joint" else None)
+        if jplan is not None:
+            return _joint_decode(q, prefix_k[0], prefix_v[0], p_len, suffix_k, suffix_v,
+                                 lim_s[:, 0], scale=scale, interpret=interpret, **jplan)
         if plan is not None:  # (its own plan checks that the Mosaic GPU kernel applies)
             return _one_launch_decode(q, prefix_k[0], prefix_v[0], p_len, suffix_k,
                                       suffix_v, lim_s[:, 0], scale=scale, interpret=interpret,

@@ -1,0 +1,287 @@
+"""One-pass shared-prefix decode through Pallas Mosaic GPU: every CTA streams its own rows'
+suffix tiles through the *same* pipeline as the shared prefix tiles, into the *same* online
+softmax state, so one SM's tensor cores work on prefix tiles while its memory warpgroup brings
+suffix tiles from HBM.
+
+Why: the shared path's two parts are each near their own roofline (H200, Hq=32/Hkv=8, B=1024
+P=4K S=64: the prefix kernel 113 us at ~600 TFLOP/s, the suffix kernel 72 us at ~3.7 TB/s,
+``bench/results/logs/session9_kernel_profile_misses_h200.json``) but run one after the other,
+while the floor is the larger of the two (103 us).  Running them in different CTAs of one
+launch (:mod:`pallas_kernels.shared_decode_mgpu`) or as concurrent launches overlapped little:
+an SM that holds a suffix task waits on memory with its tensor cores idle.  Here each step of a
+CTA's pipeline brings one prefix tile (shared by the CTA's two compute warpgroups) and one
+suffix tile per warpgroup; the suffix tile belongs to one sequence of the warpgroup's 64 rows
+and counts only for that sequence's ``G`` rows (the others are masked), so the suffix costs
+``64 / G`` times its useful tensor-core work -- small next to the prefix's -- and no merge of
+prefix and suffix states is needed at all: the state a CTA writes is the final attention of its
+rows when the prefix is not split.
+
+Scope (static, :func:`joint_supported`): decoding (one query per sequence), one prefix shared
+by every sequence (all see ``p_len`` keys), 16-bit inputs, ``head_dim`` 64 or 128,
+``G = Hq / Hkv`` a power of two dividing 64, ``P % 128 == 0``, suffix capacity
+``S % block_s == 0``.
+
+Layouts: ``q_hmd [Hkv, M, D]`` rows ``b * G + j`` (query head ``h * G + j`` of sequence ``b``;
+``M`` a multiple of 128, rows ``>= B * G`` padding), prefix ``k/v [P, Hkv, D]`` with ``p_len``
+valid keys (``[1]`` or scalar int32, dynamic), suffix ``k/v [B, S, Hkv, D]`` with ``s_len [B]``
+int32 valid keys (dynamic).  Output ``o [splits, Hkv, M, D]`` (q's dtype, normalised) and
+``lse [splits, Hkv, M]`` (float32, natural log; ``-inf`` and ``o = 0`` where a split saw no
+key).  Split ``sp`` holds prefix key tiles ``[sp * T, (sp + 1) * T)`` and the suffixes of the
+sequences ``sp * n, ..., sp * n + n - 1`` of each warpgroup's ``64 / G`` (``n = ceil(64 / G /
+splits)``); the caller merges the splits by their LSE (nothing to merge with one split).
+
+Kernel: grid ``(Hkv, M / 128, splits)``, two compute warpgroups of 64 rows and one memory
+warpgroup (TMA pipeline, ``steps`` stages).  Step ``t`` of ``max(T, n * S / block_s)``: prefix
+tile ``t`` (while ``t < T``; the two warpgroups take turns on the tensor cores, the ping-pong
+schedule of :mod:`pallas_kernels.prefix_attention_mgpu`), then suffix tile ``t`` of each
+warpgroup (sequence ``t // (S / block_s)`` of the split's, tile ``t % (S / block_s)``).  Tiles
+past a sequence's length, and steps past a part's end, repeat the last fetched tile (no new
+load) and are skipped or masked; ``V`` rows past a suffix length are zeroed in shared memory
+before ``P V`` so that whatever the cache holds there (NaN included) never reaches the output.
+Keys of the prefix past ``p_len`` are masked in the scores only: they must be finite (as for
+:func:`pallas_kernels.prefix_attention_mgpu.prefix_partials_mgpu`).
+
+Pipeline specs: prefix ``K``, ``V`` tiles of ``block_kv`` keys (both warpgroups) and suffix
+``K``, ``V`` tiles of ``block_s`` keys, which go to the warpgroups in turn (step ``t`` to
+warpgroup ``t % 2``).  Shared memory (:func:`joint_tiles`): at ``D = 128`` two stages of
+``(2 * 64 + 2 * 64) * D`` bf16; 128-key prefix tiles with 64-key suffix tiles need 136 bytes
+more than Hopper's 227 KB per CTA, and Mosaic GPU's layout inference fails for tiles under 64
+keys, so the prefix tiles there are 64 keys (128 at ``D = 64``).
+
+Measured, H200, whole shared path against the default (``bench/results/logs/
+session13_probe_joint13_h200.jsonl``, one run, Hq=32/Hkv=8 D=128): 1.12x the time at B=256
+P=4K S=64 (1.03x with 2 prefix splits), 1.22x at B=1024 P=4K S=64, 1.21-1.40x at the other 5
+points with S=128-256.  Slower everywhere measured, so it is opt-in
+(``prefix_attention.MGPU_MERGE = "joint"``), kept as the tested base for the work this needs:
+64-key prefix tiles halve each tensor-core step against the two-launch path's 128, and the
+suffix steps, one sequence's ``G`` rows of 64 per product, add tensor-core and softmax work
+that the prefix kernel, already near the matmul rate, has no room for.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import prefix_attention_mgpu as pm
+from pallas_kernels.prefix_attention_mgpu import plgpu
+
+__all__ = ["joint_supported", "joint_decode_mgpu", "joint_tiles"]
+
+_LOG2E = math.log2(math.e)
+SMEM_BYTES = 232448  # shared memory per CTA on Hopper
+
+
+def joint_tiles(head_dim: int, itemsize: int = 2, steps: int = 2) -> tuple[int, int]:
+    """``(block_kv, block_s)``: prefix and suffix tile keys, the largest in {128, 64} (prefix
+    first) whose ``steps``-stage pipeline fits in shared memory (Mosaic GPU's layout inference
+    needs tiles of at least 64 keys).  ``(64, 64)`` at ``D = 128``, ``(128, 128)`` at 64."""
+    q_bytes = 2 * 64 * head_dim * itemsize
+    for bkv, bs in ((128, 128), (128, 64), (64, 64)):
+        stage = 2 * (bkv + bs) * head_dim * itemsize
+        if steps * stage + q_bytes + 4096 <= SMEM_BYTES:  # (+ LSE rows, barriers, alignment)
+            return bkv, bs
+    return 64, 64
+
+
+def joint_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
+                    head_dim: int, dtype, block_s: int | None = None) -> str | None:
+    """``None`` when :func:`joint_decode_mgpu` handles these static shapes, else the reason."""
+    g = heads_q // heads_kv
+    if g < 1 or heads_q % heads_kv or g & (g - 1) or 64 % g:
+        return f"query heads per kv head must be a power of two dividing 64, got {heads_q}/{heads_kv}"
+    rows = -(-batch * g // 128) * 128
+    why = pm.mgpu_supported(rows=rows, prefix_len=prefix_len, head_dim=head_dim, dtype=dtype)
+    if why is not None:
+        return why
+    bs = joint_tiles(head_dim)[1] if block_s is None else block_s
+    if suffix_cap % bs or suffix_cap == 0:
+        return f"suffix capacity {suffix_cap} must be a positive multiple of block_s={bs}"
+    return None
+
+
+def _suffix_part(*, q_smem, k_smem, v_smem, carry, seq, n, key0, group, block_s, scale_log2,
+                 dtype, p_smem, cpu_check):
+    """One suffix tile for one warpgroup, into its running state: its 64 rows against
+    ``k/v_smem [block_s, D]`` (keys ``key0 + j`` of local sequence ``seq``); only rows
+    ``[seq * group, +group)`` and keys ``< n`` count.  ``V`` rows past ``n`` are zeroed first."""
+    d = v_smem.shape[-1]
+    s = pm.wg_scores(q_smem, k_smem, shape=(64, block_s), cpu_check=cpu_check)
+    rows = lax.broadcasted_iota(jnp.int32, (64, block_s), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (64, block_s), 1)
+    valid = (rows >= seq * group) & (rows < (seq + 1) * group) & (key0 + cols < n)
+
+    @pl.when(key0 + block_s > n)
+    def _zero_past_length():             # keep NaN / Inf past the length out of P V
+        keys = lax.broadcasted_iota(jnp.int32, (block_s, d), 0)
+        v_smem[...] = jnp.where(key0 + keys < n, v_smem[...], jnp.zeros_like(v_smem[...]))
+        plgpu.commit_smem()
+    acc, m_new, l_i, p16 = pm.softmax_step(s, valid, carry, scale_log2=scale_log2, dtype=dtype)
+    acc = pm.wg_accumulate_pv(acc, p16, v_smem, p_smem, cpu_check=cpu_check)
+    return acc, m_new, l_i
+
+
+def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, scale: float,
+                      group: int, num_splits: int | None = None, block_kv: int | None = None,
+                      block_s: int | None = None, steps: int = 2, schedule_barrier: bool = True,
+                      interpret: bool = False, _cpu_check: bool = False):
+    """Attention of every row over the prefix keys ``[0, p_len)`` and its own sequence's suffix
+    keys ``[0, s_len[b])``, in one pass; see the module docstring for layouts and scope.
+
+    Returns ``(o [splits, Hkv, M, D], lse [splits, Hkv, M])``.  ``num_splits``: prefix splits
+    (None: :func:`prefix_attention_mgpu.choose_splits` over the ``Hkv * M / 128`` CTAs).
+    ``block_kv`` / ``block_s``: prefix / suffix tile keys (None: :func:`joint_tiles`).
+    ``interpret`` runs Mosaic GPU's CPU interpreter and needs ``_cpu_check`` (tests only).
+
+    Raises ``ValueError`` for shapes outside the scope or splits that do not divide the prefix
+    tiles.
+    """
+    hkv, m, d = q_hmd.shape
+    p = pk_phd.shape[0]
+    b, s_cap = sk_bshd.shape[:2]
+    dtype = q_hmd.dtype
+    if m % 128 or m < b * group:
+        raise ValueError(f"q rows {m} must be a multiple of 128 covering {b} x {group} rows")
+    t_kv, t_s = joint_tiles(d, jnp.dtype(dtype).itemsize, steps)
+    block_kv = t_kv if block_kv is None else int(block_kv)
+    bs = t_s if block_s is None else int(block_s)
+    why = joint_supported(batch=b, heads_q=hkv * group, heads_kv=hkv, prefix_len=p,
+                          suffix_cap=s_cap, head_dim=d, dtype=dtype, block_s=bs)
+    if why is not None:
+        raise ValueError(f"joint_decode_mgpu cannot run these shapes: {why}")
+    if pk_phd.shape != (p, hkv, d) or pv_phd.shape != pk_phd.shape:
+        raise ValueError(f"prefix k/v must have shape {(p, hkv, d)}, got {pk_phd.shape} and "
+                         f"{pv_phd.shape}")
+    if sk_bshd.shape != (b, s_cap, hkv, d) or sv_bshd.shape != sk_bshd.shape:
+        raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
+                         f"{sk_bshd.shape} and {sv_bshd.shape}")
+    if p % block_kv:
+        raise ValueError(f"prefix length {p} must be a multiple of block_kv={block_kv}")
+    pk_phd, pv_phd, sk_bshd, sv_bshd = (x.astype(dtype) for x in (pk_phd, pv_phd, sk_bshd, sv_bshd))
+    if _cpu_check:  # CPU-interpreter check only: its wgmma cannot read a transposed ref
+        pk_phd = jnp.transpose(pk_phd, (1, 2, 0))       # [Hkv, D, P]
+        sk_bshd = jnp.transpose(sk_bshd, (0, 2, 3, 1))  # [B, Hkv, D, S]
+    m_blocks = m // 128
+    n_tiles = p // block_kv
+    splits = (pm.choose_splits(p // 128, hkv * m_blocks) if num_splits is None
+              else int(num_splits))
+    if splits < 1 or n_tiles % splits:
+        raise ValueError(f"num_splits={splits} must divide the {n_tiles} prefix tiles")
+    t_pre = n_tiles // splits                      # prefix tiles per split
+    seqs = 64 // group                             # sequences per warpgroup (64 rows)
+    n_seq = -(-seqs // splits)                     # of them, per split
+    s_tiles = s_cap // bs
+    t_suf = 2 * n_seq * s_tiles                    # suffix steps: the warpgroups alternate
+    n_steps = max(t_pre, t_suf)
+    stages = max(1, min(steps, n_steps))
+    scale_log2 = float(scale) * _LOG2E
+
+    def kernel(plen_ref, slen_ref, q_ref, pk_ref, pv_ref, sk_ref, sv_ref, o_ref, lse_ref,
+               q_smem2, lse_smem2, q_barriers, sched_barrier, *maybe_p):
+        h, mb, sp = lax.axis_index("h"), lax.axis_index("m"), lax.axis_index("s")
+        wg = lax.axis_index("wg")
+        n_keys = plen_ref[0]
+        first_tile = sp * t_pre
+        r0 = mb * 128 + wg * 64
+        turn = functools.partial(pm.take_turn, sched_barrier, schedule_barrier)
+        compute_context = pm.wg_compute_context(
+            q_src=q_ref.at[h, pl.ds(r0, 64)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
+            lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[sp, h, pl.ds(r0, 64)],
+            lse_dst=lse_ref.at[sp, h, pl.ds(r0, 64)], block_q=64, d=d, dtype=dtype,
+            before=lambda: pl.when(wg == 1)(turn), after=lambda: pl.when(wg == 0)(turn))
+        p_pre, p_suf = (maybe_p[0].at[wg], maybe_p[1].at[wg]) if _cpu_check else (None, None)
+
+        def suffix_step(t):
+            """(owner warpgroup, local sequence, clamped global sequence, its valid keys, tile)
+            of step ``t`` (clamped to the last suffix step): steps alternate between the
+            warpgroups; each walks its split's sequences, each sequence tile by tile."""
+            t = jnp.minimum(t, t_suf - 1)
+            w, u = t % 2, t // 2
+            i = sp * n_seq + u // s_tiles
+            g_seq = mb * 2 * seqs + w * seqs + i
+            real = (i < seqs) & (g_seq < b)
+            bc = jnp.minimum(g_seq, b - 1)
+            n = jnp.where(real, slen_ref[bc], 0)
+            return w, i, bc, n, u % s_tiles
+
+        def pre_body(t, pk_s, pv_s, pk_done, pv_done, carry):
+            s = pm.wg_scores(q_smem2.at[wg], pk_s, shape=(64, block_kv), cpu_check=_cpu_check,
+                             after_issue=turn)
+            plgpu.barrier_arrive(pk_done)
+            key0 = (first_tile + t) * block_kv
+            acc, m_new, l_i, p16 = pm.masked_softmax_step(
+                s, lambda: key0 + lax.broadcasted_iota(jnp.int32, (64, block_kv), 1) < n_keys,
+                key0 + block_kv > n_keys, carry, scale_log2=scale_log2, dtype=dtype)
+            if schedule_barrier:  # softmax done: wait for the tensor cores' turn
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                turn()
+            acc = pm.wg_accumulate_pv(acc, p16, pv_s, p_pre, cpu_check=_cpu_check)
+            plgpu.barrier_arrive(pv_done)
+            return acc, m_new, l_i
+
+        def tile_body(indices, pk_s, pv_s, sk_s, sv_s, pk_done, pv_done, sk_done, sv_done, carry):
+            t = indices[0]
+
+            def skip_pre(c):
+                plgpu.barrier_arrive(pk_done)
+                plgpu.barrier_arrive(pv_done)
+                return c
+            carry = lax.cond(t < t_pre, lambda c: pre_body(t, pk_s, pv_s, pk_done, pv_done, c),
+                             skip_pre, carry)
+            w, i, _, n, tile = suffix_step(t)
+            key0 = tile * bs
+            part = functools.partial(_suffix_part, q_smem=q_smem2.at[wg], k_smem=sk_s,
+                                     v_smem=sv_s, seq=i, n=n, key0=key0, group=group, block_s=bs,
+                                     scale_log2=scale_log2, dtype=dtype, p_smem=p_suf,
+                                     cpu_check=_cpu_check)
+            carry = lax.cond((wg == w) & (t < t_suf) & (key0 < n), lambda c: part(carry=c),
+                             lambda c: c, carry)
+            plgpu.barrier_arrive(sk_done)
+            plgpu.barrier_arrive(sv_done)
+            return carry
+
+        def pre_spec(transposed):
+            def index_map(t):
+                tile = first_tile + jnp.minimum(t, t_pre - 1)
+                return (0, tile) if transposed else (tile, 0)
+            shape = (d, block_kv) if transposed else (block_kv, d)
+            return plgpu.BlockSpec(block_shape=shape, index_map=index_map)
+
+        def suf_spec(transposed):
+            def index_map(t):
+                _, _, bc, n, tile = suffix_step(t)
+                tile = jnp.minimum(tile, jnp.maximum((n + bs - 1) // bs - 1, 0))
+                return (bc, 0, tile) if transposed else (bc, tile, 0)
+            shape = (None, d, bs) if transposed else (None, bs, d)
+            return plgpu.BlockSpec(block_shape=shape, index_map=index_map)
+
+        pipeline = pm.wg_pipeline(
+            tile_body, n_steps=n_steps, steps=stages, compute_context=compute_context,
+            in_specs=[pre_spec(_cpu_check), pre_spec(False), suf_spec(_cpu_check),
+                      suf_spec(False)])
+        pipeline(pk_ref.at[h] if _cpu_check else pk_ref.at[:, h, :], pv_ref.at[:, h, :],
+                 sk_ref.at[:, h] if _cpu_check else sk_ref.at[:, :, h, :], sv_ref.at[:, :, h, :])
+
+    return plgpu.kernel(
+        kernel,
+        grid=(hkv, m_blocks, splits),
+        grid_names=("h", "m", "s"),
+        num_threads=3,
+        thread_name="wg",
+        out_type=(jax.ShapeDtypeStruct((splits, hkv, m, d), dtype),
+                  jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32)),
+        scratch_types=(plgpu.SMEM((2, 64, d), dtype),
+                       plgpu.SMEM((2, 64), jnp.float32),
+                       plgpu.Barrier(num_barriers=2),
+                       plgpu.Barrier(num_arrivals=2))
+                      + ((plgpu.SMEM((2, 64, block_kv), dtype), plgpu.SMEM((2, 64, bs), dtype))
+                         if _cpu_check else ()),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": pm._gpu_interpret_params()} if interpret else {}),
+    )(jnp.asarray(p_len, jnp.int32).reshape(1), jnp.asarray(s_len, jnp.int32).reshape(b), q_hmd,
+      pk_phd, pv_phd, sk_bshd, sv_bshd)

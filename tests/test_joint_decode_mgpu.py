@@ -1,0 +1,130 @@
+"""The one-pass shared-prefix decode kernel (``pallas_kernels.joint_decode_mgpu``).
+
+CPU: the shared-memory plan, the errors, the kernel lowered for CUDA, and the kernel in Mosaic
+GPU's CPU interpreter against an independent float64 NumPy computation of each row's attention
+over ``[prefix[:p_len]; its suffix[:len]]`` (suffix caches poisoned with NaN past each length,
+lengths 0 and ``S`` included, padding sequences in the last row block).  GPU (marker ``gpu``):
+the same on the device, at the shapes of the benchmark grid too.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_attention import merge_partials
+from pallas_kernels.joint_decode_mgpu import joint_decode_mgpu, joint_supported, joint_tiles
+from test_shared_decode_mgpu import _case, _numpy_states
+
+
+def test_block_s_fits_shared_memory_and_errors():
+    assert joint_tiles(128) == (64, 64) and joint_tiles(64) == (128, 128)
+    bf = jnp.bfloat16
+    assert joint_supported(batch=256, heads_q=32, heads_kv=8, prefix_len=4096, suffix_cap=64,
+                           head_dim=128, dtype=bf) is None
+    assert "multiple of block_s" in joint_supported(batch=8, heads_q=8, heads_kv=2, prefix_len=256,
+                                                    suffix_cap=96, head_dim=128, dtype=bf)
+    assert "power of two" in joint_supported(batch=8, heads_q=12, heads_kv=4, prefix_len=256,
+                                             suffix_cap=64, head_dim=64, dtype=bf)
+    q = jnp.zeros((2, 128, 64), bf)
+    k = jnp.zeros((256, 2, 64), bf)
+    sk = jnp.zeros((20, 128, 2, 64), bf)
+    with pytest.raises(ValueError, match="num_splits=3"):
+        joint_decode_mgpu(q, k, k, 256, sk, sk, jnp.zeros(20, jnp.int32), scale=1.0, group=4,
+                          num_splits=3)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        joint_decode_mgpu(q[:, :100], k, k, 256, sk, sk, jnp.zeros(20, jnp.int32), scale=1.0,
+                          group=4)
+
+
+def _want(q, pk, pv, p_len, sk, sv, sl, g, scale):
+    """float64 attention of each real row over the prefix and its own suffix (merged states)."""
+    st = _numpy_states(q, pk, pv, p_len, sk, sv, sl, g, scale)
+    (o1, l1), (o2, l2) = st["pre"], st["suf"]
+    lse = np.logaddexp(l1, l2)
+    w1 = np.where(np.isfinite(l1), np.exp(l1 - np.where(np.isfinite(lse), lse, 0)), 0)
+    w2 = np.where(np.isfinite(l2), np.exp(l2 - np.where(np.isfinite(lse), lse, 0)), 0)
+    return o1 * w1[..., None] + o2 * w2[..., None], lse
+
+
+def _run(b, hq, hkv, d, p, p_len, s, splits, block_s, interpret, seed=0):
+    q, pk, pv, sk, sv, sl = _case(seed + b * 31 + p + s, b, hq, hkv, d, p, s)
+    g = hq // hkv
+    o, lse = joint_decode_mgpu(q, pk, pv, p_len, sk, sv, jnp.asarray(sl, jnp.int32),
+                               scale=d ** -0.5, group=g, num_splits=splits, block_s=block_s,
+                               schedule_barrier=not interpret,  # (the CPU interpreter hangs on it)
+                               interpret=interpret, _cpu_check=interpret)
+    assert o.shape[0] == (splits or o.shape[0]) and lse.shape == o.shape[:3]
+    o, lse = merge_partials(o.astype(jnp.float32), lse)
+    o, lse = np.asarray(o)[:, :b * g], np.asarray(lse)[:, :b * g]
+    wo, wl = _want(q, pk, pv, p_len, sk, sv, sl, g, d ** -0.5)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    fin = np.isfinite(wl)
+    assert (np.isfinite(lse) == fin).all()
+    assert (o[~fin] == 0).all()
+    rel = np.linalg.norm(o - wo) / np.linalg.norm(wo)
+    assert rel < 2e-2, rel
+    np.testing.assert_allclose(lse[fin], wl[fin], atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("d,block_s", [(128, None), (64, None), (64, 64)])
+def test_kernel_lowers_for_cuda(d, block_s):
+    """Lowered for CUDA (shared memory checked against Hopper's 227 KB per CTA)."""
+    from test_prefix_attention_mgpu import _lower_for_cuda
+    S = jax.ShapeDtypeStruct
+    b, hq, hkv, p, s = 64, 32, 8, 1024, 128
+    txt = _lower_for_cuda(
+        lambda q, pk, pv, n, sk, sv, sl: joint_decode_mgpu(
+            q, pk, pv, n, sk, sv, sl, scale=d ** -0.5, group=4, num_splits=2, block_s=block_s),
+        S((hkv, b * 4, d), jnp.bfloat16), S((p, hkv, d), jnp.bfloat16), S((p, hkv, d), jnp.bfloat16),
+        S((), jnp.int32), S((b, s, hkv, d), jnp.bfloat16), S((b, s, hkv, d), jnp.bfloat16),
+        S((b,), jnp.int32))
+    assert "mosaic_gpu" in txt
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,p,p_len,s,splits,block_s", [
+    (40, 8, 2, 64, 256, 200, 128, 1, 64),   # G = 4: 16 sequences per warpgroup, 2 suffix tiles
+    (40, 8, 2, 64, 384, 384, 64, 3, 64),    # 3 splits: 6/6/4 sequences of 16 per split
+    (20, 8, 1, 64, 256, 130, 128, 2, 64),   # G = 8, more suffix steps than prefix tiles
+])
+def test_kernel_in_cpu_interpreter(b, hq, hkv, d, p, p_len, s, splits, block_s):
+    _run(b, hq, hkv, d, p, p_len, s, splits, block_s, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,p,p_len,s,splits", [
+    (40, 8, 2, 64, 256, 200, 128, 1),       # D = 64: 128-key tiles
+    (40, 8, 2, 128, 384, 384, 64, 3),
+    (20, 8, 1, 128, 256, 128, 192, 2),
+    (256, 32, 8, 128, 4096, 4000, 64, None),
+    (300, 32, 8, 128, 1024, 1024, 256, 1),
+    (130, 8, 1, 64, 2048, 1900, 128, None),
+])
+def test_kernel_on_gpu(b, hq, hkv, d, p, p_len, s, splits):
+    _run(b, hq, hkv, d, p, p_len, s, splits, None, interpret=False)
+
+
+def _shared_path(monkeypatch, b, hq, hkv, d, p, s, impl, seed):
+    import pallas_kernels.prefix_attention as pa
+    from jax_prefix_attn import shared_prefix_attention
+    from test_shared_prefix import check, make_case, oracle
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    monkeypatch.setattr(pa, "MGPU_MERGE", "joint")
+    assert pa.joint_plan(b, hq, hkv, p, s, d, jnp.bfloat16, interpret=impl != "shared") is not None
+    sl = np.random.default_rng(seed).integers(0, s + 1, size=b)
+    sl[:2] = [0, s]
+    args, kw, meta = make_case(seed, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s,
+                               dtype=jnp.bfloat16, suffix_lengths=sl)
+    out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, impl=impl))(*args)
+    check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
+
+
+def test_shared_path_joint_in_cpu_interpreter(monkeypatch):
+    """``MGPU_MERGE = "joint"``: the whole shared path against the concatenation oracle."""
+    _shared_path(monkeypatch, 36, 8, 2, 64, 256, 128, "pallas_interpret", 12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,p,s", [(256, 32, 8, 128, 4096, 128), (1024, 32, 8, 128, 4096, 64),
+                                            (96, 8, 1, 128, 1024, 512)])
+def test_gpu_shared_path_joint(monkeypatch, b, hq, hkv, d, p, s):
+    _shared_path(monkeypatch, b, hq, hkv, d, p, s, "shared", 80 + b)
