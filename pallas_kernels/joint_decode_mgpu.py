@@ -50,8 +50,8 @@ keys, so the prefix tiles there are 64 keys (128 at ``D = 64``).
 
 Measured, H200, whole shared path against the default (``bench/results/logs/
 session13_probe_joint13_h200.jsonl``, one run, Hq=32/Hkv=8 D=128): 1.12x the time at B=256
-P=4K S=64 (1.03x with 2 prefix splits), 1.22x at B=1024 P=4K S=64, 1.21-1.40x at the other 5
-points with S=128-256.  Slower everywhere measured, so it is opt-in
+P=4K S=64 (1.03x with 2 prefix splits), 1.22x at B=1024 P=4K S=64 (1.25x with 2), 1.30-1.41x
+at the other 5 points, with S=128-256 (1.21-1.39x with 1 or 2 splits, the better of the two).  Slower everywhere measured, so it is opt-in
 (``prefix_attention.MGPU_MERGE = "joint"``), kept as the tested base for the work this needs:
 64-key prefix tiles halve each tensor-core step against the two-launch path's 128, and the
 suffix steps, one sequence's ``G`` rows of 64 per product, add tensor-core and softmax work

@@ -106,14 +106,15 @@ MGPU_SCHEDULE_BARRIER = True
 #   "independent", wherever the kernel applies (``one_launch_plan(..., force=True)``);
 # "joint": one Mosaic GPU pass where each CTA brings its rows' suffix tiles through the same
 #   pipeline as the prefix tiles, into the same softmax state (``joint_decode_mgpu``); measured
-#   1.03-1.40x the default's time at 7 Hq=32 points (session 13, see that module): opt-in;
+#   1.12-1.41x the default's time at 7 Hq=32 points, 1.03-1.39x with the better of 1 or 2
+#   prefix splits per point (session 13, see that module): opt-in;
 # "auto" (default): "one_launch" where ``one_launch_plan`` says it pays (measured), else
 #   "independent".
 # Session 13 re-measured "epilogue" against the default after the suffix kernel's move to the
 # queries' own layout (session 11), and the default under ``CONCURRENT_COMPILER_OPTIONS``
 # (H200, one run, 17 points of the grid with B >= 256, P >= 4K:
 # ``bench/results/logs/session13_probe_merge13_h200.jsonl``): "epilogue" 0.98-1.21x the
-# default's time (median 1.035x), concurrent scheduling 0.98-1.12x (median 0.997x).
+# default's time (median 1.036x), concurrent scheduling 0.98-1.12x (median 0.997x).
 MGPU_MERGE = "auto"
 MGPU_MERGES = ("epilogue", "independent", "one_launch", "joint", "auto")
 # Knobs of the one-launch kernel (None: the plan's choice).  Session 7, H200, one run
