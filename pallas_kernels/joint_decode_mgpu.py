@@ -192,7 +192,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
             q_src=q_ref.at[h, pl.ds(r0, 64)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
             lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[sp, h, pl.ds(r0, 64)],
             lse_dst=lse_ref.at[sp, h, pl.ds(r0, 64)], block_q=64, d=d, dtype=dtype,
-            before=lambda: pl.when(wg == 1)(turn), after=lambda: pl.when(wg == 0)(turn))
+            before=lambda: pl.when(wg == 1)(turn))
         p_pre, p_suf = (maybe_p[0].at[wg], maybe_p[1].at[wg]) if _cpu_check else (None, None)
 
         def suffix_step(t):
@@ -221,6 +221,10 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
                 turn()
             acc = pm.wg_accumulate_pv(acc, p16, pv_s, p_pre, cpu_check=_cpu_check)
             plgpu.barrier_arrive(pv_done)
+            # Warpgroup 0's closing turn right after the last prefix tile (not after the
+            # pipeline, as in the prefix kernel): warpgroup 1 waits on it there, and the
+            # suffix steps that follow need both warpgroups to release their tiles.
+            pl.when((wg == 0) & (t == t_pre - 1))(turn)
             return acc, m_new, l_i
 
         def tile_body(indices, pk_s, pv_s, sk_s, sv_s, pk_done, pv_done, sk_done, sv_done, carry):

@@ -513,11 +513,9 @@ def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpr
     m128 = cdiv(m, 128) * 128
     qm = rows_from_q(q, hkv, g)  # [Hkv, B * G, D]
     qm = jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm
-    # (interpret: no ping-pong barrier -- Mosaic GPU's CPU interpreter (jax 0.10) hangs on the
-    # turns taken inside this kernel's conditional prefix step; the GPU runs it)
     o, lse = jd.joint_decode_mgpu(qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale,
-                                  group=g, num_splits=num_splits, schedule_barrier=not interpret,
-                                  interpret=interpret, _cpu_check=interpret)
+                                  group=g, num_splits=num_splits, interpret=interpret,
+                                  _cpu_check=interpret)
     if o.shape[0] == 1:
         return (rows_to_out(o[0, :, :m], b, 1, hq, g).astype(q.dtype),
                 rows_to_out(lse[0, :, :m], b, 1, hq, g))

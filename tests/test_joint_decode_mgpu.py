@@ -51,7 +51,6 @@ def _run(b, hq, hkv, d, p, p_len, s, splits, block_s, interpret, seed=0):
     g = hq // hkv
     o, lse = joint_decode_mgpu(q, pk, pv, p_len, sk, sv, jnp.asarray(sl, jnp.int32),
                                scale=d ** -0.5, group=g, num_splits=splits, block_s=block_s,
-                               schedule_barrier=not interpret,  # (the CPU interpreter hangs on it)
                                interpret=interpret, _cpu_check=interpret)
     assert o.shape[0] == (splits or o.shape[0]) and lse.shape == o.shape[:3]
     o, lse = merge_partials(o.astype(jnp.float32), lse)
