@@ -10,7 +10,7 @@ while the floor is the larger of the two (103 us).  Running them in different CT
 launch (:mod:`pallas_kernels.shared_decode_mgpu`) or as concurrent launches overlapped little:
 an SM that holds a suffix task waits on memory with its tensor cores idle.  Here each step of a
 CTA's pipeline brings one prefix tile (shared by the CTA's two compute warpgroups) and one
-suffix tile per warpgroup; the suffix tile belongs to one sequence of the warpgroup's 64 rows
+suffix tile for one of the warpgroups (they take turns); the suffix tile belongs to one sequence of the warpgroup's 64 rows
 and counts only for that sequence's ``G`` rows (the others are masked), so the suffix costs
 ``64 / G`` times its useful tensor-core work -- small next to the prefix's -- and no merge of
 prefix and suffix states is needed at all: the state a CTA writes is the final attention of its
@@ -31,10 +31,11 @@ sequences ``sp * n, ..., sp * n + n - 1`` of each warpgroup's ``64 / G`` (``n = 
 splits)``); the caller merges the splits by their LSE (nothing to merge with one split).
 
 Kernel: grid ``(Hkv, M / 128, splits)``, two compute warpgroups of 64 rows and one memory
-warpgroup (TMA pipeline, ``steps`` stages).  Step ``t`` of ``max(T, n * S / block_s)``: prefix
-tile ``t`` (while ``t < T``; the two warpgroups take turns on the tensor cores, the ping-pong
-schedule of :mod:`pallas_kernels.prefix_attention_mgpu`), then suffix tile ``t`` of each
-warpgroup (sequence ``t // (S / block_s)`` of the split's, tile ``t % (S / block_s)``).  Tiles
+warpgroup (TMA pipeline, ``steps`` stages).  Step ``t`` of ``max(T, 2 * n * S / block_s)``:
+prefix tile ``t`` (while ``t < T``; the two warpgroups take turns on the tensor cores, the
+ping-pong schedule of :mod:`pallas_kernels.prefix_attention_mgpu`, warpgroup 0 taking its
+closing turn right after tile ``T - 1``), then, for warpgroup ``t % 2`` only, its suffix tile
+``u = t // 2`` (sequence ``u // (S / block_s)`` of the split's, tile ``u % (S / block_s)``).  Tiles
 past a sequence's length, and steps past a part's end, repeat the last fetched tile (no new
 load) and are skipped or masked; ``V`` rows past a suffix length are zeroed in shared memory
 before ``P V`` so that whatever the cache holds there (NaN included) never reaches the output.
