@@ -69,6 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import prefix_attention_mgpu as pm
+from pallas_kernels import shared_decode_mgpu as sd
 from pallas_kernels.prefix_attention_mgpu import plgpu
 
 __all__ = ["joint_supported", "joint_decode_mgpu", "joint_tiles"]
@@ -103,27 +104,6 @@ def joint_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int,
     if suffix_cap % bs or suffix_cap == 0:
         return f"suffix capacity {suffix_cap} must be a positive multiple of block_s={bs}"
     return None
-
-
-def _suffix_part(*, q_smem, k_smem, v_smem, carry, seq, n, key0, group, block_s, scale_log2,
-                 dtype, p_smem, cpu_check):
-    """One suffix tile for one warpgroup, into its running state: its 64 rows against
-    ``k/v_smem [block_s, D]`` (keys ``key0 + j`` of local sequence ``seq``); only rows
-    ``[seq * group, +group)`` and keys ``< n`` count.  ``V`` rows past ``n`` are zeroed first."""
-    d = v_smem.shape[-1]
-    s = pm.wg_scores(q_smem, k_smem, shape=(64, block_s), cpu_check=cpu_check)
-    rows = lax.broadcasted_iota(jnp.int32, (64, block_s), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (64, block_s), 1)
-    valid = (rows >= seq * group) & (rows < (seq + 1) * group) & (key0 + cols < n)
-
-    @pl.when(key0 + block_s > n)
-    def _zero_past_length():             # keep NaN / Inf past the length out of P V
-        keys = lax.broadcasted_iota(jnp.int32, (block_s, d), 0)
-        v_smem[...] = jnp.where(key0 + keys < n, v_smem[...], jnp.zeros_like(v_smem[...]))
-        plgpu.commit_smem()
-    acc, m_new, l_i, p16 = pm.softmax_step(s, valid, carry, scale_log2=scale_log2, dtype=dtype)
-    acc = pm.wg_accumulate_pv(acc, p16, v_smem, p_smem, cpu_check=cpu_check)
-    return acc, m_new, l_i
 
 
 def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, scale: float,
@@ -239,10 +219,10 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
                              skip_pre, carry)
             w, i, _, n, tile = suffix_step(t)
             key0 = tile * bs
-            part = functools.partial(_suffix_part, q_smem=q_smem2.at[wg], k_smem=sk_s,
-                                     v_smem=sv_s, seq=i, n=n, key0=key0, group=group, block_s=bs,
-                                     scale_log2=scale_log2, dtype=dtype, p_smem=p_suf,
-                                     cpu_check=_cpu_check)
+            part = functools.partial(sd.suffix_step, q_smem=q_smem2.at[wg], k_smem=sk_s,
+                                     v_smem=sv_s, k_done=None, v_done=None, seq=i, n=n,
+                                     key0=key0, group=group, block_s=bs, scale_log2=scale_log2,
+                                     dtype=dtype, p_smem=p_suf, cpu_check=_cpu_check)
             carry = lax.cond((wg == w) & (t < t_suf) & (key0 < n), lambda c: part(carry=c),
                              lambda c: c, carry)
             plgpu.barrier_arrive(sk_done)

@@ -465,6 +465,16 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
     return cfg
 
 
+def _rows_128(q, hkv: int, g: int):
+    """``(q_hmd [Hkv, M128, D], M)``: the decode queries as ``G`` rows per sequence and kv head
+    (row ``b * G + j``), ``M = B * G`` padded with zero rows to a multiple of 128 (the Mosaic GPU
+    kernels' 128-row blocks)."""
+    m = q.shape[0] * g
+    m128 = cdiv(m, 128) * 128
+    qm = rows_from_q(q, hkv, g)  # [Hkv, B * G, D]
+    return (jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm), m
+
+
 def _one_launch_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, order,
                        block_s, suffix_splits, num_splits, suffix_steps, suffix_mode):
     """Decode with one prefix through the one-launch kernel, then one XLA merge."""
@@ -472,10 +482,7 @@ def _one_launch_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, in
     b, _, hq, d = q.shape
     hkv = pk.shape[1]
     g = hq // hkv
-    m = b * g
-    m128 = cdiv(m, 128) * 128
-    qm = rows_from_q(q, hkv, g)  # [Hkv, B * G, D]
-    qm = jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm
+    qm, _ = _rows_128(q, hkv, g)
     o_pre, lse_pre, o_suf, lse_suf = sd.shared_decode_partials_mgpu(
         qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale, group=g, num_splits=num_splits,
         suffix_splits=suffix_splits, block_s=block_s, order=order, suffix_steps=suffix_steps,
@@ -509,10 +516,7 @@ def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpr
     b, _, hq, d = q.shape
     hkv = pk.shape[1]
     g = hq // hkv
-    m = b * g
-    m128 = cdiv(m, 128) * 128
-    qm = rows_from_q(q, hkv, g)  # [Hkv, B * G, D]
-    qm = jnp.pad(qm, ((0, 0), (0, m128 - m), (0, 0))) if m128 > m else qm
+    qm, m = _rows_128(q, hkv, g)
     o, lse = jd.joint_decode_mgpu(qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale,
                                   group=g, num_splits=num_splits, interpret=interpret,
                                   _cpu_check=interpret)

@@ -63,7 +63,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels.prefix_attention_mgpu import plgpu
 
-__all__ = ["fused_supported", "shared_decode_partials_mgpu", "task_order"]
+__all__ = ["fused_supported", "shared_decode_partials_mgpu", "task_order", "suffix_step"]
 
 _LOG2E = math.log2(math.e)
 ORDERS = ("interleave", "suffix_first", "prefix_first")
@@ -112,14 +112,17 @@ def _last_tile(n, block_s):
     return jnp.maximum((n + block_s - 1) // block_s - 1, 0)
 
 
-def _suffix_step(*, q_smem, k_smem, v_smem, k_done, v_done, carry, seq, n, key0, group,
-                 block_s, scale_log2, dtype, p_smem, cpu_check):
+def suffix_step(*, q_smem, k_smem, v_smem, k_done, v_done, carry, seq, n, key0, group,
+                block_s, scale_log2, dtype, p_smem, cpu_check):
     """One suffix tile for one warpgroup: its 64 rows against ``k/v_smem [block_s, D]`` (keys
     ``key0 + j`` of local sequence ``seq``): only rows ``[seq * group, +group)`` and keys
-    ``< n`` count; ``V`` rows past ``n`` are zeroed first (NaN-safe)."""
+    ``< n`` count; ``V`` rows past ``n`` are zeroed first (NaN-safe).  ``k_done`` / ``v_done``:
+    the pipeline's consumed barriers, arrived on as soon as each tile is read (None: the caller
+    arrives; also used by :mod:`pallas_kernels.joint_decode_mgpu`)."""
     d = v_smem.shape[-1]
     s = pm.wg_scores(q_smem, k_smem, shape=(64, block_s), cpu_check=cpu_check)
-    plgpu.barrier_arrive(k_done)
+    if k_done is not None:
+        plgpu.barrier_arrive(k_done)
     rows = lax.broadcasted_iota(jnp.int32, (64, block_s), 0)
     cols = lax.broadcasted_iota(jnp.int32, (64, block_s), 1)
     valid = (rows >= seq * group) & (rows < (seq + 1) * group) & (key0 + cols < n)
@@ -131,7 +134,8 @@ def _suffix_step(*, q_smem, k_smem, v_smem, k_done, v_done, carry, seq, n, key0,
         plgpu.commit_smem()
     acc, m_new, l_i, p16 = pm.softmax_step(s, valid, carry, scale_log2=scale_log2, dtype=dtype)
     acc = pm.wg_accumulate_pv(acc, p16, v_smem, p_smem, cpu_check=cpu_check)
-    plgpu.barrier_arrive(v_done)
+    if v_done is not None:
+        plgpu.barrier_arrive(v_done)
     return acc, m_new, l_i
 
 
@@ -159,7 +163,7 @@ def _suffix_task(*, h, mb, ss, q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_s
         q_src=q_ref.at[h, pl.ds(r0, 64)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
         lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[split, h, pl.ds(r0, 64)],
         lse_dst=lse_ref.at[split, h, pl.ds(r0, 64)], block_q=64, d=d, dtype=dtype)
-    step = functools.partial(_suffix_step, group=group, block_s=block_s, scale_log2=scale_log2,
+    step = functools.partial(suffix_step, group=group, block_s=block_s, scale_log2=scale_log2,
                              dtype=dtype, cpu_check=cpu_check)
     p_smem = None if p_smem2 is None else p_smem2.at[wg]
 
