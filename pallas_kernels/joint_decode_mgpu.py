@@ -176,7 +176,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
             before=lambda: pl.when(wg == 1)(turn))
         p_pre, p_suf = (maybe_p[0].at[wg], maybe_p[1].at[wg]) if _cpu_check else (None, None)
 
-        def suffix_step(t):
+        def suffix_slot(t):
             """(owner warpgroup, local sequence, clamped global sequence, its valid keys, tile)
             of step ``t`` (clamped to the last suffix step): steps alternate between the
             warpgroups; each walks its split's sequences, each sequence tile by tile."""
@@ -217,7 +217,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
                 return c
             carry = lax.cond(t < t_pre, lambda c: pre_body(t, pk_s, pv_s, pk_done, pv_done, c),
                              skip_pre, carry)
-            w, i, _, n, tile = suffix_step(t)
+            w, i, _, n, tile = suffix_slot(t)
             key0 = tile * bs
             part = functools.partial(sd.suffix_step, q_smem=q_smem2.at[wg], k_smem=sk_s,
                                      v_smem=sv_s, k_done=None, v_done=None, seq=i, n=n,
@@ -238,7 +238,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
 
         def suf_spec(transposed):
             def index_map(t):
-                _, _, bc, n, tile = suffix_step(t)
+                _, _, bc, n, tile = suffix_slot(t)
                 tile = jnp.minimum(tile, jnp.maximum((n + bs - 1) // bs - 1, 0))
                 return (bc, 0, tile) if transposed else (bc, tile, 0)
             shape = (None, d, bs) if transposed else (None, bs, d)
