@@ -130,6 +130,7 @@ def test_shared_path_joint_in_cpu_interpreter(monkeypatch, splits):
     (256, 32, 8, 128, 4096, 128, None), (256, 32, 8, 128, 1024, 64, 1),
     (96, 8, 1, 128, 1024, 512, None)])
 def test_gpu_shared_path_joint(monkeypatch, b, hq, hkv, d, p, s, splits):
-    # (the oracle materialises every sequence's prefix in float32 on the host: B=1024 P=4K
-    # took minutes, so the one-split case runs at B=256 P=1K)
+    # (the oracle draws and fills every sequence's concatenated K/V in float32 on the host:
+    # at B=1024 P=4K, 2 x 4.4e9 values, and that case did not finish in 150 s; so the
+    # one-split case runs at B=256 P=1K)
     _shared_path(monkeypatch, b, hq, hkv, d, p, s, "shared", 80 + b, splits)
