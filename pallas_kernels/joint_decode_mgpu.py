@@ -85,7 +85,7 @@ def joint_tiles(head_dim: int, itemsize: int = 2, steps: int = 2) -> tuple[int, 
     q_bytes = 2 * 64 * head_dim * itemsize
     for bkv, bs in ((128, 128), (128, 64), (64, 64)):
         stage = 2 * (bkv + bs) * head_dim * itemsize
-        if steps * stage + q_bytes + 4096 <= SMEM_BYTES:  # (+ LSE rows, barriers, alignment)
+        if steps * stage + q_bytes + 3072 <= SMEM_BYTES:  # (+ barriers, alignment: 2664 B measured)
             return bkv, bs
     return 64, 64
 
@@ -162,7 +162,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
     scale_log2 = float(scale) * _LOG2E
 
     def kernel(plen_ref, slen_ref, q_ref, pk_ref, pv_ref, sk_ref, sv_ref, o_ref, lse_ref,
-               q_smem2, lse_smem2, q_barriers, sched_barrier, *maybe_p):
+               q_smem2, q_barriers, sched_barrier, *maybe_p):
         h, mb, sp = lax.axis_index("h"), lax.axis_index("m"), lax.axis_index("s")
         wg = lax.axis_index("wg")
         n_keys = plen_ref[0]
@@ -171,7 +171,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
         turn = functools.partial(pm.take_turn, sched_barrier, schedule_barrier)
         compute_context = pm.wg_compute_context(
             q_src=q_ref.at[h, pl.ds(r0, 64)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
-            lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[sp, h, pl.ds(r0, 64)],
+            lse_smem=None, o_dst=o_ref.at[sp, h, pl.ds(r0, 64)],
             lse_dst=lse_ref.at[sp, h, pl.ds(r0, 64)], block_q=64, d=d, dtype=dtype,
             before=lambda: pl.when(wg == 1)(turn))
         p_pre, p_suf = (maybe_p[0].at[wg], maybe_p[1].at[wg]) if _cpu_check else (None, None)
@@ -260,7 +260,6 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
         out_type=(jax.ShapeDtypeStruct((splits, hkv, m, d), dtype),
                   jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32)),
         scratch_types=(plgpu.SMEM((2, 64, d), dtype),
-                       plgpu.SMEM((2, 64), jnp.float32),
                        plgpu.Barrier(num_barriers=2),
                        plgpu.Barrier(num_arrivals=2))
                       + ((plgpu.SMEM((2, 64, block_kv), dtype), plgpu.SMEM((2, 64, bs), dtype))

@@ -312,10 +312,15 @@ def wg_compute_context(*, q_src, q_smem, q_barrier, lse_smem, o_dst, lse_dst, bl
         has = l_i > 0.0
         l_safe = jnp.where(has, l_i, 1.0)
         q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, (block_q, d), [0])).astype(dtype)
-        lse_smem[...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+        lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+        if lse_smem is None:
+            lse_dst[...] = lse
+        else:
+            lse_smem[...] = lse
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_dst)
-        plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+        if lse_smem is not None:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
         plgpu.wait_smem_to_gmem(0)
     return compute_context
 

@@ -17,7 +17,7 @@ from test_shared_decode_mgpu import _case, _numpy_states
 
 
 def test_block_s_fits_shared_memory_and_errors():
-    assert joint_tiles(128) == (64, 64) and joint_tiles(64) == (128, 128)
+    assert joint_tiles(128) == (128, 64) and joint_tiles(64) == (128, 128)
     bf = jnp.bfloat16
     assert joint_supported(batch=256, heads_q=32, heads_kv=8, prefix_len=4096, suffix_cap=64,
                            head_dim=128, dtype=bf) is None
