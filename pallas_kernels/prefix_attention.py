@@ -507,6 +507,7 @@ def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
 
 
 JOINT_SPLITS: int | None = None  # prefix splits of the one-pass kernel (None: choose_splits)
+JOINT_SCHEDULE_BARRIER = True  # ping-pong turns of the one-pass kernel's prefix tiles
 
 
 def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, num_splits):
@@ -519,7 +520,7 @@ def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpr
     qm, m = _rows_128(q, hkv, g)
     o, lse = jd.joint_decode_mgpu(qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale,
                                   group=g, num_splits=num_splits, interpret=interpret,
-                                  _cpu_check=interpret)
+                                  schedule_barrier=JOINT_SCHEDULE_BARRIER, _cpu_check=interpret)
     if o.shape[0] == 1:
         return (rows_to_out(o[0, :, :m], b, 1, hq, g).astype(q.dtype),
                 rows_to_out(lse[0, :, :m], b, 1, hq, g))
