@@ -32,8 +32,8 @@ splits)``); the caller merges the splits by their LSE (nothing to merge with one
 
 Kernel: grid ``(Hkv, M / 128, splits)``, two compute warpgroups of 64 rows and one memory
 warpgroup (TMA pipeline, ``steps`` stages).  Step ``t`` of ``max(T, 2 * n * S / block_s)``:
-prefix tile ``t`` (while ``t < T``; the two warpgroups take turns on the tensor cores, the
-ping-pong schedule of :mod:`pallas_kernels.prefix_attention_mgpu`, warpgroup 0 taking its
+prefix tile ``t`` (while ``t < T``; with ``schedule_barrier`` the two warpgroups take turns on
+the tensor cores, the ping-pong schedule of :mod:`pallas_kernels.prefix_attention_mgpu`, warpgroup 0 taking its
 closing turn right after tile ``T - 1``), then, for warpgroup ``t % 2`` only, its suffix tile
 ``u = t // 2`` (sequence ``u // (S / block_s)`` of the split's, tile ``u % (S / block_s)``).  Tiles
 past a sequence's length, and steps past a part's end, repeat the last fetched tile (no new
@@ -45,18 +45,26 @@ Keys of the prefix past ``p_len`` are masked in the scores only: they must be fi
 Pipeline specs: prefix ``K``, ``V`` tiles of ``block_kv`` keys (both warpgroups) and suffix
 ``K``, ``V`` tiles of ``block_s`` keys, which go to the warpgroups in turn (step ``t`` to
 warpgroup ``t % 2``).  Shared memory (:func:`joint_tiles`): at ``D = 128`` two stages of
-``(2 * 64 + 2 * 64) * D`` bf16; 128-key prefix tiles with 64-key suffix tiles need 136 bytes
-more than Hopper's 227 KB per CTA, and Mosaic GPU's layout inference fails for tiles under 64
-keys, so the prefix tiles there are 64 keys (128 at ``D = 64``).
+``(2 * 128 + 2 * 64) * D`` bf16 plus the queries take 229,376 of Hopper's 232,448 bytes per
+CTA, the barriers and alignment 2,664 more (measured from the lowering); this fits only because
+the LSE is stored from registers straight to global memory instead of through a 512-byte
+shared buffer (session 13, with that buffer, had to use 64-key prefix tiles).  Mosaic GPU's
+layout inference fails for tiles under 64 keys.
 
-Measured, H200, whole shared path against the default (``bench/results/logs/
-session13_probe_joint13_h200.jsonl``, one run, Hq=32/Hkv=8 D=128): 1.12x the time at B=256
-P=4K S=64 (1.03x with 2 prefix splits), 1.22x at B=1024 P=4K S=64 (1.25x with 2), 1.30-1.41x
-at the other 5 points, with S=128-256 (1.21-1.39x with 1 or 2 splits, the better of the two).  Slower everywhere measured, so it is opt-in
-(``prefix_attention.MGPU_MERGE = "joint"``), kept as the tested base for the work this needs:
-64-key prefix tiles halve each tensor-core step against the two-launch path's 128, and the
-suffix steps, one sequence's ``G`` rows of 64 per product, add tensor-core and softmax work
-that the prefix kernel, already near the matmul rate, has no room for.
+Measured, H200, whole shared path against the default path (one process, interleaved loops):
+* session 13, 64-key prefix tiles, ping-pong turns (``bench/results/logs/
+  session13_probe_joint13_h200.jsonl``): 1.03-1.41x the default's time at 7 Hq=32 points;
+* session 14, 128-key prefix tiles (``session14_probe_joint14{a,b}_h200.jsonl``): with the
+  turns 0.89-1.11x at 9 such points (the better of the default splits and 2); without them (``schedule_barrier=False``: a
+  warpgroup's suffix step then does not hold the other at its next turn) and with
+  ``prefix_attention.joint_splits`` 0.84x at Hq=32/Hkv=8 B=256 P=4K S=64, 0.94x at B=1024
+  P=4K S=64, 0.84x / 0.92x at Hq=8/Hkv=1 B=1024 P=4K S=64 / S=256, but 1.02-1.10x at P=16K
+  and at Hq=32 B=256 P=4K S=128.  ``MGPU_MERGE = "auto"`` takes it in the measured regions
+  (``prefix_attention.JOINT_REGIONS``).
+What bounds it: the suffix steps, one sequence's ``G`` rows of 64 per product, add tensor-core
+and softmax work (``64 / G`` times the useful work) on top of a prefix pass already near the
+matmul rate, and a step can only start when both its prefix and suffix tiles have landed (two
+stages fit).
 """
 from __future__ import annotations
 
@@ -81,7 +89,7 @@ SMEM_BYTES = 232448  # shared memory per CTA on Hopper
 def joint_tiles(head_dim: int, itemsize: int = 2, steps: int = 2) -> tuple[int, int]:
     """``(block_kv, block_s)``: prefix and suffix tile keys, the largest in {128, 64} (prefix
     first) whose ``steps``-stage pipeline fits in shared memory (Mosaic GPU's layout inference
-    needs tiles of at least 64 keys).  ``(64, 64)`` at ``D = 128``, ``(128, 128)`` at 64."""
+    needs tiles of at least 64 keys).  ``(128, 64)`` at ``D = 128``, ``(128, 128)`` at 64."""
     q_bytes = 2 * 64 * head_dim * itemsize
     for bkv, bs in ((128, 128), (128, 64), (64, 64)):
         stage = 2 * (bkv + bs) * head_dim * itemsize

@@ -105,11 +105,12 @@ MGPU_SCHEDULE_BARRIER = True
 #   (``shared_decode_mgpu.shared_decode_partials_mgpu``), then the same XLA merge as
 #   "independent", wherever the kernel applies (``one_launch_plan(..., force=True)``);
 # "joint": one Mosaic GPU pass where each CTA brings its rows' suffix tiles through the same
-#   pipeline as the prefix tiles, into the same softmax state (``joint_decode_mgpu``); measured
-#   1.12-1.41x the default's time at 7 Hq=32 points, 1.03-1.39x with the better of 1 or 2
-#   prefix splits per point (session 13, see that module): opt-in;
-# "auto" (default): "one_launch" where ``one_launch_plan`` says it pays (measured), else
-#   "independent".
+#   pipeline as the prefix tiles, into the same softmax state (``joint_decode_mgpu``), wherever
+#   the kernel applies (``joint_plan(..., force=True)``); with 128-key prefix tiles (session 14)
+#   0.84-0.94x the default's time at prefix 4K with short suffixes, 1.02-1.10x at prefix 16K
+#   (see ``JOINT_REGIONS``);
+# "auto" (default): "joint" where ``joint_plan`` says it pays (measured), else "one_launch"
+#   where ``one_launch_plan`` does, else "independent".
 # Session 13 re-measured "epilogue" against the default after the suffix kernel's move to the
 # queries' own layout (session 11), and the default under ``CONCURRENT_COMPILER_OPTIONS``
 # (H200, one run, 17 points of the grid with B >= 256, P >= 4K:
@@ -492,25 +493,66 @@ def _one_launch_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, in
                             dtype=q.dtype, inv=None)
 
 
+def joint_splits(n_tiles: int, ctas: int, sms: int | None = None) -> int:
+    """Prefix splits of the one-pass kernel: the largest power of two up to 16 that divides the
+    ``n_tiles`` prefix tiles and keeps ``ctas * splits`` within one wave (``sms`` CTAs, one per
+    SM); at least 1.  Measured (session 14, see ``JOINT_REGIONS``): 64 CTAs ran 9-16% faster
+    with 2 splits than with 1, and 256 CTAs 6% faster with 1 than with 2."""
+    from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
+    sms = pm.SMS if sms is None else sms
+    best = 1
+    for c in (2, 4, 8, 16):
+        if n_tiles % c == 0 and ctas * c <= sms:
+            best = c
+    return best
+
+
 def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
-               interpret: bool = False) -> dict | None:
+               interpret: bool = False, force: bool = False) -> dict | None:
     """Static plan of the one-pass decode kernel (``joint_decode_mgpu``): its keyword arguments,
     or ``None`` where it does not apply (the Mosaic GPU prefix kernel not taken, or shapes
-    outside ``joint_supported``)."""
+    outside ``joint_supported``) or, unless ``force``, where it was not measured to pay
+    (``JOINT_REGIONS``, ``JOINT_MIN_CTAS``)."""
     from pallas_kernels import joint_decode_mgpu as jd  # noqa: PLC0415
     if mgpu_decode_splits(b, hq, hkv, p, d, jnp.dtype(dtype).itemsize, interpret=interpret) is None:
         return None
     if jd.joint_supported(batch=b, heads_q=hq, heads_kv=hkv, prefix_len=p, suffix_cap=s,
                           head_dim=d, dtype=dtype) is not None:
         return None
-    return dict(num_splits=JOINT_SPLITS)
+    g = hq // hkv
+    ctas = hkv * cdiv(b * g, 128)
+    in_region = any(pr[0] <= p <= pr[1] and sr[0] <= s <= sr[1] and g >= g_min
+                    for pr, sr, g_min in JOINT_REGIONS)
+    if not force and not (in_region and ctas >= JOINT_MIN_CTAS):
+        return None
+    block_kv = jd.joint_tiles(d, jnp.dtype(dtype).itemsize)[0]
+    splits = joint_splits(p // block_kv, ctas) if JOINT_SPLITS is None else JOINT_SPLITS
+    return dict(num_splits=splits, schedule_barrier=JOINT_SCHEDULE_BARRIER)
 
 
-JOINT_SPLITS: int | None = None  # prefix splits of the one-pass kernel (None: choose_splits)
-JOINT_SCHEDULE_BARRIER = True  # ping-pong turns of the one-pass kernel's prefix tiles
+# The one-pass kernel under ``MGPU_MERGE = "auto"``: regions (prefix keys, suffix capacity,
+# minimum G) and at least JOINT_MIN_CTAS (kv head, 128-row) CTAs before splitting, each a
+# measured range.  Session 14, H200, one process, interleaved loops against the default path
+# (``bench/results/logs/session14_probe_joint14{a,b}_h200.jsonl``; the kernel with 128-key
+# prefix tiles at D=128, ``JOINT_SCHEDULE_BARRIER = False``, splits by ``joint_splits``):
+# 0.84x the default's time at Hq=32/Hkv=8 B=256 P=4K S=64 (57.2 against 68.4 us), 0.94x at
+# B=1024 P=4K S=64 (199.5 / 212.4), 0.84x at Hq=8/Hkv=1 B=1024 P=4K S=64 (47.7 / 57.1), 0.92x
+# at Hq=8 B=1024 P=4K S=256 (70.7 / 76.8); but 1.02-1.10x at P=16K S=64 (Hq=32 B=256 and
+# B=1024, Hq=8 B=256), 1.04x at Hq=32 B=256 P=4K S=128, and mixed at Hq=8 B=256 P=4K S=64 (16
+# CTAs: 0.92x with the ping-pong turns, 1.10x without), so those stay on the default.
+JOINT_REGIONS = (((4096, 4096), (64, 64), 4),
+                 ((4096, 4096), (64, 256), 8))
+JOINT_MIN_CTAS = 64
+JOINT_SPLITS: int | None = None  # prefix splits of the one-pass kernel (None: joint_splits)
+# Ping-pong turns of the one-pass kernel's prefix tiles.  Off: a warpgroup's suffix tile (the
+# other has none at that step) then does not hold the other warpgroup at its next turn; session
+# 14 measured 0.90-0.94x the time with them on at the 2-split points above, 0.94x at B=1024
+# Hq=32 with 1 split.
+JOINT_SCHEDULE_BARRIER = False
 
 
-def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, num_splits):
+def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, num_splits,
+                  schedule_barrier):
     """Decode with one prefix through the one-pass kernel; with one prefix split its output is
     the attention itself (a layout change only), else one XLA merge of the splits."""
     from pallas_kernels import joint_decode_mgpu as jd  # noqa: PLC0415
@@ -520,7 +562,7 @@ def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpr
     qm, m = _rows_128(q, hkv, g)
     o, lse = jd.joint_decode_mgpu(qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale,
                                   group=g, num_splits=num_splits, interpret=interpret,
-                                  schedule_barrier=JOINT_SCHEDULE_BARRIER, _cpu_check=interpret)
+                                  schedule_barrier=schedule_barrier, _cpu_check=interpret)
     if o.shape[0] == 1:
         return (rows_to_out(o[0, :, :m], b, 1, hq, g).astype(q.dtype),
                 rows_to_out(lse[0, :, :m], b, 1, hq, g))
@@ -589,8 +631,9 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                 force=MGPU_MERGE == "one_launch")
                 if MGPU_MERGE in ("one_launch", "auto") and ss == 1 else None)
         p_len = jnp.max(lim_p) if one_len is None else one_len.reshape(())
-        jplan = (joint_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret)
-                 if MGPU_MERGE == "joint" else None)
+        jplan = (joint_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret,
+                            force=MGPU_MERGE == "joint")
+                 if MGPU_MERGE in ("joint", "auto") else None)
         if jplan is not None:
             return _joint_decode(q, prefix_k[0], prefix_v[0], p_len, suffix_k, suffix_v,
                                  lim_s[:, 0], scale=scale, interpret=interpret, **jplan)

@@ -46,12 +46,13 @@ def _want(q, pk, pv, p_len, sk, sv, sl, g, scale):
     return o1 * w1[..., None] + o2 * w2[..., None], lse
 
 
-def _run(b, hq, hkv, d, p, p_len, s, splits, block_s, interpret, seed=0):
+def _run(b, hq, hkv, d, p, p_len, s, splits, block_s, interpret, seed=0, barrier=True):
     q, pk, pv, sk, sv, sl = _case(seed + b * 31 + p + s, b, hq, hkv, d, p, s)
     g = hq // hkv
     o, lse = joint_decode_mgpu(q, pk, pv, p_len, sk, sv, jnp.asarray(sl, jnp.int32),
                                scale=d ** -0.5, group=g, num_splits=splits, block_s=block_s,
-                               interpret=interpret, _cpu_check=interpret)
+                               schedule_barrier=barrier, interpret=interpret,
+                               _cpu_check=interpret)
     assert o.shape[0] == (splits or o.shape[0]) and lse.shape == o.shape[:3]
     o, lse = merge_partials(o.astype(jnp.float32), lse)
     o, lse = np.asarray(o)[:, :b * g], np.asarray(lse)[:, :b * g]
@@ -80,13 +81,14 @@ def test_kernel_lowers_for_cuda(d, block_s):
     assert "mosaic_gpu" in txt
 
 
-@pytest.mark.parametrize("b,hq,hkv,d,p,p_len,s,splits,block_s", [
-    (40, 8, 2, 64, 256, 200, 128, 1, 64),   # G = 4: 16 sequences per warpgroup, 2 suffix tiles
-    (40, 8, 2, 64, 384, 384, 64, 3, 64),    # 3 splits: 6/6/4 sequences of 16 per split
-    (20, 8, 1, 64, 256, 130, 128, 2, 64),   # G = 8, more suffix steps than prefix tiles
+@pytest.mark.parametrize("b,hq,hkv,d,p,p_len,s,splits,block_s,barrier", [
+    (40, 8, 2, 64, 256, 200, 128, 1, 64, True),   # G = 4: 16 sequences per warpgroup, 2 tiles
+    (40, 8, 2, 64, 384, 384, 64, 3, 64, True),    # 3 splits: 6/6/4 sequences of 16 per split
+    (20, 8, 1, 64, 256, 130, 128, 2, 64, True),   # G = 8, more suffix steps than prefix tiles
+    (40, 8, 2, 64, 384, 300, 64, 3, 64, False),   # no ping-pong turns (the auto plan's setting)
 ])
-def test_kernel_in_cpu_interpreter(b, hq, hkv, d, p, p_len, s, splits, block_s):
-    _run(b, hq, hkv, d, p, p_len, s, splits, block_s, interpret=True)
+def test_kernel_in_cpu_interpreter(b, hq, hkv, d, p, p_len, s, splits, block_s, barrier):
+    _run(b, hq, hkv, d, p, p_len, s, splits, block_s, interpret=True, barrier=barrier)
 
 
 @pytest.mark.gpu
@@ -102,14 +104,55 @@ def test_kernel_on_gpu(b, hq, hkv, d, p, p_len, s, splits):
     _run(b, hq, hkv, d, p, p_len, s, splits, None, interpret=False)
 
 
-def _shared_path(monkeypatch, b, hq, hkv, d, p, s, impl, seed, splits=None):
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,p,p_len,s,splits", [
+    (256, 32, 8, 128, 4096, 4000, 64, 2),   # the auto plan's settings at D=128: 128-key tiles
+    (1000, 8, 1, 128, 4096, 4096, 256, 2),  # G = 8, 8 suffix steps per split and warpgroup
+    (300, 32, 8, 128, 1024, 1024, 256, 1),  # more suffix steps than prefix tiles
+])
+def test_kernel_on_gpu_without_turns(b, hq, hkv, d, p, p_len, s, splits):
+    _run(b, hq, hkv, d, p, p_len, s, splits, None, interpret=False, barrier=False)
+
+
+def test_joint_plan_follows_the_measured_rule(monkeypatch):
+    """``MGPU_MERGE="auto"`` takes the one-pass kernel only where session 14 measured it faster
+    (prefix 4K; suffix capacity 64 at G = 4, up to 256 at G >= 8; >= 64 CTAs), with splits that
+    keep one wave and no ping-pong turns; ``force`` takes it wherever the kernel applies."""
+    import pallas_kernels.prefix_attention as pa
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    bf = jnp.bfloat16
+    assert pa.joint_plan(256, 32, 8, 4096, 64, 128, bf) == dict(num_splits=2,
+                                                                 schedule_barrier=False)
+    assert pa.joint_plan(1024, 32, 8, 4096, 64, 128, bf)["num_splits"] == 1    # 256 CTAs
+    assert pa.joint_plan(1024, 8, 1, 4096, 64, 128, bf)["num_splits"] == 2
+    assert pa.joint_plan(1024, 8, 1, 4096, 256, 128, bf)["num_splits"] == 2
+    for b, hq, hkv, p, s in [(256, 32, 8, 4096, 128), (1024, 32, 8, 16384, 64),
+                             (256, 8, 1, 4096, 64), (256, 8, 1, 16384, 64),
+                             (1024, 8, 1, 4096, 1024), (512, 32, 8, 8192, 64),
+                             (1024, 32, 8, 1024, 64), (1024, 16, 8, 4096, 64)]:
+        assert pa.joint_plan(b, hq, hkv, p, s, 128, bf) is None, (b, hq, hkv, p, s)
+    assert pa.joint_plan(256, 8, 1, 4096, 64, 128, bf, force=True)["num_splits"] == 8
+    assert pa.joint_plan(1024, 16, 8, 4096, 64, 128, bf, force=True) is not None  # G = 2
+    assert pa.joint_splits(32, 64) == 2 and pa.joint_splits(32, 256) == 1
+    assert pa.joint_splits(32, 16) == 8 and pa.joint_splits(6, 16) == 2
+    monkeypatch.setattr(pa, "JOINT_SPLITS", 4)
+    assert pa.joint_plan(256, 32, 8, 4096, 64, 128, bf)["num_splits"] == 4
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "triton")
+    assert pa.joint_plan(256, 32, 8, 4096, 64, 128, bf, force=True) is None
+
+
+def _shared_path(monkeypatch, b, hq, hkv, d, p, s, impl, seed, splits=None, merge="joint",
+                 barrier=None):
     import pallas_kernels.prefix_attention as pa
     from jax_prefix_attn import shared_prefix_attention
     from test_shared_prefix import check, make_case, oracle
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
-    monkeypatch.setattr(pa, "MGPU_MERGE", "joint")
+    monkeypatch.setattr(pa, "MGPU_MERGE", merge)
     monkeypatch.setattr(pa, "JOINT_SPLITS", splits)  # 1: the kernel's output is the attention
-    assert pa.joint_plan(b, hq, hkv, p, s, d, jnp.bfloat16, interpret=impl != "shared") is not None
+    if barrier is not None:
+        monkeypatch.setattr(pa, "JOINT_SCHEDULE_BARRIER", barrier)
+    assert pa.joint_plan(b, hq, hkv, p, s, d, jnp.bfloat16, interpret=impl != "shared",
+                         force=merge == "joint") is not None
     sl = np.random.default_rng(seed).integers(0, s + 1, size=b)
     sl[:2] = [0, s]
     args, kw, meta = make_case(seed, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s,
@@ -118,11 +161,12 @@ def _shared_path(monkeypatch, b, hq, hkv, d, p, s, impl, seed, splits=None):
     check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("splits", [None, 1])
-def test_shared_path_joint_in_cpu_interpreter(monkeypatch, splits):
+@pytest.mark.parametrize("splits,barrier", [(None, True), (1, False)])
+def test_shared_path_joint_in_cpu_interpreter(monkeypatch, splits, barrier):
     """``MGPU_MERGE = "joint"``: the whole shared path against the concatenation oracle (with
     one split, no merge: the kernel's output, relaid out, is the result)."""
-    _shared_path(monkeypatch, 36, 8, 2, 64, 256, 128, "pallas_interpret", 12, splits)
+    _shared_path(monkeypatch, 36, 8, 2, 64, 256, 128, "pallas_interpret", 12, splits,
+                 barrier=barrier)
 
 
 @pytest.mark.gpu
@@ -134,3 +178,10 @@ def test_gpu_shared_path_joint(monkeypatch, b, hq, hkv, d, p, s, splits):
     # at B=1024 P=4K, 2 x 4.4e9 values, and that case did not finish in 150 s; so the
     # one-split case runs at B=256 P=1K)
     _shared_path(monkeypatch, b, hq, hkv, d, p, s, "shared", 80 + b, splits)
+
+
+@pytest.mark.gpu
+def test_gpu_shared_path_auto_takes_joint(monkeypatch):
+    """The default (``MGPU_MERGE = "auto"``) at a point of ``JOINT_REGIONS``: the one-pass
+    kernel, 2 splits, no ping-pong turns, against the concatenation oracle."""
+    _shared_path(monkeypatch, 256, 32, 8, 128, 4096, 64, "shared", 7, merge="auto")
