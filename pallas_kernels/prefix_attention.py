@@ -107,7 +107,7 @@ MGPU_SCHEDULE_BARRIER = True
 # "joint": one Mosaic GPU pass where each CTA brings its rows' suffix tiles through the same
 #   pipeline as the prefix tiles, into the same softmax state (``joint_decode_mgpu``), wherever
 #   the kernel applies (``joint_plan(..., force=True)``); with 128-key prefix tiles (session 14)
-#   0.84-0.94x the default's time at prefix 4K with short suffixes, 1.02-1.10x at prefix 16K
+#   0.74-0.97x the default's time at prefix 1K-4K with short suffixes, 1.02-1.10x at prefix 16K
 #   (see ``JOINT_REGIONS``);
 # "auto" (default): "joint" where ``joint_plan`` says it pays (measured), else "one_launch"
 #   where ``one_launch_plan`` does, else "independent".
@@ -539,9 +539,13 @@ def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
 # B=1024 P=4K S=64 (199.5 / 212.4), 0.84x at Hq=8/Hkv=1 B=1024 P=4K S=64 (47.7 / 57.1), 0.92x
 # at Hq=8 B=1024 P=4K S=256 (70.7 / 76.8); but 1.02-1.10x at P=16K S=64 (Hq=32 B=256 and
 # B=1024, Hq=8 B=256), 1.04x at Hq=32 B=256 P=4K S=128, and mixed at Hq=8 B=256 P=4K S=64 (16
-# CTAs: 0.92x with the ping-pong turns, 1.10x without), so those stay on the default.
-JOINT_REGIONS = (((4096, 4096), (64, 64), 4),
-                 ((4096, 4096), (64, 256), 8))
+# CTAs: 0.92x with the ping-pong turns, 1.10x without), so those stay on the default.  A second
+# probe (``session14_probe_joint14d_h200.jsonl``) at shorter prefixes: 0.86x at Hq=32 B=256
+# P=1K S=64, 0.97x at B=1024 P=1K S=64, 0.74x / 0.88x at Hq=8 B=1024 P=1K S=64 / S=256, 0.84x at
+# Hq=32 B=256 P=2K S=64, 0.80x at Hq=8 B=1024 P=2K S=64, 0.98x at Hq=32 B=512 P=2K S=128 (G=4,
+# S=128: left out, as at P=4K).
+JOINT_REGIONS = (((1024, 4096), (64, 64), 4),
+                 ((1024, 4096), (64, 256), 8))
 JOINT_MIN_CTAS = 64
 JOINT_SPLITS: int | None = None  # prefix splits of the one-pass kernel (None: joint_splits)
 # Ping-pong turns of the one-pass kernel's prefix tiles.  Off: a warpgroup's suffix tile (the
