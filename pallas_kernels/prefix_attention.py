@@ -525,9 +525,9 @@ def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
                     for pr, sr, g_min in JOINT_REGIONS)
     if not force and not (in_region and ctas >= JOINT_MIN_CTAS):
         return None
-    block_kv = jd.joint_tiles(d, jnp.dtype(dtype).itemsize)[0]
+    block_kv = jd.joint_tiles(d, jnp.dtype(dtype).itemsize, JOINT_STAGES)[0]
     splits = joint_splits(p // block_kv, ctas) if JOINT_SPLITS is None else JOINT_SPLITS
-    return dict(num_splits=splits, schedule_barrier=JOINT_SCHEDULE_BARRIER)
+    return dict(num_splits=splits, schedule_barrier=JOINT_SCHEDULE_BARRIER, steps=JOINT_STAGES)
 
 
 # The one-pass kernel under ``MGPU_MERGE = "auto"``: regions (prefix keys, suffix capacity,
@@ -553,10 +553,11 @@ JOINT_SPLITS: int | None = None  # prefix splits of the one-pass kernel (None: j
 # 14 measured 0.90-0.94x the time with them on at the 2-split points above, 0.94x at B=1024
 # Hq=32 with 1 split.
 JOINT_SCHEDULE_BARRIER = False
+JOINT_STAGES = 2  # pipeline stages of the one-pass kernel (its tiles: ``joint_tiles``)
 
 
 def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, num_splits,
-                  schedule_barrier):
+                  schedule_barrier, steps):
     """Decode with one prefix through the one-pass kernel; with one prefix split its output is
     the attention itself (a layout change only), else one XLA merge of the splits."""
     from pallas_kernels import joint_decode_mgpu as jd  # noqa: PLC0415
@@ -566,7 +567,8 @@ def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpr
     qm, m = _rows_128(q, hkv, g)
     o, lse = jd.joint_decode_mgpu(qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale,
                                   group=g, num_splits=num_splits, interpret=interpret,
-                                  schedule_barrier=schedule_barrier, _cpu_check=interpret)
+                                  schedule_barrier=schedule_barrier, steps=steps,
+                                  _cpu_check=interpret)
     if o.shape[0] == 1:
         return (rows_to_out(o[0, :, :m], b, 1, hq, g).astype(q.dtype),
                 rows_to_out(lse[0, :, :m], b, 1, hq, g))
