@@ -553,7 +553,12 @@ JOINT_SPLITS: int | None = None  # prefix splits of the one-pass kernel (None: j
 # 14 measured 0.90-0.94x the time with them on at the 2-split points above, 0.94x at B=1024
 # Hq=32 with 1 split.
 JOINT_SCHEDULE_BARRIER = False
-JOINT_STAGES = 2  # pipeline stages of the one-pass kernel (its tiles: ``joint_tiles``)
+# Pipeline stages of the one-pass kernel (its tiles follow: ``joint_tiles``).  3 stages fit only
+# with 64-key prefix tiles at D=128; session 14 measured them 0.96-1.00x the 2-stage time at
+# Hq=8 B=1024 P=4K S=256 and Hq=32 B=256/1024 P=4K S=128, 1.11-1.21x at P=8K-16K and at
+# S=64 (``session14_probe_joint14e_h200.jsonl``), and no faster than the default path anywhere
+# there: 2 stages of 128-key prefix tiles stay.
+JOINT_STAGES = 2
 
 
 def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, num_splits,
