@@ -121,8 +121,8 @@ def test_joint_plan_follows_the_measured_rule(monkeypatch):
     import pallas_kernels.prefix_attention as pa
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
     bf = jnp.bfloat16
-    assert pa.joint_plan(256, 32, 8, 4096, 64, 128, bf) == dict(num_splits=2,
-                                                                 schedule_barrier=False)
+    assert pa.joint_plan(256, 32, 8, 4096, 64, 128, bf) == dict(
+        num_splits=2, schedule_barrier=False, steps=2)
     assert pa.joint_plan(1024, 32, 8, 4096, 64, 128, bf)["num_splits"] == 1    # 256 CTAs
     assert pa.joint_plan(1024, 8, 1, 4096, 64, 128, bf)["num_splits"] == 2
     assert pa.joint_plan(1024, 8, 1, 4096, 256, 128, bf)["num_splits"] == 2
