@@ -10,9 +10,9 @@ while the floor is the larger of the two (103 us).  Running them in different CT
 launch (:mod:`pallas_kernels.shared_decode_mgpu`) or as concurrent launches overlapped little:
 an SM that holds a suffix task waits on memory with its tensor cores idle.  Here each step of a
 CTA's pipeline brings one prefix tile (shared by the CTA's two compute warpgroups) and one
-suffix tile for one of the warpgroups (they take turns); the suffix tile belongs to one sequence of the warpgroup's 64 rows
-and counts only for that sequence's ``G`` rows (the others are masked), so the suffix costs
-``64 / G`` times its useful tensor-core work -- small next to the prefix's -- and no merge of
+suffix tile for one of the warpgroups (they take turns); the suffix tile belongs to one
+sequence of the warpgroup's 64 rows and counts only for that sequence's ``G`` rows (the others
+are masked), so the suffix costs ``64 / G`` times its useful tensor-core work and no merge of
 prefix and suffix states is needed at all: the state a CTA writes is the final attention of its
 rows when the prefix is not split.
 
@@ -33,9 +33,10 @@ splits)``); the caller merges the splits by their LSE (nothing to merge with one
 Kernel: grid ``(Hkv, M / 128, splits)``, two compute warpgroups of 64 rows and one memory
 warpgroup (TMA pipeline, ``steps`` stages).  Step ``t`` of ``max(T, 2 * n * S / block_s)``:
 prefix tile ``t`` (while ``t < T``; with ``schedule_barrier`` the two warpgroups take turns on
-the tensor cores, the ping-pong schedule of :mod:`pallas_kernels.prefix_attention_mgpu`, warpgroup 0 taking its
-closing turn right after tile ``T - 1``), then, for warpgroup ``t % 2`` only, its suffix tile
-``u = t // 2`` (sequence ``u // (S / block_s)`` of the split's, tile ``u % (S / block_s)``).  Tiles
+the tensor cores, the ping-pong schedule of :mod:`pallas_kernels.prefix_attention_mgpu`,
+warpgroup 0 taking its closing turn right after tile ``T - 1``), then, for warpgroup ``t % 2``
+only, its suffix tile ``u = t // 2`` (sequence ``u // (S / block_s)`` of the split's, tile
+``u % (S / block_s)``).  Tiles
 past a sequence's length, and steps past a part's end, repeat the last fetched tile (no new
 load) and are skipped or masked; ``V`` rows past a suffix length are zeroed in shared memory
 before ``P V`` so that whatever the cache holds there (NaN included) never reaches the output.
@@ -54,13 +55,13 @@ layout inference fails for tiles under 64 keys.
 Measured, H200, whole shared path against the default path (one process, interleaved loops):
 * session 13, 64-key prefix tiles, ping-pong turns (``bench/results/logs/
   session13_probe_joint13_h200.jsonl``): 1.03-1.41x the default's time at 7 Hq=32 points;
-* session 14, 128-key prefix tiles (``session14_probe_joint14{a,b}_h200.jsonl``): with the
-  turns 0.89-1.11x at 9 such points (the better of the default splits and 2); without them (``schedule_barrier=False``: a
-  warpgroup's suffix step then does not hold the other at its next turn) and with
-  ``prefix_attention.joint_splits`` 0.84x at Hq=32/Hkv=8 B=256 P=4K S=64, 0.94x at B=1024
-  P=4K S=64, 0.84x / 0.92x at Hq=8/Hkv=1 B=1024 P=4K S=64 / S=256, but 1.02-1.10x at P=16K
-  and at Hq=32 B=256 P=4K S=128.  ``MGPU_MERGE = "auto"`` takes it in the measured regions
-  (``prefix_attention.JOINT_REGIONS``).
+* session 14, 128-key prefix tiles (``session14_probe_joint14{a,b,c,d,e}_h200.jsonl``): with
+  the turns 0.89-1.11x at 9 points (the better of the default splits and 2); without them
+  (``schedule_barrier=False``: a warpgroup's suffix step then does not hold the other at its
+  next turn) and with ``prefix_attention.joint_splits``: 0.84x at Hq=32/Hkv=8 B=256 P=4K S=64,
+  0.94x at B=1024 P=4K S=64, 0.84x / 0.92x at Hq=8/Hkv=1 B=1024 P=4K S=64 / S=256, 0.74-0.97x
+  at six points with P=1K-2K; but 1.02-1.10x at P=16K and at Hq=32 B=256 P=4K S=128.
+  ``MGPU_MERGE = "auto"`` takes it in the measured regions (``prefix_attention.JOINT_REGIONS``).
 What bounds it: the suffix steps, one sequence's ``G`` rows of 64 per product, add tensor-core
 and softmax work (``64 / G`` times the useful work) on top of a prefix pass already near the
 matmul rate, and a step can only start when both its prefix and suffix tiles have landed (two

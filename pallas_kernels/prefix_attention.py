@@ -496,8 +496,9 @@ def _one_launch_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, in
 def joint_splits(n_tiles: int, ctas: int, sms: int | None = None) -> int:
     """Prefix splits of the one-pass kernel: the largest power of two up to 16 that divides the
     ``n_tiles`` prefix tiles and keeps ``ctas * splits`` within one wave (``sms`` CTAs, one per
-    SM); at least 1.  Measured (session 14, see ``JOINT_REGIONS``): 64 CTAs ran 9-16% faster
-    with 2 splits than with 1, and 256 CTAs 6% faster with 1 than with 2."""
+    SM); at least 1.  Measured (session 14, ``session14_probe_joint14b_h200.jsonl``, no
+    ping-pong turns): at 64 CTAs 2 splits took 0.58-0.60x the time of 1 (Hq=32 B=256 and Hq=8
+    B=1024, P=4K S=64); at 256 CTAs 1 split took 0.95x the time of 2 (Hq=32 B=1024)."""
     from pallas_kernels import prefix_attention_mgpu as pm  # noqa: PLC0415
     sms = pm.SMS if sms is None else sms
     best = 1
@@ -549,9 +550,9 @@ JOINT_REGIONS = (((1024, 4096), (64, 64), 4),
 JOINT_MIN_CTAS = 64
 JOINT_SPLITS: int | None = None  # prefix splits of the one-pass kernel (None: joint_splits)
 # Ping-pong turns of the one-pass kernel's prefix tiles.  Off: a warpgroup's suffix tile (the
-# other has none at that step) then does not hold the other warpgroup at its next turn; session
-# 14 measured 0.90-0.94x the time with them on at the 2-split points above, 0.94x at B=1024
-# Hq=32 with 1 split.
+# other has none at that step) then does not hold the other warpgroup at its next turn.  Session
+# 14: without the turns the kernel took 0.92-0.95x the time with them at the three 2-split P=4K
+# points above, 0.93x at Hq=32 B=1024 (1 split), 0.93-1.00x at the six P=1K-2K points.
 JOINT_SCHEDULE_BARRIER = False
 # Pipeline stages of the one-pass kernel (its tiles follow: ``joint_tiles``).  3 stages fit only
 # with 64-key prefix tiles at D=128; session 14 measured them 0.96-1.00x the 2-stage time at

@@ -297,7 +297,9 @@ def wg_compute_context(*, q_src, q_smem, q_barrier, lse_smem, o_dst, lse_dst, bl
     ``block_q`` query rows from ``q_src`` into ``q_smem``, run the pipeline from the empty state
     (``before`` / ``after`` around it), then write the normalised output (through ``q_smem``) to
     ``o_dst [block_q, D]`` and the natural-log LSE (``-inf`` for rows that saw no key) to
-    ``lse_dst [block_q]``."""
+    ``lse_dst [block_q]``: through ``lse_smem [block_q]`` by TMA, or, with ``lse_smem=None``,
+    stored from registers straight to global memory (no shared buffer: the one-pass kernel
+    needs those bytes for its tiles)."""
     def compute_context(run_pipeline):
         plgpu.copy_gmem_to_smem(q_src, q_smem, q_barrier)
         plgpu.barrier_wait(q_barrier)
