@@ -25,7 +25,10 @@ that fall inside the prefix) is therefore handled too.
   with one prefix on Hopper: the Mosaic GPU prefix kernel and the suffix kernel as two
   independent launches, or, where ``pallas_kernels.prefix_attention.one_launch_plan`` says it
   was measured to pay, one Mosaic GPU launch computing both
-  (``pallas_kernels.shared_decode_mgpu``), merged by one small XLA fusion);
+  (``pallas_kernels.shared_decode_mgpu``), merged by one small XLA fusion; or, where
+  ``pallas_kernels.prefix_attention.joint_plan`` says so (prefix 1K-4K, short suffixes), one
+  Mosaic GPU pass that streams each CTA's suffix tiles through the prefix pipeline into one
+  softmax state, ``pallas_kernels.joint_decode_mgpu``);
 * ``"flat"``: one ragged split-KV decode launch (plus a small reduction when the keys are
   split) that reads the prefix through a per-sequence index for every sequence, without
   copying it (the PagedAttention-style baseline);
