@@ -544,10 +544,14 @@ def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
 # probe (``session14_probe_joint14d_h200.jsonl``) at shorter prefixes: 0.86x at Hq=32 B=256
 # P=1K S=64, 0.97x at B=1024 P=1K S=64, 0.74x / 0.88x at Hq=8 B=1024 P=1K S=64 / S=256, 0.84x at
 # Hq=32 B=256 P=2K S=64, 0.80x at Hq=8 B=1024 P=2K S=64, 0.98x at Hq=32 B=512 P=2K S=128 (G=4,
-# S=128: left out, as at P=4K).
+# S=128: left out, as at P=4K).  A third (``session14_probe_joint14f_h200.jsonl``) at 16-32 CTAs:
+# 0.94x at Hq=32 B=64 P=4K S=64, 0.93x at B=64 P=1K S=64, 0.92x at B=128 P=4K S=64, 0.83x at
+# Hq=8 B=256 P=1K S=64, 0.88x at Hq=8 B=256 P=4K S=64 (0.88x in probe c too, 1.10x in probe b),
+# 0.98x at Hq=8 B=256 P=1K S=256 (0.99x at P=4K S=256, probe c); 1.01x at Hq=32 B=64 P=4K S=256
+# (G=4, outside the regions); hence JOINT_MIN_CTAS 16 (was 64 in the first version).
 JOINT_REGIONS = (((1024, 4096), (64, 64), 4),
                  ((1024, 4096), (64, 256), 8))
-JOINT_MIN_CTAS = 64
+JOINT_MIN_CTAS = 16
 JOINT_SPLITS: int | None = None  # prefix splits of the one-pass kernel (None: joint_splits)
 # Ping-pong turns of the one-pass kernel's prefix tiles.  Off: a warpgroup's suffix tile (the
 # other has none at that step) then does not hold the other warpgroup at its next turn.  Session

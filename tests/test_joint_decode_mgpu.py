@@ -116,7 +116,7 @@ def test_kernel_on_gpu_without_turns(b, hq, hkv, d, p, p_len, s, splits):
 
 def test_joint_plan_follows_the_measured_rule(monkeypatch):
     """``MGPU_MERGE="auto"`` takes the one-pass kernel only where session 14 measured it faster
-    (prefix 1K-4K; suffix capacity 64 at G = 4, up to 256 at G >= 8; >= 64 CTAs), with splits that
+    (prefix 1K-4K; suffix capacity 64 at G = 4, up to 256 at G >= 8; >= 16 CTAs), with splits that
     keep one wave and no ping-pong turns; ``force`` takes it wherever the kernel applies."""
     import pallas_kernels.prefix_attention as pa
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
@@ -129,12 +129,14 @@ def test_joint_plan_follows_the_measured_rule(monkeypatch):
     assert pa.joint_plan(1024, 32, 8, 1024, 64, 128, bf)["num_splits"] == 1    # prefix 1K
     assert pa.joint_plan(256, 32, 8, 2048, 64, 128, bf)["num_splits"] == 2
     for b, hq, hkv, p, s in [(256, 32, 8, 4096, 128), (1024, 32, 8, 16384, 64),
-                             (256, 8, 1, 4096, 64), (256, 8, 1, 16384, 64),
+                             (64, 8, 1, 4096, 64), (256, 8, 1, 16384, 64),
                              (1024, 8, 1, 4096, 1024), (512, 32, 8, 8192, 64),
                              (1024, 32, 8, 512, 64), (512, 32, 8, 2048, 128),
                              (1024, 16, 8, 4096, 64)]:
         assert pa.joint_plan(b, hq, hkv, p, s, 128, bf) is None, (b, hq, hkv, p, s)
-    assert pa.joint_plan(256, 8, 1, 4096, 64, 128, bf, force=True)["num_splits"] == 8
+    assert pa.joint_plan(256, 8, 1, 4096, 64, 128, bf)["num_splits"] == 8      # 16 CTAs
+    assert pa.joint_plan(64, 32, 8, 1024, 64, 128, bf)["num_splits"] == 8
+    assert pa.joint_plan(64, 8, 1, 4096, 64, 128, bf, force=True)["num_splits"] == 16
     assert pa.joint_plan(1024, 16, 8, 4096, 64, 128, bf, force=True) is not None  # G = 2
     assert pa.joint_splits(32, 64) == 2 and pa.joint_splits(32, 256) == 1
     assert pa.joint_splits(32, 16) == 8 and pa.joint_splits(6, 16) == 2
