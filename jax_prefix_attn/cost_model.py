@@ -94,9 +94,9 @@ shapes: its flat times there may be high) 12 of 14 within 5% instead of 11 (wors
 setting of ``T_LAUNCH`` (2-3.5 us), ``T_KEY_FLAT`` (3-4e-8 s) or the overlap weight (0-0.3)
 got below 4 misses: they are points 1-4 us apart, below the model's resolution.
 Session 14's one-pass kernel (``pallas_kernels.joint_decode_mgpu``, taken in
-``prefix_attention.JOINT_REGIONS``: prefix 1K-4K, short suffixes, >= 16 CTAs) is not modelled
+``prefix_attention.JOINT_REGIONS``: prefix 1K-4K, short suffixes) is not modelled
 separately either: it is charged as the Mosaic GPU path above, which overestimates the shared
-path there (0.74-0.97x measured), where flat is 1.8-9.5x slower (grid runs 20-21), so no choice
+path there (0.74-0.97x measured), where flat is 1.6-9.5x slower (grid runs 20-22), so no choice
 changes.
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.

@@ -513,7 +513,7 @@ def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
     """Static plan of the one-pass decode kernel (``joint_decode_mgpu``): its keyword arguments,
     or ``None`` where it does not apply (the Mosaic GPU prefix kernel not taken, or shapes
     outside ``joint_supported``) or, unless ``force``, where it was not measured to pay
-    (``JOINT_REGIONS``, ``JOINT_MIN_CTAS``)."""
+    (``JOINT_REGIONS``)."""
     from pallas_kernels import joint_decode_mgpu as jd  # noqa: PLC0415
     if mgpu_decode_splits(b, hq, hkv, p, d, jnp.dtype(dtype).itemsize, interpret=interpret) is None:
         return None
@@ -522,9 +522,9 @@ def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
         return None
     g = hq // hkv
     ctas = hkv * cdiv(b * g, 128)
-    in_region = any(pr[0] <= p <= pr[1] and sr[0] <= s <= sr[1] and g >= g_min
-                    for pr, sr, g_min in JOINT_REGIONS)
-    if not force and not (in_region and ctas >= JOINT_MIN_CTAS):
+    in_region = any(pr[0] <= p <= pr[1] and sr[0] <= s <= sr[1] and g >= g_min and ctas >= c_min
+                    for pr, sr, g_min, c_min in JOINT_REGIONS)
+    if not force and not in_region:
         return None
     block_kv = jd.joint_tiles(d, jnp.dtype(dtype).itemsize, JOINT_STAGES)[0]
     splits = joint_splits(p // block_kv, ctas) if JOINT_SPLITS is None else JOINT_SPLITS
@@ -532,8 +532,7 @@ def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
 
 
 # The one-pass kernel under ``MGPU_MERGE = "auto"``: regions (prefix keys, suffix capacity,
-# minimum G) and at least JOINT_MIN_CTAS (kv head, 128-row) CTAs before splitting, each a
-# measured range.  Session 14, H200, one process, interleaved loops against the default path
+# minimum G, minimum (kv head, 128-row) CTAs before splitting), each a measured range.  Session 14, H200, one process, interleaved loops against the default path
 # (``bench/results/logs/session14_probe_joint14{a,b}_h200.jsonl``; the kernel with 128-key
 # prefix tiles at D=128, ``JOINT_SCHEDULE_BARRIER = False``, splits by ``joint_splits``):
 # 0.84x the default's time at Hq=32/Hkv=8 B=256 P=4K S=64 (57.2 against 68.4 us), 0.94x at
@@ -548,10 +547,12 @@ def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
 # 0.94x at Hq=32 B=64 P=4K S=64, 0.93x at B=64 P=1K S=64, 0.92x at B=128 P=4K S=64, 0.83x at
 # Hq=8 B=256 P=1K S=64, 0.88x at Hq=8 B=256 P=4K S=64 (0.88x in probe c too, 1.10x in probe b),
 # 0.98x at Hq=8 B=256 P=1K S=256 (0.99x at P=4K S=256, probe c); 1.01x at Hq=32 B=64 P=4K S=256
-# (G=4, outside the regions); hence JOINT_MIN_CTAS 16 (was 64 in the first version).
-JOINT_REGIONS = (((1024, 4096), (64, 64), 4),
-                 ((1024, 4096), (64, 256), 8))
-JOINT_MIN_CTAS = 16
+# (G=4, outside the regions).  Grid run 22 (all columns of a point in one run) then confirmed
+# the S=64 points (Hq=32 B=64 P=1K 21.8 -> 19.5 us, P=4K 26.4 -> 25.0; Hq=8 B=256 P=1K 18.7 ->
+# 18.5, P=4K 23.1 -> 22.4) but found Hq=8 B=256 S=256 slower (P=1K 22.7 -> 24.9 us, P=4K 27.8 ->
+# 29.2): so S=64 from 16 CTAs, G >= 8 with S up to 256 only from 64 (the first probes' range).
+JOINT_REGIONS = (((1024, 4096), (64, 64), 4, 16),
+                 ((1024, 4096), (64, 256), 8, 64))
 JOINT_SPLITS: int | None = None  # prefix splits of the one-pass kernel (None: joint_splits)
 # Ping-pong turns of the one-pass kernel's prefix tiles.  Off: a warpgroup's suffix tile (the
 # other has none at that step) then does not hold the other warpgroup at its next turn.  Session

@@ -116,7 +116,7 @@ def test_kernel_on_gpu_without_turns(b, hq, hkv, d, p, p_len, s, splits):
 
 def test_joint_plan_follows_the_measured_rule(monkeypatch):
     """``MGPU_MERGE="auto"`` takes the one-pass kernel only where session 14 measured it faster
-    (prefix 1K-4K; suffix capacity 64 at G = 4, up to 256 at G >= 8; >= 16 CTAs), with splits that
+    (prefix 1K-4K; suffix capacity 64 from 16 CTAs, up to 256 at G >= 8 from 64), with splits that
     keep one wave and no ping-pong turns; ``force`` takes it wherever the kernel applies."""
     import pallas_kernels.prefix_attention as pa
     monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
@@ -130,6 +130,7 @@ def test_joint_plan_follows_the_measured_rule(monkeypatch):
     assert pa.joint_plan(256, 32, 8, 2048, 64, 128, bf)["num_splits"] == 2
     for b, hq, hkv, p, s in [(256, 32, 8, 4096, 128), (1024, 32, 8, 16384, 64),
                              (64, 8, 1, 4096, 64), (256, 8, 1, 16384, 64),
+                             (256, 8, 1, 4096, 256), (256, 8, 1, 1024, 128),
                              (1024, 8, 1, 4096, 1024), (512, 32, 8, 8192, 64),
                              (1024, 32, 8, 512, 64), (512, 32, 8, 2048, 128),
                              (1024, 16, 8, 4096, 64)]:
