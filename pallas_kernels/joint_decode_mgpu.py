@@ -101,18 +101,13 @@ def joint_tiles(head_dim: int, itemsize: int = 2, steps: int = 2) -> tuple[int, 
 
 def joint_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
                     head_dim: int, dtype, block_s: int | None = None) -> str | None:
-    """``None`` when :func:`joint_decode_mgpu` handles these static shapes, else the reason."""
-    g = heads_q // heads_kv
-    if g < 1 or heads_q % heads_kv or g & (g - 1) or 64 % g:
-        return f"query heads per kv head must be a power of two dividing 64, got {heads_q}/{heads_kv}"
-    rows = -(-batch * g // 128) * 128
-    why = pm.mgpu_supported(rows=rows, prefix_len=prefix_len, head_dim=head_dim, dtype=dtype)
-    if why is not None:
-        return why
+    """``None`` when :func:`joint_decode_mgpu` handles these static shapes, else the reason: the
+    one-launch kernel's conditions (:func:`pallas_kernels.shared_decode_mgpu.fused_supported`,
+    the same row layout and suffix tiles) with this kernel's suffix tile (:func:`joint_tiles`)."""
     bs = joint_tiles(head_dim)[1] if block_s is None else block_s
-    if suffix_cap % bs or suffix_cap == 0:
-        return f"suffix capacity {suffix_cap} must be a positive multiple of block_s={bs}"
-    return None
+    return sd.fused_supported(batch=batch, heads_q=heads_q, heads_kv=heads_kv,
+                              prefix_len=prefix_len, suffix_cap=suffix_cap, head_dim=head_dim,
+                              dtype=dtype, block_s=bs)
 
 
 def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, scale: float,
