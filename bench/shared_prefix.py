@@ -34,6 +34,9 @@ count had added 14-20 us of host synchronisation to every call); from session 12
 column's loop is compiled with ``bench.timing.GRAPH_ALWAYS`` (the loop body one CUDA graph, as
 inside a model's decode step; XLA's default graphs only bodies of at least 5 kernels and
 launched paths with fewer kernel by kernel).
+Point sets: the three probe points of the issue (Hq=32/Hkv=8, suffix 128); the issue's small-GQA
+case (``SMALL_GQA``: Hq=8/Hkv=1, batch 8, prefix 4000, suffixes 64/256/1024; records marked
+``small_gqa``), where the auto path must not lose to plain decoding; then the grid.
 Points that do not fit in memory are recorded as ``"X"``; points not reached within the time
 budget as ``"skipped"``.  Each finished point is appended to the JSON as it completes.
 
@@ -66,6 +69,11 @@ BATCH = [16, 64, 256, 1024]
 PREFIX = [1024, 4096, 16384]
 SUFFIX = [64, 256, 1024]
 PROBES = [(256, 4096, 128), (512, 8192, 128), (1024, 4096, 128)]
+# The issue's small-GQA case, where a three-launch cascade loses to plain decoding in other
+# libraries (8 query heads, 1 kv head, batch 8, prefix 4000: not a multiple of any tile), at
+# three suffix lengths; records carry ``small_gqa: true`` and stay out of the heat map.
+SMALL_GQA_HEADS = (8, 1, 128)
+SMALL_GQA = [(8, 4000, 64), (8, 4000, 256), (8, 4000, 1024)]
 COLS = ["shared", "flat", "flat_gqa", "composed", "auto", "flat_materialised"]
 # Our flat kernel over materialised per-sequence KV (no L2 reuse of a shared prefix): the
 # bandwidth test of the decode kernel, measured at these (batch, prefix) points only.
@@ -169,7 +177,12 @@ def composed(q, pk, pv, sk, sv, sl):
     rows = b * g
     qp = q.reshape(b, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, rows, d)
     qp = qp.transpose(1, 0, 2)[None]  # [1, rows, Hkv, D]
-    bs = jat.BlockSizes(block_q=min(128, rows), block_k=min(128, p), block_q_dkv=32,
+    # (mha needs the prefix length to be a multiple of block_k: the largest power of two <= 128
+    # dividing it, e.g. 32 for the small-GQA prefix of 4000)
+    bk = p if p <= 128 else min(128, p & -p)
+    if bk < 16 and p > 128:
+        raise ValueError(f"composed: no mha key block of >= 16 divides the prefix length {p}")
+    bs = jat.BlockSizes(block_q=min(128, rows), block_k=bk, block_q_dkv=32,
                         block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
     o_p, lse2 = jat.mha(qp, pk[None], pv[None], None, sm_scale=scale, block_sizes=bs,
                         return_residuals=True, interpret=INTERPRET)
@@ -266,8 +279,13 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
                     rec[c + "_maxdiff_vs_shared"] = float(jnp.max(jnp.abs(
                         out.astype(jnp.float32) - ref.astype(jnp.float32))))
             elif c == "flat_gqa":
-                k_full = jnp.concatenate([jnp.broadcast_to(pk[None], (b,) + pk.shape), sk], axis=1)
-                v_full = jnp.concatenate([jnp.broadcast_to(pv[None], (b,) + pv.shape), sv], axis=1)
+                # (padded with zeros to a multiple of 64 keys, as gqa's key blocks need; the
+                # lengths mask the padding: P = 4000 at the small-GQA points)
+                pad = ((0, 0), (0, -(p + s) % 64), (0, 0), (0, 0))
+                k_full = jnp.pad(jnp.concatenate([jnp.broadcast_to(pk[None], (b,) + pk.shape), sk],
+                                                 axis=1), pad)
+                v_full = jnp.pad(jnp.concatenate([jnp.broadcast_to(pv[None], (b,) + pv.shape), sv],
+                                                 axis=1), pad)
                 lens = jnp.full((b,), p + s, jnp.int32)
                 t = loop_time(flat_gqa, q, (k_full, v_full, lens), compiler_options=GRAPH_ALWAYS)
                 if check and ref is not None:
@@ -518,6 +536,18 @@ def summarize(doc):
             src = f" [{r['source_run']}]" if r.get("source_run") else ""
             print(f"  B={r['batch']} P={r['prefix']}: shared {r['shared_ms']:.3f} ms, floor "
                   f"{r['floor_ms']:.3f} ms ({r['shared_over_floor']:.2f}x floor{read}), {ratios}{src}")
+    small = [r for r in doc["results"] if r.get("small_gqa") and isinstance(r.get("auto_ms"), float)]
+    if small:
+        print("small GQA points (the issue's cascade case: must not lose to plain decoding):")
+    for r in small:
+        cols = ", ".join(f"{c} {r[c + '_ms'] * 1e3:.1f} us" for c in
+                         ("shared", "flat", "flat_gqa", "composed", "auto")
+                         if isinstance(r.get(c + "_ms"), float))
+        ratios = ", ".join(f"/ {c} {r['auto_ms'] / r[c + '_ms']:.3f}" for c in
+                           ("shared", "flat", "flat_gqa", "composed")
+                           if isinstance(r.get(c + "_ms"), float))
+        print(f"  Hq={r['heads_q']} Hkv={r['heads_kv']} B={r['batch']} P={r['prefix']} "
+              f"S={r['suffix']}: {cols}; auto ({r['auto_choice']}) {ratios}")
     print(f"auto worst ratio to the better path: {doc.get('auto_worst_over_best')}")
 
 
@@ -544,10 +574,11 @@ def main():
                          "run) even though --out has them")
     args = ap.parse_args()
     redo = {tuple(int(x) for x in spec.split(":")) for spec in args.redo}
-    global INTERPRET, HEADS, BATCH, PREFIX, SUFFIX, PROBES
+    global INTERPRET, HEADS, BATCH, PREFIX, SUFFIX, PROBES, SMALL_GQA, SMALL_GQA_HEADS
     if args.smoke:
         INTERPRET = True
         HEADS, BATCH, PREFIX, SUFFIX, PROBES = [(4, 2, 16)], [2], [128], [64], [(2, 128, 64)]
+        SMALL_GQA_HEADS, SMALL_GQA = (4, 1, 16), [(3, 100, 64)]
     t_start = time.time()
     if args.merge:
         merge_runs(args.merge, args.out)
@@ -565,6 +596,8 @@ def main():
     pts = []
     for (b, p, s) in PROBES:
         pts.append((b, p, s) + HEADS[0] + (True,))
+    small = {(b, p, s) + SMALL_GQA_HEADS for (b, p, s) in SMALL_GQA}
+    pts += [x + (False,) for x in sorted(small)]
     grid = [(b, p, s, hq, hkv, d, False) for (hq, hkv, d) in HEADS for b in BATCH for p in PREFIX
             for s in SUFFIX]
     if args.quick:
@@ -602,10 +635,13 @@ def main():
                                        head_dim=d, probe=probe, status="skipped (time budget)"))
             continue
         t0 = time.time()
+        is_small = (b, p, s, hq, hkv, d) in small
         rec = run_point(b, p, s, hq, hkv, d, bw, mma, cols=args.cols.split(","),
-                        check=not args.no_check and (probe or b == 16),
+                        check=not args.no_check and (probe or is_small or b == 16),
                         measure_auto=args.measure_auto)
         rec["probe"] = probe
+        if is_small:
+            rec["small_gqa"] = True
         rec["wall_s"] = time.time() - t0
         if args.resume:
             rec["run"] = len(doc.get("earlier_runs", []))

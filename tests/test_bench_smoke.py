@@ -316,3 +316,39 @@ def test_e2e_index_separates_layer_counts_of_one_part():
     assert idx["gqa (16 layers)"]["pts"][(32, 1024, "shared")]["tokens_per_s"] == 10.0
     assert idx["gqa (32 layers)"]["pts"][(32, 1024, "shared")]["tokens_per_s"] == 5.0
     assert plots.e2e_targets({"points": pts})["shared_vs_none"]["points"] == 1
+
+
+def test_shared_prefix_bench_smoke(tmp_path):
+    """``bench/shared_prefix.py --smoke`` (every kernel in interpret mode, tiny shapes): the
+    probe, the small-GQA set (a prefix that is no multiple of any tile, as the issue's 4000) and
+    the grid are measured with every column, each checked against the reference, and a
+    ``--resume`` run keeps them."""
+    out = str(tmp_path / "sp.json")
+    env = dict(os.environ, XLA_FLAGS=FAST_XLA, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "shared_prefix.py"), "--smoke", "--out", out]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = _load(out)
+    assert data["info"]["device"] and data["copy_bw_Bps"] > 0 and data["matmul_flops"] > 0
+    small = [r for r in data["results"] if r.get("small_gqa")]
+    probes = [r for r in data["results"] if r.get("probe")]
+    assert len(small) == 1 and len(probes) == 1 and len(data["results"]) == 3
+    assert (small[0]["batch"], small[0]["prefix"], small[0]["heads_q"], small[0]["heads_kv"]) == (3, 100, 4, 1)
+    for r in small + probes:
+        for c in ("shared", "flat", "flat_gqa", "composed", "auto"):
+            assert isinstance(r[c + "_ms"], float) and r[c + "_ms"] > 0, (c, r.get(c + "_error"))
+        assert r["maxdiff_vs_reference"] < 2e-2
+        for c in ("flat", "flat_gqa", "composed"):
+            assert r[c + "_maxdiff_vs_shared"] < 2e-2, c
+        assert r["auto_ms"] == r[r["auto_choice"] + "_ms"]
+        assert r["auto_over_best"] == pytest.approx(r["auto_ms"] / min(r["shared_ms"], r["flat_ms"]))
+    assert "small GQA points" in run.stdout
+    assert os.path.exists(os.path.join(tmp_path, "sp.png"))
+    # a resumed run measures nothing again and keeps every record
+    run2 = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert run2.returncode == 0, run2.stdout[-3000:] + run2.stderr[-3000:]
+    again = _load(out)
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "run"} for r in rs]  # noqa: E731
+    assert strip(again["results"]) == strip(data["results"])
+    assert len(again["earlier_runs"]) == 1
