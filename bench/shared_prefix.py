@@ -279,9 +279,11 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
                     rec[c + "_maxdiff_vs_shared"] = float(jnp.max(jnp.abs(
                         out.astype(jnp.float32) - ref.astype(jnp.float32))))
             elif c == "flat_gqa":
-                # (padded with zeros to a multiple of 64 keys, as gqa's key blocks need; the
-                # lengths mask the padding: P = 4000 at the small-GQA points)
-                pad = ((0, 0), (0, -(p + s) % 64), (0, 0), (0, 0))
+                # A length that is no multiple of gqa's 64-key blocks (P = 4000 at the small-GQA
+                # points) is padded with zeros to a multiple of 16 x 64 keys, so that the keys
+                # split 16 ways (``_k_splits``); gqa's loop stops at the length, so the padding
+                # is never read.  (Grid lengths are multiples of 64 and are not padded.)
+                pad = ((0, 0), (0, -(p + s) % 1024 if (p + s) % 64 else 0), (0, 0), (0, 0))
                 k_full = jnp.pad(jnp.concatenate([jnp.broadcast_to(pk[None], (b,) + pk.shape), sk],
                                                  axis=1), pad)
                 v_full = jnp.pad(jnp.concatenate([jnp.broadcast_to(pv[None], (b,) + pv.shape), sv],
