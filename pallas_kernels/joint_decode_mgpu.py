@@ -65,7 +65,12 @@ Measured, H200, whole shared path against the default path (one process, interle
 What bounds it: the suffix steps, one sequence's ``G`` rows of 64 per product, add tensor-core
 and softmax work (``64 / G`` times the useful work) on top of a prefix pass already near the
 matmul rate, and a step can only start when both its prefix and suffix tiles have landed (two
-stages fit).
+stages fit).  Session 15 measured the second part alone (``bench/results/logs/
+session15_probe_bound15_h200.jsonl``, timing-only variants, H200): with the suffix tiles loaded
+but no suffix compute, Hq=32/Hkv=8 B=1024 P=4K S=64 took 157.6 us (the real kernel 200.0 us, the
+prefix kernel alone 131.9 us), Hq=8/Hkv=1 B=1024 S=64 41.2 us (47.6, 38.0), Hq=32 B=256 S=64
+46.2 us (56.3, 41.2), Hq=8 B=1024 S=256 61.7 us (72.8, 39.7).  So a cheaper suffix product (the
+"swap AB" form ``S^T = K Q^T``) could recover at most the difference to the first number.
 """
 from __future__ import annotations
 
