@@ -118,17 +118,13 @@ def joint_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int,
 def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, scale: float,
                       group: int, num_splits: int | None = None, block_kv: int | None = None,
                       block_s: int | None = None, steps: int = 2, schedule_barrier: bool = True,
-                      prefetch: int = 0, interpret: bool = False, _cpu_check: bool = False):
+                      interpret: bool = False, _cpu_check: bool = False):
     """Attention of every row over the prefix keys ``[0, p_len)`` and its own sequence's suffix
     keys ``[0, s_len[b])``, in one pass; see the module docstring for layouts and scope.
 
     Returns ``(o [splits, Hkv, M, D], lse [splits, Hkv, M])``.  ``num_splits``: prefix splits
     (None: :func:`prefix_attention_mgpu.choose_splits` over the ``Hkv * M / 128`` CTAs).
     ``block_kv`` / ``block_s``: prefix / suffix tile keys (None: :func:`joint_tiles`).
-    ``prefetch``: at step ``t`` warpgroup 0 asks for the suffix ``K``/``V`` tiles of step
-    ``t + prefetch`` to be brought into L2 (``plgpu.async_prefetch``, a hint with no effect on
-    the result), so that the pipeline's copies of them, two stages ahead, come from L2 instead
-    of HBM; 0 (default) issues none.  Not issued in the CPU interpreter.
     ``interpret`` runs Mosaic GPU's CPU interpreter and needs ``_cpu_check`` (tests only).
 
     Raises ``ValueError`` for shapes outside the scope or splits that do not divide the prefix
@@ -221,22 +217,8 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
             pl.when((wg == 0) & (t == t_pre - 1))(turn)
             return acc, m_new, l_i
 
-        def suffix_tile(t):
-            """(clamped global sequence, tile index) whose suffix ``K``/``V`` step ``t`` loads:
-            past a sequence's length its last tile again (no new load)."""
-            _, _, bc, n, tile = suffix_slot(t)
-            return bc, jnp.minimum(tile, jnp.maximum((n + bs - 1) // bs - 1, 0))
-
-        def prefetch_suffix(t):
-            bc, tile = suffix_tile(t + prefetch)
-            keys = pl.ds(tile * bs, bs)
-            plgpu.async_prefetch(sk_ref.at[bc, keys, h, :])
-            plgpu.async_prefetch(sv_ref.at[bc, keys, h, :])
-
         def tile_body(indices, pk_s, pv_s, sk_s, sv_s, pk_done, pv_done, sk_done, sv_done, carry):
             t = indices[0]
-            if prefetch and not _cpu_check:
-                pl.when((wg == 0) & (t + prefetch < t_suf))(lambda: prefetch_suffix(t))
 
             def skip_pre(c):
                 plgpu.barrier_arrive(pk_done)
@@ -265,7 +247,8 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
 
         def suf_spec(transposed):
             def index_map(t):
-                bc, tile = suffix_tile(t)
+                _, _, bc, n, tile = suffix_slot(t)
+                tile = jnp.minimum(tile, jnp.maximum((n + bs - 1) // bs - 1, 0))
                 return (bc, 0, tile) if transposed else (bc, tile, 0)
             shape = (None, d, bs) if transposed else (None, bs, d)
             return plgpu.BlockSpec(block_shape=shape, index_map=index_map)

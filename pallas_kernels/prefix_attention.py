@@ -528,8 +528,7 @@ def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
         return None
     block_kv = jd.joint_tiles(d, jnp.dtype(dtype).itemsize, JOINT_STAGES)[0]
     splits = joint_splits(p // block_kv, ctas) if JOINT_SPLITS is None else JOINT_SPLITS
-    return dict(num_splits=splits, schedule_barrier=JOINT_SCHEDULE_BARRIER, steps=JOINT_STAGES,
-                prefetch=JOINT_PREFETCH)
+    return dict(num_splits=splits, schedule_barrier=JOINT_SCHEDULE_BARRIER, steps=JOINT_STAGES)
 
 
 # The one-pass kernel under ``MGPU_MERGE = "auto"``: regions (prefix keys, suffix capacity,
@@ -566,13 +565,10 @@ JOINT_SCHEDULE_BARRIER = False
 # S=64 (``session14_probe_joint14e_h200.jsonl``), and no faster than the default path anywhere
 # there: 2 stages of 128-key prefix tiles stay.
 JOINT_STAGES = 2
-# L2 prefetch distance of the one-pass kernel's suffix tiles, in steps (0: none; see
-# ``joint_decode_mgpu``'s ``prefetch``).
-JOINT_PREFETCH = 0
 
 
 def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, num_splits,
-                  schedule_barrier, steps, prefetch=0):
+                  schedule_barrier, steps):
     """Decode with one prefix through the one-pass kernel; with one prefix split its output is
     the attention itself (a layout change only), else one XLA merge of the splits."""
     from pallas_kernels import joint_decode_mgpu as jd  # noqa: PLC0415
@@ -583,7 +579,7 @@ def _joint_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpr
     o, lse = jd.joint_decode_mgpu(qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale,
                                   group=g, num_splits=num_splits, interpret=interpret,
                                   schedule_barrier=schedule_barrier, steps=steps,
-                                  prefetch=prefetch, _cpu_check=interpret)
+                                  _cpu_check=interpret)
     if o.shape[0] == 1:
         return (rows_to_out(o[0, :, :m], b, 1, hq, g).astype(q.dtype),
                 rows_to_out(lse[0, :, :m], b, 1, hq, g))
