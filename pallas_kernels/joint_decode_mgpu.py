@@ -71,6 +71,9 @@ but no suffix compute, Hq=32/Hkv=8 B=1024 P=4K S=64 took 157.6 us (the real kern
 prefix kernel alone 131.9 us), Hq=8/Hkv=1 B=1024 S=64 41.2 us (47.6, 38.0), Hq=32 B=256 S=64
 46.2 us (56.3, 41.2), Hq=8 B=1024 S=256 61.7 us (72.8, 39.7).  So a cheaper suffix product (the
 "swap AB" form ``S^T = K Q^T``) could recover at most the difference to the first number.
+Nor is that load cost HBM latency: asking for each suffix tile in L2 2, 4 or 8 steps ahead
+(``plgpu.async_prefetch``; commit 02b4628, reverted) took 0.98-1.04x the time without it at the
+five P=4K points, 1.01-1.08x in the load-only variant (``session15_probe_prefetch15_h200.jsonl``).
 """
 from __future__ import annotations
 

@@ -41,7 +41,9 @@ J = {"MGPU_MERGE": "joint", "JOINT_SCHEDULE_BARRIER": False}
 SET = {"base": ({}, None), "indep": ({"MGPU_MERGE": "independent"}, None),
        "jn": (J, None), "jload": (J, step_load), "jmma": (J, step_mma),
        "jnomask": (J, step_nomask),
-       "jn1": (dict(J, JOINT_SPLITS=1), None), "jload1": (dict(J, JOINT_SPLITS=1), step_load)}
+       "jn1": (dict(J, JOINT_SPLITS=1), None), "jload1": (dict(J, JOINT_SPLITS=1), step_load),
+       "jp2": (dict(J, JOINT_PREFETCH=2), None), "jp4": (dict(J, JOINT_PREFETCH=4), None),
+       "jp8": (dict(J, JOINT_PREFETCH=8), None), "jloadp4": (dict(J, JOINT_PREFETCH=4), step_load)}
 
 def make_fn(var):
     if var == "pre":
