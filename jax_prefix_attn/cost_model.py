@@ -98,6 +98,14 @@ Session 14's one-pass kernel (``pallas_kernels.joint_decode_mgpu``, taken in
 separately either: it is charged as the Mosaic GPU path above, which overestimates the shared
 path there (0.74-0.97x measured), where flat is 1.6-9.5x slower (grid runs 20-22), so no choice
 changes.
+Session 15 checked the model, unchanged, against every measured pair of times
+(``bench/results/logs/session15_cost_model_scan.py`` and ``.txt``): within 5% of the better path
+at 74 of the H200 grid's 78 points (the issue's three small-GQA points added), 62 of 63 on an
+H100 (``bench/results/shared_prefix_h100.json``; its one miss, Hq=32 B=16 P=1K S=64, is a miss
+on the H200 too), 15 of 18 fresh out-of-sample shapes
+(``bench/results/logs/session15_validate_auto15_h200.jsonl``, worst 1.09x), 177 of 188 in all.
+A scan of ``SLOTS`` (33-198), ``T_KEY``, ``T_KEY_FLAT`` and ``T_LAUNCH`` found at best 179 of
+188 (many settings), the same worst case and the same 15 of 18 out of sample: no change.
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.
 """
