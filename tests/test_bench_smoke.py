@@ -1,6 +1,6 @@
 """Smoke tests of the end-to-end benchmark scripts (bench/e2e_decode.py, long_document.py,
-two_level.py, plots.py) on CPU with tiny random models: they run, write the documented JSON,
-resume without redoing finished points, record out-of-memory points as "X", and the tables,
+two_level.py, plots.py) and of bench/shared_prefix.py (kernels in interpret mode) on CPU with
+tiny random models: they run, write the documented JSON, resume without redoing finished points, record out-of-memory points as "X", and the tables,
 plots and target ratios are regenerated from the JSON alone."""
 from __future__ import annotations
 
@@ -321,8 +321,8 @@ def test_e2e_index_separates_layer_counts_of_one_part():
 def test_shared_prefix_bench_smoke(tmp_path):
     """``bench/shared_prefix.py --smoke`` (every kernel in interpret mode, tiny shapes): the
     probe, the small-GQA set (a prefix that is no multiple of any tile, as the issue's 4000) and
-    the grid are measured with every column, each checked against the reference, and a
-    ``--resume`` run keeps them."""
+    the grid are measured; the probe and small-GQA points with every column, each column's
+    output checked against ours and ours against the reference; a ``--resume`` run keeps them."""
     out = str(tmp_path / "sp.json")
     env = dict(os.environ, XLA_FLAGS=FAST_XLA, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     cmd = [sys.executable, os.path.join(ROOT, "bench", "shared_prefix.py"), "--smoke", "--out", out]
