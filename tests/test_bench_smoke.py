@@ -1,7 +1,8 @@
 """Smoke tests of the end-to-end benchmark scripts (bench/e2e_decode.py, long_document.py,
 two_level.py, plots.py) and of bench/shared_prefix.py (kernels in interpret mode) on CPU with
-tiny random models: they run, write the documented JSON, resume without redoing finished points, record out-of-memory points as "X", and the tables,
-plots and target ratios are regenerated from the JSON alone."""
+tiny random models: they run, write the documented JSON, resume without redoing finished
+points, record out-of-memory points as "X", and the tables, plots and target ratios are
+regenerated from the JSON alone."""
 from __future__ import annotations
 
 import json
