@@ -251,7 +251,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
         def suf_spec(transposed):
             def index_map(t):
                 _, _, bc, n, tile = suffix_slot(t)
-                tile = jnp.minimum(tile, jnp.maximum((n + bs - 1) // bs - 1, 0))
+                tile = jnp.minimum(tile, sd.last_tile(n, bs))
                 return (bc, 0, tile) if transposed else (bc, tile, 0)
             shape = (None, d, bs) if transposed else (None, bs, d)
             return plgpu.BlockSpec(block_shape=shape, index_map=index_map)

@@ -532,7 +532,8 @@ def joint_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
 
 
 # The one-pass kernel under ``MGPU_MERGE = "auto"``: regions (prefix keys, suffix capacity,
-# minimum G, minimum (kv head, 128-row) CTAs before splitting), each a measured range.  Session 14, H200, one process, interleaved loops against the default path
+# minimum G, minimum (kv head, 128-row) CTAs before splitting), each a measured range.
+# Session 14, H200, one process, interleaved loops against the default path
 # (``bench/results/logs/session14_probe_joint14{a,b}_h200.jsonl``; the kernel with 128-key
 # prefix tiles at D=128, ``JOINT_SCHEDULE_BARRIER = False``, splits by ``joint_splits``):
 # 0.84x the default's time at Hq=32/Hkv=8 B=256 P=4K S=64 (57.2 against 68.4 us), 0.94x at

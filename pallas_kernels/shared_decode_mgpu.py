@@ -63,7 +63,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels.prefix_attention_mgpu import plgpu
 
-__all__ = ["fused_supported", "shared_decode_partials_mgpu", "task_order", "suffix_step"]
+__all__ = ["fused_supported", "shared_decode_partials_mgpu", "task_order", "suffix_step",
+           "last_tile"]
 
 _LOG2E = math.log2(math.e)
 ORDERS = ("interleave", "suffix_first", "prefix_first")
@@ -106,7 +107,7 @@ def _suffix_lengths(len_ref, b, batch):
     return jnp.minimum(b, batch - 1), jnp.where(b < batch, len_ref[jnp.minimum(b, batch - 1)], 0)
 
 
-def _last_tile(n, block_s):
+def last_tile(n, block_s):
     """The last tile holding a valid key (0 when there is none): tiles past the length are
     fetched as this one again (an L2 hit), and masked."""
     return jnp.maximum((n + block_s - 1) // block_s - 1, 0)
@@ -177,7 +178,7 @@ def _suffix_task(*, h, mb, ss, q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_s
     def spec(w, transposed):
         def index_map(t):
             _, b, n, tile = seq_tile(t, w)
-            tile = jnp.minimum(tile, _last_tile(n, block_s))
+            tile = jnp.minimum(tile, last_tile(n, block_s))
             return (b, 0, tile) if transposed else (b, tile, 0)
         shape = (None, d, block_s) if transposed else (None, block_s, d)
         return plgpu.BlockSpec(block_shape=shape, index_map=index_map)
