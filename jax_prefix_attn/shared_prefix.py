@@ -37,9 +37,17 @@ that fall inside the prefix) is therefore handled too.
 * ``"auto"``: on the GPU, the cheaper of ``"shared"`` and ``"flat"`` by the cost model in
   :mod:`jax_prefix_attn.cost_model`; elsewhere ``"reference"``.
 
-Gradients: the Pallas paths have a ``custom_vjp`` whose backward is the autodiff of the
-reference decomposition (prefix part, suffix part, merge), so gradients are exact and equal
-to the reference path's.
+Gradients: the Pallas paths have a ``custom_vjp`` whose backward runs flash backward kernels
+(``BACKWARD = "kernels"``, the default): with the merged ``out`` and ``lse`` saved by the
+forward, each part's gradient is a flash-attention backward evaluated with those merged
+statistics, so the merge needs no backward of its own.  The prefix part's kernels
+(:mod:`pallas_kernels.prefix_attention_bwd`) batch the rows of every sequence that shares a
+prefix, as the forward does: ``dK``/``dV`` of a prefix are summed over its sequences inside
+the kernel; the suffix part is :func:`pallas_kernels.flash_attention.flash_attention_bwd`
+(causal, aligned to each suffix length).  Nothing of size ``[B, Tq, Hq, P]`` is materialised.
+``BACKWARD = "reference"`` instead differentiates the pure-JAX reference decomposition (which
+materialises the probabilities; kept for comparison).  Both paths (``"shared"`` and ``"flat"``)
+share the backward: it depends only on the inputs, ``out`` and ``lse``.
 """
 from __future__ import annotations
 
@@ -222,6 +230,11 @@ def query_chunks(tq: int, group: int, max_rows: int | None = None) -> list[tuple
     return [(c, min(c + step, tq)) for c in range(0, tq, step)]
 
 
+# Backward of the Pallas paths: "kernels" (flash backward kernels, default) or "reference"
+# (autodiff of the pure-JAX decomposition); see the module docstring.
+BACKWARD = "kernels"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
                  suffix_lengths, scale, path, interpret):
@@ -247,20 +260,50 @@ def _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefi
 
 def _kernel_path_fwd(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
                      suffix_lengths, scale, path, interpret):
+    out, lse = _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
+                            prefix_lengths, suffix_lengths, scale, path, interpret)
     res = (q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
-           suffix_lengths)
-    return _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
-                        suffix_lengths, scale, path, interpret), res
+           suffix_lengths, out, lse)
+    return (out, lse), res
 
 
 def _kernel_path_bwd(scale, path, interpret, res, cts):
-    q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths, suffix_lengths = res
-    _, vjp = jax.vjp(lambda q_, pk, pv, sk, sv: reference_shared_prefix(
-        q_, pk, pv, sk, sv, seq_to_prefix, prefix_lengths, suffix_lengths, scale),
-        q, prefix_k, prefix_v, suffix_k, suffix_v)
-    dq, dpk, dpv, dsk, dsv = vjp(cts)
+    q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths, suffix_lengths, \
+        out, lse = res
+    if BACKWARD == "reference":
+        _, vjp = jax.vjp(lambda q_, pk, pv, sk, sv: reference_shared_prefix(
+            q_, pk, pv, sk, sv, seq_to_prefix, prefix_lengths, suffix_lengths, scale),
+            q, prefix_k, prefix_v, suffix_k, suffix_v)
+        dq, dpk, dpv, dsk, dsv = vjp(cts)
+    elif BACKWARD == "kernels":
+        dq, dpk, dpv, dsk, dsv = _kernel_grads(q, prefix_k, prefix_v, suffix_k, suffix_v,
+                                               seq_to_prefix, prefix_lengths, suffix_lengths,
+                                               out, lse, cts, scale=scale, interpret=interpret)
+    else:
+        raise ValueError(f"BACKWARD must be 'kernels' or 'reference', got {BACKWARD!r}")
     f0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
     return dq, dpk, dpv, dsk, dsv, f0(seq_to_prefix), f0(prefix_lengths), f0(suffix_lengths)
+
+
+def _kernel_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+                  suffix_lengths, out, lse, cts, *, scale, interpret):
+    """Gradients through the flash backward kernels: each part (prefix, suffix) is a flash
+    backward evaluated with the merged ``out``/``lse`` (see
+    :mod:`pallas_kernels.prefix_attention_bwd`); ``dq`` is the sum of the two parts'."""
+    from pallas_kernels.flash_attention import flash_attention_bwd  # noqa: PLC0415
+    from pallas_kernels.prefix_attention_bwd import prefix_grads  # noqa: PLC0415
+    d_out, d_lse = cts
+    delta = (jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+             - d_lse.astype(jnp.float32))                                       # [B, Tq, Hq]
+    lim_p, _ = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
+    dq_p, dpk, dpv = prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim_p,
+                                  prefix_lengths, scale=scale, interpret=interpret)
+    # suffix keys j < lim_s[b, i] = clip(sl - Tq + i + 1, 0, sl): causal, aligned to sl
+    dq_s, dsk, dsv = flash_attention_bwd(q, suffix_k, suffix_v, d_out, lse, delta, causal=True,
+                                         kv_lengths=suffix_lengths, sm_scale=scale,
+                                         interpret=interpret)
+    dq = (dq_p.astype(jnp.float32) + dq_s.astype(jnp.float32)).astype(q.dtype)
+    return dq, dpk, dpv, dsk, dsv
 
 
 _kernel_path.defvjp(_kernel_path_fwd, _kernel_path_bwd)

@@ -39,8 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["flash_attention", "FlashConfig", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES",
-           "default_config"]
+__all__ = ["flash_attention", "flash_attention_bwd", "FlashConfig", "SUPPORTED_HEAD_DIMS",
+           "SUPPORTED_DTYPES", "default_config"]
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -251,6 +251,10 @@ def _dq_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
         p = jnp.exp2(s * scale2 - lse2[:, None])
         dp = _dot(do, v, st, trans_b=True)
         ds = p * (dp - delta[:, None])
+        if masked:  # keys past the length may hold anything (NaN too): keep them out of dq
+            ds = jnp.where(vis, ds, 0.0)
+            keys = start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+            k = jnp.where(keys < length, k, jnp.zeros_like(k))
         return dq + _dot(ds.astype(k.dtype), k, st)
 
     if st.causal:
@@ -301,6 +305,8 @@ def _dkv_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref
         dv = dv + _dot(p_t.astype(do.dtype), do, st)
         dp_t = _dot(v, do, st, trans_b=True)
         ds_t = p_t * (dp_t - delta[None, :])
+        if masked:  # (a NaN value past the length: its dk row stays 0)
+            ds_t = jnp.where(vis, ds_t, 0.0)
         dk = dk + _dot(ds_t.astype(q.dtype), q, st)
         return dk, dv
 
@@ -453,24 +459,9 @@ def _clamp_block(block: int, n: int) -> int:
     return max(_MIN_BLOCK, min(int(block), _next_pow2(max(n, 1))))
 
 
-def flash_attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=None,
-                    interpret: bool = False, block_q: int | None = None,
-                    block_k: int | None = None, config: FlashConfig | None = None):
-    """Flash attention returning ``(out [B, Tq, Hq, D], lse [B, Tq, Hq] float32)``.
-
-    Args:
-      q: ``[B, Tq, Hq, D]`` float16/bfloat16/float32.
-      k, v: ``[B, Tk, Hkv, D]`` (cast to ``q``'s dtype), ``Hq % Hkv == 0``.
-      causal: bottom-right causal mask aligned to each sequence's valid length.
-      kv_lengths: optional int ``[B]``; keys ``>= kv_lengths[b]`` are masked.  Read inside the
-        kernel: changing the values does not recompile.
-      sm_scale: score scale, default ``1/sqrt(D)``.
-      interpret: run the Pallas kernels in interpret mode (CPU).
-      block_q, block_k: override the forward tile sizes (powers of two >= 16).
-      config: full :class:`FlashConfig` override (forward and backward tiles, warps, stages).
-
-    Differentiable w.r.t. ``q, k, v`` through both ``out`` and ``lse``.
-    """
+def _prepare(q, k, v, *, causal, kv_lengths, sm_scale, interpret, block_q=None, block_k=None,
+             config=None):
+    """Validate, pick the (clamped) tiles and pad to them: ``(st, lengths, qp, kp, vp, d)``."""
     d_in = q.shape[3] if hasattr(q, "shape") and getattr(q, "ndim", 0) == 4 else None
     d_pad = next((s for s in SUPPORTED_HEAD_DIMS if d_in is not None and d_in <= s), None)
     _check_inputs(q, k, v, kv_lengths, d_pad is not None)
@@ -507,7 +498,65 @@ def flash_attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=
     qp = _pad_axis(_pad_axis(q, 3, d_pad), 1, tqp)
     kp = _pad_axis(_pad_axis(k, 3, d_pad), 1, tkp)
     vp = _pad_axis(_pad_axis(v, 3, d_pad), 1, tkp)
+    return st, lengths, qp, kp, vp, d
+
+
+def flash_attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=None,
+                    interpret: bool = False, block_q: int | None = None,
+                    block_k: int | None = None, config: FlashConfig | None = None):
+    """Flash attention returning ``(out [B, Tq, Hq, D], lse [B, Tq, Hq] float32)``.
+
+    Args:
+      q: ``[B, Tq, Hq, D]`` float16/bfloat16/float32.
+      k, v: ``[B, Tk, Hkv, D]`` (cast to ``q``'s dtype), ``Hq % Hkv == 0``.
+      causal: bottom-right causal mask aligned to each sequence's valid length.
+      kv_lengths: optional int ``[B]``; keys ``>= kv_lengths[b]`` are masked.  Read inside the
+        kernel: changing the values does not recompile.
+      sm_scale: score scale, default ``1/sqrt(D)``.
+      interpret: run the Pallas kernels in interpret mode (CPU).
+      block_q, block_k: override the forward tile sizes (powers of two >= 16).
+      config: full :class:`FlashConfig` override (forward and backward tiles, warps, stages).
+
+    Differentiable w.r.t. ``q, k, v`` through both ``out`` and ``lse``.
+    """
+    st, lengths, qp, kp, vp, d = _prepare(q, k, v, causal=causal, kv_lengths=kv_lengths,
+                                          sm_scale=sm_scale, interpret=interpret,
+                                          block_q=block_q, block_k=block_k, config=config)
+    tq = q.shape[1]
     out, lse_bhq = _flash_core(qp, kp, vp, lengths, st)
     out = out[:, :tq, :, :d]
     lse = jnp.transpose(lse_bhq[:, :, :tq], (0, 2, 1))
     return out, lse
+
+
+def flash_attention_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False, kv_lengths=None,
+                        sm_scale=None, interpret: bool = False,
+                        config: FlashConfig | None = None):
+    """``(dq, dk, dv)`` of attention over ``k, v`` evaluated with *given* row statistics: the
+    backward kernels of :func:`flash_attention` with ``p_ij = exp(s_ij - lse_i)`` and
+    ``ds_ij = p_ij (dp_ij - delta_i)``.
+
+    With ``lse`` and ``delta = rowsum(dO * O) - dlse`` of a larger attention whose keys include
+    these (``O``, ``lse`` after an exact merge of several parts), this is that attention's
+    gradient restricted to this part of the keys: how shared-prefix attention differentiates its
+    suffix part (:mod:`jax_prefix_attn.shared_prefix`).
+
+    ``q, d_out [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]``, ``lse, delta [B, Tq, Hq]`` float32
+    (``lse = -inf``: the row gets no gradient); masking as :func:`flash_attention`.  Returns
+    gradients in the inputs' dtypes.
+    """
+    st, lengths, qp, kp, vp, d = _prepare(q, k, v, causal=causal, kv_lengths=kv_lengths,
+                                          sm_scale=sm_scale, interpret=interpret, config=config)
+    tq, tk = q.shape[1], k.shape[1]
+    tqp = qp.shape[1]
+    for name, x, want in (("d_out", d_out, q.shape), ("lse", lse, q.shape[:3]),
+                          ("delta", delta, q.shape[:3])):
+        if tuple(x.shape) != tuple(want):
+            raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(x.shape)}")
+    dop = _pad_axis(_pad_axis(d_out.astype(q.dtype), 3, qp.shape[3]), 1, tqp)
+    lse_bhq = jnp.pad(jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)),
+                      ((0, 0), (0, 0), (0, tqp - tq)), constant_values=-jnp.inf)
+    delta_bhq = _pad_axis(jnp.transpose(delta.astype(jnp.float32), (0, 2, 1)), 2, tqp)
+    dq, dk, dv = _bwd_call(qp, kp, vp, lengths, dop, lse_bhq, delta_bhq, st)
+    return (dq[:, :tq, :, :d], dk[:, :tk, :, :d].astype(k.dtype),
+            dv[:, :tk, :, :d].astype(v.dtype))

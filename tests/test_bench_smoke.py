@@ -353,3 +353,28 @@ def test_shared_prefix_bench_smoke(tmp_path):
     strip = lambda rs: [{k: v for k, v in r.items() if k != "run"} for r in rs]  # noqa: E731
     assert strip(again["results"]) == strip(data["results"])
     assert len(again["earlier_runs"]) == 1
+
+
+def test_shared_prefix_grad_bench_smoke(tmp_path):
+    """``bench/shared_prefix_grad.py --smoke`` (interpret mode, tiny shapes, one and two prefix
+    groups): every column timed with its memory recorded, the kernel backward's gradients and
+    the concatenated-KV flash gradients within bf16 tolerance of the reference backward's."""
+    out = str(tmp_path / "spg.json")
+    env = dict(os.environ, XLA_FLAGS=FAST_XLA, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "shared_prefix_grad.py"), "--smoke",
+           "--out", out]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = _load(out)
+    assert data["info"]["device"] and data["copy_bw_Bps"] > 0 and data["matmul_flops"] > 0
+    assert [r["groups"] for r in data["results"]] == [1, 2]
+    for r in data["results"]:
+        for c in ("kernels", "refbwd", "concat_flash"):
+            assert isinstance(r[c + "_ms"], float) and r[c + "_ms"] > 0, (c, r[c + "_ms"])
+            assert isinstance(r[c + "_temp_bytes"], int)
+        for c in ("kernels", "concat_flash"):
+            assert r[c + "_finite"] is True
+            errs = r[c + "_rel_err_vs_refbwd"]
+            assert set(errs) == {"dq", "dprefix_k", "dprefix_v", "dsuffix_k", "dsuffix_v"}
+            assert 0 < max(errs.values()) < 2e-2, errs  # (0: the same backward ran twice)
+        assert r["kernels_over_floor"] == pytest.approx(r["kernels_ms"] / r["floor_ms"])

@@ -123,9 +123,10 @@ def test_reference_jit_dynamic_lengths_no_recompile():
     assert len(traces) == 1
 
 
-def _grad_check(impl):
-    args, kw, meta = make_case(6, b=3, tq=2, hq=4, hkv=2, d=16, g=2, p=10, s=6,
-                               suffix_lengths=[0, 6, 3], prefix_lengths=[7, 10])
+def _grad_check(impl, **case):
+    case = {**dict(b=3, tq=2, hq=4, hkv=2, d=16, g=2, p=10, s=6, suffix_lengths=[0, 6, 3],
+                   prefix_lengths=[7, 10]), **case}
+    args, kw, meta = make_case(6, **case)
     q, pk, pv, sk, sv = args
     plen, s2p = meta
     w = jnp.asarray(np.random.default_rng(9).standard_normal(q.shape, np.float32))
@@ -136,12 +137,13 @@ def _grad_check(impl):
 
     # Oracle: reference.attention over the concatenation built with differentiable gathers.
     sl = kw["suffix_lengths"]
-    p = pk.shape[1]
+    p = pk.shape[-3]
     s = sk.shape[1]
     j = jnp.arange(p + s)
     pl_b = jnp.asarray(plen)[jnp.asarray(s2p)]
 
     def concat(pre, suf):
+        pre = pre if pre.ndim == 4 else pre[None]  # (one prefix given as [P, H, D])
         pre_b = pre[jnp.asarray(s2p)]  # [B, P, H, D]
         from_pre = j[None, :] < pl_b[:, None]
         si = jnp.clip(j[None, :] - pl_b[:, None], 0, s - 1)
@@ -264,6 +266,43 @@ def test_kernel_path_gradients_interpret():
     _grad_check("pallas_interpret")
 
 
+@pytest.mark.parametrize("impl,case", [
+    ("pallas_interpret", dict(g=0, tq=1, prefix_lengths=None, suffix_lengths=[0, 6, 3])),
+    ("pallas_interpret", dict(g=3, b=5, tq=4, hq=8, hkv=1, p=19, s=7,
+                              suffix_lengths=[7, 0, 2, 5, 4], prefix_lengths=[19, 3, 11])),
+    ("pallas_interpret", dict(g=0, tq=3, hq=4, hkv=4, d=32, p=40, s=20, prefix_lengths=None,
+                              suffix_lengths=[20, 1, 17])),
+    ("flat_interpret", dict()),
+])
+def test_kernel_path_gradients_interpret_cases(impl, case):
+    """One prefix (given as [P, Hkv, D]), decoding, GQA 8 with ragged groups, MHA, and the flat
+    path (the same backward kernels)."""
+    _grad_check(impl, **case)
+
+
+def test_kernel_path_backward_runs_the_flash_kernels():
+    """The Pallas paths' backward is the kernels, not autodiff of the reference."""
+    import jax_prefix_attn.shared_prefix as sp
+    args, kw, _ = make_case(3, b=2, tq=2, g=2, p=10, s=6)
+
+    def loss(q, pk):
+        return jnp.sum(shared_prefix_attention(q, pk, *args[2:], **kw, impl="pallas_interpret"))
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(args[0], args[1]))
+    for name in ("prefix_bwd_dq", "prefix_bwd_dkv", "flash_attention_bwd_dq",
+                 "flash_attention_bwd_dkv"):
+        assert name in text, name
+    old = sp.BACKWARD
+    try:
+        sp.BACKWARD = "reference"
+        text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(args[0], args[1]))
+        assert "prefix_bwd_dq" not in text
+        sp.BACKWARD = "nope"
+        with pytest.raises(ValueError, match="BACKWARD"):
+            jax.grad(loss)(args[0], args[1])
+    finally:
+        sp.BACKWARD = old
+
+
 def test_kernel_paths_reject_unsupported_head_dim():
     args, kw, _ = make_case(1, d=24)
     with pytest.raises(ValueError, match="head_dim"):
@@ -364,3 +403,28 @@ def test_gpu_shared_variants_large_batch(variant):
     finally:
         pa.VARIANT = old
     check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["shared", "flat"])
+@pytest.mark.parametrize("b,tq,hq,hkv,d,g,p,s", [(64, 1, 32, 8, 128, 0, 1024, 128),
+                                                 (8, 16, 8, 1, 128, 0, 512, 96),
+                                                 (12, 4, 16, 4, 64, 3, 300, 50)])
+def test_gpu_kernel_backward_matches_reference(impl, b, tq, hq, hkv, d, g, p, s):
+    """Compiled forward + flash backward kernels against autodiff of the pure-JAX reference
+    (bf16 inputs, every input's gradient, with a cotangent on lse too)."""
+    args, kw, _ = make_case(50 + tq, b=b, tq=tq, hq=hq, hkv=hkv, d=d, g=g, p=p, s=s,
+                            dtype=jnp.bfloat16)
+    w = jnp.asarray(np.random.default_rng(2).standard_normal(args[0].shape, np.float32))
+
+    def loss(impl_):
+        def f(*a):
+            out, lse = shared_prefix_attention(*a, **kw, return_lse=True, impl=impl_)
+            return (jnp.sum(out.astype(jnp.float32) * w)
+                    + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)))
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))
+    got = loss(impl)(*args)
+    want = loss("reference")(*args)
+    for a, w_ in zip(got, want):
+        assert np.isfinite(np.asarray(a, np.float32)).all()
+        assert rel_err(a, w_) < 2e-2, rel_err(a, w_)

@@ -1,0 +1,202 @@
+"""Gradients through shared-prefix attention (GPU): forward + backward time and XLA's temporary
+memory of ``jax.grad`` of ``sum(w * shared_prefix_attention(...))`` with respect to ``q`` and all
+four K/V arrays, for
+
+* ``kernels``: the shared path's forward, backward through the flash backward kernels
+  (``jax_prefix_attn.shared_prefix.BACKWARD = "kernels"``, the default:
+  ``pallas_kernels.prefix_attention_bwd`` for the prefix part with the rows of all sequences
+  batched, ``flash_attention_bwd`` for the suffix part, both with the merged statistics);
+* ``refbwd``: the same forward, backward by autodiff of the pure-JAX reference decomposition
+  (``BACKWARD = "reference"``, what the library did before; it materialises ``[B, Tq, Hq, P]``
+  probabilities);
+* ``concat_flash``: our flash attention (``jax_prefix_attn.attention``'s kernel,
+  ``pallas_kernels.flash_attention``) over the explicitly concatenated per-sequence KV
+  (``[B, P + S, Hkv, D]`` built by a gather, so the prefix gradient is summed by the gather's
+  transpose): what one would do without shared-prefix support;
+* ``floor``: ``max(bytes / copy bandwidth, flops / matmul rate)`` (both measured in the run):
+  flops of 7 matrix products over the visible (row, key) pairs (2 forward, 5 backward:
+  FlashAttention-2's count), bytes of reading ``q``, ``dO``, the prefix once and every suffix,
+  and writing their gradients.
+
+Every point checks the ``kernels`` gradients against ``refbwd`` (relative error per input, in
+float32).  Usage: ``python bench/shared_prefix_grad.py --out bench/results/shared_prefix_grad_<gpu>.json``;
+``--smoke``: tiny shapes in interpret mode (CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.timing import (device_info, gpu_slug, is_oom, measure_copy_bandwidth,  # noqa: E402
+                          measure_matmul_rate, time_fn)
+
+# (B, Tq, P, S, Hq, Hkv, D, G)
+POINTS = [
+    (64, 1, 4096, 256, 32, 8, 128, 1),     # gradients at a decode step (RL / probing)
+    (16, 64, 4096, 128, 32, 8, 128, 1),    # suffix prefill / draft verification
+    (32, 16, 8192, 256, 32, 8, 128, 1),    # long shared document
+    (64, 16, 4096, 256, 8, 1, 128, 1),     # Hq=8 / Hkv=1
+    (64, 4, 2048, 256, 32, 8, 128, 4),     # four prefix groups
+]
+SMOKE_POINTS = [(3, 2, 40, 24, 4, 2, 16, 1), (4, 2, 32, 16, 4, 1, 16, 2)]
+COLS = ("kernels", "refbwd", "concat_flash")
+INTERPRET = False
+
+
+def make_inputs(b, tq, p, s, hq, hkv, d, g, seed=0, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(seed)
+
+    def rnd(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+    q = rnd(b, tq, hq, d)
+    pk, pv = rnd(g, p, hkv, d), rnd(g, p, hkv, d)
+    sk, sv = rnd(b, s, hkv, d), rnd(b, s, hkv, d)
+    sl = jnp.asarray(rng.integers(max(tq, s // 2), s + 1, size=b), jnp.int32)
+    s2p = jnp.asarray(rng.integers(0, g, size=b), jnp.int32)
+    plen = jnp.full((g,), p, jnp.int32)
+    w = rnd(b, tq, hq, d).astype(jnp.float32)
+    return (q, pk, pv, sk, sv), dict(sl=sl, s2p=s2p, plen=plen, w=w)
+
+
+def grad_fn(col, meta, args):
+    """The compiled ``jit(grad)`` of the loss for one column (traced and compiled here, while
+    ``BACKWARD`` is set: it is read when the backward pass is traced)."""
+    import jax_prefix_attn.shared_prefix as sp
+    from jax_prefix_attn import shared_prefix_attention
+    from pallas_kernels.flash_attention import flash_attention
+    sl, s2p, plen, w = meta["sl"], meta["s2p"], meta["plen"], meta["w"]
+    impl = "pallas_interpret" if INTERPRET else "shared"
+
+    if col in ("kernels", "refbwd"):
+        def loss(q, pk, pv, sk, sv):
+            out = shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=sl,
+                                          prefix_lengths=plen, seq_to_prefix=s2p, impl=impl)
+            return jnp.sum(out.astype(jnp.float32) * w)
+    else:
+        def loss(q, pk, pv, sk, sv):
+            p, s = pk.shape[1], sk.shape[1]
+            j = jnp.arange(p + s)
+            pl_b = plen[s2p]
+            from_pre = (j[None, :] < pl_b[:, None])[:, :, None, None]
+            si = jnp.clip(j[None, :] - pl_b[:, None], 0, s - 1)
+
+            def concat(pre, suf):
+                return jnp.where(from_pre, pre[s2p][:, jnp.clip(j, 0, p - 1)],
+                                 jnp.take_along_axis(suf, si[:, :, None, None], axis=1))
+            out, _ = flash_attention(q, concat(pk, sk), concat(pv, sv), causal=True,
+                                     kv_lengths=pl_b + sl, interpret=INTERPRET)
+            return jnp.sum(out.astype(jnp.float32) * w)
+    old = sp.BACKWARD
+    sp.BACKWARD = "reference" if col == "refbwd" else "kernels"
+    try:
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
+    finally:
+        sp.BACKWARD = old
+
+
+def floor_s(b, tq, p, s, hq, hkv, d, sl_mean, bw, mma, itemsize=2, g=1):
+    pairs = b * tq * hq * (p + sl_mean)
+    flops = 7 * 2 * pairs * d
+    kv_bytes = (g * p + b * s) * hkv * d * 2 * itemsize
+    q_bytes = b * tq * hq * d * itemsize
+    nbytes = 2 * kv_bytes + 3 * q_bytes  # read + write K/V and their grads; q, dO, dq
+    return max(nbytes / bw, flops / mma), nbytes, flops
+
+
+def run_point(pt, bw, mma, cols, iters):
+    b, tq, p, s, hq, hkv, d, g = pt
+    rec = dict(batch=b, tq=tq, prefix=p, suffix=s, heads_q=hq, heads_kv=hkv, head_dim=d,
+               groups=g)
+    args, meta = make_inputs(b, tq, p, s, hq, hkv, d, g)
+    rec["floor_ms"], rec["bytes"], rec["flops"] = (
+        x * 1e3 if i == 0 else x for i, x in enumerate(
+            floor_s(b, tq, p, s, hq, hkv, d, float(np.mean(np.asarray(meta["sl"]))), bw, mma,
+                    g=g)))
+    grads = {}
+    for col in cols:
+        try:
+            compiled = grad_fn(col, meta, args)
+            mem = compiled.memory_analysis()
+            rec[f"{col}_temp_bytes"] = int(getattr(mem, "temp_size_in_bytes", -1)) if mem else None
+            grads[col] = jax.block_until_ready(compiled(*args))
+            rec[f"{col}_ms"] = 1e3 * time_fn(compiled, [args], warmup=2, iters=iters)
+        except Exception as exc:  # noqa: BLE001
+            if is_oom(exc):
+                rec[f"{col}_ms"] = "X"
+            else:
+                rec[f"{col}_ms"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+    names = ("dq", "dprefix_k", "dprefix_v", "dsuffix_k", "dsuffix_v")
+    if "refbwd" in grads:
+        base = grads["refbwd"]
+        for col, gr in grads.items():
+            if col == "refbwd":
+                continue
+            rec[f"{col}_rel_err_vs_refbwd"] = {
+                n: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(r, np.float32))
+                         / max(np.linalg.norm(np.asarray(r, np.float32)), 1e-30))
+                for n, a, r in zip(names, gr, base)}
+            rec[f"{col}_finite"] = bool(all(np.isfinite(np.asarray(a, np.float32)).all()
+                                            for a in gr))
+    t_k = rec.get("kernels_ms")
+    if isinstance(t_k, float):
+        rec["kernels_over_floor"] = t_k / rec["floor_ms"]
+        for col in cols:
+            t = rec.get(f"{col}_ms")
+            if col != "kernels" and isinstance(t, float):
+                rec[f"{col}_over_kernels"] = t / t_k
+        for col in cols:
+            tb = rec.get(f"{col}_temp_bytes")
+            if col != "kernels" and tb and rec.get("kernels_temp_bytes"):
+                rec[f"{col}_temp_over_kernels"] = tb / rec["kernels_temp_bytes"]
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    ap.add_argument("--cols", default=",".join(COLS))
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    global INTERPRET
+    points = POINTS
+    if args.smoke:
+        INTERPRET = True
+        points = SMOKE_POINTS
+    out = args.out or f"bench/results/shared_prefix_grad_{gpu_slug()}.json"
+    bw = measure_copy_bandwidth(1 << 24 if args.smoke else 2 << 30)
+    mma = measure_matmul_rate(256 if args.smoke else 8192)
+    print(f"device {device_info()['device']}: copy {bw / 1e12:.2f} TB/s, matmul "
+          f"{mma / 1e12:.0f} TFLOP/s", flush=True)
+    cols = args.cols.split(",")
+    doc = dict(info=device_info(), copy_bw_Bps=bw, matmul_flops=mma, columns=cols, notes=__doc__,
+               results=[])
+    for pt in points:
+        t0 = time.time()
+        rec = run_point(pt, bw, mma, cols, 2 if args.smoke else args.iters)
+        rec["wall_s"] = time.time() - t0
+        doc["results"].append(rec)
+        with open(out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        fmt = lambda v: f"{v:8.3f}" if isinstance(v, float) else f"{str(v)[:8]:>8}"  # noqa: E731
+        print(f"B={pt[0]:4d} Tq={pt[1]:3d} P={pt[2]:5d} S={pt[3]:4d} Hq={pt[4]:2d}/{pt[5]} G={pt[7]}"
+              f" | floor {rec['floor_ms']:.3f} ms | "
+              + " ".join(f"{c} {fmt(rec.get(c + '_ms'))}" for c in cols)
+              + f" | temp MB " + " ".join(
+                  f"{(rec.get(c + '_temp_bytes') or 0) / 2**20:.0f}" for c in cols)
+              + f" | err {max((rec.get('kernels_rel_err_vs_refbwd') or {0: 0}).values()):.1e}",
+              flush=True)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
