@@ -11,8 +11,9 @@ four K/V arrays, for
   probabilities);
 * ``concat_flash``: our flash attention (``jax_prefix_attn.attention``'s kernel,
   ``pallas_kernels.flash_attention``) over the explicitly concatenated per-sequence KV
-  (``[B, P + S, Hkv, D]`` built by a gather, so the prefix gradient is summed by the gather's
-  transpose): what one would do without shared-prefix support;
+  (``[B, P + S, Hkv, D]``: the prefixes are full here, so a broadcast or gather of the prefix
+  and a concatenation, whose transposes sum the prefix gradient): what one would do without
+  shared-prefix support;
 * ``floor``: ``max(bytes / copy bandwidth, flops / matmul rate)`` (both measured in the run):
   flops of 7 matrix products over the visible (row, key) pairs (2 forward, 5 backward:
   FlashAttention-2's count), bytes of reading ``q``, ``dO``, the prefix once and every suffix,
@@ -83,17 +84,14 @@ def grad_fn(col, meta, args):
             return jnp.sum(out.astype(jnp.float32) * w)
     else:
         def loss(q, pk, pv, sk, sv):
-            p, s = pk.shape[1], sk.shape[1]
-            j = jnp.arange(p + s)
-            pl_b = plen[s2p]
-            from_pre = (j[None, :] < pl_b[:, None])[:, :, None, None]
-            si = jnp.clip(j[None, :] - pl_b[:, None], 0, s - 1)
+            b, p = q.shape[0], pk.shape[1]
 
-            def concat(pre, suf):
-                return jnp.where(from_pre, pre[s2p][:, jnp.clip(j, 0, p - 1)],
-                                 jnp.take_along_axis(suf, si[:, :, None, None], axis=1))
+            def concat(pre, suf):  # (every prefix is full here: a plain concatenation)
+                pre_b = (jnp.broadcast_to(pre, (b,) + pre.shape[1:]) if pre.shape[0] == 1
+                         else pre[s2p])
+                return jnp.concatenate([pre_b, suf], axis=1)
             out, _ = flash_attention(q, concat(pk, sk), concat(pv, sv), causal=True,
-                                     kv_lengths=pl_b + sl, interpret=INTERPRET)
+                                     kv_lengths=p + sl, interpret=INTERPRET)
             return jnp.sum(out.astype(jnp.float32) * w)
     old = sp.BACKWARD
     sp.BACKWARD = "reference" if col == "refbwd" else "kernels"

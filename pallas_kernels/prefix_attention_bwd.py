@@ -16,7 +16,8 @@ way its forward does: every sequence that shares a prefix reads the same keys, s
   when those programs are too few to fill the GPU the rows are split across programs too
   (``row_splits``; float32 partials summed by one XLA reduction);
 * ``dQ``: one program per (row block, query head) loops over the key blocks of the group(s)
-  its rows belong to.
+  its rows belong to (split across programs too when those are few, ``key_splits``: at a
+  decode step the rows are one or two blocks).
 
 Rows are ``(sequence, query position)`` pairs, ``R = B * Tq``, with a per-row key limit
 ``lim [B, Tq]`` (query ``i`` of sequence ``b`` sees prefix keys ``j < lim[b, i]``: bottom-right
@@ -29,8 +30,8 @@ Shapes (public entry :func:`prefix_grads`): ``q, d_out [B, Tq, Hq, D]``, ``lse, 
 ``prefix_k/v [G, P, Hkv, D]``, ``seq_to_prefix [B]`` int32 (dynamic), ``lim [B, Tq]`` int32
 (dynamic), ``prefix_lengths [G]`` int32 (dynamic; key blocks past a group's length are
 skipped).  Returns ``dq [B, Tq, Hq, D]`` (q's dtype), ``dk, dv [G, P, Hkv, D]`` (the prefix's
-dtype).  Static: the shapes, ``scale``, the block sizes and ``row_splits``; recompilation is
-bounded by the shapes alone.
+dtype).  Static: the shapes, ``scale``, the block sizes, ``row_splits`` and ``key_splits``;
+recompilation is bounded by the shapes alone.
 
 ``interpret=True`` runs the kernels on the CPU; :func:`prefix_grads_reference` is the dense
 pure-JAX computation of the same gradients.
@@ -73,10 +74,12 @@ def choose_row_splits(programs: int, row_blocks: int, sms: int = SMS) -> int:
 # ----------------------------------------------------------------------------- dq
 
 def _dq_kernel(grp_ref, lim_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               scale: float, bk: int, fp32: bool):
-    """One (row block, query head): ``q/do [bq, D]``, ``lse/delta [bq]``, rows' group and key
-    limit ``[bq]``; ``k/v [G, Pp, D]`` (this head's kv head).  Rows are sorted by group, so
-    the block's groups are ``[grp[0], grp[-1]]`` (usually one)."""
+               scale: float, bk: int, key_splits: int, fp32: bool):
+    """One (row block, query head, key split): ``q/do [bq, D]``, ``lse/delta [bq]``, rows'
+    group and key limit ``[bq]``; ``k/v [G, Pp, D]`` (this head's kv head).  Rows are sorted by
+    group, so the block's groups are ``[grp[0], grp[-1]]`` (usually one).  Key split ``part``
+    of ``key_splits`` takes its share of each group's key tiles."""
+    part = pl.program_id(2)
     scale2 = scale * _LOG2E
     q = q_ref[...]
     do = do_ref[...]
@@ -92,8 +95,11 @@ def _dq_kernel(grp_ref, lim_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref
         lim_g = jnp.where(in_g, lim, 0)
         n_end = _cdiv(jnp.max(lim_g), bk)
         # every row of the block in group g and past the tile: no mask needed
-        n_full = jnp.where(jnp.all(in_g), jnp.min(lim_g) // bk, 0)
+        n_full = jnp.where(jnp.min(in_g.astype(jnp.int32)) == 1, jnp.min(lim_g) // bk, 0)
         n_full = jnp.minimum(n_full, n_end)
+        chunk = _cdiv(n_end, key_splits)
+        lo = jnp.minimum(part * chunk, n_end)
+        hi = jnp.minimum(lo + chunk, n_end)
 
         def body(kb, dq, masked: bool):
             start = pl.multiple_of(kb * bk, bk)
@@ -111,11 +117,12 @@ def _dq_kernel(grp_ref, lim_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref
                 k = jnp.where(keys < jnp.max(lim_g), k, jnp.zeros_like(k))
             return dq + _dot(ds.astype(k.dtype), k, fp32)
 
-        dq = lax.fori_loop(0, n_full, functools.partial(body, masked=False), dq)
-        return lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), dq)
+        mid = jnp.clip(n_full, lo, hi)
+        dq = lax.fori_loop(lo, mid, functools.partial(body, masked=False), dq)
+        return lax.fori_loop(mid, hi, functools.partial(body, masked=True), dq)
 
     dq = lax.fori_loop(g_lo, g_hi + 1, group_body, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)  # (float32 partials when split)
 
 
 # ----------------------------------------------------------------------------- dk / dv
@@ -179,13 +186,14 @@ def _pow2_block(block: int, n: int) -> int:
 def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, prefix_lengths,
                  *, scale: float, interpret: bool = False, block_q: int = 64, block_k: int = 64,
                  dkv_block_q: int = 64, dkv_block_k: int = 64, row_splits: int | None = None,
-                 num_warps: int = 4, num_stages: int = 2):
+                 key_splits: int | None = None, num_warps: int = 4, num_stages: int = 2):
     """Gradients of the prefix part of shared-prefix attention (see the module docstring).
 
     ``q, d_out [B, Tq, Hq, D]``, ``lse, delta [B, Tq, Hq]`` float32 (merged statistics),
     ``prefix_k/v [G, P, Hkv, D]``, ``seq_to_prefix [B]``, ``lim [B, Tq]``,
     ``prefix_lengths [G]`` (int32).  Returns ``(dq, dk, dv)``.  ``row_splits``: splits of each
-    group's rows across dK/dV programs (None: :func:`choose_row_splits`).
+    group's rows across dK/dV programs; ``key_splits``: splits of the key tiles across dQ
+    programs (float32 partials, summed by XLA); None: :func:`choose_row_splits` for either.
     """
     b, tq, hq, d = q.shape
     g, p, hkv, _ = prefix_k.shape
@@ -234,21 +242,32 @@ def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, p
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
     nq = rp // bq
+    ks = choose_row_splits(nq * hq, pp // bk) if key_splits is None else int(key_splits)
+    if ks < 1:
+        raise ValueError(f"key_splits must be >= 1, got {ks}")
+    row = lambda i, h, c: (i,)  # noqa: E731
+    qrow = lambda i, h, c: (i, h, 0)  # noqa: E731
+    stat = lambda i, h, c: (h, i)  # noqa: E731
+    kv_all = pl.BlockSpec((g, pp, None, d), lambda i, h, c: (0, 0, h // group, 0))
+    if ks == 1:
+        dq_spec = pl.BlockSpec((bq, None, d), qrow)
+        dq_shape = jax.ShapeDtypeStruct((rp, hq, d), dtype)
+    else:
+        dq_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, c: (c, i, h, 0))
+        dq_shape = jax.ShapeDtypeStruct((ks, rp, hq, d), jnp.float32)
     dq_r = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, bk=bk, fp32=fp32),
-        grid=(nq, hq),
-        in_specs=[pl.BlockSpec((bq,), lambda i, h: (i,)),
-                  pl.BlockSpec((bq,), lambda i, h: (i,)),
-                  pl.BlockSpec((bq, None, d), lambda i, h: (i, h, 0)),
-                  pl.BlockSpec((g, pp, None, d), lambda i, h: (0, 0, h // group, 0)),
-                  pl.BlockSpec((g, pp, None, d), lambda i, h: (0, 0, h // group, 0)),
-                  pl.BlockSpec((bq, None, d), lambda i, h: (i, h, 0)),
-                  pl.BlockSpec((None, bq), lambda i, h: (h, i)),
-                  pl.BlockSpec((None, bq), lambda i, h: (h, i))],
-        out_specs=pl.BlockSpec((bq, None, d), lambda i, h: (i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((rp, hq, d), dtype),
+        functools.partial(_dq_kernel, scale=scale, bk=bk, key_splits=ks, fp32=fp32),
+        grid=(nq, hq, ks),
+        in_specs=[pl.BlockSpec((bq,), row), pl.BlockSpec((bq,), row),
+                  pl.BlockSpec((bq, None, d), qrow), kv_all, kv_all,
+                  pl.BlockSpec((bq, None, d), qrow),
+                  pl.BlockSpec((None, bq), stat), pl.BlockSpec((None, bq), stat)],
+        out_specs=dq_spec,
+        out_shape=dq_shape,
         compiler_params=params, interpret=interpret, name="prefix_bwd_dq",
     )(grp_r, lim_r, q_r, pk, pv, do_r, lse_r, delta_r)
+    if ks > 1:
+        dq_r = dq_r.sum(axis=0)
 
     nk = pp // bkk
     n_rb = rp // bqk

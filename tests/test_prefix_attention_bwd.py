@@ -82,7 +82,7 @@ def test_dense_reference_matches_float64_numpy():
         assert rel_err(a, w) < 1e-5, rel_err(a, w)
 
 
-CASES = [  # (b, tq, hq, hkv, d, g, p, dtype, row_splits)
+CASES = [  # (b, tq, hq, hkv, d, g, p, dtype, row_splits = key_splits)
     (3, 1, 4, 4, 16, 1, 21, jnp.float32, None),       # decoding, one prefix, MHA
     (3, 4, 8, 2, 16, 1, 40, jnp.float32, 1),          # Tq = 4, GQA 4
     (5, 2, 8, 1, 32, 3, 37, jnp.float32, 3),          # 3 ragged groups, GQA 8, rows split
@@ -98,7 +98,8 @@ def test_prefix_grads_match_reference_interpret(b, tq, hq, hkv, d, g, p, dtype, 
         b + 10 * g + tq, b=b, tq=tq, hq=hq, hkv=hkv, d=d, g=g, p=p, dtype=dtype,
         plen=[p] * g if b == 8 else None)
     got = prefix_grads(q, do, lse, delta, pk, pv, s2p, lim, plen, scale=scale, interpret=True,
-                       row_splits=rs, block_q=16, block_k=16, dkv_block_q=16, dkv_block_k=16)
+                       row_splits=rs, key_splits=rs, block_q=16, block_k=16, dkv_block_q=16,
+                       dkv_block_k=16)
     want = prefix_grads_reference(q, do, lse, delta, pk, pv, s2p, lim, plen, scale=scale)
     for name, a, w in zip(("dq", "dk", "dv"), got, want):
         assert a.shape == w.shape and a.dtype == w.dtype, name
@@ -123,6 +124,19 @@ def test_prefix_grads_ignore_keys_past_the_limits():
     np.testing.assert_array_equal(np.asarray(clean[1])[np.asarray(past[..., 0, 0])], 0.0)
 
 
+def test_prefix_grads_lower_for_cuda():
+    """The Triton lowering of both kernels (what the GPU compiles) on the CPU: catches
+    primitives Pallas cannot lower for Triton (e.g. ``jnp.all``) without a GPU."""
+    for tq, g, rs in ((1, 1, None), (4, 3, 2)):
+        q, do, lse, delta, pk, pv, s2p, lim, plen, scale = _case(tq, b=8, tq=tq, hq=8, hkv=2,
+                                                               d=64, g=g, p=200,
+                                                               dtype=jnp.bfloat16)
+        f = jax.jit(lambda *a: prefix_grads(*a, scale=scale, row_splits=rs, key_splits=rs))
+        text = f.trace(q, do, lse, delta, pk, pv, s2p, lim, plen).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "prefix_bwd_dq" in text and "prefix_bwd_dkv" in text
+
+
 def test_choose_row_splits():
     assert choose_row_splits(300, 50) == 1
     assert choose_row_splits(8, 100) == 16
@@ -135,6 +149,9 @@ def test_prefix_grads_validation():
     with pytest.raises(ValueError, match="row_splits"):
         prefix_grads(q, do, lse, delta, pk, pv, s2p, lim, plen, scale=scale, interpret=True,
                      row_splits=0)
+    with pytest.raises(ValueError, match="key_splits"):
+        prefix_grads(q, do, lse, delta, pk, pv, s2p, lim, plen, scale=scale, interpret=True,
+                     key_splits=0)
     with pytest.raises(ValueError, match="head_dim"):
         prefix_grads(q[..., :12], do[..., :12], lse, delta, pk[..., :12], pv[..., :12], s2p, lim,
                      plen, scale=scale, interpret=True)
