@@ -186,7 +186,8 @@ def _pow2_block(block: int, n: int) -> int:
 def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, prefix_lengths,
                  *, scale: float, interpret: bool = False, block_q: int = 64, block_k: int = 64,
                  dkv_block_q: int = 64, dkv_block_k: int = 64, row_splits: int | None = None,
-                 key_splits: int | None = None, num_warps: int = 4, num_stages: int = 2):
+                 key_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                 dkv_num_warps: int | None = None, dkv_num_stages: int | None = None):
     """Gradients of the prefix part of shared-prefix attention (see the module docstring).
 
     ``q, d_out [B, Tq, Hq, D]``, ``lse, delta [B, Tq, Hq]`` float32 (merged statistics),
@@ -296,7 +297,10 @@ def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, p
         in_specs=[per_g, per_g, per_g, vec, vec, qspec, kspec, kspec, qspec, rspec, rspec],
         out_specs=[ospec, ospec],
         out_shape=[oshape, oshape],
-        compiler_params=params, interpret=interpret, name="prefix_bwd_dkv",
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps if dkv_num_warps is None else dkv_num_warps,
+            num_stages=num_stages if dkv_num_stages is None else dkv_num_stages),
+        interpret=interpret, name="prefix_bwd_dkv",
     )(starts, ends, plen, grp_r, lim_r, q5, pk, pv, do5, lse4, delta4)
     if rs > 1:
         dk, dv = dk.sum(axis=0).astype(dtype), dv.sum(axis=0).astype(dtype)
