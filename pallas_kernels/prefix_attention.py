@@ -205,8 +205,11 @@ def prefix_config(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
     # Tiling measured on an H200 (bench/shared_prefix.py --tune): 128 x 64 tiles, 4 warps,
     # 2 stages reach ~205 TFLOP/s at B=256, P=4K, Hq=32, Hkv=8 (prefix split 4 ways).
     cfg = dict(block_m=block_m, block_k=block_k, num_splits=splits, num_warps=4, num_stages=2)
-    if splits == 1 and block_m == 128:
-        assert large_m_layout(batch, rows_per_seq, heads_kv, target_programs)
+    # (128-row tiles are also forced by 128 rows per sequence, e.g. 32 queries x G = 4; with a
+    # prefix too short to split, those stay on the default tiling: session 16 found the assert
+    # this condition replaces failing there, B=2 Tq=33 Hq=8/Hkv=2 P=12)
+    if splits == 1 and block_m == 128 and large_m_layout(batch, rows_per_seq, heads_kv,
+                                                         target_programs):
         cfg.update(LARGE_M_TILING)
         cfg["two_phase"] = True
     return cfg

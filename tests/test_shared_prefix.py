@@ -262,6 +262,17 @@ def test_kernel_forwards_reject_more_rows_than_a_tile():
                 interpret=True)
 
 
+@pytest.mark.parametrize("impl", ["pallas_interpret", "flat_interpret"])
+def test_kernel_paths_128_rows_per_sequence_short_prefix(impl):
+    """32 queries x G = 4 = 128 rows per sequence (one full row tile) with a prefix too short to
+    split: the prefix kernel's tiling once asserted that only large batches reach 128-row tiles
+    unsplit."""
+    args, kw, meta = make_case(12, b=2, tq=33, hq=8, hkv=2, g=0, p=12, s=40,
+                               suffix_lengths=[40, 20])
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl=impl)
+    check(out, lse, oracle(args, kw, meta), jnp.float32)
+
+
 def test_kernel_path_gradients_interpret():
     _grad_check("pallas_interpret")
 
@@ -273,6 +284,8 @@ def test_kernel_path_gradients_interpret():
     ("pallas_interpret", dict(g=0, tq=3, hq=4, hkv=4, d=32, p=40, s=20, prefix_lengths=None,
                               suffix_lengths=[20, 1, 17])),
     ("flat_interpret", dict()),
+    ("pallas_interpret", dict(g=0, b=2, tq=33, hq=8, hkv=2, p=12, s=40, prefix_lengths=None,
+                              suffix_lengths=[40, 20])),  # 132 rows: the flash backward
 ])
 def test_kernel_path_gradients_interpret_cases(impl, case):
     """One prefix (given as [P, Hkv, D]), decoding, GQA 8 with ragged groups, MHA, and the flat
@@ -288,9 +301,15 @@ def test_kernel_path_backward_runs_the_flash_kernels():
     def loss(q, pk):
         return jnp.sum(shared_prefix_attention(q, pk, *args[2:], **kw, impl="pallas_interpret"))
     text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(args[0], args[1]))
-    for name in ("prefix_bwd_dq", "prefix_bwd_dkv", "flash_attention_bwd_dq",
-                 "flash_attention_bwd_dkv"):
+    for name in ("prefix_bwd_dq", "prefix_bwd_dkv", "suffix_bwd"):
         assert name in text, name
+    # more than suffix_attention_bwd.MAX_ROWS query rows per (sequence, kv head): the suffix
+    # part through the flash backward
+    args2, kw2, _ = make_case(4, b=2, tq=33, hq=8, hkv=2, g=0, p=12, s=40,
+                              suffix_lengths=[40, 35])
+    text2 = str(jax.make_jaxpr(jax.grad(lambda q: jnp.sum(shared_prefix_attention(
+        q, *args2[1:], **kw2, impl="pallas_interpret"))))(args2[0]))
+    assert "flash_attention_bwd_dkv" in text2 and "suffix_bwd" not in text2
     old = sp.BACKWARD
     try:
         sp.BACKWARD = "reference"
