@@ -22,7 +22,10 @@ them on the CPU):
   masked boundary part;
 * backward: ``dq`` kernel with grid ``(q blocks, B, Hq)`` looping over key blocks, and a
   ``dk/dv`` kernel with grid ``(k blocks, B, Hkv)`` looping over the ``G`` query heads of
-  the group and over query blocks, so GQA gradients are summed in-kernel.
+  the group and over query blocks, so GQA gradients are summed in-kernel.  In masked tiles the
+  score gradients are selected to 0 and keys past the length zeroed, so a NaN there (a stale
+  cache) never reaches a gradient.  :func:`flash_attention_bwd` runs these two kernels with
+  given row statistics (one part of a merged attention).
 
 Shapes are padded in the wrapper to block multiples (head_dim to 64/128/256) when needed;
 padded keys are masked by the length test, padded query rows are sliced off.
