@@ -195,3 +195,24 @@ def test_prefix_grads_gpu(tq, g, dtype, d):
     for a, w in zip(got, want):
         assert np.isfinite(np.asarray(a, np.float32)).all()
         assert rel_err(a, w) < TOL[dtype], rel_err(a, w)
+
+
+def test_flash_attention_bwd_ignores_keys_past_the_lengths():
+    """The suffix part of shared-prefix attention past 128 rows: a stale cache (NaN) past each
+    length must not reach any gradient."""
+    rng = np.random.default_rng(6)
+    b, t, hq, hkv, d, s = 2, 3, 4, 2, 16, 40
+
+    def rnd(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32))
+    q, k, v, do = rnd(b, t, hq, d), rnd(b, s, hkv, d), rnd(b, s, hkv, d), rnd(b, t, hq, d)
+    lens = jnp.asarray([21, 7], jnp.int32)
+    lse = rnd(b, t, hq) + 4.0
+    delta = rnd(b, t, hq)
+    kw = dict(causal=True, kv_lengths=lens, interpret=True)
+    clean = flash_attention_bwd(q, k, v, do, lse, delta, **kw)
+    past = jnp.arange(s)[None, :, None, None] >= lens[:, None, None, None]
+    dirty = flash_attention_bwd(q, jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v), do,
+                                lse, delta, **kw)
+    for a, w in zip(dirty, clean):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
