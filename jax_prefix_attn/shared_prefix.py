@@ -48,7 +48,8 @@ pass over each sequence's keys with its ``Tq * Hq / Hkv`` query rows as one tile
 rows) or, for more rows, :func:`pallas_kernels.flash_attention.flash_attention_bwd` (causal,
 aligned to each suffix length).  Nothing of size ``[B, Tq, Hq, P]`` is materialised.
 ``BACKWARD = "reference"`` instead differentiates the pure-JAX reference decomposition (which
-materialises the probabilities; kept for comparison).  Both paths (``"shared"`` and ``"flat"``)
+materialises the probabilities; kept for comparison).  Second-order derivatives (grad of grad)
+work either way: differentiating the kernel backward goes through the reference's autodiff.  Both paths (``"shared"`` and ``"flat"``)
 share the backward: it depends only on the inputs, ``out`` and ``lse``.
 """
 from __future__ import annotations
@@ -273,14 +274,13 @@ def _kernel_path_bwd(scale, path, interpret, res, cts):
     q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths, suffix_lengths, \
         out, lse = res
     if BACKWARD == "reference":
-        _, vjp = jax.vjp(lambda q_, pk, pv, sk, sv: reference_shared_prefix(
-            q_, pk, pv, sk, sv, seq_to_prefix, prefix_lengths, suffix_lengths, scale),
-            q, prefix_k, prefix_v, suffix_k, suffix_v)
-        dq, dpk, dpv, dsk, dsv = vjp(cts)
+        dq, dpk, dpv, dsk, dsv = _reference_grads(q, prefix_k, prefix_v, suffix_k, suffix_v,
+                                                  seq_to_prefix, prefix_lengths, suffix_lengths,
+                                                  cts[0], cts[1], scale)
     elif BACKWARD == "kernels":
-        dq, dpk, dpv, dsk, dsv = _kernel_grads(q, prefix_k, prefix_v, suffix_k, suffix_v,
-                                               seq_to_prefix, prefix_lengths, suffix_lengths,
-                                               out, lse, cts, scale=scale, interpret=interpret)
+        dq, dpk, dpv, dsk, dsv = _grads_via_kernels(
+            q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+            suffix_lengths, out, lse, cts[0], cts[1], scale, interpret)
     else:
         raise ValueError(f"BACKWARD must be 'kernels' or 'reference', got {BACKWARD!r}")
     f0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
@@ -314,6 +314,51 @@ def _kernel_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, pref
     return dq, dpk, dpv, dsk, dsv
 
 
+def _reference_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+                     suffix_lengths, d_out, d_lse, scale):
+    """The same gradients by autodiff of the reference decomposition (differentiable again)."""
+    _, vjp = jax.vjp(lambda q_, pk, pv, sk, sv: reference_shared_prefix(
+        q_, pk, pv, sk, sv, seq_to_prefix, prefix_lengths, suffix_lengths, scale),
+        q, prefix_k, prefix_v, suffix_k, suffix_v)
+    return vjp((d_out, d_lse))
+
+
+# First-order gradients through the kernels; differentiating them again (grad of grad,
+# Hessian-vector products) goes through the reference's autodiff, which the Pallas kernels
+# have no rule for: correct, at the reference's memory cost.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12, 13))
+def _grads_via_kernels(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+                       suffix_lengths, out, lse, d_out, d_lse, scale, interpret):
+    return _kernel_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+                         suffix_lengths, out, lse, (d_out, d_lse), scale=scale,
+                         interpret=interpret)
+
+
+def _grads_via_kernels_fwd(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
+                           prefix_lengths, suffix_lengths, out, lse, d_out, d_lse, scale,
+                           interpret):
+    grads = _grads_via_kernels(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
+                               prefix_lengths, suffix_lengths, out, lse, d_out, d_lse, scale,
+                               interpret)
+    return grads, (q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+                   suffix_lengths, out, lse, d_out, d_lse)
+
+
+def _grads_via_kernels_bwd(scale, interpret, res, cts):
+    q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths, suffix_lengths, \
+        out, lse, d_out, d_lse = res
+    # (out and lse are functions of the inputs: the reference recomputes them, so their own
+    # cotangents are zero and the inputs' carry the whole second-order term)
+    _, vjp = jax.vjp(lambda q_, pk, pv, sk, sv, do, dl: _reference_grads(
+        q_, pk, pv, sk, sv, seq_to_prefix, prefix_lengths, suffix_lengths, do, dl, scale),
+        q, prefix_k, prefix_v, suffix_k, suffix_v, d_out, d_lse)
+    dq, dpk, dpv, dsk, dsv, dd_out, dd_lse = vjp(tuple(cts))
+    f0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    return (dq, dpk, dpv, dsk, dsv, f0(seq_to_prefix), f0(prefix_lengths), f0(suffix_lengths),
+            jnp.zeros_like(out), jnp.zeros_like(lse), dd_out, dd_lse)
+
+
+_grads_via_kernels.defvjp(_grads_via_kernels_fwd, _grads_via_kernels_bwd)
 _kernel_path.defvjp(_kernel_path_fwd, _kernel_path_bwd)
 
 

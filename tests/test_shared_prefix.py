@@ -293,6 +293,26 @@ def test_kernel_path_gradients_interpret_cases(impl, case):
     _grad_check(impl, **case)
 
 
+def test_kernel_path_second_order_gradients():
+    """Grad of grad through the kernel path (its backward differentiated through the
+    reference's autodiff) equals grad of grad of the reference path."""
+    args, kw, _ = make_case(8, b=2, tq=2, hq=4, hkv=2, g=2, p=9, s=5, suffix_lengths=[5, 1])
+
+    def second(impl):
+        def f(q, pk):
+            out, lse = shared_prefix_attention(q, pk, *args[2:], **kw, return_lse=True,
+                                               impl=impl)
+            return jnp.sum(out ** 2) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        def g(q, pk):
+            dq, dpk = jax.grad(f, argnums=(0, 1))(q, pk)
+            return jnp.sum(dq ** 2) + jnp.sum(jnp.sin(dpk))
+        return jax.jit(jax.grad(g, argnums=(0, 1)))(args[0], args[1])
+    for a, b_ in zip(second("pallas_interpret"), second("reference")):
+        assert np.isfinite(np.asarray(a)).all()
+        assert rel_err(a, b_) < 1e-5, rel_err(a, b_)
+
+
 def test_kernel_path_backward_runs_the_flash_kernels():
     """The Pallas paths' backward is the kernels, not autodiff of the reference."""
     import jax_prefix_attn.shared_prefix as sp
