@@ -15,8 +15,8 @@ way its forward does: every sequence that shares a prefix reads the same keys, s
   group's rows are one contiguous range) and over the ``Hq / Hkv`` query heads of the kv head;
   when those programs are too few to fill the GPU the rows are split across programs too
   (``row_splits``; float32 partials summed by one XLA reduction);
-* ``dQ``: one program per (block of (row, GQA head) pairs, kv head) loops over the key blocks
-  of the group(s) its rows belong to (split across programs too when those are few, ``key_splits``: at a
+* ``dQ``: one program per (row block, query head) loops over the key blocks of the group(s)
+  its rows belong to (split across programs too when those are few, ``key_splits``: at a
   decode step the rows are one or two blocks).
 
 Rows are ``(sequence, query position)`` pairs, ``R = B * Tq``, with a per-row key limit
@@ -75,10 +75,10 @@ def choose_row_splits(programs: int, row_blocks: int, sms: int = SMS) -> int:
 
 def _dq_kernel(grp_ref, lim_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
                scale: float, bk: int, key_splits: int, fp32: bool):
-    """One (row block, kv head or query head, key split): ``q/do [bq, D]``,
-    ``lse/delta [bq]``, rows' group and key limit ``[bq]``; ``k/v [G, Pp, D]`` (the kv head's).
-    Rows are sorted by group, so the block's groups are ``[grp[0], grp[-1]]`` (usually one).
-    Key split ``part`` of ``key_splits`` takes its share of each group's key tiles."""
+    """One (row block, query head, key split): ``q/do [bq, D]``, ``lse/delta [bq]``, rows'
+    group and key limit ``[bq]``; ``k/v [G, Pp, D]`` (this head's kv head).  Rows are sorted by
+    group, so the block's groups are ``[grp[0], grp[-1]]`` (usually one).  Key split ``part``
+    of ``key_splits`` takes its share of each group's key tiles."""
     part = pl.program_id(2)
     scale2 = scale * _LOG2E
     q = q_ref[...]
@@ -187,8 +187,7 @@ def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, p
                  *, scale: float, interpret: bool = False, block_q: int = 64, block_k: int = 64,
                  dkv_block_q: int = 64, dkv_block_k: int = 64, row_splits: int | None = None,
                  key_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                 dkv_num_warps: int | None = None, dkv_num_stages: int | None = None,
-                 fold_heads: bool = True):
+                 dkv_num_warps: int | None = None, dkv_num_stages: int | None = None):
     """Gradients of the prefix part of shared-prefix attention (see the module docstring).
 
     ``q, d_out [B, Tq, Hq, D]``, ``lse, delta [B, Tq, Hq]`` float32 (merged statistics),
@@ -196,9 +195,6 @@ def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, p
     ``prefix_lengths [G]`` (int32).  Returns ``(dq, dk, dv)``.  ``row_splits``: splits of each
     group's rows across dK/dV programs; ``key_splits``: splits of the key tiles across dQ
     programs (float32 partials, summed by XLA); None: :func:`choose_row_splits` for either.
-    ``fold_heads``: the dQ kernel's rows are (row, query head of the GQA group) pairs of one kv
-    head, so each K/V tile it loads serves all ``Hq / Hkv`` heads (False: one program per query
-    head, each streaming the prefix again).
     """
     b, tq, hq, d = q.shape
     g, p, hkv, _ = prefix_k.shape
@@ -246,50 +242,33 @@ def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, p
     plen = jnp.asarray(prefix_lengths, jnp.int32)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
-    if fold_heads:  # dQ rows (row, head in the GQA group): each K/V tile serves G heads
-        hq_f, rp_f = hkv, rp * group
-        qd = q_r.reshape(rp, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rp_f, d)
-        dod = do_r.reshape(rp, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rp_f, d)
-        lsed = lse_r.reshape(hkv, group, rp).transpose(0, 2, 1).reshape(hkv, rp_f)
-        deltad = delta_r.reshape(hkv, group, rp).transpose(0, 2, 1).reshape(hkv, rp_f)
-        grpd, limd = jnp.repeat(grp_r, group), jnp.repeat(lim_r, group)
-        g_map = 1
-    else:
-        hq_f, rp_f = hq, rp
-        qd, dod = jnp.swapaxes(q_r, 0, 1), jnp.swapaxes(do_r, 0, 1)    # [Hq, Rp, D]
-        lsed, deltad, grpd, limd = lse_r, delta_r, grp_r, lim_r
-        g_map = group
-    nq = rp_f // bq
-    ks = choose_row_splits(nq * hq_f, pp // bk) if key_splits is None else int(key_splits)
+    nq = rp // bq
+    ks = choose_row_splits(nq * hq, pp // bk) if key_splits is None else int(key_splits)
     if ks < 1:
         raise ValueError(f"key_splits must be >= 1, got {ks}")
     row = lambda i, h, c: (i,)  # noqa: E731
-    qrow = lambda i, h, c: (h, i, 0)  # noqa: E731
+    qrow = lambda i, h, c: (i, h, 0)  # noqa: E731
     stat = lambda i, h, c: (h, i)  # noqa: E731
-    kv_all = pl.BlockSpec((g, pp, None, d), lambda i, h, c: (0, 0, h // g_map, 0))
+    kv_all = pl.BlockSpec((g, pp, None, d), lambda i, h, c: (0, 0, h // group, 0))
     if ks == 1:
-        dq_spec = pl.BlockSpec((None, bq, d), qrow)
-        dq_shape = jax.ShapeDtypeStruct((hq_f, rp_f, d), dtype)
+        dq_spec = pl.BlockSpec((bq, None, d), qrow)
+        dq_shape = jax.ShapeDtypeStruct((rp, hq, d), dtype)
     else:
-        dq_spec = pl.BlockSpec((None, None, bq, d), lambda i, h, c: (c, h, i, 0))
-        dq_shape = jax.ShapeDtypeStruct((ks, hq_f, rp_f, d), jnp.float32)
-    dq_d = pl.pallas_call(
+        dq_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, c: (c, i, h, 0))
+        dq_shape = jax.ShapeDtypeStruct((ks, rp, hq, d), jnp.float32)
+    dq_r = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, bk=bk, key_splits=ks, fp32=fp32),
-        grid=(nq, hq_f, ks),
+        grid=(nq, hq, ks),
         in_specs=[pl.BlockSpec((bq,), row), pl.BlockSpec((bq,), row),
-                  pl.BlockSpec((None, bq, d), qrow), kv_all, kv_all,
-                  pl.BlockSpec((None, bq, d), qrow),
+                  pl.BlockSpec((bq, None, d), qrow), kv_all, kv_all,
+                  pl.BlockSpec((bq, None, d), qrow),
                   pl.BlockSpec((None, bq), stat), pl.BlockSpec((None, bq), stat)],
         out_specs=dq_spec,
         out_shape=dq_shape,
         compiler_params=params, interpret=interpret, name="prefix_bwd_dq",
-    )(grpd, limd, qd, pk, pv, dod, lsed, deltad)
+    )(grp_r, lim_r, q_r, pk, pv, do_r, lse_r, delta_r)
     if ks > 1:
-        dq_d = dq_d.sum(axis=0)
-    if fold_heads:
-        dq_r = dq_d.reshape(hkv, rp, group, d).transpose(1, 0, 2, 3).reshape(rp, hq, d)
-    else:
-        dq_r = jnp.swapaxes(dq_d, 0, 1)
+        dq_r = dq_r.sum(axis=0)
 
     nk = pp // bkk
     n_rb = rp // bqk

@@ -109,17 +109,6 @@ def test_prefix_grads_match_reference_interpret(b, tq, hq, hkv, d, g, p, dtype, 
     np.testing.assert_array_equal(np.asarray(got[0], np.float32)[0, 0, 0], 0.0)
 
 
-def test_prefix_grads_unfolded_heads_interpret():
-    """``fold_heads=False`` (one dQ program per query head) gives the same gradients."""
-    q, do, lse, delta, pk, pv, s2p, lim, plen, scale = _case(9, b=4, tq=3, hq=8, hkv=2, g=2, p=30)
-    kw = dict(scale=scale, interpret=True, block_q=16, block_k=16, dkv_block_q=16,
-              dkv_block_k=16, key_splits=2)
-    a = prefix_grads(q, do, lse, delta, pk, pv, s2p, lim, plen, **kw, fold_heads=False)
-    b = prefix_grads(q, do, lse, delta, pk, pv, s2p, lim, plen, **kw)
-    for x, y in zip(a, b):
-        assert rel_err(x, y) < 1e-6
-
-
 def test_prefix_grads_ignore_keys_past_the_limits():
     """Prefix keys/values at or past every row's limit (padding, a stale cache) may hold NaN."""
     q, do, lse, delta, pk, pv, s2p, lim, plen, scale = _case(3, b=3, tq=2, g=2, p=40,
