@@ -71,8 +71,7 @@ def _kernel(lim_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk
     lo = part * chunk
     hi = jnp.minimum(lo + chunk, n_tiles)
     mid = jnp.clip(n_end, lo, hi)
-    nt = (((1,), (1,)))                          # a @ b.T
-    tn = (((0,), (0,)))                          # a.T @ b
+    nn, nt, tn = ((1,), (0,)), ((1,), (1,)), ((0,), (0,))   # a @ b, a @ b.T, a.T @ b
 
     def body(t, dq):
         start = pl.multiple_of(t * bk, bk)
@@ -82,13 +81,12 @@ def _kernel(lim_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk
         vis = keys < lim[None, :]                                    # [bk, R]
         s_t = _dot(k, q, fp32, nt)
         p_t = jnp.where(vis, jnp.exp2(s_t * scale2 - lse2[None, :]), 0.0)
-        dv_ref[pl.ds(start, bk), :] = _dot(p_t.astype(do.dtype), do, fp32,
-                                           (((1,), (0,)))).astype(dv_ref.dtype)
+        dv_ref[pl.ds(start, bk), :] = _dot(p_t.astype(do.dtype), do, fp32, nn
+                                           ).astype(dv_ref.dtype)
         dp_t = _dot(v, do, fp32, nt)
         ds_t = jnp.where(vis, p_t * (dp_t - delta[None, :]), 0.0)
         ds16 = ds_t.astype(q.dtype)
-        dk_ref[pl.ds(start, bk), :] = (_dot(ds16, q, fp32, (((1,), (0,)))) * scale
-                                       ).astype(dk_ref.dtype)
+        dk_ref[pl.ds(start, bk), :] = (_dot(ds16, q, fp32, nn) * scale).astype(dk_ref.dtype)
         k = jnp.where(keys < max_lim, k, jnp.zeros_like(k))         # (NaN past every limit)
         return dq + _dot(ds16, k, fp32, tn)
 

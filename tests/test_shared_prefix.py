@@ -288,8 +288,9 @@ def test_kernel_path_gradients_interpret():
                               suffix_lengths=[40, 20])),  # 132 rows: the flash backward
 ])
 def test_kernel_path_gradients_interpret_cases(impl, case):
-    """One prefix (given as [P, Hkv, D]), decoding, GQA 8 with ragged groups, MHA, and the flat
-    path (the same backward kernels)."""
+    """One prefix (given as [P, Hkv, D]), decoding, GQA 8 with ragged groups, MHA, the flat
+    path (the same backward kernels), and 132 query rows per (sequence, kv head) (the suffix
+    part through the flash backward)."""
     _grad_check(impl, **case)
 
 
