@@ -492,7 +492,60 @@ def _decode_suffix_merging(q, o, lse, suffix_k, suffix_v, suffix_lengths, *, sca
     """``Tq == 1``: attend each sequence's suffix and merge the state ``(o, lse)`` (normalised,
     ``[B, 1, Hq(, D)]`` in any head grouping ``Hkv x G``) in the decode suffix kernel's epilogue
     (``pallas_kernels.suffix_attention``).  Returns ``(out [B, 1, Hq, D] in q's dtype,
-    lse [B, 1, Hq])``."""
+    lse [B, 1, Hq])``.  Differentiable (:func:`_suffix_merge_bwd`: the suffix part through the
+    backward kernels with the merged statistics, the incoming state through the merge's
+    weights), so the paths that end in it (shallow trees) have gradients on the GPU too."""
+    return _suffix_merge(q, o, lse, suffix_k, suffix_v, suffix_lengths, float(scale),
+                         bool(interpret))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _suffix_merge(q, o, lse, suffix_k, suffix_v, suffix_lengths, scale, interpret):
+    return _suffix_merge_kernel(q, o, lse, suffix_k, suffix_v, suffix_lengths, scale=scale,
+                                interpret=interpret)
+
+
+def _suffix_merge_fwd(q, o, lse, suffix_k, suffix_v, suffix_lengths, scale, interpret):
+    out, lse_out = _suffix_merge(q, o, lse, suffix_k, suffix_v, suffix_lengths, scale, interpret)
+    return (out, lse_out), (q, o, lse, suffix_k, suffix_v, suffix_lengths, out, lse_out)
+
+
+def _suffix_merge_bwd(scale, interpret, res, cts):
+    """With ``lse_out = log(e^lse + e^l_s)`` and ``out = w o + (1 - w) o_s``, ``w = e^(lse -
+    lse_out)``: ``d o = w dout``, ``d lse = w (<dout, o - out> + dlse_out)``; the suffix part is
+    a flash backward with the merged statistics (``delta = <dout, out> - dlse_out``)."""
+    from pallas_kernels.flash_attention import flash_attention_bwd  # noqa: PLC0415
+    from pallas_kernels.suffix_attention_bwd import (suffix_grads,  # noqa: PLC0415
+                                                     suffix_grads_supported)
+    q, o, lse, suffix_k, suffix_v, suffix_lengths, out, lse_out = res
+    d_out, d_lse_out = cts
+    b, _, hq, d = q.shape
+    f32 = jnp.float32
+    o_b = o.reshape(b, 1, hq, d).astype(f32)
+    l_b = lse.reshape(b, 1, hq).astype(f32)
+    dout, dlo = d_out.astype(f32), d_lse_out.astype(f32)
+    w = jnp.where(jnp.isfinite(l_b), jnp.exp(l_b - jnp.where(jnp.isfinite(lse_out), lse_out, 0.0)),
+                  0.0)                                                      # [B, 1, Hq]
+    d_o = (w[..., None] * dout).reshape(o.shape).astype(o.dtype)
+    d_l = (w * (jnp.sum(dout * (o_b - out.astype(f32)), axis=-1) + dlo)).reshape(lse.shape)
+    delta = jnp.sum(dout * out.astype(f32), axis=-1) - dlo
+    lim = jnp.asarray(suffix_lengths, jnp.int32)[:, None]                  # one query: all keys
+    if suffix_grads_supported(1, hq, suffix_k.shape[2], d):
+        dq, dk, dv = suffix_grads(q, dout.astype(q.dtype), lse_out, delta, suffix_k, suffix_v, lim,
+                                  scale=scale, interpret=interpret)
+    else:
+        dq, dk, dv = flash_attention_bwd(q, suffix_k, suffix_v, dout.astype(q.dtype), lse_out,
+                                         delta, kv_lengths=suffix_lengths, sm_scale=scale,
+                                         interpret=interpret)
+    f0 = np.zeros(np.shape(suffix_lengths), jax.dtypes.float0)
+    return dq, d_o, d_l.astype(lse.dtype), dk, dv, f0
+
+
+_suffix_merge.defvjp(_suffix_merge_fwd, _suffix_merge_bwd)
+
+
+def _suffix_merge_kernel(q, o, lse, suffix_k, suffix_v, suffix_lengths, *, scale: float,
+                         interpret: bool):
     from pallas_kernels.suffix_attention import suffix_decode_merge  # noqa: PLC0415
     o_in, l_in, g = _as_incoming(o, lse, q.shape[2], suffix_k.shape[2])
     out, lse = suffix_decode_merge(q[:, 0].astype(suffix_k.dtype), suffix_k, suffix_v, suffix_lengths,

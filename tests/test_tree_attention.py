@@ -458,3 +458,59 @@ def test_hybrid_cost_model_choices():
         meta = build_tree_metadata(tree, tq=1, group=4, pool_size=tree.pool_extent, device=False)
         assert meta.hybrid == want, tree
     assert build_tree_metadata(tot, tq=2, group=4, pool_size=tot.pool_extent, device=False).excl_span is None
+
+
+@pytest.mark.parametrize("flash_fallback", [False, True])
+def test_shallow_path_gradients_interpret(flash_fallback, monkeypatch):
+    """The shallow decode path (roots through shared-prefix attention, the rest merged by the
+    decode suffix kernel) is differentiable: its suffix merge has a kernel backward (the suffix
+    part with the merged statistics, the incoming state through the merge weights; the flash
+    backward when the rows exceed one tile), equal to the reference path's gradients."""
+    import importlib
+    ta = importlib.import_module("jax_prefix_attn.tree_attention")
+    if flash_fallback:
+        import pallas_kernels.suffix_attention_bwd as sab
+        monkeypatch.setattr(sab, "suffix_grads_supported", lambda *a: False)
+    tree = PrefixTree.from_nested([[9, [4, 2, 3], 5], 6], seqs_per_leaf=2)
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=4, hkv=2, d=16, smax=5, seed=9)
+    sl = sl.at[0].set(0)  # a sequence without suffix keys
+    meta = build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0])
+    assert meta.shallow_pad > 0
+    ks = jax.random.split(jax.random.PRNGKey(3), 2)
+    w_o = jax.random.normal(ks[0], q.shape)
+    w_l = jax.random.normal(ks[1], q.shape[:3])
+
+    def loss(run):
+        def f(q, kp, vp, sk, sv):
+            o, l = run(q, kp, vp, sk, sv)
+            return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * w_l)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, kp, vp, sk, sv)
+
+    got = loss(lambda *a: ta._shallow(a[0], meta, *a[1:], sl, scale=0.25, impl="pallas_interpret",
+                                      interpret=True))
+    want = loss(lambda *a: tree_attention(a[0], tree, *a[1:], suffix_lengths=sl, sm_scale=0.25,
+                                          impl="reference", return_lse=True))
+    for a, r in zip(got, want):
+        assert np.all(np.isfinite(np.asarray(a)))
+        assert rel_err(a, r) < 1e-5, rel_err(a, r)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_gradients_shallow_tree():
+    """On the GPU ``impl="auto"`` takes the shallow path for this decode step; its gradients (the
+    suffix merge's kernel backward) match the reference path's."""
+    from jax_prefix_attn.tree_attention import auto_path
+    tree = PrefixTree.from_nested([[300, [4, 2, 3], 5], 200], seqs_per_leaf=8)
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=32, hkv=8, d=128, smax=64, seed=4)
+    meta = build_tree_metadata(tree, tq=1, group=4, pool_size=kp.shape[0])
+    assert auto_path(meta, q, sk) == "shallow"
+    w = jax.random.normal(jax.random.PRNGKey(5), q.shape)
+
+    def grads(impl):
+        def f(q, kp, vp, sk, sv):
+            return jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,
+                                          impl=impl) * w)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, kp, vp, sk, sv)
+    for a, r in zip(grads("auto"), grads("reference")):
+        assert np.all(np.isfinite(np.asarray(a)))
+        assert rel_err(a, r) < 1e-4, rel_err(a, r)
