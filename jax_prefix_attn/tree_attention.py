@@ -41,8 +41,12 @@ and writes the output in q's layout; otherwise the tree kernel in node mode (spl
 suffix, flash-decoding style), merged with the tree partials in XLA.
 
 Differentiable: gradients (w.r.t. ``q``, pools and suffixes) come from the pure-JAX mirror of
-the flatten schedule through ``jax.custom_vjp`` (recomputed in the backward pass), for every
-schedule including ``"hybrid"``.
+the flatten schedule through ``jax.custom_vjp`` (recomputed in the backward pass) for the
+``"flatten"``, ``"levelwise"``, ``"nodes"`` and ``"hybrid"`` schedules; the single-level and
+shallow paths run through :func:`jax_prefix_attn.shared_prefix_attention` (its backward
+kernels) and, on the shallow path, the decode suffix merge, whose own ``custom_vjp`` runs the
+suffix part's backward kernel with the merged statistics (session 16: before it, gradients
+through the shallow path failed on the GPU).
 
 Speculative decoding token trees (``draft_parents``): the ``Tq`` queries of a sequence may be
 draft tokens forming a tree (the last ``Tq`` suffix tokens); each then sees the shared path,
