@@ -43,14 +43,14 @@ forward, each part's gradient is a flash-attention backward evaluated with those
 statistics, so the merge needs no backward of its own.  The prefix part's kernels
 (:mod:`pallas_kernels.prefix_attention_bwd`) batch the rows of every sequence that shares a
 prefix, as the forward does: ``dK``/``dV`` of a prefix are summed over its sequences inside
-the kernel; the suffix part is :func:`pallas_kernels.suffix_attention_bwd.suffix_grads` (one
-pass over each sequence's keys with its ``Tq * Hq / Hkv`` query rows as one tile, up to 128
-rows) or, for more rows, :func:`pallas_kernels.flash_attention.flash_attention_bwd` (causal,
-aligned to each suffix length).  Nothing of size ``[B, Tq, Hq, P]`` is materialised.
-``BACKWARD = "reference"`` instead differentiates the pure-JAX reference decomposition (which
-materialises the probabilities; kept for comparison).  Second-order derivatives (grad of grad)
-work either way: differentiating the kernel backward goes through the reference's autodiff.  Both paths (``"shared"`` and ``"flat"``)
-share the backward: it depends only on the inputs, ``out`` and ``lse``.
+the kernel.  The suffix part is :func:`pallas_kernels.suffix_attention_bwd.suffix_part_grads`:
+one pass over each sequence's keys with its ``Tq * Hq / Hkv`` query rows as one tile (up to
+128 rows), else the flash backward (causal, aligned to each suffix length).  Nothing of size
+``[B, Tq, Hq, P]`` is materialised.  ``BACKWARD = "reference"`` instead differentiates the
+pure-JAX reference decomposition (which materialises the probabilities; kept for comparison).
+Second-order derivatives (grad of grad) work either way: differentiating the kernel backward
+goes through the reference's autodiff.  Both paths (``"shared"`` and ``"flat"``) share the
+backward: it depends only on the inputs, ``out`` and ``lse``.
 """
 from __future__ import annotations
 
@@ -292,24 +292,16 @@ def _kernel_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, pref
     """Gradients through the flash backward kernels: each part (prefix, suffix) is a flash
     backward evaluated with the merged ``out``/``lse`` (see
     :mod:`pallas_kernels.prefix_attention_bwd`); ``dq`` is the sum of the two parts'."""
-    from pallas_kernels.flash_attention import flash_attention_bwd  # noqa: PLC0415
     from pallas_kernels.prefix_attention_bwd import prefix_grads  # noqa: PLC0415
-    from pallas_kernels.suffix_attention_bwd import (suffix_grads,  # noqa: PLC0415
-                                                     suffix_grads_supported)
+    from pallas_kernels.suffix_attention_bwd import suffix_part_grads  # noqa: PLC0415
     d_out, d_lse = cts
     delta = (jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
              - d_lse.astype(jnp.float32))                                       # [B, Tq, Hq]
-    lim_p, lim_s = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
+    lim_p, _ = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
     dq_p, dpk, dpv = prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim_p,
                                   prefix_lengths, scale=scale, interpret=interpret)
-    _, tq, hq, d = q.shape
-    if suffix_grads_supported(tq, hq, suffix_k.shape[2], d):  # Tq * G rows in one tile
-        dq_s, dsk, dsv = suffix_grads(q, d_out, lse, delta, suffix_k, suffix_v, lim_s,
-                                      scale=scale, interpret=interpret)
-    else:  # suffix keys j < clip(sl - Tq + i + 1, 0, sl): causal, aligned to sl
-        dq_s, dsk, dsv = flash_attention_bwd(q, suffix_k, suffix_v, d_out, lse, delta,
-                                             causal=True, kv_lengths=suffix_lengths,
-                                             sm_scale=scale, interpret=interpret)
+    dq_s, dsk, dsv = suffix_part_grads(q, d_out, lse, delta, suffix_k, suffix_v, suffix_lengths,
+                                       scale=scale, interpret=interpret)
     dq = (dq_p.astype(jnp.float32) + dq_s.astype(jnp.float32)).astype(q.dtype)
     return dq, dpk, dpv, dsk, dsv
 

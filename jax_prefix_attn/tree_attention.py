@@ -518,9 +518,7 @@ def _suffix_merge_bwd(scale, interpret, res, cts):
     """With ``lse_out = log(e^lse + e^l_s)`` and ``out = w o + (1 - w) o_s``, ``w = e^(lse -
     lse_out)``: ``d o = w dout``, ``d lse = w (<dout, o - out> + dlse_out)``; the suffix part is
     a flash backward with the merged statistics (``delta = <dout, out> - dlse_out``)."""
-    from pallas_kernels.flash_attention import flash_attention_bwd  # noqa: PLC0415
-    from pallas_kernels.suffix_attention_bwd import (suffix_grads,  # noqa: PLC0415
-                                                     suffix_grads_supported)
+    from pallas_kernels.suffix_attention_bwd import suffix_part_grads  # noqa: PLC0415
     q, o, lse, suffix_k, suffix_v, suffix_lengths, out, lse_out = res
     d_out, d_lse_out = cts
     b, _, hq, d = q.shape
@@ -533,14 +531,8 @@ def _suffix_merge_bwd(scale, interpret, res, cts):
     d_o = (w[..., None] * dout).reshape(o.shape).astype(o.dtype)
     d_l = (w * (jnp.sum(dout * (o_b - out.astype(f32)), axis=-1) + dlo)).reshape(lse.shape)
     delta = jnp.sum(dout * out.astype(f32), axis=-1) - dlo
-    lim = jnp.asarray(suffix_lengths, jnp.int32)[:, None]                  # one query: all keys
-    if suffix_grads_supported(1, hq, suffix_k.shape[2], d):
-        dq, dk, dv = suffix_grads(q, dout.astype(q.dtype), lse_out, delta, suffix_k, suffix_v, lim,
-                                  scale=scale, interpret=interpret)
-    else:
-        dq, dk, dv = flash_attention_bwd(q, suffix_k, suffix_v, dout.astype(q.dtype), lse_out,
-                                         delta, kv_lengths=suffix_lengths, sm_scale=scale,
-                                         interpret=interpret)
+    dq, dk, dv = suffix_part_grads(q, dout.astype(q.dtype), lse_out, delta, suffix_k, suffix_v,
+                                   suffix_lengths, scale=scale, interpret=interpret)
     f0 = np.zeros(np.shape(suffix_lengths), jax.dtypes.float0)
     return dq, d_o, d_l.astype(lse.dtype), dk, dv, f0
 

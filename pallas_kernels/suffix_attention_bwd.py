@@ -35,7 +35,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.prefix_attention_bwd import choose_row_splits
 
-__all__ = ["suffix_grads", "suffix_grads_reference", "suffix_grads_supported", "MAX_ROWS"]
+__all__ = ["suffix_grads", "suffix_part_grads", "suffix_grads_reference", "suffix_grads_supported",
+           "MAX_ROWS"]
 
 _LOG2E = math.log2(math.e)
 MAX_ROWS = 128  # Tq * G rows per (sequence, kv head) in one tile; more: the flash backward
@@ -160,6 +161,24 @@ def suffix_grads(q, d_out, lse, delta, suffix_k, suffix_v, lim, *, scale: float,
         dq = dq.sum(axis=0)
     dq = jnp.moveaxis(dq[:, :, :r].reshape(b, hkv, tq, g, d), 1, 2).reshape(b, tq, hq, d)
     return dq.astype(q.dtype), dk[:, :s], dv[:, :s]
+
+
+def suffix_part_grads(q, d_out, lse, delta, suffix_k, suffix_v, suffix_lengths, *, scale: float,
+                      interpret: bool = False):
+    """Gradients of the suffix part of a merged attention whose queries are the last ``Tq``
+    positions of each suffix (bottom-right causal: query ``i`` sees keys ``j < clip(sl - Tq + i
+    + 1, 0, sl)``): :func:`suffix_grads` when its rows fit one tile, else the flash backward
+    (:func:`pallas_kernels.flash_attention.flash_attention_bwd`, causal, aligned to ``sl``)."""
+    _, tq, hq, d = q.shape
+    sl = jnp.asarray(suffix_lengths, jnp.int32)
+    if suffix_grads_supported(tq, hq, suffix_k.shape[2], d):
+        i = jnp.arange(tq, dtype=jnp.int32)[None, :]
+        lim = jnp.clip(sl[:, None] - tq + i + 1, 0, sl[:, None])
+        return suffix_grads(q, d_out, lse, delta, suffix_k, suffix_v, lim, scale=scale,
+                            interpret=interpret)
+    from pallas_kernels.flash_attention import flash_attention_bwd  # noqa: PLC0415
+    return flash_attention_bwd(q, suffix_k, suffix_v, d_out, lse, delta, causal=True,
+                               kv_lengths=sl, sm_scale=scale, interpret=interpret)
 
 
 def suffix_grads_reference(q, d_out, lse, delta, suffix_k, suffix_v, lim, *, scale: float):
