@@ -626,25 +626,114 @@ def _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draf
 
 def _tree_attn_fwd(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale, schedule,
                    backend):
-    res = (q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents)
     out = _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale, schedule,
                      backend)
+    res = (q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, out)
     return out, res
 
 
-def _tree_attn_bwd(scale, schedule, backend, res, cts):
-    q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents = res
+# Gradients of the Pallas paths: "kernels" (default) runs the flatten schedule's backward kernels
+# (pallas_kernels.tree_attention_bwd) and the suffix part's with the merged statistics;
+# "mirror" differentiates the pure-JAX mirror of the flatten schedule (which materialises the
+# scores of every work item).  The pure-JAX paths (backend "mirror", off the GPU) and draft token
+# trees always take the mirror.
+BACKWARD = "kernels"
 
+
+def _tree_attn_bwd(scale, schedule, backend, res, cts):
+    q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, (out, lse) = res
+    f0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    zero_meta = jax.tree_util.tree_map(f0, meta)
+    zero_dp = None if draft_parents is None else f0(draft_parents)
+    if BACKWARD not in ("kernels", "mirror"):
+        raise ValueError(f"BACKWARD must be 'kernels' or 'mirror', got {BACKWARD!r}")
+    if BACKWARD == "kernels" and backend in ("pallas", "interpret") and draft_parents is None:
+        d_out, d_lse = cts
+        dq, dkp, dvp, dks, dvs = _grads_via_kernels(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths,
+                                                    out, lse, d_out, d_lse, scale, backend == "interpret")
+    else:
+        dq, dkp, dvp, dks, dvs = _mirror_grads(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths,
+                                               draft_parents, cts, scale)
+    return dq, zero_meta, dkp, dvp, dks, dvs, f0(suffix_lengths), zero_dp
+
+
+def _mirror_grads(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, cts, scale):
+    """Autodiff of the pure-JAX mirror of the flatten schedule (differentiable again)."""
     def f(q, k_pool, v_pool, suffix_k, suffix_v):
         return _forward(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale=scale,
                         schedule="flatten", backend="mirror")
 
     _, vjp = jax.vjp(f, q, k_pool, v_pool, suffix_k, suffix_v)
-    dq, dkp, dvp, dks, dvs = vjp(cts)
+    return vjp(tuple(cts))
+
+
+def _kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out,
+                  d_lse, *, scale: float, interpret: bool):
+    """Gradients through the backward kernels: the tree part by the flatten schedule's
+    (:func:`pallas_kernels.tree_attention_bwd.tree_grads`, whatever schedule ran the forward),
+    the suffix part by :func:`pallas_kernels.suffix_attention_bwd.suffix_part_grads`, both with
+    the merged ``out``/``lse``; ``dq`` is the sum of the two parts'."""
+    from pallas_kernels.suffix_attention_bwd import suffix_part_grads  # noqa: PLC0415
+    from pallas_kernels.tree_attention_bwd import tree_grads  # noqa: PLC0415
+    b, tq, hq, d = q.shape
+    n, hkv = k_pool.shape[:2]
+    g = hq // hkv
+    f32 = jnp.float32
+    lse = lse.astype(f32)
+    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1) - d_lse.astype(f32)   # [B, Tq, Hq]
+    d_out = d_out.astype(q.dtype)
+    sched = meta.flatten
+    key, lim = _row_tables(meta, suffix_lengths)
+    stat = lambda x: _q_sorted(x[..., None], meta, hkv)[..., 0]  # noqa: E731  [Hkv, R_pad * G]
+    kp, vp = _pad_pool(k_pool, v_pool, sched.block_kv)
+    dq_hmd, dk, dv = tree_grads(_q_sorted(q, meta, hkv), _q_sorted(d_out, meta, hkv), stat(lse), stat(delta),
+                                kp, vp, sched.items, sched.tok, sched.chunk_start, jnp.repeat(key, g),
+                                jnp.repeat(lim, g), group=g, block_rows=sched.block_rows,
+                                block_kv=sched.block_kv, sm_scale=scale, interpret=interpret)
+    # sorted rows -> original rows (padding rows go to the dropped row b * tq)
+    dq_s = jnp.transpose(dq_hmd.reshape(hkv, -1, g, d), (1, 0, 2, 3))           # [R_pad, Hkv, G, D]
+    dq = jnp.zeros((b * tq + 1, hkv, g, d), f32).at[meta.sorted_rows].add(dq_s)[: b * tq]
+    dq = dq.reshape(b, tq, hq, d)
+    if suffix_k.shape[1] > 0:
+        dq_x, dks, dvs = suffix_part_grads(q, d_out, lse, delta, suffix_k, suffix_v, suffix_lengths,
+                                           scale=scale, interpret=interpret)
+        dq = dq + dq_x.astype(f32)
+    else:
+        dks, dvs = jnp.zeros_like(suffix_k), jnp.zeros_like(suffix_v)
+    return (dq.astype(q.dtype), dk[:n].astype(k_pool.dtype), dv[:n].astype(v_pool.dtype),
+            dks.astype(suffix_k.dtype), dvs.astype(suffix_v.dtype))
+
+
+# First-order gradients through the kernels; differentiating them again (grad of grad) goes
+# through the mirror's autodiff, which the Pallas kernels have no rule for.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
+def _grads_via_kernels(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out, d_lse,
+                       scale, interpret):
+    return _kernel_grads(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out, d_lse,
+                         scale=scale, interpret=interpret)
+
+
+def _grads_via_kernels_fwd(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out, d_lse,
+                           scale, interpret):
+    grads = _grads_via_kernels(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out,
+                               d_lse, scale, interpret)
+    return grads, (q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out, d_lse)
+
+
+def _grads_via_kernels_bwd(scale, interpret, res, cts):
+    q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out, d_lse = res
+    # (out and lse are functions of the inputs: the mirror recomputes them, so their own
+    # cotangents are zero and the inputs' carry the whole second-order term)
+    _, vjp = jax.vjp(lambda q_, kp, vp, sk, sv, do, dl: _mirror_grads(
+        q_, meta, kp, vp, sk, sv, suffix_lengths, None, (do, dl), scale),
+        q, k_pool, v_pool, suffix_k, suffix_v, d_out, d_lse)
+    dq, dkp, dvp, dks, dvs, dd_out, dd_lse = vjp(tuple(cts))
     f0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
-    zero_meta = jax.tree_util.tree_map(f0, meta)
-    zero_dp = None if draft_parents is None else f0(draft_parents)
-    return dq, zero_meta, dkp, dvp, dks, dvs, f0(suffix_lengths), zero_dp
+    return (dq, jax.tree_util.tree_map(f0, meta), dkp, dvp, dks, dvs, f0(suffix_lengths),
+            jnp.zeros_like(out), jnp.zeros_like(lse), dd_out, dd_lse)
+
+
+_grads_via_kernels.defvjp(_grads_via_kernels_fwd, _grads_via_kernels_bwd)
 
 
 _tree_attn.defvjp(_tree_attn_fwd, _tree_attn_bwd)

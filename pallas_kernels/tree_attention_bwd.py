@@ -1,0 +1,292 @@
+"""Backward pass of tree attention's flatten schedule (DeFT-Flatten) in Pallas (Triton lowering):
+the gradients of the *tree part* of tree attention, given the statistics of the whole attention
+(tree and suffix merged).
+
+As for shared-prefix attention (:mod:`pallas_kernels.prefix_attention_bwd`), each part of a
+merged attention is differentiated as a flash backward with the *merged* statistics
+(FlashAttention-2: ``p = exp(s - lse)``, ``ds = p (dp - delta)``, ``delta = rowsum(dO * O) -
+dlse``), so the partial states and their tree-aware reduction need no backward of their own.
+The work follows the forward's flatten schedule (:mod:`pallas_kernels.tree_attention`: items
+pair a run of ``block_kv``-token chunks of the pool with a block of query rows, and a token is
+visible to a row by the interval test on depth-first numbers plus the path-position test):
+
+* ``dK``/``dV``: one program per (chunk, kv head, ``block_k``-column slice of the chunk) loops
+  over the items that read the chunk.  The flatten schedule lists the items of one chunk group
+  (consecutive chunks with the same rows) consecutively, one per row block, so a chunk's items
+  are a contiguous range of the item table (:func:`chunk_item_ranges`); a chunk of the root is
+  read by every row block below it, and its gradient is summed over all of them inside the
+  program.  Outputs ``[NC, Hkv, C, D]`` float32, scattered into the pool by XLA (each pool token
+  belongs to one chunk; the columns of a chunk window that are not its tokens are dropped).
+* ``dQ``: one program per (item, kv head) loops over the item's chunks, as the forward does,
+  and writes a float32 partial ``[W, Hkv, M, D]``; XLA adds the partials into the sorted rows
+  (a row block's partials come from the items of every chunk group above it).
+
+Nothing of size ``rows x keys`` is materialised (the pure-JAX mirror's autodiff materialises
+the scores of every work item).  Tokens outside a chunk's window and keys no row sees never
+reach a gradient, whatever the pool holds there (NaN included): selects, and K/V zeroed on
+the columns that are not the chunk's tokens.
+
+Layouts (the forward's): ``q_hmd, do_hmd [Hkv, Rq * group, D]`` (sorted rows, query vector ``m``
+= row ``m // group``), ``lse_hm, delta_hm [Hkv, Rq * group]`` float32 (merged statistics;
+``lse = -inf`` where a row sees nothing), ``k/v [N, Hkv, D]``, ``row_key/row_limit [Rq * group]``,
+the schedule's ``items [W, 9]``, ``tok [NC, 3, C]``, ``chunk_start [NC]``.  Returns ``dq_hmd``
+(float32, same layout as ``q_hmd``) and ``dk, dv [N, Hkv, D]`` float32.  Static: the shapes,
+``group``, ``block_rows``, ``block_kv``, ``block_k``, ``scale``; the tree itself is dynamic
+data (trees whose metadata buckets agree share one compilation).
+
+:func:`tree_grads_reference` is the dense pure-JAX computation of the same gradients from the
+token tables alone (no items): the independent check of the kernels' item walk.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.tree_attention import CHUNK, NTILES, ROW_START
+
+__all__ = ["tree_grads", "tree_grads_reference", "chunk_item_ranges"]
+
+_LOG2E = math.log2(math.e)
+_NEVER = 1 << 30  # tin of a token nobody sees (jax_prefix_attn.tree.NEVER)
+
+
+def _dot(a, b, fp32: bool, trans_b: bool = False):
+    dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
+    prec = lax.Precision.HIGHEST if fp32 else None
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def chunk_item_ranges(items_w9, n_chunks: int):
+    """For each chunk ``c < n_chunks``: ``(first, count, tile)`` int32 ``[NC]``: the items that
+    read it are ``first .. first + count - 1`` (one per row block of its chunk group), and it is
+    their ``tile``-th chunk.  ``count = 0`` for padding chunks.  Relies on the flatten schedule's
+    order: items sorted by their first chunk, one chunk group's items consecutive, padding items
+    (``ntiles = 0``) last."""
+    ntiles = items_w9[:, NTILES]
+    big = jnp.int32(_NEVER)
+    first_chunk = jnp.where(ntiles > 0, items_w9[:, CHUNK], big)                   # [W] sorted
+    c = jnp.arange(n_chunks, dtype=jnp.int32)
+    last = jnp.searchsorted(first_chunk, c, side="right").astype(jnp.int32) - 1    # CHUNK <= c
+    lc = jnp.maximum(last, 0)
+    g0 = first_chunk[lc]
+    live = (last >= 0) & (c < g0 + ntiles[lc])
+    first = jnp.searchsorted(first_chunk, g0, side="left").astype(jnp.int32)
+    count = jnp.where(live, last - first + 1, 0)
+    return first, count.astype(jnp.int32), jnp.where(live, c - g0, 0).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- dk / dv
+
+def _dkv_kernel(first_ref, count_ref, items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, do_ref,
+                lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref, *, group: int, block_m: int,
+                bk: int, scale: float, fp32: bool):
+    """One (chunk, kv head, column slice): ``k/v [bk, D]`` of the slice; loops over the items
+    (row blocks) that read the chunk."""
+    c = pl.program_id(0)
+    h = pl.program_id(1)
+    j0 = pl.program_id(2) * bk
+    scale2 = scale * _LOG2E
+    start = cs_ref[c] + j0
+    t_tin = tok_ref[c, 0, pl.ds(j0, bk)][:, None]                 # [bk, 1]
+    t_tout = tok_ref[c, 1, pl.ds(j0, bk)][:, None]
+    t_pos = tok_ref[c, 2, pl.ds(j0, bk)][:, None]
+    ok = t_tin != _NEVER
+    k = k_ref[pl.ds(start, bk), h, :]
+    v = v_ref[pl.ds(start, bk), h, :]
+    k = jnp.where(ok, k, jnp.zeros_like(k))                       # not this chunk's tokens:
+    v = jnp.where(ok, v, jnp.zeros_like(v))                       # anything, NaN included
+    first = first_ref[c]
+
+    def body(i, carry):
+        dk, dv = carry
+        m0 = items_ref[first + i, ROW_START] * group
+        q = q_ref[h, pl.ds(m0, block_m), :]                        # [M, D]
+        do = do_ref[h, pl.ds(m0, block_m), :]
+        lse2 = lse_ref[h, pl.ds(m0, block_m)][None, :] * _LOG2E   # [1, M]
+        delta = delta_ref[h, pl.ds(m0, block_m)][None, :]
+        key = key_ref[pl.ds(m0, block_m)][None, :]
+        lim = lim_ref[pl.ds(m0, block_m)][None, :]
+        vis = (t_tin <= key) & (key < t_tout) & (t_pos <= lim)     # [bk, M]
+        s_t = _dot(k, q, fp32, trans_b=True)                       # [bk, M]
+        p_t = jnp.where(vis, jnp.exp2(s_t * scale2 - lse2), 0.0)
+        dv = dv + _dot(p_t.astype(do.dtype), do, fp32)
+        dp_t = _dot(v, do, fp32, trans_b=True)
+        ds_t = jnp.where(vis, p_t * (dp_t - delta), 0.0)
+        dk = dk + _dot(ds_t.astype(q.dtype), q, fp32)
+        return dk, dv
+
+    d = k_ref.shape[-1]
+    carry = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32))
+    dk, dv = lax.fori_loop(0, count_ref[c], body, carry)
+    dk_ref[...] = dk * scale
+    dv_ref[...] = dv
+
+
+# ----------------------------------------------------------------------------- dq
+
+def _dq_kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, do_ref, lse_ref, delta_ref,
+               k_ref, v_ref, dq_ref, *, group: int, block_m: int, block_kv: int, bk: int,
+               scale: float, fp32: bool):
+    """One (item, kv head): its rows ``[M, D]`` over its ``ntiles`` chunks, ``bk`` columns at a
+    time."""
+    w = pl.program_id(0)
+    h = pl.program_id(1)
+    scale2 = scale * _LOG2E
+    m0 = items_ref[w, ROW_START] * group
+    chunk0 = items_ref[w, CHUNK]
+    q = q_ref[h, pl.ds(m0, block_m), :]
+    do = do_ref[h, pl.ds(m0, block_m), :]
+    lse2 = lse_ref[h, pl.ds(m0, block_m)][:, None] * _LOG2E        # [M, 1]
+    delta = delta_ref[h, pl.ds(m0, block_m)][:, None]
+    key = key_ref[pl.ds(m0, block_m)][:, None]
+    lim = lim_ref[pl.ds(m0, block_m)][:, None]
+
+    def body(t, dq):
+        chunk = chunk0 + t
+        for j0 in range(0, block_kv, bk):                          # static column slices
+            start = cs_ref[chunk] + j0
+            t_tin = tok_ref[chunk, 0, pl.ds(j0, bk)]
+            t_tout = tok_ref[chunk, 1, pl.ds(j0, bk)][None, :]
+            t_pos = tok_ref[chunk, 2, pl.ds(j0, bk)][None, :]
+            ok = (t_tin != _NEVER)[:, None]                        # [bk, 1]
+            k = k_ref[pl.ds(start, bk), h, :]
+            v = v_ref[pl.ds(start, bk), h, :]
+            k = jnp.where(ok, k, jnp.zeros_like(k))
+            v = jnp.where(ok, v, jnp.zeros_like(v))
+            vis = (t_tin[None, :] <= key) & (key < t_tout) & (t_pos <= lim)   # [M, bk]
+            s = _dot(q, k, fp32, trans_b=True)
+            p = jnp.where(vis, jnp.exp2(s * scale2 - lse2), 0.0)
+            dp = _dot(do, v, fp32, trans_b=True)
+            ds = jnp.where(vis, p * (dp - delta), 0.0)
+            dq = dq + _dot(ds.astype(k.dtype), k, fp32)
+        return dq
+
+    d = q_ref.shape[-1]
+    dq = lax.fori_loop(0, items_ref[w, NTILES], body, jnp.zeros((block_m, d), jnp.float32))
+    dq_ref[...] = dq * scale
+
+
+# ----------------------------------------------------------------------------- entry
+
+def _scatter_chunks(dkv_c, tok_c3c, chunk_start_c, n: int):
+    """``[NC, Hkv, C, D]`` per-chunk gradients -> ``[N, Hkv, D]`` (columns that are not the
+    chunk's tokens dropped)."""
+    nc, hkv, c, d = dkv_c.shape
+    pos = chunk_start_c[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]       # [NC, C]
+    pos = jnp.where(tok_c3c[:, 0, :] != _NEVER, pos, n)
+    vals = jnp.transpose(dkv_c, (0, 2, 1, 3)).reshape(nc * c, hkv, d)
+    return jnp.zeros((n, hkv, d), jnp.float32).at[pos.reshape(-1)].add(vals, mode="drop")
+
+
+def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c, chunk_start_c,
+               row_key_m, row_limit_m, *, group: int, block_rows: int, block_kv: int,
+               sm_scale: float, block_k: int | None = None, interpret: bool = False,
+               num_warps: int | None = None, num_stages: int = 2):
+    """Gradients of the tree part (flatten schedule); see the module docstring for layouts.
+
+    ``block_k``: key columns per step (a divisor of ``block_kv``, power of two >= 16; None: 64
+    or ``block_kv`` if smaller).  Returns ``(dq_hmd, dk, dv)``, float32."""
+    hkv, mq, d = q_hmd.shape
+    n = k_nhd.shape[0]
+    block_m = block_rows * group
+    bk = min(64, block_kv) if block_k is None else int(block_k)
+    if bk < 16 or bk & (bk - 1) or block_kv % bk:
+        raise ValueError(f"block_k must be a power of two >= 16 dividing block_kv={block_kv}, got {bk}")
+    for name, val in (("block_kv", block_kv), ("block_rows * group", block_m)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {val}")
+    if n < block_kv:
+        raise ValueError(f"the pool must hold at least block_kv={block_kv} tokens, got {n}")
+    for name, arr, shape in (("do_hmd", do_hmd, q_hmd.shape), ("lse_hm", lse_hm, (hkv, mq)),
+                             ("delta_hm", delta_hm, (hkv, mq)), ("v_nhd", v_nhd, k_nhd.shape),
+                             ("k_nhd", k_nhd, (n, hkv, d))):
+        if tuple(arr.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
+    w = items_w9.shape[0]
+    nc = tok_c3c.shape[0]
+    fp32 = jnp.dtype(q_hmd.dtype) == jnp.float32
+    if num_warps is None:
+        num_warps = 8 if block_m * max(bk, d) >= 128 * 128 else 4
+    params = None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    items = items_w9.astype(jnp.int32)
+    tok = tok_c3c.astype(jnp.int32)
+    cs = chunk_start_c.astype(jnp.int32)
+    key = row_key_m.astype(jnp.int32)
+    lim = row_limit_m.astype(jnp.int32)
+    lse = lse_hm.astype(jnp.float32)
+    delta = delta_hm.astype(jnp.float32)
+    first, count, _ = chunk_item_ranges(items, nc)
+    static = dict(group=group, block_m=block_m, scale=float(sm_scale), fp32=fp32)
+
+    def full(shape, nd):
+        return pl.BlockSpec(shape, (lambda i, j: (0,) * len(shape)) if nd == 2
+                            else (lambda i, j, l: (0,) * len(shape)))
+
+    dk_c, dv_c = pl.pallas_call(
+        functools.partial(_dkv_kernel, bk=bk, **static),
+        grid=(nc, hkv, block_kv // bk),
+        in_specs=[full(first.shape, 3), full(count.shape, 3), full(items.shape, 3), full(tok.shape, 3),
+                  full(cs.shape, 3), full(key.shape, 3), full(lim.shape, 3), full(q_hmd.shape, 3),
+                  full(do_hmd.shape, 3), full(lse.shape, 3), full(delta.shape, 3),
+                  full(k_nhd.shape, 3), full(v_nhd.shape, 3)],
+        out_specs=[pl.BlockSpec((None, None, bk, d), lambda i, j, l: (i, j, l, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((nc, hkv, block_kv, d), jnp.float32)] * 2,
+        interpret=interpret, compiler_params=params, name="tree_grads_dkv",
+    )(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
+
+    dq_w = pl.pallas_call(
+        functools.partial(_dq_kernel, block_kv=block_kv, bk=bk, **static),
+        grid=(w, hkv),
+        in_specs=[full(items.shape, 2), full(tok.shape, 2), full(cs.shape, 2), full(key.shape, 2),
+                  full(lim.shape, 2), full(q_hmd.shape, 2), full(do_hmd.shape, 2), full(lse.shape, 2),
+                  full(delta.shape, 2), full(k_nhd.shape, 2), full(v_nhd.shape, 2)],
+        out_specs=pl.BlockSpec((None, None, block_m, d), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((w, hkv, block_m, d), jnp.float32),
+        interpret=interpret, compiler_params=params, name="tree_grads_dq",
+    )(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
+
+    # item partials -> sorted rows (padding items have ntiles = 0: zero partials)
+    rows = items[:, ROW_START][:, None] * group + jnp.arange(block_m, dtype=jnp.int32)[None, :]
+    dq = jnp.zeros((mq, hkv, d), jnp.float32).at[rows.reshape(-1)].add(
+        jnp.transpose(dq_w, (0, 2, 1, 3)).reshape(w * block_m, hkv, d), mode="drop")
+    dq = jnp.transpose(dq, (1, 0, 2))
+    return dq, _scatter_chunks(dk_c, tok, cs, n), _scatter_chunks(dv_c, tok, cs, n)
+
+
+def tree_grads_reference(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, tok_c3c, chunk_start_c,
+                         row_key_m, row_limit_m, *, sm_scale: float):
+    """Dense pure-JAX :func:`tree_grads` (float32, ``precision=HIGHEST``): every (row, pool token)
+    pair, each token's ``(tin, tout, pos)`` taken from the chunk token tables (tokens in no chunk
+    are seen by nobody)."""
+    hkv, mq, d = q_hmd.shape
+    n = k_nhd.shape[0]
+    nc, _, c = tok_c3c.shape
+    hi = lax.Precision.HIGHEST
+    pos = chunk_start_c[:, None].astype(jnp.int32) + jnp.arange(c, dtype=jnp.int32)[None, :]
+    pos = jnp.where(tok_c3c[:, 0, :] != _NEVER, pos, n).reshape(-1)
+    tin = jnp.full((n,), _NEVER, jnp.int32).at[pos].set(tok_c3c[:, 0, :].reshape(-1), mode="drop")
+    tout = jnp.zeros((n,), jnp.int32).at[pos].set(tok_c3c[:, 1, :].reshape(-1), mode="drop")
+    tpos = jnp.zeros((n,), jnp.int32).at[pos].set(tok_c3c[:, 2, :].reshape(-1), mode="drop")
+    key = row_key_m[None, :, None]
+    vis = (tin[None, None, :] <= key) & (key < tout[None, None, :]) & (tpos[None, None, :] <= row_limit_m[None, :, None])
+    seen = jnp.any(vis, axis=(0, 1))[:, None, None]                          # [N, 1, 1]
+    q = q_hmd.astype(jnp.float32)
+    do = do_hmd.astype(jnp.float32)
+    k = jnp.where(seen, k_nhd.astype(jnp.float32), 0.0)
+    v = jnp.where(seen, v_nhd.astype(jnp.float32), 0.0)
+    s = jnp.einsum("hmd,nhd->hmn", q, k, precision=hi) * sm_scale
+    lse = lse_hm.astype(jnp.float32)[..., None]
+    p = jnp.where(vis, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
+    p = jnp.where(jnp.isfinite(lse), p, 0.0)
+    dp = jnp.einsum("hmd,nhd->hmn", do, v, precision=hi)
+    ds = jnp.where(vis, p * (dp - delta_hm.astype(jnp.float32)[..., None]), 0.0)
+    dq = jnp.einsum("hmn,nhd->hmd", ds, k, precision=hi) * sm_scale
+    dk = jnp.einsum("hmn,hmd->nhd", ds, q, precision=hi) * sm_scale
+    dv = jnp.einsum("hmn,hmd->nhd", p, do, precision=hi)
+    return dq, dk, dv

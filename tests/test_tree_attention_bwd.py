@@ -1,0 +1,297 @@
+"""Backward kernels of tree attention (pallas_kernels.tree_attention_bwd) and the gradients of
+``tree_attention`` through them: kernels vs their dense reference, the reference vs float64
+NumPy, end-to-end gradients vs the oracle's (autodiff of ``reference.attention`` over the
+gathered contexts), NaN poison, grad of grad, the Triton lowering for CUDA; GPU: compiled."""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from jax_prefix_attn import PrefixTree, tree_attention
+from jax_prefix_attn.tree import NEVER, build_tree_metadata
+from pallas_kernels.tree_attention import CHUNK, NTILES
+from pallas_kernels.tree_attention_bwd import chunk_item_ranges, tree_grads, tree_grads_reference
+from test_tree import random_forest
+from test_tree_attention import FORESTS, make_inputs, poison
+
+ta = importlib.import_module("jax_prefix_attn.tree_attention")  # (the package exports a function of that name)
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _sorted_case(tree, *, tq, hq, hkv, d, seed, dtype=jnp.float32, block_kv=128, chunks_per_item=None,
+                 max_block_m=128):
+    """Inputs of ``tree_grads`` in the sorted layout, with the merged statistics of the tree part
+    alone (no suffix): ``lse`` from the forward, random ``d_out`` and ``dlse``."""
+    q, kp, vp, _, _, _ = make_inputs(tree, tq=tq, hq=hq, hkv=hkv, d=d, smax=0, seed=seed, dtype=dtype)
+    b = tree.num_seqs
+    sl = jnp.zeros((b,), jnp.int32)
+    sk = jnp.zeros((b, 0, hkv, d), dtype)
+    meta = build_tree_metadata(tree, tq=tq, group=hq // hkv, pool_size=kp.shape[0], block_kv=block_kv,
+                               chunks_per_item=chunks_per_item, max_block_m=max_block_m, device=False)
+    meta = jax.tree_util.tree_map(jnp.asarray, meta)
+    scale = 0.7 / np.sqrt(d)
+    out, lse = ta._forward(q, meta, kp, vp, sk, sk, sl, scale=scale, schedule="flatten", backend="mirror")
+    ks = jax.random.split(jax.random.PRNGKey(seed + 100), 2)
+    do = jax.random.normal(ks[0], q.shape, dtype)
+    dl = jax.random.normal(ks[1], lse.shape, jnp.float32)
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1) - dl
+    g = hq // hkv
+    key, lim = ta._row_tables(meta, sl)
+    stat = lambda x: ta._q_sorted(x[..., None], meta, hkv)[..., 0]  # noqa: E731
+    sched = meta.flatten
+    kp, vp = ta._pad_pool(kp, vp, sched.block_kv)
+    args = (ta._q_sorted(q, meta, hkv), ta._q_sorted(do, meta, hkv), stat(lse), stat(delta), kp, vp)
+    tables = (sched.items, sched.tok, sched.chunk_start, jnp.repeat(key, g), jnp.repeat(lim, g))
+    static = dict(group=g, block_rows=sched.block_rows, block_kv=sched.block_kv, sm_scale=scale)
+    return args, tables, static, (q, kp, vp, do, dl, meta, scale)
+
+
+CASES = [  # (forest, tq, hq, hkv, d, dtype, block_kv, chunks_per_item)
+    (dict(parents=[-1, 0, 0, 2, -1], starts=[40, 3, 90, 100, 130], lengths=[30, 5, 1, 20, 0],
+          leaf_of_seq=[1, 3, 3, 2, 4]), 3, 4, 2, 16, jnp.float32, 16, 2),
+    ("random0", 1, 8, 2, 32, jnp.float32, 32, None),
+    ("random1", 2, 4, 4, 16, jnp.float32, 16, 1),
+    ("random2", 1, 8, 1, 64, jnp.bfloat16, 32, None),
+    ("random3", 4, 2, 1, 16, jnp.float32, 16, 4),
+]
+
+
+def _tree(spec, seed=0):
+    if isinstance(spec, dict):
+        return PrefixTree(**spec)
+    i = int(spec[-1])
+    return random_forest(np.random.default_rng(300 + i + seed), *FORESTS[i])
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_tree_grads_match_reference_interpret(case):
+    spec, tq, hq, hkv, d, dtype, bkv, cpi = CASES[case]
+    tree = _tree(spec)
+    args, tables, static, _ = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=d, seed=case, dtype=dtype,
+                                           block_kv=bkv, chunks_per_item=cpi)
+    got = jax.jit(lambda *a: tree_grads(*a, **static, block_k=16, interpret=True))(*args, *tables)
+    want = tree_grads_reference(*args, *tables[1:], sm_scale=static["sm_scale"])
+    for a, w in zip(got, want):
+        assert a.dtype == jnp.float32 and a.shape == w.shape
+        assert np.isfinite(np.asarray(a)).all()
+        assert rel_err(a, w) < TOL[dtype], rel_err(a, w)
+
+
+def test_reference_matches_float64_numpy():
+    """The dense reference against the FlashAttention-2 gradient formulas in float64 NumPy over
+    each sequence's explicitly gathered context (no tables, no kernels)."""
+    tree = PrefixTree.from_nested([[9, [4, 2, 3], 5], 6], seqs_per_leaf=2)
+    tq, hq, hkv, d = 2, 4, 2, 16
+    args, tables, static, (q, kp, vp, do, dl, meta, scale) = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=d,
+                                                                          seed=5, block_kv=16)
+    dq_s, dk, dv = tree_grads_reference(*args, *tables[1:], sm_scale=scale)
+    g = hq // hkv
+    b = tree.num_seqs
+    dq_rows = np.zeros((b * tq + 1, hkv, g, d))
+    np.add.at(dq_rows, np.asarray(meta.sorted_rows), np.asarray(dq_s).reshape(hkv, -1, g, d).transpose(1, 0, 2, 3))
+    dq = dq_rows[:-1].reshape(b, tq, hq, d)
+    q64, k64, v64, do64, dl64 = (np.asarray(x, np.float64) for x in (q, kp, vp, do, dl))
+    dq_np = np.zeros_like(q64)
+    dk_np = np.zeros_like(k64)
+    dv_np = np.zeros_like(v64)
+    for s in range(b):
+        idx = np.asarray(tree.path_token_indices(s))
+        n = idx.shape[0]
+        for h in range(hq):
+            kh = h // g
+            sc = q64[s, :, h] @ k64[idx, kh].T * scale                       # [Tq, n]
+            mask = np.arange(n)[None, :] <= np.arange(tq)[:, None] + n - tq
+            sc = np.where(mask, sc, -np.inf)
+            m = sc.max(-1, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0)
+            p = np.exp(sc - m)
+            lsum = p.sum(-1, keepdims=True)
+            p = np.where(lsum > 0, p / np.where(lsum > 0, lsum, 1), 0)
+            o = p @ v64[idx, kh]
+            delta = (do64[s, :, h] * o).sum(-1) - np.where(lsum[:, 0] > 0, dl64[s, :, h], 0)
+            dp = do64[s, :, h] @ v64[idx, kh].T
+            ds = p * (dp - delta[:, None])
+            dq_np[s, :, h] = ds @ k64[idx, kh] * scale
+            np.add.at(dk_np[:, kh], idx, ds.T @ q64[s, :, h] * scale)
+            np.add.at(dv_np[:, kh], idx, p.T @ do64[s, :, h])
+    assert rel_err(dq, dq_np) < 1e-5
+    assert rel_err(np.asarray(dk)[: kp.shape[0]], dk_np) < 1e-5
+    assert rel_err(np.asarray(dv)[: kp.shape[0]], dv_np) < 1e-5
+
+
+def test_chunk_item_ranges_brute_force():
+    for seed in range(4):
+        tree = _tree(f"random{seed}", seed=7)
+        for cpi in (1, 2, None):
+            meta = build_tree_metadata(tree, tq=2, group=2, pool_size=tree.pool_extent + 3, block_kv=16,
+                                       chunks_per_item=cpi, device=False)
+            items, nc = meta.flatten.items, meta.flatten.tok.shape[0]
+            first, count, tile = (np.asarray(x) for x in chunk_item_ranges(jnp.asarray(items), nc))
+            for c in range(nc):
+                readers = [w for w in range(items.shape[0])
+                           if items[w, NTILES] > 0 and items[w, CHUNK] <= c < items[w, CHUNK] + items[w, NTILES]]
+                assert list(range(first[c], first[c] + count[c])) == readers, (seed, cpi, c)
+                if readers:
+                    assert tile[c] == c - items[readers[0], CHUNK]
+                else:  # padding chunks only
+                    assert (np.asarray(meta.flatten.tok[c, 0]) == NEVER).all()
+
+
+def test_tree_grads_ignore_tokens_outside_the_chunks():
+    """NaN in every pool token no chunk holds changes no gradient (and gives them zero)."""
+    tree = _tree(CASES[0][0])
+    args, tables, static, _ = _sorted_case(tree, tq=3, hq=4, hkv=2, d=16, seed=3, block_kv=16,
+                                           chunks_per_item=2)
+    q, do, lse, delta, kp, vp = args
+    used = np.zeros(kp.shape[0], bool)
+    for s, n in zip(tree.starts, tree.lengths):
+        used[s:s + n] = True
+    kb = jnp.where(used[:, None, None], kp, jnp.nan)
+    vb = jnp.where(used[:, None, None], vp, jnp.nan)
+    f = jax.jit(lambda *a: tree_grads(*a, **static, interpret=True))
+    clean = f(q, do, lse, delta, kp, vp, *tables)
+    dirty = f(q, do, lse, delta, kb, vb, *tables)
+    for a, w in zip(dirty, clean):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+    assert (np.asarray(clean[1])[~used] == 0).all() and (np.asarray(clean[2])[~used] == 0).all()
+
+
+def test_tree_grads_lower_for_cuda():
+    """The Triton lowering of both kernels on the CPU (catches primitives Pallas cannot lower)."""
+    tree = _tree("random0")
+    args, tables, static, _ = _sorted_case(tree, tq=1, hq=8, hkv=2, d=64, seed=1, dtype=jnp.bfloat16,
+                                           block_kv=64)
+    text = jax.jit(lambda *a: tree_grads(*a, **static)).trace(*args, *tables).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "tree_grads_dq" in text and "tree_grads_dkv" in text
+
+
+def test_tree_grads_validation():
+    tree = _tree(CASES[0][0])
+    args, tables, static, _ = _sorted_case(tree, tq=1, hq=2, hkv=1, d=16, seed=0, block_kv=16)
+    with pytest.raises(ValueError, match="block_k"):
+        tree_grads(*args, *tables, **static, block_k=24, interpret=True)
+    with pytest.raises(ValueError, match="delta_hm"):
+        tree_grads(*args[:3], args[3][:, :-1], *args[4:], *tables, **static, interpret=True)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _grads(tree, inputs, impl, w_seed=42, **kw):
+    q, kp, vp, sk, sv, sl = inputs
+    ks = jax.random.split(jax.random.PRNGKey(w_seed), 2)
+    w_o = jax.random.normal(ks[0], q.shape)
+    w_l = jax.random.normal(ks[1], q.shape[:3])
+
+    def f(q, kp, vp, sk, sv):
+        o, l = tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl, return_lse=True, **kw)
+        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * w_l)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, kp, vp, sk, sv)
+
+
+@pytest.mark.parametrize("seed,tq,hq,hkv,smax", [(0, 1, 4, 2, 9), (1, 3, 4, 1, 6), (2, 2, 2, 2, 0),
+                                                 (3, 1, 8, 2, 40)])
+def test_gradients_through_kernels_match_reference(seed, tq, hq, hkv, smax):
+    tree = _tree(f"random{seed}", seed=11)
+    inputs = make_inputs(tree, tq=tq, hq=hq, hkv=hkv, d=16, smax=smax, seed=seed)
+    want = _grads(tree, inputs, "reference")
+    got = _grads(tree, inputs, "pallas_interpret")
+    for a, w in zip(got, want):
+        assert np.isfinite(np.asarray(a)).all()
+        assert rel_err(a, w) < 1e-5, rel_err(a, w)
+
+
+def test_gradients_with_nan_poison_and_empty_rows_interpret():
+    """A root of length 0, a sequence that sees nothing (zero gradient), NaN in every pool token
+    outside the spans and every suffix token past the lengths: the same gradients as clean."""
+    tree = PrefixTree(parents=[-1, 0, -1], starts=[0, 3, 10], lengths=[0, 4, 0], leaf_of_seq=[1, 1, 2, 0])
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=2, hkv=1, d=16, smax=4, seed=4, extra_pool=20)
+    sl = jnp.array([2, 4, 0, 3], jnp.int32)
+    (kb, vb, skb, svb), used = poison(tree, kp, vp, sk, sv, sl)
+    want = _grads(tree, (q, kp, vp, sk, sv, sl), "reference")
+    got = _grads(tree, (q, kb, vb, skb, svb, sl), "pallas_interpret")
+    for a, w in zip(got, want):
+        a = np.asarray(a)
+        assert np.isfinite(a[used] if a.shape[0] == kp.shape[0] else a).all()
+    assert rel_err(got[0], want[0]) < 1e-5 and (np.asarray(got[0][2]) == 0).all()
+    for i in (1, 2):
+        assert rel_err(np.asarray(got[i])[used], np.asarray(want[i])[used]) < 1e-5
+
+
+def test_kernel_backward_is_used_and_mirror_switch(monkeypatch):
+    tree = _tree("random1", seed=2)
+    inputs = make_inputs(tree, tq=2, hq=4, hkv=2, d=16, smax=5, seed=8)
+    q, kp, vp, sk, sv, sl = inputs
+    f = lambda q, kp: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,  # noqa: E731
+                                             impl="pallas_interpret"))
+    text = str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(q, kp))
+    assert "tree_grads_dkv" in text and "tree_grads_dq" in text
+    kern = _grads(tree, inputs, "pallas_interpret")
+    monkeypatch.setattr(ta, "BACKWARD", "mirror")
+    text = str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(q, kp))
+    assert "tree_grads_dkv" not in text
+    mirror = _grads(tree, inputs, "pallas_interpret")
+    for a, w in zip(kern, mirror):
+        assert rel_err(a, w) < 1e-5
+    monkeypatch.setattr(ta, "BACKWARD", "bogus")
+    with pytest.raises(ValueError, match="BACKWARD"):
+        _grads(tree, inputs, "pallas_interpret")
+
+
+def test_grad_of_grad_through_kernel_backward():
+    tree = PrefixTree.from_nested([[9, [4, 2, 3], 5], 6], seqs_per_leaf=2)
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=2, hq=2, hkv=1, d=16, smax=4, seed=6)
+
+    def gg(impl):
+        def inner(q, kp):
+            return jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl) ** 2)
+
+        def outer(q, kp):
+            gq, gk = jax.grad(inner, argnums=(0, 1))(q, kp)
+            return jnp.sum(gq * q) + jnp.sum(jnp.sin(gk))
+        return jax.jit(jax.grad(outer, argnums=(0, 1)))(q, kp)
+
+    for a, w in zip(gg("pallas_interpret"), gg("reference")):
+        assert rel_err(a, w) < 1e-5, rel_err(a, w)
+
+
+# ----------------------------------------------------------------------------- GPU (compiled Pallas)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_tree_grads_match_reference(dtype):
+    for case in range(1, len(CASES)):
+        spec, tq, hq, hkv, d, _, bkv, cpi = CASES[case]
+        tree = _tree(spec)
+        args, tables, static, _ = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=max(d, 64), seed=case, dtype=dtype,
+                                               block_kv=max(bkv, 64), chunks_per_item=cpi)
+        got = jax.jit(lambda *a: tree_grads(*a, **static))(*args, *tables)
+        want = tree_grads_reference(*args, *tables[1:], sm_scale=static["sm_scale"])
+        for a, w in zip(got, want):
+            assert np.isfinite(np.asarray(a)).all()
+            assert rel_err(a, w) < TOL[dtype], (case, rel_err(a, w))
+
+
+@pytest.mark.gpu
+def test_gpu_tree_gradients_every_schedule():
+    """Compiled forward (each schedule) + kernel backward vs the oracle's gradients (bf16, Llama
+    heads), on an APPS-like tree, a tree-of-thought-like one and ``Tq = 4``."""
+    rng = np.random.default_rng(5)
+    for forest, per_leaf, smax, tq in (([[700] + [int(x) for x in rng.integers(30, 200, 6)]], 12, 130, 1),
+                                       ([[600] + [[int(x)] + [int(y) for y in rng.integers(50, 300, 4)]
+                                                  for x in rng.integers(50, 300, 3)]], 1, 64, 1),
+                                       ([[300, [40, 20, 7], 90]], 3, 33, 4)):
+        tree = PrefixTree.from_nested(forest, seqs_per_leaf=per_leaf)
+        inputs = make_inputs(tree, tq=tq, hq=32, hkv=8, d=128, smax=smax, seed=2, dtype=jnp.bfloat16)
+        want = _grads(tree, inputs, "reference")
+        for impl in ("flatten", "levelwise", "nodes") + (("hybrid",) if tq == 1 else ()):
+            got = _grads(tree, inputs, impl)
+            for a, w in zip(got, want):
+                assert np.isfinite(np.asarray(a, np.float32)).all()
+                assert rel_err(a, w) < 2e-2, (impl, rel_err(a, w))
