@@ -378,3 +378,29 @@ def test_shared_prefix_grad_bench_smoke(tmp_path):
             assert set(errs) == {"dq", "dprefix_k", "dprefix_v", "dsuffix_k", "dsuffix_v"}
             assert 0 < max(errs.values()) < 2e-2, errs  # (0: the same backward ran twice)
         assert r["kernels_over_floor"] == pytest.approx(r["kernels_ms"] / r["floor_ms"])
+
+
+def test_tree_attention_grad_bench_smoke(tmp_path):
+    """``bench/tree_attention_grad.py --smoke`` (interpret mode, two small multi-level trees, Tq 1
+    and 3): every column timed with its memory recorded, the kernel backward's and the gathered
+    contexts' flash gradients within bf16 tolerance of the mirror backward's."""
+    out = str(tmp_path / "tag.json")
+    env = dict(os.environ, XLA_FLAGS=FAST_XLA, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "tree_attention_grad.py"), "--smoke",
+           "--out", out]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = _load(out)
+    assert data["info"]["device"] and data["copy_bw_Bps"] > 0 and data["matmul_flops"] > 0
+    assert [r["tq"] for r in data["results"]] == [1, 3]
+    for r in data["results"]:
+        assert r["depth"] >= 2
+        for c in ("kernels", "mirror", "concat_flash"):
+            assert isinstance(r[c + "_ms"], float) and r[c + "_ms"] > 0, (c, r[c + "_ms"])
+            assert isinstance(r[c + "_temp_bytes"], int)
+        for c in ("kernels", "concat_flash"):
+            assert r[c + "_finite"] is True
+            errs = r[c + "_rel_err_vs_mirror"]
+            assert set(errs) == {"dq", "dk_pool", "dv_pool", "dsuffix_k", "dsuffix_v"}
+            assert 0 < max(errs.values()) < 2e-2, errs
+        assert r["kernels_over_floor"] == pytest.approx(r["kernels_ms"] / r["floor_ms"])
