@@ -690,9 +690,9 @@ def _kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suf
                                 kp, vp, sched.items, sched.tok, sched.chunk_start, jnp.repeat(key, g),
                                 jnp.repeat(lim, g), group=g, block_rows=sched.block_rows,
                                 block_kv=sched.block_kv, sm_scale=scale, interpret=interpret)
-    # sorted rows -> original rows (padding rows go to the dropped row b * tq)
+    # sorted rows -> original rows (padding rows, index b * tq, dropped)
     dq_s = jnp.transpose(dq_hmd.reshape(hkv, -1, g, d), (1, 0, 2, 3))           # [R_pad, Hkv, G, D]
-    dq = jnp.zeros((b * tq + 1, hkv, g, d), f32).at[meta.sorted_rows].add(dq_s)[: b * tq]
+    dq = jnp.zeros((b * tq, hkv, g, d), f32).at[meta.sorted_rows].add(dq_s, mode="drop")
     dq = dq.reshape(b, tq, hq, d)
     if suffix_k.shape[1] > 0:
         dq_x, dks, dvs = suffix_part_grads(q, d_out, lse, delta, suffix_k, suffix_v, suffix_lengths,

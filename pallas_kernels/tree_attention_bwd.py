@@ -184,6 +184,42 @@ def _scatter_chunks(dkv_c, tok_c3c, chunk_start_c, n: int):
     return jnp.zeros((n, hkv, d), jnp.float32).at[pos.reshape(-1)].add(vals, mode="drop")
 
 
+def _full(shape, nd: int):
+    return pl.BlockSpec(shape, (lambda i, j: (0,) * len(shape)) if nd == 2
+                        else (lambda i, j, l: (0,) * len(shape)))
+
+
+def _dkv_call(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, *,
+              group, block_m, bk, block_kv, scale, fp32, interpret, params):
+    """The dK/dV kernel: ``[NC, Hkv, C, D]`` float32 per-chunk ``(dk, dv)``."""
+    nc, hkv, d = tok.shape[0], q_hmd.shape[0], q_hmd.shape[-1]
+    ins = (first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, group=group, block_m=block_m, bk=bk, scale=scale, fp32=fp32),
+        grid=(nc, hkv, block_kv // bk),
+        in_specs=[_full(x.shape, 3) for x in ins],
+        out_specs=[pl.BlockSpec((None, None, bk, d), lambda i, j, l: (i, j, l, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((nc, hkv, block_kv, d), jnp.float32)] * 2,
+        interpret=interpret, compiler_params=params, name="tree_grads_dkv",
+    )(*ins)
+
+
+def _dq_call(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, *, group, block_m,
+             bk, block_kv, scale, fp32, interpret, params):
+    """The dQ kernel: ``[W, Hkv, M, D]`` float32 per-item partials."""
+    w, hkv, d = items.shape[0], q_hmd.shape[0], q_hmd.shape[-1]
+    ins = (items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, group=group, block_m=block_m, block_kv=block_kv, bk=bk, scale=scale,
+                          fp32=fp32),
+        grid=(w, hkv),
+        in_specs=[_full(x.shape, 2) for x in ins],
+        out_specs=pl.BlockSpec((None, None, block_m, d), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((w, hkv, block_m, d), jnp.float32),
+        interpret=interpret, compiler_params=params, name="tree_grads_dq",
+    )(*ins)
+
+
 def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c, chunk_start_c,
                row_key_m, row_limit_m, *, group: int, block_rows: int, block_kv: int,
                sm_scale: float, block_k: int | None = None, interpret: bool = False,
@@ -222,37 +258,16 @@ def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c,
     lse = lse_hm.astype(jnp.float32)
     delta = delta_hm.astype(jnp.float32)
     first, count, _ = chunk_item_ranges(items, nc)
-    static = dict(group=group, block_m=block_m, scale=float(sm_scale), fp32=fp32)
+    static = dict(group=group, block_m=block_m, bk=bk, scale=float(sm_scale), fp32=fp32,
+                  interpret=interpret, params=params)
+    dk_c, dv_c = _dkv_call(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd,
+                           v_nhd, block_kv=block_kv, **static)
+    dq_w = _dq_call(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd,
+                    block_kv=block_kv, **static)
 
-    def full(shape, nd):
-        return pl.BlockSpec(shape, (lambda i, j: (0,) * len(shape)) if nd == 2
-                            else (lambda i, j, l: (0,) * len(shape)))
-
-    dk_c, dv_c = pl.pallas_call(
-        functools.partial(_dkv_kernel, bk=bk, **static),
-        grid=(nc, hkv, block_kv // bk),
-        in_specs=[full(first.shape, 3), full(count.shape, 3), full(items.shape, 3), full(tok.shape, 3),
-                  full(cs.shape, 3), full(key.shape, 3), full(lim.shape, 3), full(q_hmd.shape, 3),
-                  full(do_hmd.shape, 3), full(lse.shape, 3), full(delta.shape, 3),
-                  full(k_nhd.shape, 3), full(v_nhd.shape, 3)],
-        out_specs=[pl.BlockSpec((None, None, bk, d), lambda i, j, l: (i, j, l, 0))] * 2,
-        out_shape=[jax.ShapeDtypeStruct((nc, hkv, block_kv, d), jnp.float32)] * 2,
-        interpret=interpret, compiler_params=params, name="tree_grads_dkv",
-    )(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
-
-    dq_w = pl.pallas_call(
-        functools.partial(_dq_kernel, block_kv=block_kv, bk=bk, **static),
-        grid=(w, hkv),
-        in_specs=[full(items.shape, 2), full(tok.shape, 2), full(cs.shape, 2), full(key.shape, 2),
-                  full(lim.shape, 2), full(q_hmd.shape, 2), full(do_hmd.shape, 2), full(lse.shape, 2),
-                  full(delta.shape, 2), full(k_nhd.shape, 2), full(v_nhd.shape, 2)],
-        out_specs=pl.BlockSpec((None, None, block_m, d), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((w, hkv, block_m, d), jnp.float32),
-        interpret=interpret, compiler_params=params, name="tree_grads_dq",
-    )(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
-
-    # item partials -> sorted rows (padding items have ntiles = 0: zero partials)
+    # item partials -> sorted rows (padding items, ntiles = 0, dropped)
     rows = items[:, ROW_START][:, None] * group + jnp.arange(block_m, dtype=jnp.int32)[None, :]
+    rows = jnp.where(items[:, NTILES][:, None] > 0, rows, mq)
     dq = jnp.zeros((mq, hkv, d), jnp.float32).at[rows.reshape(-1)].add(
         jnp.transpose(dq_w, (0, 2, 1, 3)).reshape(w * block_m, hkv, d), mode="drop")
     dq = jnp.transpose(dq, (1, 0, 2))

@@ -62,6 +62,22 @@ def main():
                 rec[f"tree_grads_ms[bk={bk}]"] = 1e3 * time_fn(f, [args], iters=20)
             except Exception as exc:  # noqa: BLE001
                 rec[f"tree_grads_ms[bk={bk}]"] = f"error {type(exc).__name__}: {str(exc)[:200]}"
+        import pallas_kernels.tree_attention_bwd as tb
+        from jax.experimental.pallas import triton as plgpu
+        first, count, _ = tb.chunk_item_ranges(sched.items, int(sched.tok.shape[0]))
+        for bk in (32, 64, 128):
+            for nw in (4, 8):
+                st = dict(group=g, block_m=sched.block_rows * g, bk=bk, block_kv=sched.block_kv, scale=d ** -0.5,
+                          fp32=False, interpret=False, params=plgpu.CompilerParams(num_warps=nw, num_stages=2))
+                kk = args[:6]
+                tabs = (sched.items, sched.tok, sched.chunk_start, args[9], args[10])
+                f1 = jax.jit(lambda *a, st=st: tb._dkv_call(first, count, *a[6:], *a[:6], **st))
+                f2 = jax.jit(lambda *a, st=st: tb._dq_call(*a[6:], *a[:6], **st))
+                for nm, f in (("dkv", f1), ("dq", f2)):
+                    try:
+                        rec[f"{nm}_ms[bk={bk},w={nw}]"] = 1e3 * time_fn(f, [kk + tabs], iters=20)
+                    except Exception as exc:  # noqa: BLE001
+                        rec[f"{nm}_ms[bk={bk},w={nw}]"] = f"error {type(exc).__name__}: {str(exc)[:150]}"
         f = jax.jit(lambda *a: suffix_part_grads(*a, scale=d ** -0.5))
         rec["suffix_grads_ms"] = 1e3 * time_fn(f, [(q, do, lse, delta, sk, sv, sl)], iters=20)
         print(json.dumps(rec), flush=True)
