@@ -686,14 +686,11 @@ def _kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suf
     key, lim = _row_tables(meta, suffix_lengths)
     stat = lambda x: _q_sorted(x[..., None], meta, hkv)[..., 0]  # noqa: E731  [Hkv, R_pad * G]
     kp, vp = _pad_pool(k_pool, v_pool, sched.block_kv)
-    dq_hmd, dk, dv = tree_grads(_q_sorted(q, meta, hkv), _q_sorted(d_out, meta, hkv), stat(lse), stat(delta),
-                                kp, vp, sched.items, sched.tok, sched.chunk_start, jnp.repeat(key, g),
-                                jnp.repeat(lim, g), group=g, block_rows=sched.block_rows,
-                                block_kv=sched.block_kv, sm_scale=scale, interpret=interpret)
-    # sorted rows -> original rows (padding rows, index b * tq, dropped)
-    dq_s = jnp.transpose(dq_hmd.reshape(hkv, -1, g, d), (1, 0, 2, 3))           # [R_pad, Hkv, G, D]
-    dq = jnp.zeros((b * tq, hkv, g, d), f32).at[meta.sorted_rows].add(dq_s, mode="drop")
-    dq = dq.reshape(b, tq, hq, d)
+    dq, dk, dv = tree_grads(_q_sorted(q, meta, hkv), _q_sorted(d_out, meta, hkv), stat(lse), stat(delta), kp, vp,
+                            sched.items, sched.tok, sched.chunk_start, sched.parts, jnp.repeat(key, g),
+                            jnp.repeat(lim, g), group=g, block_rows=sched.block_rows, block_kv=sched.block_kv,
+                            sm_scale=scale, interpret=interpret)
+    dq = dq.reshape(b, tq, hq, d)                                               # (original row order)
     if suffix_k.shape[1] > 0:
         dq_x, dks, dvs = suffix_part_grads(q, d_out, lse, delta, suffix_k, suffix_v, suffix_lengths,
                                            scale=scale, interpret=interpret)

@@ -18,8 +18,9 @@ visible to a row by the interval test on depth-first numbers plus the path-posit
   program.  Outputs ``[NC, Hkv, C, D]`` float32, scattered into the pool by XLA (each pool token
   belongs to one chunk; the columns of a chunk window that are not its tokens are dropped).
 * ``dQ``: one program per (item, kv head) loops over the item's chunks, as the forward does,
-  and writes a float32 partial ``[W, Hkv, M, D]``; XLA adds the partials into the sorted rows
-  (a row block's partials come from the items of every chunk group above it).
+  and writes a partial ``[W, Hkv, M, D]`` (float32, or the inputs' dtype when 16-bit); XLA sums
+  each row's partials through the schedule's reduction map ``parts`` (a gather, as the
+  forward's merge: a row block's partials come from the items of every chunk group above it).
 
 Nothing of size ``rows x keys`` is materialised (the pure-JAX mirror's autodiff materialises
 the scores of every work item).  Tokens outside a chunk's window and keys no row sees never
@@ -29,10 +30,16 @@ the columns that are not the chunk's tokens.
 Layouts (the forward's): ``q_hmd, do_hmd [Hkv, Rq * group, D]`` (sorted rows, query vector ``m``
 = row ``m // group``), ``lse_hm, delta_hm [Hkv, Rq * group]`` float32 (merged statistics;
 ``lse = -inf`` where a row sees nothing), ``k/v [N, Hkv, D]``, ``row_key/row_limit [Rq * group]``,
-the schedule's ``items [W, 9]``, ``tok [NC, 3, C]``, ``chunk_start [NC]``.  Returns ``dq_hmd``
-(float32, same layout as ``q_hmd``) and ``dk, dv [N, Hkv, D]`` float32.  Static: the shapes,
-``group``, ``block_rows``, ``block_kv``, ``block_k``, ``scale``; the tree itself is dynamic
-data (trees whose metadata buckets agree share one compilation).
+the schedule's ``items [W, 9]``, ``tok [NC, 3, C]``, ``chunk_start [NC]`` and ``parts [R, P]``.
+Returns ``dq [R, Hkv, group, D]`` float32 in the original row order (``b * Tq + t``) and ``dk, dv
+[N, Hkv, D]`` in k's dtype.  Static: the shapes, ``group``, ``block_rows``, ``block_kv``, the
+column blocks, ``scale``; the tree itself is dynamic data (trees whose metadata buckets agree
+share one compilation).
+
+Tilings (H100, ``bench/results/logs/session17_probe_tree_bwd_h100.jsonl``, four trees, each
+kernel timed alone): 32-column steps were the fastest of 32/64/128 for both kernels, with 4
+warps for dK/dV (8 warps: 1.3-1.4x the time, except 0.8x with Hq=8/Hkv=1) and 8 for dQ (4
+warps: 1.2-1.3x).
 
 :func:`tree_grads_reference` is the dense pure-JAX computation of the same gradients from the
 token tables alone (no items): the independent check of the kernels' item walk.
@@ -124,8 +131,8 @@ def _dkv_kernel(first_ref, count_ref, items_ref, tok_ref, cs_ref, key_ref, lim_r
     d = k_ref.shape[-1]
     carry = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32))
     dk, dv = lax.fori_loop(0, count_ref[c], body, carry)
-    dk_ref[...] = dk * scale
-    dv_ref[...] = dv
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 # ----------------------------------------------------------------------------- dq
@@ -169,19 +176,20 @@ def _dq_kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, do_ref, lse_
 
     d = q_ref.shape[-1]
     dq = lax.fori_loop(0, items_ref[w, NTILES], body, jnp.zeros((block_m, d), jnp.float32))
-    dq_ref[...] = dq * scale
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 # ----------------------------------------------------------------------------- entry
 
-def _scatter_chunks(dkv_c, tok_c3c, chunk_start_c, n: int):
-    """``[NC, Hkv, C, D]`` per-chunk gradients -> ``[N, Hkv, D]`` (columns that are not the
-    chunk's tokens dropped)."""
+def _chunks_to_pool(dkv_c, tok_c3c, chunk_start_c, n: int):
+    """``[NC, Hkv, C, D]`` per-chunk gradients -> ``[N, Hkv, D]``: a gather through the inverse
+    of the chunk windows (each pool token is at most one chunk's; tokens in none get 0)."""
     nc, hkv, c, d = dkv_c.shape
     pos = chunk_start_c[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]       # [NC, C]
-    pos = jnp.where(tok_c3c[:, 0, :] != _NEVER, pos, n)
-    vals = jnp.transpose(dkv_c, (0, 2, 1, 3)).reshape(nc * c, hkv, d)
-    return jnp.zeros((n, hkv, d), jnp.float32).at[pos.reshape(-1)].add(vals, mode="drop")
+    pos = jnp.where(tok_c3c[:, 0, :] != _NEVER, pos, n).reshape(-1)
+    src = jnp.full((n,), -1, jnp.int32).at[pos].set(jnp.arange(nc * c, dtype=jnp.int32), mode="drop")
+    flat = jnp.transpose(dkv_c, (0, 2, 1, 3)).reshape(nc * c, hkv, d)
+    return jnp.where((src >= 0)[:, None, None], flat[jnp.maximum(src, 0)], jnp.zeros((), dkv_c.dtype))
 
 
 def _full(shape, nd: int):
@@ -191,7 +199,8 @@ def _full(shape, nd: int):
 
 def _dkv_call(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, *,
               group, block_m, bk, block_kv, scale, fp32, interpret, params):
-    """The dK/dV kernel: ``[NC, Hkv, C, D]`` float32 per-chunk ``(dk, dv)``."""
+    """The dK/dV kernel: ``[NC, Hkv, C, D]`` per-chunk ``(dk, dv)`` in k's dtype (each token is
+    one chunk's: no sum follows)."""
     nc, hkv, d = tok.shape[0], q_hmd.shape[0], q_hmd.shape[-1]
     ins = (first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
     return pl.pallas_call(
@@ -199,14 +208,15 @@ def _dkv_call(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta,
         grid=(nc, hkv, block_kv // bk),
         in_specs=[_full(x.shape, 3) for x in ins],
         out_specs=[pl.BlockSpec((None, None, bk, d), lambda i, j, l: (i, j, l, 0))] * 2,
-        out_shape=[jax.ShapeDtypeStruct((nc, hkv, block_kv, d), jnp.float32)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((nc, hkv, block_kv, d), k_nhd.dtype)] * 2,
         interpret=interpret, compiler_params=params, name="tree_grads_dkv",
     )(*ins)
 
 
 def _dq_call(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, *, group, block_m,
              bk, block_kv, scale, fp32, interpret, params):
-    """The dQ kernel: ``[W, Hkv, M, D]`` float32 per-item partials."""
+    """The dQ kernel: ``[W, Hkv, M, D]`` per-item partials (float32, or q's dtype when it is
+    16-bit: half the traffic, one more rounding per partial, as the forward's partials)."""
     w, hkv, d = items.shape[0], q_hmd.shape[0], q_hmd.shape[-1]
     ins = (items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
     return pl.pallas_call(
@@ -215,25 +225,29 @@ def _dq_call(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, 
         grid=(w, hkv),
         in_specs=[_full(x.shape, 2) for x in ins],
         out_specs=pl.BlockSpec((None, None, block_m, d), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((w, hkv, block_m, d), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((w, hkv, block_m, d), jnp.float32 if fp32 else q_hmd.dtype),
         interpret=interpret, compiler_params=params, name="tree_grads_dq",
     )(*ins)
 
 
 def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c, chunk_start_c,
-               row_key_m, row_limit_m, *, group: int, block_rows: int, block_kv: int,
-               sm_scale: float, block_k: int | None = None, interpret: bool = False,
-               num_warps: int | None = None, num_stages: int = 2):
+               parts_rp, row_key_m, row_limit_m, *, group: int, block_rows: int, block_kv: int,
+               sm_scale: float, block_k: int | None = None, dq_block_k: int | None = None,
+               interpret: bool = False, num_warps: int = 4, dq_num_warps: int = 8,
+               num_stages: int = 2):
     """Gradients of the tree part (flatten schedule); see the module docstring for layouts.
 
-    ``block_k``: key columns per step (a divisor of ``block_kv``, power of two >= 16; None: 64
-    or ``block_kv`` if smaller).  Returns ``(dq_hmd, dk, dv)``, float32."""
+    ``block_k`` / ``dq_block_k``: key columns per step of the dK/dV / dQ kernel (divisors of
+    ``block_kv``, powers of two >= 16; None: 32, or ``block_kv`` if smaller).  Returns ``(dq,
+    dk, dv)``."""
     hkv, mq, d = q_hmd.shape
     n = k_nhd.shape[0]
     block_m = block_rows * group
-    bk = min(64, block_kv) if block_k is None else int(block_k)
-    if bk < 16 or bk & (bk - 1) or block_kv % bk:
-        raise ValueError(f"block_k must be a power of two >= 16 dividing block_kv={block_kv}, got {bk}")
+    bk = min(32, block_kv) if block_k is None else int(block_k)
+    bq = min(32, block_kv) if dq_block_k is None else int(dq_block_k)
+    for name, val in (("block_k", bk), ("dq_block_k", bq)):
+        if val < 16 or val & (val - 1) or block_kv % val:
+            raise ValueError(f"{name} must be a power of two >= 16 dividing block_kv={block_kv}, got {val}")
     for name, val in (("block_kv", block_kv), ("block_rows * group", block_m)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {val}")
@@ -247,9 +261,8 @@ def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c,
     w = items_w9.shape[0]
     nc = tok_c3c.shape[0]
     fp32 = jnp.dtype(q_hmd.dtype) == jnp.float32
-    if num_warps is None:
-        num_warps = 8 if block_m * max(bk, d) >= 128 * 128 else 4
-    params = None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    def params(warps):
+        return None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
     items = items_w9.astype(jnp.int32)
     tok = tok_c3c.astype(jnp.int32)
     cs = chunk_start_c.astype(jnp.int32)
@@ -258,27 +271,29 @@ def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c,
     lse = lse_hm.astype(jnp.float32)
     delta = delta_hm.astype(jnp.float32)
     first, count, _ = chunk_item_ranges(items, nc)
-    static = dict(group=group, block_m=block_m, bk=bk, scale=float(sm_scale), fp32=fp32,
-                  interpret=interpret, params=params)
+    static = dict(group=group, block_m=block_m, block_kv=block_kv, scale=float(sm_scale), fp32=fp32,
+                  interpret=interpret)
     dk_c, dv_c = _dkv_call(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd,
-                           v_nhd, block_kv=block_kv, **static)
-    dq_w = _dq_call(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd,
-                    block_kv=block_kv, **static)
+                           v_nhd, bk=bk, params=params(num_warps), **static)
+    dq_w = _dq_call(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, bk=bq,
+                    params=params(dq_num_warps), **static)
 
-    # item partials -> sorted rows (padding items, ntiles = 0, dropped)
-    rows = items[:, ROW_START][:, None] * group + jnp.arange(block_m, dtype=jnp.int32)[None, :]
-    rows = jnp.where(items[:, NTILES][:, None] > 0, rows, mq)
-    dq = jnp.zeros((mq, hkv, d), jnp.float32).at[rows.reshape(-1)].add(
-        jnp.transpose(dq_w, (0, 2, 1, 3)).reshape(w * block_m, hkv, d), mode="drop")
-    dq = jnp.transpose(dq, (1, 0, 2))
-    return dq, _scatter_chunks(dk_c, tok, cs, n), _scatter_chunks(dv_c, tok, cs, n)
+    # item partials -> original rows through the schedule's reduction map (a gather and a sum
+    # over each row's parts, as the forward's merge: no scatter)
+    valid = parts_rp >= 0
+    idx = jnp.where(valid, parts_rp, 0)
+    dq5 = dq_w.reshape(w, hkv, block_rows, group, d)
+    dq = jnp.sum(jnp.where(valid[..., None, None, None], dq5[idx // block_rows, :, idx % block_rows]
+                           .astype(jnp.float32), 0.0), axis=1)                   # [R, Hkv, G, D]
+    return dq, _chunks_to_pool(dk_c, tok, cs, n), _chunks_to_pool(dv_c, tok, cs, n)
 
 
 def tree_grads_reference(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, tok_c3c, chunk_start_c,
-                         row_key_m, row_limit_m, *, sm_scale: float):
+                         sorted_rows, row_key_m, row_limit_m, *, n_rows: int, sm_scale: float):
     """Dense pure-JAX :func:`tree_grads` (float32, ``precision=HIGHEST``): every (row, pool token)
     pair, each token's ``(tin, tout, pos)`` taken from the chunk token tables (tokens in no chunk
-    are seen by nobody)."""
+    are seen by nobody), rows back to their original order through ``sorted_rows [R_pad]``
+    (``n_rows`` for padding rows) instead of the items and their reduction map."""
     hkv, mq, d = q_hmd.shape
     n = k_nhd.shape[0]
     nc, _, c = tok_c3c.shape
@@ -304,4 +319,7 @@ def tree_grads_reference(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, tok_c3c,
     dq = jnp.einsum("hmn,nhd->hmd", ds, k, precision=hi) * sm_scale
     dk = jnp.einsum("hmn,hmd->nhd", ds, q, precision=hi) * sm_scale
     dv = jnp.einsum("hmn,hmd->nhd", p, do, precision=hi)
+    g = mq // sorted_rows.shape[0]
+    dq = jnp.transpose(dq.reshape(hkv, -1, g, d), (1, 0, 2, 3))                # [R_pad, Hkv, G, D]
+    dq = jnp.zeros((n_rows, hkv, g, d), jnp.float32).at[sorted_rows].add(dq, mode="drop")
     return dq, dk, dv

@@ -45,9 +45,16 @@ def _sorted_case(tree, *, tq, hq, hkv, d, seed, dtype=jnp.float32, block_kv=128,
     sched = meta.flatten
     kp, vp = ta._pad_pool(kp, vp, sched.block_kv)
     args = (ta._q_sorted(q, meta, hkv), ta._q_sorted(do, meta, hkv), stat(lse), stat(delta), kp, vp)
-    tables = (sched.items, sched.tok, sched.chunk_start, jnp.repeat(key, g), jnp.repeat(lim, g))
+    tables = (sched.items, sched.tok, sched.chunk_start, sched.parts, jnp.repeat(key, g), jnp.repeat(lim, g))
     static = dict(group=g, block_rows=sched.block_rows, block_kv=sched.block_kv, sm_scale=scale)
     return args, tables, static, (q, kp, vp, do, dl, meta, scale)
+
+
+def _reference(args, tables, static, meta):
+    """tree_grads_reference on the same inputs (token tables and sorted rows, no items)."""
+    items, tok, cs, parts, key, lim = tables
+    return tree_grads_reference(*args, tok, cs, meta.sorted_rows, key, lim, n_rows=parts.shape[0],
+                                sm_scale=static["sm_scale"])
 
 
 CASES = [  # (forest, tq, hq, hkv, d, dtype, block_kv, chunks_per_item)
@@ -71,12 +78,13 @@ def _tree(spec, seed=0):
 def test_tree_grads_match_reference_interpret(case):
     spec, tq, hq, hkv, d, dtype, bkv, cpi = CASES[case]
     tree = _tree(spec)
-    args, tables, static, _ = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=d, seed=case, dtype=dtype,
-                                           block_kv=bkv, chunks_per_item=cpi)
-    got = jax.jit(lambda *a: tree_grads(*a, **static, block_k=16, interpret=True))(*args, *tables)
-    want = tree_grads_reference(*args, *tables[1:], sm_scale=static["sm_scale"])
+    args, tables, static, extra = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=d, seed=case, dtype=dtype,
+                                               block_kv=bkv, chunks_per_item=cpi)
+    got = jax.jit(lambda *a: tree_grads(*a, **static, block_k=16, dq_block_k=bkv, interpret=True))(*args, *tables)
+    want = _reference(args, tables, static, extra[5])
+    assert got[0].dtype == jnp.float32 and got[1].dtype == got[2].dtype == dtype
     for a, w in zip(got, want):
-        assert a.dtype == jnp.float32 and a.shape == w.shape
+        assert a.shape == w.shape
         assert np.isfinite(np.asarray(a)).all()
         assert rel_err(a, w) < TOL[dtype], rel_err(a, w)
 
@@ -88,12 +96,10 @@ def test_reference_matches_float64_numpy():
     tq, hq, hkv, d = 2, 4, 2, 16
     args, tables, static, (q, kp, vp, do, dl, meta, scale) = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=d,
                                                                           seed=5, block_kv=16)
-    dq_s, dk, dv = tree_grads_reference(*args, *tables[1:], sm_scale=scale)
+    dq, dk, dv = _reference(args, tables, static, meta)
     g = hq // hkv
     b = tree.num_seqs
-    dq_rows = np.zeros((b * tq + 1, hkv, g, d))
-    np.add.at(dq_rows, np.asarray(meta.sorted_rows), np.asarray(dq_s).reshape(hkv, -1, g, d).transpose(1, 0, 2, 3))
-    dq = dq_rows[:-1].reshape(b, tq, hq, d)
+    dq = np.asarray(dq).reshape(b, tq, hq, d)
     q64, k64, v64, do64, dl64 = (np.asarray(x, np.float64) for x in (q, kp, vp, do, dl))
     dq_np = np.zeros_like(q64)
     dk_np = np.zeros_like(k64)
@@ -175,6 +181,8 @@ def test_tree_grads_validation():
     args, tables, static, _ = _sorted_case(tree, tq=1, hq=2, hkv=1, d=16, seed=0, block_kv=16)
     with pytest.raises(ValueError, match="block_k"):
         tree_grads(*args, *tables, **static, block_k=24, interpret=True)
+    with pytest.raises(ValueError, match="dq_block_k"):
+        tree_grads(*args, *tables, **static, dq_block_k=32, interpret=True)
     with pytest.raises(ValueError, match="delta_hm"):
         tree_grads(*args[:3], args[3][:, :-1], *args[4:], *tables, **static, interpret=True)
 
@@ -269,10 +277,10 @@ def test_gpu_tree_grads_match_reference(dtype):
     for case in range(1, len(CASES)):
         spec, tq, hq, hkv, d, _, bkv, cpi = CASES[case]
         tree = _tree(spec)
-        args, tables, static, _ = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=max(d, 64), seed=case, dtype=dtype,
-                                               block_kv=max(bkv, 64), chunks_per_item=cpi)
+        args, tables, static, extra = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=max(d, 64), seed=case,
+                                                   dtype=dtype, block_kv=max(bkv, 64), chunks_per_item=cpi)
         got = jax.jit(lambda *a: tree_grads(*a, **static))(*args, *tables)
-        want = tree_grads_reference(*args, *tables[1:], sm_scale=static["sm_scale"])
+        want = _reference(args, tables, static, extra[5])
         for a, w in zip(got, want):
             assert np.isfinite(np.asarray(a)).all()
             assert rel_err(a, w) < TOL[dtype], (case, rel_err(a, w))
