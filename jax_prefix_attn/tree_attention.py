@@ -40,13 +40,21 @@ launch: when decoding (``Tq == 1``), the suffix kernel of the shared path
 and writes the output in q's layout; otherwise the tree kernel in node mode (split along the
 suffix, flash-decoding style), merged with the tree partials in XLA.
 
-Differentiable: gradients (w.r.t. ``q``, pools and suffixes) come from the pure-JAX mirror of
-the flatten schedule through ``jax.custom_vjp`` (recomputed in the backward pass) for the
-``"flatten"``, ``"levelwise"``, ``"nodes"`` and ``"hybrid"`` schedules; the single-level and
-shallow paths run through :func:`jax_prefix_attn.shared_prefix_attention` (its backward
-kernels) and, on the shallow path, the decode suffix merge, whose own ``custom_vjp`` runs the
-suffix part's backward kernel with the merged statistics (session 16: before it, gradients
-through the shallow path failed on the GPU).
+Differentiable: gradients (w.r.t. ``q``, pools and suffixes) of the ``"flatten"``,
+``"levelwise"``, ``"nodes"``, ``"hybrid"`` and ``"pallas_interpret"`` schedules come from
+backward kernels (``BACKWARD = "kernels"``, session 17): the tree part through
+:func:`pallas_kernels.tree_attention_bwd.tree_grads` over the flatten schedule's metadata
+(whichever schedule ran the forward), the suffix part through
+:func:`pallas_kernels.suffix_attention_bwd.suffix_part_grads`, both with the merged ``out`` /
+``lse`` saved by the forward, so nothing of size rows x keys is materialised.  Draft token trees,
+the pure-JAX paths (off the GPU) and ``BACKWARD = "mirror"`` differentiate the pure-JAX mirror of
+the flatten schedule instead (recomputed in the backward pass; it materialises the scores of
+every work item), and so does grad of grad (the kernel backward has its own ``custom_vjp``
+whose backward differentiates the mirror's gradient).  The single-level and shallow paths run
+through :func:`jax_prefix_attn.shared_prefix_attention` (its backward kernels) and, on the
+shallow path, the decode suffix merge, whose own ``custom_vjp`` runs the suffix part's backward
+kernel with the merged statistics (session 16: before it, gradients through the shallow path
+failed on the GPU).
 
 Speculative decoding token trees (``draft_parents``): the ``Tq`` queries of a sequence may be
 draft tokens forming a tree (the last ``Tq`` suffix tokens); each then sees the shared path,
