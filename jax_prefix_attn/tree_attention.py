@@ -46,8 +46,9 @@ backward kernels (``BACKWARD = "kernels"``, session 17): the tree part through
 :func:`pallas_kernels.tree_attention_bwd.tree_grads` over the flatten schedule's metadata
 (whichever schedule ran the forward), the suffix part through
 :func:`pallas_kernels.suffix_attention_bwd.suffix_part_grads`, both with the merged ``out`` /
-``lse`` saved by the forward, so nothing of size rows x keys is materialised.  Draft token trees,
-the pure-JAX paths (off the GPU) and ``BACKWARD = "mirror"`` differentiate the pure-JAX mirror of
+``lse`` saved by the forward, so nothing of size rows x keys is materialised (a draft token
+tree's suffix part is differentiated through its pure-JAX partial state, as its forward).  The
+pure-JAX paths (off the GPU) and ``BACKWARD = "mirror"`` differentiate the pure-JAX mirror of
 the flatten schedule instead (recomputed in the backward pass; it materialises the scores of
 every work item), and so does grad of grad (the kernel backward has its own ``custom_vjp``
 whose backward differentiates the mirror's gradient).  The single-level and shallow paths run
@@ -641,10 +642,11 @@ def _tree_attn_fwd(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, 
 
 
 # Gradients of the Pallas paths: "kernels" (default) runs the flatten schedule's backward kernels
-# (pallas_kernels.tree_attention_bwd) and the suffix part's with the merged statistics;
+# (pallas_kernels.tree_attention_bwd) and the suffix part's with the merged statistics (a draft
+# token tree's suffix part: autodiff of its pure-JAX partial state, as its forward);
 # "mirror" differentiates the pure-JAX mirror of the flatten schedule (which materialises the
-# scores of every work item).  The pure-JAX paths (backend "mirror", off the GPU) and draft token
-# trees always take the mirror.
+# scores of every work item).  The pure-JAX paths (backend "mirror", off the GPU) always take
+# the mirror.
 BACKWARD = "kernels"
 
 
@@ -655,10 +657,11 @@ def _tree_attn_bwd(scale, schedule, backend, res, cts):
     zero_dp = None if draft_parents is None else f0(draft_parents)
     if BACKWARD not in ("kernels", "mirror"):
         raise ValueError(f"BACKWARD must be 'kernels' or 'mirror', got {BACKWARD!r}")
-    if BACKWARD == "kernels" and backend in ("pallas", "interpret") and draft_parents is None:
+    if BACKWARD == "kernels" and backend in ("pallas", "interpret"):
         d_out, d_lse = cts
         dq, dkp, dvp, dks, dvs = _grads_via_kernels(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths,
-                                                    out, lse, d_out, d_lse, scale, backend == "interpret")
+                                                    draft_parents, out, lse, d_out, d_lse, scale,
+                                                    backend == "interpret")
     else:
         dq, dkp, dvp, dks, dvs = _mirror_grads(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths,
                                                draft_parents, cts, scale)
@@ -675,8 +678,8 @@ def _mirror_grads(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, d
     return vjp(tuple(cts))
 
 
-def _kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out,
-                  d_lse, *, scale: float, interpret: bool):
+def _kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, out,
+                  lse, d_out, d_lse, *, scale: float, interpret: bool):
     """Gradients through the backward kernels: the tree part by the flatten schedule's
     (:func:`pallas_kernels.tree_attention_bwd.tree_grads`, whatever schedule ran the forward),
     the suffix part by :func:`pallas_kernels.suffix_attention_bwd.suffix_part_grads`, both with
@@ -699,7 +702,23 @@ def _kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suf
                             jnp.repeat(lim, g), group=g, block_rows=sched.block_rows, block_kv=sched.block_kv,
                             sm_scale=scale, interpret=interpret)
     dq = dq.reshape(b, tq, hq, d)                                               # (original row order)
-    if suffix_k.shape[1] > 0:
+    if draft_parents is not None:
+        # the draft-masked suffix part (pure JAX, as its forward): with ``w = exp(l_s - lse)``
+        # the merge gives ``d o_s = w dout`` and ``d l_s = w (<dout, o_s - out> + dlse)``
+        def part(q_, sk, sv):
+            o, l = _draft_suffix_partials(q_, sk, sv, suffix_lengths, draft_ancestors(draft_parents, tq), scale)
+            return o[:, :, 0], l[:, :, 0]                                # [B, Tq, Hkv, G(, D)]
+        (o_s, l_s), vjp = jax.vjp(part, q, suffix_k, suffix_v)
+        shp = (b, tq, hkv, g)
+        lse_g = lse.reshape(shp)
+        w = jnp.where(jnp.isfinite(l_s), jnp.exp(l_s - jnp.where(jnp.isfinite(lse_g), lse_g, 0.0)), 0.0)
+        dout_g = d_out.astype(f32).reshape(shp + (d,))
+        d_o = w[..., None] * dout_g
+        d_l = w * (jnp.sum(dout_g * (o_s - out.astype(f32).reshape(shp + (d,))), axis=-1)
+                   + d_lse.astype(f32).reshape(shp))
+        dq_x, dks, dvs = vjp((d_o.astype(o_s.dtype), d_l))
+        dq = dq + dq_x.astype(f32)
+    elif suffix_k.shape[1] > 0:
         dq_x, dks, dvs = suffix_part_grads(q, d_out, lse, delta, suffix_k, suffix_v, suffix_lengths,
                                            scale=scale, interpret=interpret)
         dq = dq + dq_x.astype(f32)
@@ -711,30 +730,32 @@ def _kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suf
 
 # First-order gradients through the kernels; differentiating them again (grad of grad) goes
 # through the mirror's autodiff, which the Pallas kernels have no rule for.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
-def _grads_via_kernels(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out, d_lse,
-                       scale, interpret):
-    return _kernel_grads(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out, d_lse,
-                         scale=scale, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12, 13))
+def _grads_via_kernels(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, out, lse, d_out,
+                       d_lse, scale, interpret):
+    return _kernel_grads(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, out, lse,
+                         d_out, d_lse, scale=scale, interpret=interpret)
 
 
-def _grads_via_kernels_fwd(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out, d_lse,
-                           scale, interpret):
-    grads = _grads_via_kernels(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out,
-                               d_lse, scale, interpret)
-    return grads, (q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out, d_lse)
+def _grads_via_kernels_fwd(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, out, lse,
+                           d_out, d_lse, scale, interpret):
+    grads = _grads_via_kernels(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, out,
+                               lse, d_out, d_lse, scale, interpret)
+    return grads, (q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, out, lse, d_out,
+                   d_lse)
 
 
 def _grads_via_kernels_bwd(scale, interpret, res, cts):
-    q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, out, lse, d_out, d_lse = res
+    q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, out, lse, d_out, d_lse = res
     # (out and lse are functions of the inputs: the mirror recomputes them, so their own
     # cotangents are zero and the inputs' carry the whole second-order term)
     _, vjp = jax.vjp(lambda q_, kp, vp, sk, sv, do, dl: _mirror_grads(
-        q_, meta, kp, vp, sk, sv, suffix_lengths, None, (do, dl), scale),
+        q_, meta, kp, vp, sk, sv, suffix_lengths, draft_parents, (do, dl), scale),
         q, k_pool, v_pool, suffix_k, suffix_v, d_out, d_lse)
     dq, dkp, dvp, dks, dvs, dd_out, dd_lse = vjp(tuple(cts))
     f0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
     return (dq, jax.tree_util.tree_map(f0, meta), dkp, dvp, dks, dvs, f0(suffix_lengths),
+            None if draft_parents is None else f0(draft_parents),
             jnp.zeros_like(out), jnp.zeros_like(lse), dd_out, dd_lse)
 
 

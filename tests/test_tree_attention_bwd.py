@@ -214,6 +214,24 @@ def test_gradients_through_kernels_match_reference(seed, tq, hq, hkv, smax):
         assert rel_err(a, w) < 1e-5, rel_err(a, w)
 
 
+def test_draft_token_tree_gradients_through_kernels():
+    """Speculative-decoding draft trees: the tree part through the kernels, the draft-masked suffix
+    part through its pure-JAX state with the merge's weights; equal to the reference's gradients."""
+    tree = PrefixTree.from_nested([[21, 6, [4, 3]]], seqs_per_leaf=2)
+    q, kp, vp, sk, sv, _ = make_inputs(tree, tq=5, hq=4, hkv=2, d=16, smax=9, seed=12)
+    sl = jnp.array([5, 9, 7, 6], jnp.int32)
+    parents = jnp.asarray([-1, 0, 0, 1, -1])
+    inputs = (q, kp, vp, sk, sv, sl)
+    want = _grads(tree, inputs, "reference", draft_parents=parents)
+    got = _grads(tree, inputs, "pallas_interpret", draft_parents=parents)
+    for a, w in zip(got, want):
+        assert np.isfinite(np.asarray(a)).all()
+        assert rel_err(a, w) < 1e-5, rel_err(a, w)
+    f = lambda q, kp: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,  # noqa: E731
+                                             impl="pallas_interpret", draft_parents=parents))
+    assert "tree_grads_dkv" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(q, kp))
+
+
 def test_gradients_with_nan_poison_and_empty_rows_interpret():
     """A root of length 0, a sequence that sees nothing (zero gradient), NaN in every pool token
     outside the spans and every suffix token past the lengths: the same gradients as clean."""
@@ -303,3 +321,18 @@ def test_gpu_tree_gradients_every_schedule():
             for a, w in zip(got, want):
                 assert np.isfinite(np.asarray(a, np.float32)).all()
                 assert rel_err(a, w) < 2e-2, (impl, rel_err(a, w))
+
+
+@pytest.mark.gpu
+def test_gpu_draft_tree_gradients():
+    """Compiled: a speculative token tree of 8 drafts over a two-level tree (bf16, Llama heads)."""
+    tree = PrefixTree.from_nested([[500, 130, [70, 40, 20]]], seqs_per_leaf=4)
+    q, kp, vp, sk, sv, _ = make_inputs(tree, tq=8, hq=32, hkv=8, d=128, smax=40, seed=3, dtype=jnp.bfloat16)
+    sl = jnp.asarray(np.random.default_rng(3).integers(8, 41, tree.num_seqs), jnp.int32)
+    parents = jnp.asarray([-1, 0, 0, 1, 1, 2, -1, 6])
+    inputs = (q, kp, vp, sk, sv, sl)
+    want = _grads(tree, inputs, "reference", draft_parents=parents)
+    got = _grads(tree, inputs, "flatten", draft_parents=parents)
+    for a, w in zip(got, want):
+        assert np.isfinite(np.asarray(a, np.float32)).all()
+        assert rel_err(a, w) < 2e-2, rel_err(a, w)
