@@ -15,8 +15,9 @@ visible to a row by the interval test on depth-first numbers plus the path-posit
   (consecutive chunks with the same rows) consecutively, one per row block, so a chunk's items
   are a contiguous range of the item table (:func:`chunk_item_ranges`); a chunk of the root is
   read by every row block below it, and its gradient is summed over all of them inside the
-  program.  Outputs ``[NC, Hkv, C, D]`` float32, scattered into the pool by XLA (each pool token
-  belongs to one chunk; the columns of a chunk window that are not its tokens are dropped).
+  program.  Outputs ``[NC, Hkv, C, D]`` in k's dtype, gathered into the pool by XLA through
+  the inverse of the chunk windows (each pool token is at most one chunk's; the columns of a
+  window that are not its chunk's tokens are dropped).
 * ``dQ``: one program per (item, kv head) loops over the item's chunks, as the forward does,
   and writes a partial ``[W, Hkv, M, D]`` (float32, or the inputs' dtype when 16-bit); XLA sums
   each row's partials through the schedule's reduction map ``parts`` (a gather, as the
