@@ -7,7 +7,10 @@ shared-prefix path and ``bench/shared_prefix_grad.py``), for
   (``jax_prefix_attn.tree_attention.BACKWARD = "kernels"``, the default:
   ``pallas_kernels.tree_attention_bwd`` for the tree part, the suffix part's backward kernel,
   both with the merged statistics);
-* ``mirror``: the same forward, backward by autodiff of the pure-JAX mirror of the flatten
+* ``auto``: ``impl="auto"`` (what a user gets by default: on the GPU the hybrid schedule when
+  decoding these trees, the level-wise or flatten one otherwise), backward as ``kernels``
+  (off the GPU, ``auto`` is the pure-JAX mirror and its autodiff);
+* ``mirror``: the same forward as ``kernels``, backward by autodiff of the pure-JAX mirror of the flatten
   schedule (``BACKWARD = "mirror"``, what the library did before; it materialises the scores
   of every work item);
 * ``concat_flash``: our flash attention (``pallas_kernels.flash_attention``) over explicitly
@@ -17,7 +20,7 @@ shared-prefix path and ``bench/shared_prefix_grad.py``), for
   7 matrix products over the visible (row, key) pairs (FlashAttention-2's count), bytes of
   reading ``q``, ``dO``, the pool once and every suffix and writing their gradients.
 
-Every point checks the ``kernels`` and ``concat_flash`` gradients against ``mirror``'s (relative
+Every point checks the ``kernels``, ``auto`` and ``concat_flash`` gradients against ``mirror``'s (relative
 error per input, float32).  Usage: ``python bench/tree_attention_grad.py --out
 bench/results/tree_attention_grad_<gpu>.json``; ``--smoke``: tiny shapes in interpret mode (CPU).
 """
@@ -59,7 +62,7 @@ def _workloads():
 
 SMOKE = [("smoke_a", [[40, 7, [9, 3, 5]]], 2, 1, 12, 4, 2, 16),
          ("smoke_b", [[33, [10, 4], 6], 20], 2, 3, 9, 4, 1, 16)]
-COLS = ("kernels", "mirror", "concat_flash")
+COLS = ("kernels", "auto", "mirror", "concat_flash")
 INTERPRET = False
 
 
@@ -83,8 +86,8 @@ def grad_fn(col, tree, meta, args):
     """The compiled ``jit(grad)`` of the loss for one column (traced while ``BACKWARD`` is set)."""
     from pallas_kernels.flash_attention import flash_attention
     sl, w = meta["sl"], meta["w"]
-    impl = "pallas_interpret" if INTERPRET else "flatten"
-    if col in ("kernels", "mirror"):
+    impl = "auto" if col == "auto" else "pallas_interpret" if INTERPRET else "flatten"
+    if col in ("kernels", "auto", "mirror"):
         def loss(q, kp, vp, sk, sv):
             out = tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl)
             return jnp.sum(out.astype(jnp.float32) * w)
