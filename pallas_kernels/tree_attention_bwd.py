@@ -74,8 +74,10 @@ def chunk_item_ranges(items_w9, n_chunks: int):
     """For each chunk ``c < n_chunks``: ``(first, count, tile)`` int32 ``[NC]``: the items that
     read it are ``first .. first + count - 1`` (one per row block of its chunk group), and it is
     their ``tile``-th chunk.  ``count = 0`` for padding chunks.  Relies on the flatten schedule's
-    order: items sorted by their first chunk, one chunk group's items consecutive, padding items
-    (``ntiles = 0``) last."""
+    layout (``jax_prefix_attn.tree``, checked by the tests): items sorted by their first chunk,
+    one chunk group's items consecutive with rows ``row_start + i * block_rows``, padding items
+    (``ntiles = 0``) last, and an item's chunks adjacent windows of the pool (``chunk_start`` of
+    its ``t``-th chunk = the first's ``+ t * block_kv``)."""
     ntiles = items_w9[:, NTILES]
     big = jnp.int32(_NEVER)
     first_chunk = jnp.where(ntiles > 0, items_w9[:, CHUNK], big)                   # [W] sorted
@@ -110,10 +112,13 @@ def _dkv_kernel(first_ref, count_ref, items_ref, tok_ref, cs_ref, key_ref, lim_r
     k = jnp.where(ok, k, jnp.zeros_like(k))                       # not this chunk's tokens:
     v = jnp.where(ok, v, jnp.zeros_like(v))                       # anything, NaN included
     first = first_ref[c]
+    # a chunk group's items are consecutive row blocks: affine row offsets (no load in the loop's
+    # address chain, so the compiler can pipeline the q / dO loads)
+    m_first = items_ref[first, ROW_START] * group
 
     def body(i, carry):
         dk, dv = carry
-        m0 = items_ref[first + i, ROW_START] * group
+        m0 = m_first + i * block_m
         q = q_ref[h, pl.ds(m0, block_m), :]                        # [M, D]
         do = do_ref[h, pl.ds(m0, block_m), :]
         lse2 = lse_ref[h, pl.ds(m0, block_m)][None, :] * _LOG2E   # [1, M]
@@ -155,10 +160,12 @@ def _dq_kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, do_ref, lse_
     key = key_ref[pl.ds(m0, block_m)][:, None]
     lim = lim_ref[pl.ds(m0, block_m)][:, None]
 
+    start0 = cs_ref[chunk0]  # an item's chunks are adjacent pool windows: affine starts
+
     def body(t, dq):
         chunk = chunk0 + t
         for j0 in range(0, block_kv, bk):                          # static column slices
-            start = cs_ref[chunk] + j0
+            start = start0 + t * block_kv + j0
             t_tin = tok_ref[chunk, 0, pl.ds(j0, bk)]
             t_tout = tok_ref[chunk, 1, pl.ds(j0, bk)][None, :]
             t_pos = tok_ref[chunk, 2, pl.ds(j0, bk)][None, :]

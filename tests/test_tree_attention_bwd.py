@@ -12,7 +12,7 @@ import pytest
 from conftest import rel_err
 from jax_prefix_attn import PrefixTree, tree_attention
 from jax_prefix_attn.tree import NEVER, build_tree_metadata
-from pallas_kernels.tree_attention import CHUNK, NTILES
+from pallas_kernels.tree_attention import CHUNK, NTILES, ROW_START
 from pallas_kernels.tree_attention_bwd import chunk_item_ranges, tree_grads, tree_grads_reference
 from test_tree import random_forest
 from test_tree_attention import FORESTS, make_inputs, poison
@@ -143,6 +143,14 @@ def test_chunk_item_ranges_brute_force():
                 assert list(range(first[c], first[c] + count[c])) == readers, (seed, cpi, c)
                 if readers:
                     assert tile[c] == c - items[readers[0], CHUNK]
+                    # the layout the kernels' affine addressing relies on
+                    br, cs = meta.flatten.block_rows, meta.flatten.chunk_start
+                    rs = items[readers, ROW_START]
+                    assert (rs == rs[0] + br * np.arange(len(readers))).all()
+                    w0 = readers[0]
+                    c0 = items[w0, CHUNK]
+                    for t in range(items[w0, NTILES]):
+                        assert cs[c0 + t] == cs[c0] + t * meta.flatten.block_kv
                 else:  # padding chunks only
                     assert (np.asarray(meta.flatten.tok[c, 0]) == NEVER).all()
 
