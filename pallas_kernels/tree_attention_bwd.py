@@ -312,7 +312,8 @@ def tree_grads_reference(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, tok_c3c,
     tout = jnp.zeros((n,), jnp.int32).at[pos].set(tok_c3c[:, 1, :].reshape(-1), mode="drop")
     tpos = jnp.zeros((n,), jnp.int32).at[pos].set(tok_c3c[:, 2, :].reshape(-1), mode="drop")
     key = row_key_m[None, :, None]
-    vis = (tin[None, None, :] <= key) & (key < tout[None, None, :]) & (tpos[None, None, :] <= row_limit_m[None, :, None])
+    lim = row_limit_m[None, :, None]
+    vis = (tin[None, None, :] <= key) & (key < tout[None, None, :]) & (tpos[None, None, :] <= lim)
     seen = jnp.any(vis, axis=(0, 1))[:, None, None]                          # [N, 1, 1]
     q = q_hmd.astype(jnp.float32)
     do = do_hmd.astype(jnp.float32)
