@@ -82,11 +82,13 @@ def chunk_item_ranges(items_w9, n_chunks: int):
     big = jnp.int32(_NEVER)
     first_chunk = jnp.where(ntiles > 0, items_w9[:, CHUNK], big)                   # [W] sorted
     c = jnp.arange(n_chunks, dtype=jnp.int32)
-    last = jnp.searchsorted(first_chunk, c, side="right").astype(jnp.int32) - 1    # CHUNK <= c
-    lc = jnp.maximum(last, 0)
+    # (``compare_all``: one fused comparison of every chunk with every item, no loop; the
+    # default binary search is a loop of small steps on the device)
+    last = jnp.searchsorted(first_chunk, c, side="right", method="compare_all").astype(jnp.int32) - 1
+    lc = jnp.maximum(last, 0)                                                      # CHUNK <= c
     g0 = first_chunk[lc]
     live = (last >= 0) & (c < g0 + ntiles[lc])
-    first = jnp.searchsorted(first_chunk, g0, side="left").astype(jnp.int32)
+    first = jnp.searchsorted(first_chunk, g0, side="left", method="compare_all").astype(jnp.int32)
     count = jnp.where(live, last - first + 1, 0)
     return first, count.astype(jnp.int32), jnp.where(live, c - g0, 0).astype(jnp.int32)
 

@@ -344,3 +344,19 @@ def test_gpu_draft_tree_gradients():
     for a, w in zip(got, want):
         assert np.isfinite(np.asarray(a, np.float32)).all()
         assert rel_err(a, w) < 2e-2, rel_err(a, w)
+
+
+def test_gpu_lowering_of_the_gradient_has_no_xla_loops(monkeypatch):
+    """The GPU program of a tree gradient (lowered for CUDA on the CPU) is the five Pallas kernels
+    plus loop-free XLA glue: a ``while`` there (e.g. ``jnp.searchsorted``'s default binary
+    search) would run as many small dependent device steps per call."""
+    import re
+    monkeypatch.setattr(ta, "_on_gpu", lambda: True)
+    tree = PrefixTree.from_nested([[400, 70, [90, 30, 50]]], seqs_per_leaf=4)
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=8, hkv=2, d=64, smax=60, seed=1, dtype=jnp.bfloat16)
+    f = lambda q, kp, vp, sk, sv: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,  # noqa: E731
+                                                         impl="flatten").astype(jnp.float32))
+    text = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4))).trace(q, kp, vp, sk, sv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "tree_grads_dkv" in text and "tree_grads_dq" in text
+    assert not re.findall(r"stablehlo\.while", text)
