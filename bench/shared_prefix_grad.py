@@ -37,8 +37,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.timing import (device_info, gpu_slug, is_oom, measure_copy_bandwidth,  # noqa: E402
-                          measure_matmul_rate, time_fn)
+from bench.grad_common import compare_grads, kernel_ratios, measure_columns, print_row  # noqa: E402
+from bench.timing import device_info, gpu_slug, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
 
 # (B, Tq, P, S, Hq, Hkv, D, G)
 POINTS = [
@@ -119,42 +119,9 @@ def run_point(pt, bw, mma, cols, iters):
         x * 1e3 if i == 0 else x for i, x in enumerate(
             floor_s(b, tq, p, s, hq, hkv, d, float(np.mean(np.asarray(meta["sl"]))), bw, mma,
                     g=g)))
-    grads = {}
-    for col in cols:
-        try:
-            compiled = grad_fn(col, meta, args)
-            mem = compiled.memory_analysis()
-            rec[f"{col}_temp_bytes"] = int(getattr(mem, "temp_size_in_bytes", -1)) if mem else None
-            grads[col] = jax.block_until_ready(compiled(*args))
-            rec[f"{col}_ms"] = 1e3 * time_fn(compiled, [args], warmup=2, iters=iters)
-        except Exception as exc:  # noqa: BLE001
-            if is_oom(exc):
-                rec[f"{col}_ms"] = "X"
-            else:
-                rec[f"{col}_ms"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
-    names = ("dq", "dprefix_k", "dprefix_v", "dsuffix_k", "dsuffix_v")
-    if "refbwd" in grads:
-        base = grads["refbwd"]
-        for col, gr in grads.items():
-            if col == "refbwd":
-                continue
-            rec[f"{col}_rel_err_vs_refbwd"] = {
-                n: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(r, np.float32))
-                         / max(np.linalg.norm(np.asarray(r, np.float32)), 1e-30))
-                for n, a, r in zip(names, gr, base)}
-            rec[f"{col}_finite"] = bool(all(np.isfinite(np.asarray(a, np.float32)).all()
-                                            for a in gr))
-    t_k = rec.get("kernels_ms")
-    if isinstance(t_k, float):
-        rec["kernels_over_floor"] = t_k / rec["floor_ms"]
-        for col in cols:
-            t = rec.get(f"{col}_ms")
-            if col != "kernels" and isinstance(t, float):
-                rec[f"{col}_over_kernels"] = t / t_k
-        for col in cols:
-            tb = rec.get(f"{col}_temp_bytes")
-            if col != "kernels" and tb and rec.get("kernels_temp_bytes"):
-                rec[f"{col}_temp_over_kernels"] = tb / rec["kernels_temp_bytes"]
+    grads = measure_columns(rec, cols, lambda col: grad_fn(col, meta, args), args, iters)
+    compare_grads(rec, grads, "refbwd", ("dq", "dprefix_k", "dprefix_v", "dsuffix_k", "dsuffix_v"))
+    kernel_ratios(rec, cols)
     return rec
 
 
@@ -185,14 +152,8 @@ def main():
         doc["results"].append(rec)
         with open(out, "w") as fh:
             json.dump(doc, fh, indent=1)
-        fmt = lambda v: f"{v:8.3f}" if isinstance(v, float) else f"{str(v)[:8]:>8}"  # noqa: E731
-        print(f"B={pt[0]:4d} Tq={pt[1]:3d} P={pt[2]:5d} S={pt[3]:4d} Hq={pt[4]:2d}/{pt[5]} G={pt[7]}"
-              f" | floor {rec['floor_ms']:.3f} ms | "
-              + " ".join(f"{c} {fmt(rec.get(c + '_ms'))}" for c in cols)
-              + f" | temp MB " + " ".join(
-                  f"{(rec.get(c + '_temp_bytes') or 0) / 2**20:.0f}" for c in cols)
-              + f" | err {max((rec.get('kernels_rel_err_vs_refbwd') or {0: 0}).values()):.1e}",
-              flush=True)
+        print_row(f"B={pt[0]:4d} Tq={pt[1]:3d} P={pt[2]:5d} S={pt[3]:4d} Hq={pt[4]:2d}/{pt[5]} G={pt[7]}", rec,
+                  cols, "refbwd")
     print(f"wrote {out}")
 
 

@@ -39,8 +39,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.timing import (device_info, gpu_slug, is_oom, measure_copy_bandwidth,  # noqa: E402
-                          measure_matmul_rate, time_fn)
+from bench.grad_common import compare_grads, kernel_ratios, measure_columns, print_row  # noqa: E402
+from bench.timing import device_info, gpu_slug, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
 from jax_prefix_attn import PrefixTree, tree_attention  # noqa: E402
 
 ta = importlib.import_module("jax_prefix_attn.tree_attention")
@@ -142,37 +142,9 @@ def run_point(wl, bw, mma, cols, iters):
                nodes=tree.num_nodes, pool_tokens=tree.pool_extent, depth=int(tree.info['depth'].max()) + 1)
     fl, rec["bytes"], rec["flops"] = floor_s(tree, tq, hq, hkv, d, meta["sl"], bw, mma)
     rec["floor_ms"] = fl * 1e3
-    grads = {}
-    for col in cols:
-        try:
-            compiled = grad_fn(col, tree, meta, args)
-            mem = compiled.memory_analysis()
-            rec[f"{col}_temp_bytes"] = int(getattr(mem, "temp_size_in_bytes", -1)) if mem else None
-            grads[col] = jax.block_until_ready(compiled(*args))
-            rec[f"{col}_ms"] = 1e3 * time_fn(compiled, [args], warmup=2, iters=iters)
-        except Exception as exc:  # noqa: BLE001
-            rec[f"{col}_ms"] = "X" if is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:300]}"
-    names = ("dq", "dk_pool", "dv_pool", "dsuffix_k", "dsuffix_v")
-    if "mirror" in grads:
-        base = grads["mirror"]
-        for col, gr in grads.items():
-            if col == "mirror":
-                continue
-            rec[f"{col}_rel_err_vs_mirror"] = {
-                n: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(r, np.float32))
-                         / max(np.linalg.norm(np.asarray(r, np.float32)), 1e-30))
-                for n, a, r in zip(names, gr, base)}
-            rec[f"{col}_finite"] = bool(all(np.isfinite(np.asarray(a, np.float32)).all() for a in gr))
-    t_k = rec.get("kernels_ms")
-    if isinstance(t_k, float):
-        rec["kernels_over_floor"] = t_k / rec["floor_ms"]
-        for col in cols:
-            t = rec.get(f"{col}_ms")
-            if col != "kernels" and isinstance(t, float):
-                rec[f"{col}_over_kernels"] = t / t_k
-            tb = rec.get(f"{col}_temp_bytes")
-            if col != "kernels" and tb and rec.get("kernels_temp_bytes"):
-                rec[f"{col}_temp_over_kernels"] = tb / rec["kernels_temp_bytes"]
+    grads = measure_columns(rec, cols, lambda col: grad_fn(col, tree, meta, args), args, iters)
+    compare_grads(rec, grads, "mirror", ("dq", "dk_pool", "dv_pool", "dsuffix_k", "dsuffix_v"))
+    kernel_ratios(rec, cols)
     return rec
 
 
@@ -206,12 +178,7 @@ def main():
         doc["results"].append(rec)
         with open(out, "w") as fh:
             json.dump(doc, fh, indent=1)
-        fmt = lambda v: f"{v:8.3f}" if isinstance(v, float) else f"{str(v)[:8]:>8}"  # noqa: E731
-        errs = rec.get("kernels_rel_err_vs_mirror") or {0: 0}
-        print(f"{wl[0]:18s} B={rec['batch']:4d} Tq={wl[3]:3d} nodes={rec['nodes']:3d} | floor {rec['floor_ms']:.3f} ms"
-              " | " + " ".join(f"{c} {fmt(rec.get(c + '_ms'))}" for c in cols)
-              + " | temp MB " + " ".join(f"{(rec.get(c + '_temp_bytes') or 0) / 2**20:.0f}" for c in cols)
-              + f" | err {max(errs.values()):.1e}", flush=True)
+        print_row(f"{wl[0]:18s} B={rec['batch']:4d} Tq={wl[3]:3d} nodes={rec['nodes']:3d}", rec, cols, "mirror")
     print(f"wrote {out}")
 
 

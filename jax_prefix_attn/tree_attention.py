@@ -512,6 +512,18 @@ def _decode_suffix_merging(q, o, lse, suffix_k, suffix_v, suffix_lengths, *, sca
                          bool(interpret))
 
 
+def _part_cotangents(o_part, l_part, out, lse, d_out, d_lse):
+    """Cotangents of one part ``(o_part, l_part)`` of a merged state ``(out, lse)`` (same shapes,
+    ``D`` last; float32): with ``w = exp(l_part - lse)``, ``d o_part = w d_out`` and
+    ``d l_part = w (<d_out, o_part - out> + d_lse)`` (``w = 0`` where the part saw nothing)."""
+    f32 = jnp.float32
+    lse = lse.astype(f32)
+    w = jnp.where(jnp.isfinite(l_part), jnp.exp(l_part - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
+    d_out = d_out.astype(f32)
+    d_l = w * (jnp.sum(d_out * (o_part.astype(f32) - out.astype(f32)), axis=-1) + d_lse.astype(f32))
+    return w[..., None] * d_out, d_l
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _suffix_merge(q, o, lse, suffix_k, suffix_v, suffix_lengths, scale, interpret):
     return _suffix_merge_kernel(q, o, lse, suffix_k, suffix_v, suffix_lengths, scale=scale,
@@ -535,10 +547,9 @@ def _suffix_merge_bwd(scale, interpret, res, cts):
     o_b = o.reshape(b, 1, hq, d).astype(f32)
     l_b = lse.reshape(b, 1, hq).astype(f32)
     dout, dlo = d_out.astype(f32), d_lse_out.astype(f32)
-    w = jnp.where(jnp.isfinite(l_b), jnp.exp(l_b - jnp.where(jnp.isfinite(lse_out), lse_out, 0.0)),
-                  0.0)                                                      # [B, 1, Hq]
-    d_o = (w[..., None] * dout).reshape(o.shape).astype(o.dtype)
-    d_l = (w * (jnp.sum(dout * (o_b - out.astype(f32)), axis=-1) + dlo)).reshape(lse.shape)
+    d_o, d_l = _part_cotangents(o_b, l_b, out, lse_out, dout, dlo)         # [B, 1, Hq(, D)]
+    d_o = d_o.reshape(o.shape).astype(o.dtype)
+    d_l = d_l.reshape(lse.shape)
     delta = jnp.sum(dout * out.astype(f32), axis=-1) - dlo
     dq, dk, dv = suffix_part_grads(q, dout.astype(q.dtype), lse_out, delta, suffix_k, suffix_v,
                                    suffix_lengths, scale=scale, interpret=interpret)
@@ -703,19 +714,15 @@ def _kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suf
                             sm_scale=scale, interpret=interpret)
     dq = dq.reshape(b, tq, hq, d)                                               # (original row order)
     if draft_parents is not None:
-        # the draft-masked suffix part (pure JAX, as its forward): with ``w = exp(l_s - lse)``
-        # the merge gives ``d o_s = w dout`` and ``d l_s = w (<dout, o_s - out> + dlse)``
+        # the draft-masked suffix part (pure JAX, as its forward), through its partial state's
+        # cotangents under the merge
         def part(q_, sk, sv):
             o, l = _draft_suffix_partials(q_, sk, sv, suffix_lengths, draft_ancestors(draft_parents, tq), scale)
             return o[:, :, 0], l[:, :, 0]                                # [B, Tq, Hkv, G(, D)]
         (o_s, l_s), vjp = jax.vjp(part, q, suffix_k, suffix_v)
         shp = (b, tq, hkv, g)
-        lse_g = lse.reshape(shp)
-        w = jnp.where(jnp.isfinite(l_s), jnp.exp(l_s - jnp.where(jnp.isfinite(lse_g), lse_g, 0.0)), 0.0)
-        dout_g = d_out.astype(f32).reshape(shp + (d,))
-        d_o = w[..., None] * dout_g
-        d_l = w * (jnp.sum(dout_g * (o_s - out.astype(f32).reshape(shp + (d,))), axis=-1)
-                   + d_lse.astype(f32).reshape(shp))
+        d_o, d_l = _part_cotangents(o_s, l_s, out.reshape(shp + (d,)), lse.reshape(shp),
+                                    d_out.reshape(shp + (d,)), d_lse.reshape(shp))
         dq_x, dks, dvs = vjp((d_o.astype(o_s.dtype), d_l))
         dq = dq + dq_x.astype(f32)
     elif suffix_k.shape[1] > 0:

@@ -355,18 +355,22 @@ def test_shared_prefix_bench_smoke(tmp_path):
     assert len(again["earlier_runs"]) == 1
 
 
-def test_shared_prefix_grad_bench_smoke(tmp_path):
-    """``bench/shared_prefix_grad.py --smoke`` (interpret mode, tiny shapes, one and two prefix
-    groups): every column timed with its memory recorded, the kernel backward's gradients and
-    the concatenated-KV flash gradients within bf16 tolerance of the reference backward's."""
-    out = str(tmp_path / "spg.json")
+def _run_grad_smoke(script: str, out: str) -> dict:
+    """Run a gradient benchmark with ``--smoke`` on the CPU; its JSON, with the run's rates."""
     env = dict(os.environ, XLA_FLAGS=FAST_XLA, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "shared_prefix_grad.py"), "--smoke",
-           "--out", out]
+    cmd = [sys.executable, os.path.join(ROOT, "bench", script), "--smoke", "--out", out]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = _load(out)
     assert data["info"]["device"] and data["copy_bw_Bps"] > 0 and data["matmul_flops"] > 0
+    return data
+
+
+def test_shared_prefix_grad_bench_smoke(tmp_path):
+    """``bench/shared_prefix_grad.py --smoke`` (interpret mode, tiny shapes, one and two prefix
+    groups): every column timed with its memory recorded, the kernel backward's gradients and
+    the concatenated-KV flash gradients within bf16 tolerance of the reference backward's."""
+    data = _run_grad_smoke("shared_prefix_grad.py", str(tmp_path / "spg.json"))
     assert [r["groups"] for r in data["results"]] == [1, 2]
     for r in data["results"]:
         for c in ("kernels", "refbwd", "concat_flash"):
@@ -384,14 +388,7 @@ def test_tree_attention_grad_bench_smoke(tmp_path):
     """``bench/tree_attention_grad.py --smoke`` (interpret mode, two small multi-level trees, Tq 1
     and 3): every column timed with its memory recorded, the kernel backward's and the gathered
     contexts' flash gradients within bf16 tolerance of the mirror backward's."""
-    out = str(tmp_path / "tag.json")
-    env = dict(os.environ, XLA_FLAGS=FAST_XLA, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "tree_attention_grad.py"), "--smoke",
-           "--out", out]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    data = _load(out)
-    assert data["info"]["device"] and data["copy_bw_Bps"] > 0 and data["matmul_flops"] > 0
+    data = _run_grad_smoke("tree_attention_grad.py", str(tmp_path / "tag.json"))
     assert [r["tq"] for r in data["results"]] == [1, 3]
     for r in data["results"]:
         assert r["depth"] >= 2
