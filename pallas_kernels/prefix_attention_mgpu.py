@@ -68,6 +68,9 @@ __all__ = ["prefix_partials_mgpu", "mgpu_supported", "choose_splits", "mgpu_devi
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 SMS = 132  # streaming multiprocessors of an H100 / H200
+# K/V pipeline stages (``max_concurrent_steps``) when the caller does not say; at D = 128 a
+# third stage fits only with the LSE stored from registers (see ``prefix_partials_mgpu``).
+PIPELINE_STAGES = 2
 
 
 def _gpu_interpret_params():
@@ -145,7 +148,7 @@ def mgpu_device_ok() -> bool:
 
 def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, length: jax.Array, *,
                          scale: float, num_splits: int | None = None, block_q: int = 64,
-                         block_kv: int = 128, max_concurrent_steps: int = 2,
+                         block_kv: int = 128, max_concurrent_steps: int | None = None,
                          schedule_barrier: bool = True, out_rows: int | None = None,
                          interpret: bool = False, _cpu_check: bool = False):
     """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
@@ -186,11 +189,15 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     if n_tiles % splits:
         raise ValueError(f"num_splits={splits} must divide the {n_tiles} key tiles")
     tiles_per_split = n_tiles // splits
-    steps = max(1, min(max_concurrent_steps, tiles_per_split))
+    stages = PIPELINE_STAGES if max_concurrent_steps is None else int(max_concurrent_steps)
+    steps = max(1, min(stages, tiles_per_split))
+    # The LSE goes through a [2, block_q] shared buffer and TMA with up to 2 stages; with more it
+    # is stored from registers (the 512 bytes are what a third stage lacks at D = 128).
+    lse_in_smem = steps <= 2
     scale_log2 = float(scale) * _LOG2E
 
-    def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2, q_barriers,
-               sched_barrier, *maybe_p):
+    def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, *rest):
+        lse_smem2, q_barriers, sched_barrier, *maybe_p = rest if lse_in_smem else (None, *rest)
         prefix_task(h=lax.axis_index("h"), mb=lax.axis_index("m"), sp=lax.axis_index("s"),
                     n_keys=len_ref[0], q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref,
                     lse_ref=lse_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers,
@@ -207,9 +214,9 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
         thread_name="wg",
         out_type=(jax.ShapeDtypeStruct((splits, hkv, m_out, d), dtype),
                   jax.ShapeDtypeStruct((splits, hkv, m_out), jnp.float32)),
-        scratch_types=(plgpu.SMEM((2, block_q, d), dtype),
-                       plgpu.SMEM((2, block_q), jnp.float32),
-                       plgpu.Barrier(num_barriers=2),
+        scratch_types=(plgpu.SMEM((2, block_q, d), dtype),)
+                      + ((plgpu.SMEM((2, block_q), jnp.float32),) if lse_in_smem else ())
+                      + (plgpu.Barrier(num_barriers=2),
                        plgpu.Barrier(num_arrivals=2))
                       + ((plgpu.SMEM((2, block_q, block_kv), dtype),) if _cpu_check else ()),
         compiler_params=plgpu.CompilerParams(approx_math=True,
@@ -356,7 +363,8 @@ def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_sme
     # one after its last): their tensor-core and softmax phases alternate.
     compute_context = wg_compute_context(
         q_src=q_ref.at[h, pl.ds(r0, block_q)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
-        lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[sp, h, pl.ds(r0, block_q)],
+        lse_smem=None if lse_smem2 is None else lse_smem2.at[wg],
+        o_dst=o_ref.at[sp, h, pl.ds(r0, block_q)],
         lse_dst=lse_ref.at[sp, h, pl.ds(r0, block_q)], block_q=block_q, d=d, dtype=dtype,
         before=lambda: pl.when(wg == 1)(turn), after=lambda: pl.when(wg == 0)(turn))
 

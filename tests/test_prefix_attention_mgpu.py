@@ -127,17 +127,20 @@ def test_shared_path_with_mgpu_backend_lowers_for_cuda(monkeypatch):
     assert "mosaic_gpu" in txt and "triton" in txt   # Mosaic prefix kernel + Triton suffix kernel
 
 
-@pytest.mark.parametrize("hkv,m,d,p,n,splits,sched,out_rows", [
-    (1, 128, 64, 256, 200, 2, True, None), (2, 256, 128, 512, 300, 2, True, 268),
-    (1, 128, 64, 256, 0, 1, True, None), (1, 128, 64, 384, 384, 1, False, None)])
-def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits, sched, out_rows):
+@pytest.mark.parametrize("hkv,m,d,p,n,splits,sched,out_rows,stages", [
+    (1, 128, 64, 256, 200, 2, True, None, 2), (2, 256, 128, 512, 300, 2, True, 268, 2),
+    (1, 128, 64, 256, 0, 1, True, None, 2), (1, 128, 64, 384, 384, 1, False, None, 2),
+    (2, 128, 128, 768, 700, 1, True, None, 3),   # 3 stages: the LSE stored from registers
+    (1, 256, 64, 768, 0, 2, True, 260, 3)])
+def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, stages):
     from pallas_kernels.decode_attention import merge_partials
     rng = np.random.default_rng(m + p + n)
     q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
     o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits, interpret=True,
-                                  schedule_barrier=sched, out_rows=out_rows, _cpu_check=True)
+                                  schedule_barrier=sched, out_rows=out_rows, _cpu_check=True,
+                                  max_concurrent_steps=stages)
     rows = m if out_rows is None else -(-out_rows // 16) * 16   # 268 -> 272 allocated rows
     assert o.shape == (splits, hkv, rows, d) and lse.shape == (splits, hkv, rows)
     o, lse = o[:, :, :m], lse[:, :, :m]
