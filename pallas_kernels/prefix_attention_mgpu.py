@@ -14,7 +14,11 @@ base-2 units, ``p = exp2(s * c - m)``) and builds the length mask only on a tile
 masked key (a uniform branch, :func:`masked_softmax_step`): the kernel alone went from 389-563
 to 429-620 TFLOP/s (1.06-1.12x faster at the six grid shapes probed, one run; measured matmul
 rate 664 TFLOP/s; ``bench/results/logs/session9_probe_softmax_h200.json``).  A third pipeline
-stage does not fit at D=128 (232544 of 232448 bytes of shared memory).
+stage did not fit at D=128 with the LSE staged in shared memory (232544 of 232448 bytes); since
+session 18 ``max_concurrent_steps=3`` (or ``PIPELINE_STAGES = 3``) stores the LSE from registers
+instead, as the one-pass kernel does, and fits.  It passes the CPU interpreter tests but has not
+been timed on a GPU yet (no device was lent that session;
+``bench/results/logs/session18_probe_stages18.py`` is the probe to run), so the default stays 2.
 The CPU tests lower it for CUDA and run it in Mosaic GPU's CPU interpreter against the
 reference, except two operand forms that interpreter lacks (``_cpu_check=True`` swaps them: K
 pre-transposed in memory for ``Q K^T``; ``P`` staged through shared memory and ``P V`` into a
