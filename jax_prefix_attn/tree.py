@@ -268,6 +268,19 @@ class PrefixTree:
         """Smallest pool size that holds every span."""
         return int(max(s + n for s, n in zip(self.starts, self.lengths)))
 
+    @property
+    def spans_overlap(self) -> bool:
+        """Whether two nodes' spans share a pool token (allowed: both then read it)."""
+        s = np.asarray(self.starts, np.int64)
+        e = s + np.asarray(self.lengths, np.int64)
+        keep = e > s
+        s, e = s[keep], e[keep]
+        if s.shape[0] < 2:
+            return False
+        order = np.argsort(s, kind="stable")
+        s, e = s[order], e[order]
+        return bool(np.any(s[1:] < np.maximum.accumulate(e)[:-1]))
+
     def check_pool(self, n_tokens: int, name: str = "k_pool") -> None:
         """Raise ``ValueError`` if a span lies outside a pool of ``n_tokens`` tokens."""
         for i, (s, n) in enumerate(zip(self.starts, self.lengths)):
@@ -395,7 +408,8 @@ class TreeMetadata:
     (:class:`Schedule`, or ``None`` when empty) the other nodes except the root when
     ``hybrid_root`` (static: one root, read by several sequences, which then goes through the
     shared-prefix kernels); ``hybrid`` (static): the cost model prefers this schedule to
-    ``preferred``.
+    ``preferred``.  ``spans_overlap`` (static): two nodes' spans share pool tokens, so the
+    backward sums their gradients there (a scatter-add instead of a gather).
     """
     flatten: Schedule
     nodes: Schedule
@@ -419,22 +433,23 @@ class TreeMetadata:
     excl_span: Any = None
     hybrid: bool = False
     hybrid_root: bool = False
+    spans_overlap: bool = False
 
     def tree_flatten(self):
         return ((self.flatten, self.nodes, self.levels, self.sorted_rows, self.row_key, self.seq_path_len,
                  self.root_span, self.seq_root, self.shallow_idx, self.shallow_len, self.mid, self.excl_span),
                 (self.num_seqs, self.tq, self.group, self.pool_size, self.preferred, self.single_level,
-                 self.root_pad, self.shallow_pad, self.hybrid, self.hybrid_root))
+                 self.root_pad, self.shallow_pad, self.hybrid, self.hybrid_root, self.spans_overlap))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         (flatten, nodes, levels, sorted_rows, row_key, seq_path_len, root_span, seq_root, shallow_idx,
          shallow_len, mid, excl_span) = children
         (num_seqs, tq, group, pool_size, preferred, single_level, root_pad, shallow_pad, hybrid,
-         hybrid_root) = aux
+         hybrid_root, spans_overlap) = aux
         return cls(flatten, nodes, levels, sorted_rows, row_key, seq_path_len, root_span, seq_root,
                    num_seqs, tq, group, pool_size, preferred, single_level, root_pad, shallow_idx,
-                   shallow_len, shallow_pad, mid, excl_span, hybrid, hybrid_root)
+                   shallow_len, shallow_pad, mid, excl_span, hybrid, hybrid_root, spans_overlap)
 
     @property
     def rows_padded(self) -> int:
@@ -714,7 +729,7 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
                         root_pad=root_bucket(int(root_span[:, 1].max())),
                         shallow_idx=shallow_idx, shallow_len=shallow_len, shallow_pad=shallow_pad,
                         mid=hyb["mid"], excl_span=hyb["excl_span"], hybrid=bool(hybrid),
-                        hybrid_root=hyb["root"])
+                        hybrid_root=hyb["root"], spans_overlap=tree.spans_overlap)
 
 
 # Tiling of the hybrid schedule's tree-kernel launch (``mid``): 64-token key tiles and row blocks

@@ -711,7 +711,7 @@ def _kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suf
     dq, dk, dv = tree_grads(_q_sorted(q, meta, hkv), _q_sorted(d_out, meta, hkv), stat(lse), stat(delta), kp, vp,
                             sched.items, sched.tok, sched.chunk_start, sched.parts, jnp.repeat(key, g),
                             jnp.repeat(lim, g), group=g, block_rows=sched.block_rows, block_kv=sched.block_kv,
-                            sm_scale=scale, interpret=interpret)
+                            sm_scale=scale, interpret=interpret, disjoint=not meta.spans_overlap)
     dq = dq.reshape(b, tq, hq, d)                                               # (original row order)
     if draft_parents is not None:
         # the draft-masked suffix part (pure JAX, as its forward), through its partial state's

@@ -16,8 +16,9 @@ visible to a row by the interval test on depth-first numbers plus the path-posit
   are a contiguous range of the item table (:func:`chunk_item_ranges`); a chunk of the root is
   read by every row block below it, and its gradient is summed over all of them inside the
   program.  Outputs ``[NC, Hkv, C, D]`` in k's dtype, gathered into the pool by XLA through
-  the inverse of the chunk windows (each pool token is at most one chunk's; the columns of a
-  window that are not its chunk's tokens are dropped).
+  the inverse of the chunk windows when each pool token is at most one chunk's (no two nodes'
+  spans overlap: ``disjoint``), else summed into it by a scatter-add; the columns of a window
+  that are not its chunk's tokens are dropped.
 * ``dQ``: one program per (item, kv head) loops over the item's chunks, as the forward does,
   and writes a partial ``[W, Hkv, M, D]`` (float32, or the inputs' dtype when 16-bit); XLA sums
   each row's partials through the schedule's reduction map ``parts`` (a gather, as the
@@ -191,14 +192,19 @@ def _dq_kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, do_ref, lse_
 
 # ----------------------------------------------------------------------------- entry
 
-def _chunks_to_pool(dkv_c, tok_c3c, chunk_start_c, n: int):
-    """``[NC, Hkv, C, D]`` per-chunk gradients -> ``[N, Hkv, D]``: a gather through the inverse
-    of the chunk windows (each pool token is at most one chunk's; tokens in none get 0)."""
+def _chunks_to_pool(dkv_c, tok_c3c, chunk_start_c, n: int, disjoint: bool):
+    """``[NC, Hkv, C, D]`` per-chunk gradients -> ``[N, Hkv, D]`` (tokens in no chunk get 0).
+    ``disjoint`` (each pool token is at most one chunk's: no two nodes' spans overlap): a gather
+    through the inverse of the chunk windows; else a float32 scatter-add, so that a token that
+    several nodes' spans share gets the sum of their gradients."""
     nc, hkv, c, d = dkv_c.shape
     pos = chunk_start_c[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]       # [NC, C]
     pos = jnp.where(tok_c3c[:, 0, :] != _NEVER, pos, n).reshape(-1)
-    src = jnp.full((n,), -1, jnp.int32).at[pos].set(jnp.arange(nc * c, dtype=jnp.int32), mode="drop")
     flat = jnp.transpose(dkv_c, (0, 2, 1, 3)).reshape(nc * c, hkv, d)
+    if not disjoint:
+        acc = jnp.zeros((n, hkv, d), jnp.float32).at[pos].add(flat.astype(jnp.float32), mode="drop")
+        return acc.astype(dkv_c.dtype)
+    src = jnp.full((n,), -1, jnp.int32).at[pos].set(jnp.arange(nc * c, dtype=jnp.int32), mode="drop")
     return jnp.where((src >= 0)[:, None, None], flat[jnp.maximum(src, 0)], jnp.zeros((), dkv_c.dtype))
 
 
@@ -209,8 +215,9 @@ def _full(shape, nd: int):
 
 def _dkv_call(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, *,
               group, block_m, bk, block_kv, scale, fp32, interpret, params):
-    """The dK/dV kernel: ``[NC, Hkv, C, D]`` per-chunk ``(dk, dv)`` in k's dtype (each token is
-    one chunk's: no sum follows)."""
+    """The dK/dV kernel: ``[NC, Hkv, C, D]`` per-chunk ``(dk, dv)`` in k's dtype (a token's
+    gradient within one chunk is complete; only tokens that several nodes' spans share are
+    summed afterwards, by :func:`_chunks_to_pool`)."""
     nc, hkv, d = tok.shape[0], q_hmd.shape[0], q_hmd.shape[-1]
     ins = (first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
     return pl.pallas_call(
@@ -244,12 +251,14 @@ def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c,
                parts_rp, row_key_m, row_limit_m, *, group: int, block_rows: int, block_kv: int,
                sm_scale: float, block_k: int | None = None, dq_block_k: int | None = None,
                interpret: bool = False, num_warps: int = 4, dq_num_warps: int = 8,
-               num_stages: int = 2):
+               num_stages: int = 2, disjoint: bool = False):
     """Gradients of the tree part (flatten schedule); see the module docstring for layouts.
 
     ``block_k`` / ``dq_block_k``: key columns per step of the dK/dV / dQ kernel (divisors of
-    ``block_kv``, powers of two >= 16; None: 32, or ``block_kv`` if smaller).  Returns ``(dq,
-    dk, dv)``."""
+    ``block_kv``, powers of two >= 16; None: 32, or ``block_kv`` if smaller).  ``disjoint``
+    (static): no two nodes' spans share a pool token (``not PrefixTree.spans_overlap``), so the
+    per-chunk ``dK``/``dV`` reach the pool by a gather; otherwise (the safe default) by a
+    scatter-add that sums a shared token's gradients.  Returns ``(dq, dk, dv)``."""
     hkv, mq, d = q_hmd.shape
     n = k_nhd.shape[0]
     block_m = block_rows * group
@@ -295,7 +304,7 @@ def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c,
     dq5 = dq_w.reshape(w, hkv, block_rows, group, d)
     dq = jnp.sum(jnp.where(valid[..., None, None, None], dq5[idx // block_rows, :, idx % block_rows]
                            .astype(jnp.float32), 0.0), axis=1)                   # [R, Hkv, G, D]
-    return dq, _chunks_to_pool(dk_c, tok, cs, n), _chunks_to_pool(dv_c, tok, cs, n)
+    return dq, _chunks_to_pool(dk_c, tok, cs, n, disjoint), _chunks_to_pool(dv_c, tok, cs, n, disjoint)
 
 
 def tree_grads_reference(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, tok_c3c, chunk_start_c,

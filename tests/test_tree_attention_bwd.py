@@ -222,6 +222,44 @@ def test_gradients_through_kernels_match_reference(seed, tq, hq, hkv, smax):
         assert rel_err(a, w) < 1e-5, rel_err(a, w)
 
 
+def test_gradients_with_overlapping_spans():
+    """Two nodes' spans may share pool tokens (a child whose span overlaps its root's, a second
+    root reusing the first one's tokens): the backward sums their gradients there (the gather
+    path, ``disjoint``, would keep only one), equal to the reference's gradients."""
+    for spec in (dict(parents=[-1, 0], starts=[4, 0], lengths=[8, 8], leaf_of_seq=[1]),
+                 dict(parents=[-1, 0, 0, -1], starts=[0, 20, 25, 10], lengths=[30, 10, 9, 14],
+                      leaf_of_seq=[1, 2, 2, 3, 0])):
+        tree = PrefixTree(**spec)
+        assert tree.spans_overlap
+        inputs = make_inputs(tree, tq=2, hq=4, hkv=2, d=16, smax=5, seed=21)
+        want = _grads(tree, inputs, "reference")
+        got = _grads(tree, inputs, "pallas_interpret")
+        for a, w in zip(got, want):
+            assert np.isfinite(np.asarray(a)).all()
+            assert rel_err(a, w) < 1e-5, rel_err(a, w)
+
+
+def test_spans_overlap_and_the_two_pool_reductions_agree():
+    """``PrefixTree.spans_overlap`` against a brute-force count, and on a tree without overlap
+    the gather (``disjoint=True``) and the scatter-add give the same gradients."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n = int(rng.integers(1, 5))
+        starts, lengths = rng.integers(0, 12, n), rng.integers(0, 5, n)
+        cover = np.zeros(20, int)
+        for s0, ln in zip(starts, lengths):
+            cover[s0:s0 + ln] += 1
+        tree = PrefixTree([-1] * n, starts, lengths, list(range(n)))
+        assert tree.spans_overlap == bool((cover > 1).any())
+    tree = _tree("random1")
+    assert not tree.spans_overlap
+    args, tables, static, _ = _sorted_case(tree, tq=2, hq=4, hkv=2, d=16, seed=3, block_kv=16)
+    run = lambda disjoint: jax.jit(lambda *a: tree_grads(  # noqa: E731
+        *a, **static, interpret=True, disjoint=disjoint))(*args, *tables)
+    for a, b in zip(run(True), run(False)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
 def test_draft_token_tree_gradients_through_kernels():
     """Speculative-decoding draft trees: the tree part through the kernels, the draft-masked suffix
     part through its pure-JAX state with the merge's weights; equal to the reference's gradients."""
