@@ -46,7 +46,8 @@ def attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, *, causal
       q_bthd: queries ``[B, Tq, Hq, D]``.
       k_bshd, v_bshd: keys/values ``[B, Tk, Hkv, D]`` with ``Hq % Hkv == 0``.
       causal: bottom-right causal mask aligned to each sequence's valid length.
-      kv_lengths: optional int ``[B]``: keys at positions ``>= kv_lengths[b]`` are masked.
+      kv_lengths: optional int ``[B]``: keys at positions ``>= kv_lengths[b]`` are masked (their
+        contents, NaN included, reach neither the outputs nor the gradients).
       sm_scale: score scale, default ``1/sqrt(D)``.
 
     Returns:
@@ -62,6 +63,11 @@ def attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, *, causal
     q = q_bthd.astype(jnp.float32).reshape(b, tq, hkv, g, d)
     k = k_bshd.astype(jnp.float32)
     v = v_bshd.astype(jnp.float32)
+    if kv_lengths is not None:  # keys past a length may hold anything (NaN too): zeroed, so
+        # that 0 * NaN reaches neither ``p @ v`` nor, in the backward, ``ds @ k``
+        live = (jnp.arange(tk, dtype=jnp.int32)[None, :] < kv_lengths.astype(jnp.int32)[:, None])
+        k = jnp.where(live[:, :, None, None], k, 0.0)
+        v = jnp.where(live[:, :, None, None], v, 0.0)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=hi) * scale  # [B, Hkv, G, Tq, Tk]
     mask = attention_mask(tq, tk, kv_lengths, causal, b)[:, None, None]  # [B, 1, 1, Tq, Tk]
     s = jnp.where(mask, s, -jnp.inf)

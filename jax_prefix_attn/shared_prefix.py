@@ -176,14 +176,23 @@ def _part_attention(q_bthd, k_nshd, v_nshd, kv_index_b, limit_bt, scale):
     b, tq, hq, d = q_bthd.shape
     n, s, hkv, _ = k_nshd.shape
     grp = hq // hkv
+    if s == 0:  # an empty key axis: nothing to see
+        return jnp.zeros((b, tq, hq, d), jnp.float32), jnp.full((b, tq, hq), -jnp.inf, jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     q = q_bthd.astype(jnp.float32).reshape(b, tq, hkv, grp, d)
     k = k_nshd.astype(jnp.float32)
     v = v_nshd.astype(jnp.float32)
+    # Keys no row sees may hold anything (NaN too): zeroed, so that 0 * NaN reaches neither
+    # ``p @ v`` nor, in the backward, ``ds @ k``.  (The last query of a sequence sees the most.)
+    j = jnp.arange(s, dtype=jnp.int32)
     if n == 1:  # one pool entry for everyone: no per-sequence copy
+        live = (j < jnp.max(limit_bt[:, -1]))[None, :, None, None]
+        k, v = jnp.where(live, k, 0.0), jnp.where(live, v, 0.0)
         sc = jnp.einsum("bqhgd,khd->bhgqk", q, k[0], precision=hi)
     else:
-        sc = jnp.einsum("bqhgd,bkhd->bhgqk", q, k[kv_index_b], precision=hi)
+        live = (j[None, :] < limit_bt[:, -1:])[:, :, None, None]
+        k, v = jnp.where(live, k[kv_index_b], 0.0), jnp.where(live, v[kv_index_b], 0.0)
+        sc = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=hi)
     sc = sc * scale
     mask = (jnp.arange(s, dtype=jnp.int32)[None, None, :] < limit_bt[:, :, None])[:, None, None]
     sc = jnp.where(mask, sc, -jnp.inf)
@@ -196,7 +205,7 @@ def _part_attention(q_bthd, k_nshd, v_nshd, kv_index_b, limit_bt, scale):
     if n == 1:
         o = jnp.einsum("bhgqk,khd->bqhgd", pr / l_safe, v[0], precision=hi)
     else:
-        o = jnp.einsum("bhgqk,bkhd->bqhgd", pr / l_safe, v[kv_index_b], precision=hi)
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", pr / l_safe, v, precision=hi)
     lse = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)[..., 0]  # [B, Hkv, G, Tq]
     return o.reshape(b, tq, hq, d), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, tq, hq)
 

@@ -155,6 +155,10 @@ def _fwd_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, nq
             if st.causal:
                 vis = vis & (cols <= rows + diag)
             s = jnp.where(vis, s, -jnp.inf)
+            # keys past the length may hold anything (NaN too): 0 * NaN in p @ v would reach
+            # the row, so their values are zeroed (the scores are already masked above)
+            kv_ok = (start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)) < length
+            v = jnp.where(kv_ok, v, jnp.zeros_like(v))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         if masked:  # a row may still have seen nothing: keep exp2 arguments NaN-free
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)

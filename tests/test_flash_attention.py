@@ -218,3 +218,32 @@ def test_gpu_decode_small_tq(tq):
 def test_gpu_hydragen_shape_large_m_noncausal():
     """Prefix attention as used by Hydragen: [1, B*Tq*G, Hkv, D] vs a prefix [1, P, Hkv, D]."""
     _gpu_case(1, 8192 + 5, 1500, 8, 8, 128, jnp.bfloat16, False, None, 2e-2, seed=9)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_nan_past_the_lengths_does_not_reach_the_outputs(causal):
+    """Keys and values past ``kv_lengths`` may hold anything (NaN too): the forward's masked
+    tiles zero those values before ``P V`` (0 * NaN would reach the row), so outputs, LSE and
+    gradients equal the clean cache's."""
+    q, k, v, w_out, w_lse = _inputs(11, 2, 5, 40, 2, 1, 32, jnp.float32)
+    lengths = jnp.array([21, 3], jnp.int32)
+    pad = (jnp.arange(40)[None, :] >= lengths[:, None])[:, :, None, None]
+    kn, vn = jnp.where(pad, jnp.nan, k), jnp.where(pad, jnp.nan, v)
+
+    def run(k, v):
+        def loss(q, k, v):
+            out, lse = flash_attention(q, k, v, causal=causal, kv_lengths=lengths, interpret=True,
+                                       config=SMALL)
+            return _loss(out, lse, w_out, w_lse), (out, lse)
+        vg = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+        (_, (out, lse)), grads = _compiled(vg, q, k, v)(q, k, v)
+        return out, lse, grads
+    o1, l1, g1 = run(k, v)
+    o2, l2, g2 = run(kn, vn)
+    assert np.isfinite(np.asarray(o2)).all()
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+    for a, b in zip(g1, g2):
+        b = np.asarray(jnp.where(pad, 0.0, b)) if b.shape == k.shape else np.asarray(b)
+        a = np.asarray(jnp.where(pad, 0.0, a)) if a.shape == k.shape else np.asarray(a)
+        np.testing.assert_allclose(a, b, rtol=0, atol=0)

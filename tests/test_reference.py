@@ -103,3 +103,23 @@ def test_reference_under_jit_with_dynamic_lengths():
         out, lse = f(q, k, v, jnp.array(lens, jnp.int32))
         ref_out, ref_lse = numpy_attention(q, k, v, True, lens, 0.25)
         assert rel_err(out, ref_out) < 1e-6
+
+
+def test_nan_past_the_lengths_reaches_neither_outputs_nor_gradients():
+    """Keys and values past ``kv_lengths`` may hold anything (a KV cache's unused slots): with
+    NaN there, outputs and gradients equal those of a clean cache (and are zero there)."""
+    q, k, v = _inputs(7, 2, 3, 9, 4, 2, 16)
+    lengths = jnp.array([5, 0], jnp.int32)
+    pad = (jnp.arange(9)[None, :] >= lengths[:, None])[:, :, None, None]
+    kn, vn = jnp.where(pad, jnp.nan, k), jnp.where(pad, jnp.nan, v)
+
+    def loss(q, k, v):
+        out, lse = reference.attention(q, k, v, causal=True, kv_lengths=lengths)
+        return jnp.sum(out ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+    (_, (o1, l1)), g1 = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, (o2, l2)), g2 = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, kn, vn)
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+    for a, b in zip(g1, g2):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(jnp.abs(jnp.where(pad, g2[1], 0.0)).max()) == 0.0

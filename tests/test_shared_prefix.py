@@ -468,3 +468,47 @@ def test_gpu_kernel_backward_matches_reference(impl, b, tq, hq, hkv, d, g, p, s)
     for a, w_ in zip(got, want):
         assert np.isfinite(np.asarray(a, np.float32)).all()
         assert rel_err(a, w_) < 2e-2, rel_err(a, w_)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_interpret", "flat_interpret"])
+def test_nan_past_the_lengths_every_impl(impl):
+    """Prefix and suffix slots past their lengths may hold anything (NaN too): every impl,
+    the pure-JAX reference (``auto`` off the GPU) included, gives the clean inputs' outputs and
+    gradients."""
+    args, kw, meta = make_case(31, b=3, tq=2, g=2, p=12, s=7, suffix_lengths=[7, 1, 0],
+                               prefix_lengths=[9, 0])
+    q, pk, pv, sk, sv = args
+    ppad = (jnp.arange(12)[None, :] >= kw["prefix_lengths"][:, None])[:, :, None, None]
+    spad = (jnp.arange(7)[None, :] >= kw["suffix_lengths"][:, None])[:, :, None, None]
+    poisoned = (q, jnp.where(ppad, jnp.nan, pk), jnp.where(ppad, jnp.nan, pv),
+                jnp.where(spad, jnp.nan, sk), jnp.where(spad, jnp.nan, sv))
+
+    def run(a):
+        def loss(*a):
+            out = shared_prefix_attention(*a, **kw, impl=impl)
+            return jnp.sum(out.astype(jnp.float32) ** 2), out
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(*a)
+    (_, o1), g1 = run(args)
+    (_, o2), g2 = run(poisoned)
+    assert np.isfinite(np.asarray(o2)).all()
+    assert rel_err(o2, o1) < 1e-6
+    for a, b, pad in zip(g1, g2, (None, ppad, ppad, spad, spad)):
+        b = b if pad is None else jnp.where(pad, 0.0, b)
+        assert np.isfinite(np.asarray(b)).all()
+        assert rel_err(b, a if pad is None else jnp.where(pad, 0.0, a)) < 1e-6
+
+
+@pytest.mark.parametrize("p,s", [(0, 5), (6, 0)])
+def test_reference_with_an_empty_prefix_or_suffix_axis(p, s):
+    """A zero-length prefix or suffix axis: the reference (the path the kernels' error names)
+    equals the oracle over the concatenation."""
+    args, kw, meta = make_case(32, b=2, tq=1, p=max(p, 1), s=max(s, 1))
+    q, pk, pv, sk, sv = args
+    pk, pv, sk, sv = pk[:p], pv[:p], sk[:, :s], sv[:, :s]
+    kw = dict(kw, suffix_lengths=jnp.minimum(kw["suffix_lengths"], s))
+    out, lse = shared_prefix_attention(q, pk, pv, sk, sv, **kw, impl="reference", return_lse=True)
+    b = q.shape[0]
+    kc = jnp.concatenate([jnp.broadcast_to(pk[None], (b,) + pk.shape), sk], axis=1)
+    vc = jnp.concatenate([jnp.broadcast_to(pv[None], (b,) + pv.shape), sv], axis=1)
+    ref = _ref_attention(q, kc, vc, p + kw["suffix_lengths"])
+    check(out, lse, ref, jnp.float32)
