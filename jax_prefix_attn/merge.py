@@ -61,6 +61,9 @@ def merge_attention_states(outs, lses) -> tuple[jax.Array, jax.Array]:
                 raise ValueError(f"outs[{i}] must have shape {tuple(outs[0].shape)} like outs[0], got {tuple(o.shape)}")
             if o.dtype != outs[0].dtype:
                 raise TypeError(f"outs[{i}] must have dtype {outs[0].dtype} like outs[0], got {o.dtype}")
+            if tuple(l.shape) != tuple(o.shape[:-1]):
+                raise ValueError(f"lses[{i}] must have shape {tuple(o.shape[:-1])} (outs[{i}]'s shape "
+                                 f"without head_dim), got {tuple(l.shape)}")
         outs = jnp.stack(outs)
         lses = jnp.stack([jnp.asarray(l, jnp.float32) for l in lses])
     check_array("outs", outs, tuple(range(2, 9)), layout="[N, *lead, head_dim]")

@@ -71,7 +71,7 @@ def attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, *, causal
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=hi) * scale  # [B, Hkv, G, Tq, Tk]
     mask = attention_mask(tq, tk, kv_lengths, causal, b)[:, None, None]  # [B, 1, 1, Tq, Tk]
     s = jnp.where(mask, s, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf))  # (Tk may be 0)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)

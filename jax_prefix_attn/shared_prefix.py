@@ -176,7 +176,7 @@ def _part_attention(q_bthd, k_nshd, v_nshd, kv_index_b, limit_bt, scale):
     b, tq, hq, d = q_bthd.shape
     n, s, hkv, _ = k_nshd.shape
     grp = hq // hkv
-    if s == 0:  # an empty key axis: nothing to see
+    if s == 0 or b * tq == 0:  # an empty key axis (nothing to see), or no query at all
         return jnp.zeros((b, tq, hq, d), jnp.float32), jnp.full((b, tq, hq), -jnp.inf, jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     q = q_bthd.astype(jnp.float32).reshape(b, tq, hkv, grp, d)
@@ -373,6 +373,8 @@ def _kernel_supported(q, prefix_k, suffix_k) -> str | None:
     if prefix_k.shape[1] == 0 or suffix_k.shape[1] == 0:
         return (f"prefix and suffix axes must be non-empty, got P={prefix_k.shape[1]} and "
                 f"S_max={suffix_k.shape[1]}")
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return f"q must hold at least one sequence and one query, got shape {tuple(q.shape)}"
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         return f"dtype must be float32, bfloat16 or float16, got {q.dtype}"
     return None

@@ -99,3 +99,31 @@ def test_merge_validation():
         jpa.merge_attention_states([o[0], o[1, :, :2]], [jnp.ones((1, 3, 4)), jnp.ones((1, 2, 4))])
     with pytest.raises(TypeError, match=r"outs must have a floating dtype"):
         jpa.merge_attention_states(o.astype(jnp.int32), jnp.ones((2, 1, 3, 4)))
+
+
+def test_merge_list_lse_shape_is_named():
+    o = jnp.ones((2, 3, 4, 8), jnp.float32)
+    lse = jnp.zeros((2, 3, 4), jnp.float32)
+    with pytest.raises(ValueError, match=r"lses\[1\] must have shape \(2, 3, 4\).*got \(2, 1, 4\)"):
+        jpa.merge_attention_states([o, o], [lse, lse[:, :1]])
+
+
+def test_empty_query_or_key_axes():
+    """Kernels name what they cannot run (and point to the reference), which handles it: no
+    query gives empty outputs, no key gives ``out = 0`` and ``lse = -inf``."""
+    with pytest.raises(ValueError, match=r"impl='pallas_interpret'.*seq_q=0.*use impl='reference'"):
+        jpa.attention(Q[:, :0], K, K, impl="pallas_interpret")
+    with pytest.raises(ValueError, match=r"seq_k=0"):
+        jpa.attention(Q, K[:, :0], K[:, :0], impl="pallas_interpret")
+    assert jpa.attention(Q[:, :0], K, K)[0].shape == (2, 0, 4, 8)
+    out, lse = jpa.attention(Q, K[:, :0], K[:, :0])
+    assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
+    q16, k16 = jnp.ones((2, 3, 4, 16), jnp.float32), jnp.ones((2, 5, 2, 16), jnp.float32)
+    pk, sk = k16[0, :4], k16[:, :3]
+    sl = jnp.array([1, 3], jnp.int32)
+    for q, s, lens in ((q16[:, :0], sk, sl), (q16[:0], sk[:0], sl[:0])):
+        with pytest.raises(ValueError, match=r"q must hold at least one sequence and one query.*"
+                                             r"use impl='reference'"):
+            jpa.shared_prefix_attention(q, pk, pk, s, s, suffix_lengths=lens, impl="pallas_interpret")
+        out = jpa.shared_prefix_attention(q, pk, pk, s, s, suffix_lengths=lens, impl="reference")
+        assert out.shape == q.shape
