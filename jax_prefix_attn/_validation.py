@@ -54,6 +54,12 @@ def check_lengths(name: str, lengths: Any, batch: int, max_len: int) -> None:
             raise ValueError(f"{name} must be <= {max_len} (the key axis size), got maximum {int(vals.max())}")
 
 
+def check_bool(name: str, value: Any) -> None:
+    """A flag must be a Python (or NumPy) bool: a traced or array value cannot pick a code path."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def check_sm_scale(sm_scale: Any) -> None:
     if sm_scale is None:
         return

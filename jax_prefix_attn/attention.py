@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 
 from jax_prefix_attn import reference
-from jax_prefix_attn._validation import check_impl, check_qkv
+from jax_prefix_attn._validation import check_bool, check_impl, check_qkv
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
 
@@ -24,6 +24,7 @@ def attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=None, 
     """Attention ``(out [B, Tq, Hq, D], lse [B, Tq, Hq] float32)``; see README for conventions."""
     check_impl(impl, IMPLS)
     check_qkv(q, k, v, kv_lengths=kv_lengths, sm_scale=sm_scale)
+    check_bool("causal", causal)
     if impl in ("pallas", "pallas_interpret") and 0 in (q.shape[1], k.shape[1]):
         raise ValueError(f"impl={impl!r} (Pallas kernels) needs at least one query and one key, got "
                          f"q seq_q={q.shape[1]} and k seq_k={k.shape[1]}; use impl='reference'")

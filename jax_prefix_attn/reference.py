@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_prefix_attn._validation import check_qkv
+from jax_prefix_attn._validation import check_bool, check_qkv
 
 __all__ = ["attention", "attention_mask"]
 
@@ -54,6 +54,7 @@ def attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, *, causal
       ``out [B, Tq, Hq, D]`` in ``q``'s dtype and ``lse [B, Tq, Hq]`` float32.
     """
     check_qkv(q_bthd, k_bshd, v_bshd, kv_lengths=kv_lengths, sm_scale=sm_scale)
+    check_bool("causal", causal)
     b, tq, hq, d = q_bthd.shape
     tk, hkv = k_bshd.shape[1], k_bshd.shape[2]
     g = hq // hkv

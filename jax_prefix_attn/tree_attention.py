@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn import reference
-from jax_prefix_attn._validation import (_is_concrete, check_array, check_gqa, check_impl, check_lengths,
+from jax_prefix_attn._validation import (_is_concrete, check_array, check_bool, check_gqa, check_impl, check_lengths,
                                          check_sm_scale)
 from jax_prefix_attn.tree import (CHUNK, KV_START, LENGTH, NEVER, NTILES, OFF0, POS0, ROW_START, TIN, TOUT,
                                   PrefixTree, Schedule, TreeMetadata, build_tree_metadata)
@@ -870,6 +870,7 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
       with ``ctx`` each sequence's concatenated path spans followed by its suffix.
     """
     _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_scale, impl)
+    check_bool("return_lse", return_lse)
     draft_parents = _check_draft_parents(draft_parents, q.shape[0], q.shape[1], suffix_lengths)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)

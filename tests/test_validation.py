@@ -127,3 +127,19 @@ def test_empty_query_or_key_axes():
             jpa.shared_prefix_attention(q, pk, pk, s, s, suffix_lengths=lens, impl="pallas_interpret")
         out = jpa.shared_prefix_attention(q, pk, pk, s, s, suffix_lengths=lens, impl="reference")
         assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_causal_must_be_a_bool(fn):
+    with pytest.raises(TypeError, match=r"causal must be a bool, got str"):
+        fn(Q, K, K, causal="yes")
+    with pytest.raises(TypeError, match=r"causal must be a bool, got int"):
+        fn(Q, K, K, causal=1)
+
+
+def test_tree_attention_return_lse_must_be_a_bool():
+    tree = jpa.PrefixTree.from_parents([-1], [4], [0])
+    q, kp = jnp.ones((1, 1, 2, 16), jnp.float32), jnp.ones((4, 1, 16), jnp.float32)
+    sk = jnp.ones((1, 2, 1, 16), jnp.float32)
+    with pytest.raises(TypeError, match=r"return_lse must be a bool, got int"):
+        jpa.tree_attention(q, tree, kp, kp, sk, sk, suffix_lengths=jnp.array([1], jnp.int32), return_lse=1)
