@@ -194,7 +194,7 @@ def _part_attention(q_bthd, k_nshd, v_nshd, kv_index_b, limit_bt, scale):
         k, v = jnp.where(live, k[kv_index_b], 0.0), jnp.where(live, v[kv_index_b], 0.0)
         sc = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=hi)
     sc = sc * scale
-    mask = (jnp.arange(s, dtype=jnp.int32)[None, None, :] < limit_bt[:, :, None])[:, None, None]
+    mask = (j[None, None, :] < limit_bt[:, :, None])[:, None, None]
     sc = jnp.where(mask, sc, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(sc, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)

@@ -72,8 +72,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn import reference
-from jax_prefix_attn._validation import (_is_concrete, check_array, check_bool, check_gqa, check_impl, check_lengths,
-                                         check_sm_scale)
+from jax_prefix_attn._validation import (_is_concrete, check_array, check_bool, check_gqa, check_impl,
+                                         check_lengths, check_sm_scale)
 from jax_prefix_attn.tree import (CHUNK, KV_START, LENGTH, NEVER, NTILES, OFF0, POS0, ROW_START, TIN, TOUT,
                                   PrefixTree, Schedule, TreeMetadata, build_tree_metadata)
 

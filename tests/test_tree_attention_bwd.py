@@ -210,6 +210,13 @@ def _grads(tree, inputs, impl, w_seed=42, **kw):
     return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, kp, vp, sk, sv)
 
 
+def _assert_grads_match(got, want):
+    """Every gradient finite and within 1e-5 (relative) of the oracle's."""
+    for a, w in zip(got, want):
+        assert np.isfinite(np.asarray(a)).all()
+        assert rel_err(a, w) < 1e-5, rel_err(a, w)
+
+
 @pytest.mark.parametrize("seed,tq,hq,hkv,smax", [(0, 1, 4, 2, 9), (1, 3, 4, 1, 6), (2, 2, 2, 2, 0),
                                                  (3, 1, 8, 2, 40)])
 def test_gradients_through_kernels_match_reference(seed, tq, hq, hkv, smax):
@@ -217,9 +224,7 @@ def test_gradients_through_kernels_match_reference(seed, tq, hq, hkv, smax):
     inputs = make_inputs(tree, tq=tq, hq=hq, hkv=hkv, d=16, smax=smax, seed=seed)
     want = _grads(tree, inputs, "reference")
     got = _grads(tree, inputs, "pallas_interpret")
-    for a, w in zip(got, want):
-        assert np.isfinite(np.asarray(a)).all()
-        assert rel_err(a, w) < 1e-5, rel_err(a, w)
+    _assert_grads_match(got, want)
 
 
 def test_gradients_with_overlapping_spans():
@@ -234,9 +239,7 @@ def test_gradients_with_overlapping_spans():
         inputs = make_inputs(tree, tq=2, hq=4, hkv=2, d=16, smax=5, seed=21)
         want = _grads(tree, inputs, "reference")
         got = _grads(tree, inputs, "pallas_interpret")
-        for a, w in zip(got, want):
-            assert np.isfinite(np.asarray(a)).all()
-            assert rel_err(a, w) < 1e-5, rel_err(a, w)
+        _assert_grads_match(got, want)
 
 
 def test_spans_overlap_and_the_two_pool_reductions_agree():
@@ -270,9 +273,7 @@ def test_draft_token_tree_gradients_through_kernels():
     inputs = (q, kp, vp, sk, sv, sl)
     want = _grads(tree, inputs, "reference", draft_parents=parents)
     got = _grads(tree, inputs, "pallas_interpret", draft_parents=parents)
-    for a, w in zip(got, want):
-        assert np.isfinite(np.asarray(a)).all()
-        assert rel_err(a, w) < 1e-5, rel_err(a, w)
+    _assert_grads_match(got, want)
     f = lambda q, kp: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,  # noqa: E731
                                              impl="pallas_interpret", draft_parents=parents))
     assert "tree_grads_dkv" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(q, kp))
