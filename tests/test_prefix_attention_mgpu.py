@@ -206,14 +206,16 @@ def _reference_partials(q_hmd, k, v, n, scale):
     (8, 1024, 128, 4096, 3000, None, False, 1036), (1, 256, 64, 1024, 1024, 2, False, None),
     (1, 512, 128, 16384, 16000, 16, True, None), (8, 256, 128, 4096, 4000, 8, True, 268),
     (8, 1024, 128, 16384, 16384, None, True, None)])  # 64 CTAs, 16K prefix: 2 splits (session 9)
-def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows):
+@pytest.mark.parametrize("stages", [2, 3])  # 3: the LSE stored from registers
+def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, stages):
     from pallas_kernels.decode_attention import merge_partials
     rng = np.random.default_rng(m + p)
     q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
     o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits,
-                                  schedule_barrier=sched, out_rows=out_rows)
+                                  schedule_barrier=sched, out_rows=out_rows,
+                                  max_concurrent_steps=stages)
     if out_rows is not None:  # allocated rounded up to 16 rows; only the first m are defined
         assert o.shape[2] == lse.shape[2] == -(-out_rows // 16) * 16
         o, lse = o[:, :, :m], lse[:, :, :m]
