@@ -4,7 +4,7 @@ from jax.experimental.mosaic.gpu import layout_inference as li
 from jax.experimental.mosaic.gpu import constraints as cs
 orig = li.find_assignments_for
 depth = [0]
-def wrapped(unknowns, constraint_system, fuel, arch=(9, 0)):
+def wrapped(unknowns, constraint_system, *a, **k):
     if depth[0] == 0:
         r = cs.reduce(constraint_system)
         if not isinstance(r, cs.Unsatisfiable):
@@ -21,7 +21,7 @@ def wrapped(unknowns, constraint_system, fuel, arch=(9, 0)):
                 print("  C", str(c)[:300])
     depth[0] += 1
     try:
-        return orig(unknowns, constraint_system, fuel, arch)
+        return orig(unknowns, constraint_system, *a, **k)
     finally:
         depth[0] -= 1
 li.find_assignments_for = wrapped
