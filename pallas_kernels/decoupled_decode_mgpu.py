@@ -168,7 +168,8 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
                           group: int, num_splits: int | None = None, steps: int = 2,
                           schedule_barrier: bool = True,
                           compute_registers: int = COMPUTE_REGISTERS,
-                          interpret: bool = False, _cpu_check: bool = False):
+                          interpret: bool = False, _cpu_check: bool = False,
+                          _parts: str = "both"):
     """Prefix partials and suffix states of every row in one launch; see the module docstring
     for layouts, scope and outputs.
 
@@ -254,7 +255,7 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
             if limit_regs:
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-            @pl.loop(0, t_pre)
+            @pl.loop(0, 0 if _parts == "suffix" else t_pre)
             def _(t):
                 slot = lax.rem(t, stages)
                 tile = first_tile + t
@@ -301,7 +302,7 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
                                               cpu_check=_cpu_check)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
-                return lax.fori_loop(0, t_pre, body, carry)
+                return lax.fori_loop(0, 0 if _parts == "suffix" else t_pre, body, carry)
 
             # warpgroup 1 starts one phase behind (one extra turn before its first tile,
             # warpgroup 0 one after its last): their tensor-core and softmax phases alternate
@@ -317,6 +318,8 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
         def _suffix():
             if limit_regs:
                 plgpu.set_max_registers(suffix_registers, action="decrease")
+            if _parts == "prefix":   # (timing probes only: the suffix states are left unwritten)
+                return
 
             def seq_index(i):
                 """Sequence of local index ``i`` (past ``B`` for padding sequences)."""
