@@ -118,14 +118,6 @@ def decoupled_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: 
     return None
 
 
-def _pt_transforms():
-    """Explicit shared-memory transforms for the suffix ``V`` tile and ``P^T``: the swapped
-    ``O^T = V^T P^T`` needs both operands in the same swizzle, and ``P^T``'s rows are
-    ``COLS * 2`` bytes."""
-    sw = COLS * 2
-    return dict(transforms=(plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))
-
-
 def suffix_rows(o_suf, lse_suf, *, batch: int, group: int):
     """The suffix states in the prefix partials' row layout: ``(o [1, Hkv, B * G, D],
     lse [1, Hkv, B * G])`` from ``o_suf [Hkv, B', D, 16]`` / ``lse_suf [Hkv, B', 16]``."""
@@ -449,8 +441,8 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
                plgpu.Barrier(num_arrivals=2, num_barriers=stages),   # K slot consumed
                plgpu.Barrier(num_arrivals=2, num_barriers=stages),   # V slot consumed
                plgpu.Barrier(num_arrivals=2),                    # ping-pong turns
-               plgpu.SMEM((BLOCK_S, d), dtype), plgpu.SMEM(sv_shape, dtype, **_pt_transforms()),
-               plgpu.SMEM(sq_shape, dtype), plgpu.SMEM((BLOCK_S, COLS), dtype, **_pt_transforms()),
+               plgpu.SMEM((BLOCK_S, d), dtype), plgpu.SMEM(sv_shape, dtype),
+               plgpu.SMEM(sq_shape, dtype), plgpu.SMEM((BLOCK_S, COLS), dtype),
                plgpu.SMEM((d, COLS), dtype),
                plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1),
                plgpu.Barrier(num_barriers=1))
