@@ -1,4 +1,4 @@
-"""ARCHIVED DRAFT (session 18; not imported by the package; it does not lower for CUDA yet, see "Status" below).
+"""Decoupled one-launch shared-prefix decode (EXPERIMENTAL, not dispatched: measured slower, see "Status").
 
 Shared-prefix decode through one Pallas Mosaic GPU kernel whose CTAs run the prefix pass and,
 *decoupled from it*, a share of the suffix pass: a fourth warpgroup per CTA streams suffix
@@ -30,11 +30,13 @@ shared by every sequence (all see ``p_len`` keys), 16-bit inputs, ``head_dim`` 6
 Layouts: ``q_hmd [Hkv, M, D]`` rows ``b * G + j`` (query head ``h * G + j`` of sequence ``b``;
 ``M`` a multiple of 128 covering ``B * G``, padding rows zero), prefix ``k/v [P, Hkv, D]``
 with ``p_len`` valid keys (``[1]`` or scalar int32, dynamic), suffix ``k/v [B, S, Hkv, D]``
-with ``s_len [B]`` int32 valid keys (dynamic).  Outputs: ``o_pre [splits, Hkv, M, D]`` (q's
+with ``s_len [B]`` int32 valid keys (dynamic).  The suffix pass reads the queries from a copy
+in which sequence ``b``'s ``G`` rows start row ``b * COLS`` (zero rows between; TMA offsets
+that are multiples of the shared-memory tiling).  Outputs: ``o_pre [splits, Hkv, M, D]`` (q's
 dtype, normalised) and ``lse_pre [splits, Hkv, M]`` as
 :func:`pallas_kernels.prefix_attention_mgpu.prefix_partials_mgpu`; ``o_suf [Hkv, B', D, 16]``
 (q's dtype, normalised, *transposed*: column ``j < G`` is query head ``h * G + j`` of sequence
-``b``) and ``lse_suf [Hkv, B', 16]`` float32 for the suffix keys, ``B' = M / G`` (rows of
+``b``) and ``lse_suf [Hkv, B', 16]`` float32 for the suffix keys, ``B' >= M / G`` (rows of
 padding sequences are written, from zero queries and no keys).  ``lse = -inf`` and ``o = 0``
 where a part saw no key.  The caller merges the partial states
 (:func:`suffix_rows` puts the suffix's in the row layout).
@@ -47,8 +49,8 @@ Kernel: grid ``(Hkv, M / 128, splits)``, four warpgroups:
 * 2 -- memory: TMA loads of the prefix K/V tiles into ``steps`` stages;
 * 3 -- suffix: the sequences of the CTA's 128 rows (``128 / G`` of them), divided among the
   ``splits`` CTAs of the row block; for each, its suffix tiles of 64 keys, loaded by TMA one
-  step ahead (one ``K`` buffer, reloaded as soon as ``S^T`` is read; two ``V`` buffers; one
-  query buffer, reloaded after a sequence's last ``S^T``), then ``O^T``/``lse`` written.  The
+  step ahead (one ``K`` buffer, reloaded as soon as ``S^T`` is read; one ``V`` buffer,
+  reloaded after ``P V``; one query buffer, reloaded after a sequence's last ``S^T``), then ``O^T``/``lse`` written.  The
   suffix steps are a static ``sequences x S / 64`` grid; steps past a sequence's length load
   its last valid tile again (an L2 hit) and skip the math, so the barrier phases never depend
   on the lengths.  ``V`` rows past a length are zeroed in shared memory before ``P V`` (NaN in
@@ -57,24 +59,34 @@ Kernel: grid ``(Hkv, M / 128, splits)``, four warpgroups:
 Registers: ``setmaxnreg`` gives the compute warpgroups ``compute_registers`` each, the memory
 warpgroup ``MEMORY_REGISTERS``, the suffix warpgroup the rest of the 512 per thread-slot.
 Shared memory at D = 128, bf16: 32 KiB of queries and 128 KiB of prefix stages (2) as in the
-prefix kernel, plus 16 + 32 + 4 KiB of suffix K, V, query buffers and 6 KiB of suffix staging:
-about 218 KiB of Hopper's 227 (the prefix LSE is stored from registers, as in the one-pass
-kernel).
+prefix kernel, plus 16 + 16 + 4 KiB of suffix K, V, query buffers and 2 + 4 KiB of ``P^T`` and
+``O^T`` staging: about 202 KiB of Hopper's 227 (the prefix LSE is stored from registers, as
+in the one-pass kernel).
 
-Status (session 18, work in progress on branch ``wip/decoupled-decode-mgpu``, not on main):
-written in a session without a GPU.  A 16-column version was exact in Mosaic GPU's CPU
-interpreter (``bench/results/logs/session18_decoupled_interpret_check.py``: NaN-poisoned
-suffix padding, G = 4, rel. error 2e-3 in bf16), but lowering for CUDA fails in Mosaic GPU's
-layout inference ("failed to find a solution"): the swapped products need the ``V`` tile
-(``[64, D]``, used transposed as the A operand) and ``P^T`` (``[64, COLS]``, the B operand) in
-compatible shared-memory transforms, which at 16 columns (32-byte rows) the search never
-finds; at 32 columns one version passed inference and then exceeded shared memory by 3,192
-bytes, and the variants that fit again fail inference.  Found on the way (CPU, lowering only):
-an unused value computed from a scalar gmem load, a ``jnp.minimum`` or ``//`` feeding only a
-TMA index, and 0-d constants from ``lax.rem`` of Python ints each defeat inference
-(``session18_decoupled_lower_bisect.py`` and ``session18_layout_diag.py`` bisect and print
-the unsolved variables).  Next steps: explicit smem transforms for the suffix buffers, or the
-O^T staging in two 64-row halves through the ``P^T`` buffer.
+Status (session 19): EXPERIMENTAL, NOT DISPATCHED -- exact on an H200 but measured slower
+than the default shared path at every point tried, so nothing in the package calls it.
+* Lowering: the session-18 draft failed Mosaic GPU's layout inference because each sequence's
+  suffix queries were loaded by TMA from row ``b * G`` (a multiple of G = 4, not of the 8-row
+  smem tiling: an unsatisfiable divisibility constraint on the query buffer, printed by
+  ``bench/results/logs/session18_layout_diag.py``).  The caller's queries are now copied to
+  their own ``COLS``-row blocks (``qs_in``, a small XLA pad), and the kernel lowers in 2 s on
+  the CPU (``tests/test_decoupled_decode_mgpu.py``).
+* Exactness (GPU, ``bench/results/logs/session19_decoupled_probe_a_h200.jsonl`` and the gpu
+  tests): relative error 2.7e-3 (bf16) against float64 NumPy at three shapes, with random
+  suffix lengths (0 and the capacity included) and NaN in the cache past them.
+* Speed (H200, same file and ``..._probe_b_h200.jsonl``, interleaved with the default path):
+  1.05-2.0x the default's time at the 3 probe points and 9 grid points that miss 1.5x the
+  floor (Hq=32 B=256 P=4K S=128: 0.142 against 0.073 ms).  The cause is the register split:
+  with four warpgroups the two compute warpgroups get 200 registers instead of the prefix
+  kernel's 232 (its pipeline keeps 40 for the memory warpgroup), and the prefix part alone (``_parts="prefix"``, merge included) took 0.064 ms
+  at that point where the whole default path takes 0.073 (0.045-0.148 against 0.050-0.196 at
+  the four points of run b).  Giving the compute warpgroups 208 left the suffix warpgroup 64
+  registers and made the kernel 1.15-1.26x slower still; 184 (the suffix warpgroup 112) made
+  it faster (0.111 ms at that point) but still 1.03-1.52x the default.  A fourth warpgroup
+  cannot get the registers the suffix needs without taking them from the prefix.
+* Kept as a tested base for a design that moves the suffix into warpgroups that have
+  registers to spare (e.g. swapped products inside the compute warpgroups between prefix
+  tiles).
 """
 from __future__ import annotations
 
