@@ -16,9 +16,11 @@ to 429-620 TFLOP/s (1.06-1.12x faster at the six grid shapes probed, one run; me
 rate 664 TFLOP/s; ``bench/results/logs/session9_probe_softmax_h200.json``).  A third pipeline
 stage did not fit at D=128 with the LSE staged in shared memory (232544 of 232448 bytes); since
 session 18 ``max_concurrent_steps=3`` (or ``PIPELINE_STAGES = 3``) stores the LSE from registers
-instead, as the one-pass kernel does, and fits.  It passes the CPU interpreter tests but has not
-been timed on a GPU yet (no device was lent that session;
-``bench/results/logs/session18_probe_stages18.py`` is the probe to run), so the default stays 2.
+instead, as the one-pass kernel does, and fits.  It is exact (CPU interpreter; GPU tests at 3
+stages; bit-identical outputs to 2 stages) but not faster: on an H200 (session 19,
+``bench/results/logs/session19_probe_stages_h200.jsonl``) the kernel alone took 1.01-1.05x the
+time of 2 stages and the whole shared path 0.99-1.02x at five target points, so the default
+stays 2.
 The CPU tests lower it for CUDA and run it in Mosaic GPU's CPU interpreter against the
 reference, except two operand forms that interpreter lacks (``_cpu_check=True`` swaps them: K
 pre-transposed in memory for ``Q K^T``; ``P`` staged through shared memory and ``P V`` into a
