@@ -1,4 +1,4 @@
-"""Decoupled one-launch shared-prefix decode (EXPERIMENTAL, not dispatched: measured slower, see "Status").
+"""Decoupled one-launch shared-prefix decode (EXPERIMENTAL, not dispatched: slower, see "Status").
 
 Shared-prefix decode through one Pallas Mosaic GPU kernel whose CTAs run the prefix pass and,
 *decoupled from it*, a share of the suffix pass: a fourth warpgroup per CTA streams suffix
@@ -50,10 +50,10 @@ Kernel: grid ``(Hkv, M / 128, splits)``, four warpgroups:
 * 3 -- suffix: the sequences of the CTA's 128 rows (``128 / G`` of them), divided among the
   ``splits`` CTAs of the row block; for each, its suffix tiles of 64 keys, loaded by TMA one
   step ahead (one ``K`` buffer, reloaded as soon as ``S^T`` is read; one ``V`` buffer,
-  reloaded after ``P V``; one query buffer, reloaded after a sequence's last ``S^T``), then ``O^T``/``lse`` written.  The
-  suffix steps are a static ``sequences x S / 64`` grid; steps past a sequence's length load
-  its last valid tile again (an L2 hit) and skip the math, so the barrier phases never depend
-  on the lengths.  ``V`` rows past a length are zeroed in shared memory before ``P V`` (NaN in
+  reloaded after ``P V``; one query buffer, reloaded after a sequence's last ``S^T``), then
+  ``O^T``/``lse`` written.  The suffix steps are a static ``sequences x S / 64`` grid; steps
+  past a sequence's length load its last valid tile again (an L2 hit) and skip the math, so
+  the barrier phases never depend on the lengths.  ``V`` rows past a length are zeroed in shared memory before ``P V`` (NaN in
   the cache there never reaches the output).
 
 Registers: ``setmaxnreg`` gives the compute warpgroups ``compute_registers`` each, the memory
@@ -78,12 +78,13 @@ than the default shared path at every point tried, so nothing in the package cal
   1.05-2.0x the default's time at the 3 probe points and 9 grid points that miss 1.5x the
   floor (Hq=32 B=256 P=4K S=128: 0.142 against 0.073 ms).  The cause is the register split:
   with four warpgroups the two compute warpgroups get 200 registers instead of the prefix
-  kernel's 232 (its pipeline keeps 40 for the memory warpgroup), and the prefix part alone (``_parts="prefix"``, merge included) took 0.064 ms
-  at that point where the whole default path takes 0.073 (0.045-0.148 against 0.050-0.196 at
-  the four points of run b).  Giving the compute warpgroups 208 left the suffix warpgroup 64
-  registers and made the kernel 1.15-1.26x slower still; 184 (the suffix warpgroup 112) made
-  it faster (0.111 ms at that point) but still 1.03-1.52x the default.  A fourth warpgroup
-  cannot get the registers the suffix needs without taking them from the prefix.
+  kernel's 232 (its pipeline keeps 40 for the memory warpgroup), and the prefix part alone
+  (``_parts="prefix"``, merge included) took 0.064 ms at that point where the whole default
+  path takes 0.073 (0.045-0.148 against 0.050-0.196 at the four points of run b).  Giving
+  the compute warpgroups 208 left the suffix warpgroup 64 registers and made the kernel
+  1.15-1.26x slower still; 184 (the suffix warpgroup 112) made it faster (0.111 ms at that
+  point) but still 1.03-1.52x the default.  A fourth warpgroup cannot get the registers the
+  suffix needs without taking them from the prefix.
 * Kept as a tested base for a design that moves the suffix into warpgroups that have
   registers to spare (e.g. swapped products inside the compute warpgroups between prefix
   tiles).
@@ -178,14 +179,16 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
     for layouts, scope and outputs.
 
     Returns ``(o_pre [splits, Hkv, M, D], lse_pre [splits, Hkv, M], o_suf [Hkv, B', D, 16],
-    lse_suf [Hkv, B', 16])`` with ``B' >= M / G`` (sequences past ``B`` are padding).  ``num_splits``: prefix splits (None:
+    lse_suf [Hkv, B', 16])`` with ``B' >= M / G`` (sequences past ``B`` are padding).
+    ``num_splits``: prefix splits (None:
     :func:`prefix_attention_mgpu.choose_splits` over the ``Hkv * M / 128`` CTAs); the suffix
     sequences of a row block are divided among its splits.  ``steps``: prefix pipeline stages.
     ``compute_registers``: per thread of each compute warpgroup (a multiple of 8; the suffix
     warpgroup gets ``512 - 2 * compute_registers - MEMORY_REGISTERS``).  ``interpret`` runs
     Mosaic GPU's CPU interpreter and needs ``_cpu_check`` (operand forms it supports:
     transposed operands pre-transposed in memory, ``P`` staged through shared memory; tests
-    only).
+    only).  ``_parts="prefix"`` (timing probes only) skips the suffix warpgroup's work and
+    leaves the suffix states unwritten.
 
     Raises ``ValueError`` for shapes outside the scope, splits that do not divide the prefix
     tiles, or a register split that leaves the suffix warpgroup fewer than 56.
@@ -227,8 +230,6 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
     # index is clamped: a clamp there defeats Mosaic GPU's layout inference)
     b_out = (m_blocks - 1) * seqs + n_seq * splits
     scale_log2 = float(scale) * _LOG2E
-    # queries: COLS rows from each sequence's first (zero rows past the real ones)
-    q_in = q_hmd
     # suffix queries: each sequence's G rows at the top of its own COLS-row block (TMA offsets
     # that are multiples of the smem tiling; rows past G are zero)
     qs_in = jnp.pad(q_hmd[:, :b * g].reshape(hkv, b, g, d),
@@ -259,7 +260,7 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
             if limit_regs:
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-            @pl.loop(0, 0 if _parts == "suffix" else t_pre)
+            @pl.loop(0, t_pre)
             def _(t):
                 slot = lax.rem(t, stages)
                 tile = first_tile + t
@@ -306,7 +307,7 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
                                               cpu_check=_cpu_check)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
-                return lax.fori_loop(0, 0 if _parts == "suffix" else t_pre, body, carry)
+                return lax.fori_loop(0, t_pre, body, carry)
 
             # warpgroup 1 starts one phase behind (one extra turn before its first tile,
             # warpgroup 0 one after its last): their tensor-core and softmax phases alternate
@@ -460,7 +461,7 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
                plgpu.Barrier(num_barriers=1))
     if _cpu_check:
         scratch += (plgpu.SMEM((2, 64, BLOCK_KV), dtype),)
-    args = (p_len, s_len, q_in, qs_in, pk_in, pv_phd, sk_bshd, sv_in) + ((qt_in,) if _cpu_check else ())
+    args = (p_len, s_len, q_hmd, qs_in, pk_in, pv_phd, sk_bshd, sv_in) + ((qt_in,) if _cpu_check else ())
     return plgpu.kernel(
         kernel,
         grid=(hkv, m_blocks, splits),

@@ -1,5 +1,7 @@
 """Session 18: the draft decoupled kernel in Mosaic GPU's CPU interpreter against float64 NumPy.
 Run from the repository root: PYTHONPATH=. python <this> B Hq Hkv D P S p_len splits [nan]."""
+# The draft this script reads was superseded by pallas_kernels/decoupled_decode_mgpu.py (session 19)
+# and removed; recover it with: git show 8fdfd45:bench/results/logs/session18_decoupled_decode_mgpu_draft.py
 import sys, time
 import numpy as np
 import jax, jax.numpy as jnp

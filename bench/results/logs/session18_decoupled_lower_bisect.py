@@ -1,4 +1,6 @@
 """Session 18: lower the draft decoupled kernel for CUDA on the CPU with parts removed (argv: comma-separated variant names) to find what defeats Mosaic GPU's layout inference."""
+# The draft this script reads was superseded by pallas_kernels/decoupled_decode_mgpu.py (session 19)
+# and removed; recover it with: git show 8fdfd45:bench/results/logs/session18_decoupled_decode_mgpu_draft.py
 import sys, re, importlib.util
 import jax, jax.numpy as jnp
 src = open('bench/results/logs/session18_decoupled_decode_mgpu_draft.py').read()
