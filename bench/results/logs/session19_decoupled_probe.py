@@ -25,7 +25,16 @@ print(json.dumps(dict(header=device_info(), commit=os.environ.get("COMMIT"))), f
 
 
 def decoupled(q, pk, pv, sk, sv, sl, **kw):
-    """q [B, Hq, D] -> out [B, Hq, D] through the decoupled kernel and one XLA merge."""
+    """q [B, Hq, D] -> out [B, Hq, D] through the decoupled kernel and one XLA merge.
+    ``_nozero=True`` (timing only, inexact with NaN past the lengths): trace the kernel without
+    its zeroing of suffix V rows past a length."""
+    if kw.pop("_nozero", False):
+        saved = dd._zero_rows_past
+        dd._zero_rows_past = lambda *a, **k: None
+        try:
+            return decoupled(q, pk, pv, sk, sv, sl, **kw)
+        finally:
+            dd._zero_rows_past = saved
     b, hq, d = q.shape
     hkv = pk.shape[1]
     g = hq // hkv
