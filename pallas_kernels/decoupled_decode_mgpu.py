@@ -321,8 +321,10 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
         # ------------------------------------------------------------------ suffix warpgroup
         @pl.when(wg == 3)
         def _suffix():
-            if limit_regs:
-                plgpu.set_max_registers(suffix_registers, action="decrease")
+            if limit_regs and suffix_registers != 128:   # 128: what each thread starts with
+                # (a "decrease" above the starting 128 is an illegal instruction on the GPU)
+                plgpu.set_max_registers(suffix_registers,
+                                        action="decrease" if suffix_registers < 128 else "increase")
             if _parts == "prefix":   # (timing probes only: the suffix states are left unwritten)
                 return
 
