@@ -83,8 +83,12 @@ than the default shared path at every point tried, so nothing in the package cal
   path takes 0.073 (0.045-0.148 against 0.050-0.196 at the four points of run b).  Giving
   the compute warpgroups 208 left the suffix warpgroup 64 registers and made the kernel
   1.15-1.26x slower still; 184 (the suffix warpgroup 112) made it faster (0.111 ms at that
-  point) but still 1.03-1.52x the default.  A fourth warpgroup cannot get the registers the
-  suffix needs without taking them from the prefix.
+  point) but still 1.03-1.52x the default.  Probe d (``..._probe_d_h200.jsonl``, three of
+  those points): without the zeroing of ``V`` rows past a length (timing only: inexact with
+  NaN there) the kernel took 1.11-1.50x the default at 200 registers and 1.05-1.45x at 184;
+  168 (the suffix warpgroup 144) with the zeroing 1.07-1.44x.  A fourth warpgroup cannot get
+  the registers the suffix needs without taking them from the prefix, and even the prefix
+  part alone is within 0.75-0.86x of the whole default path, which bounds any gain.
 * Kept as a tested base for a design that moves the suffix into warpgroups that have
   registers to spare (e.g. swapped products inside the compute warpgroups between prefix
   tiles).
