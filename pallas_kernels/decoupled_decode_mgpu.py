@@ -199,7 +199,7 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
     leaves the suffix states unwritten.
 
     Raises ``ValueError`` for shapes outside the scope, splits that do not divide the prefix
-    tiles, or a register split that leaves the suffix warpgroup fewer than 56.
+    tiles, or a register split outside 56-256 per thread for the suffix warpgroup.
     """
     hkv, m, d = q_hmd.shape
     p = pk_phd.shape[0]
@@ -219,9 +219,9 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
         raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
                          f"{sk_bshd.shape} and {sv_bshd.shape}")
     suffix_registers = 512 - 2 * int(compute_registers) - MEMORY_REGISTERS
-    if compute_registers % 8 or suffix_registers < 56:
-        raise ValueError(f"compute_registers={compute_registers} must be a multiple of 8 leaving "
-                         f"the suffix warpgroup at least 56 (it would get {suffix_registers})")
+    if compute_registers % 8 or not 56 <= suffix_registers <= 256 or compute_registers > 256:
+        raise ValueError(f"compute_registers={compute_registers} must be a multiple of 8 up to 256 "
+                         f"leaving the suffix warpgroup 56 to 256 (it would get {suffix_registers})")
     pk_phd, pv_phd, sk_bshd, sv_bshd = (x.astype(dtype) for x in (pk_phd, pv_phd, sk_bshd, sv_bshd))
     m_blocks = m // 128
     n_tiles = p // BLOCK_KV
