@@ -206,18 +206,11 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
     b, s_cap = sk_bshd.shape[:2]
     dtype = q_hmd.dtype
     g = int(group)
-    if m % 128 or m < b * g:
-        raise ValueError(f"q rows {m} must be a multiple of 128 covering {b} x {g} rows")
+    pm.check_decode_operands(q_hmd, pk_phd, pv_phd, sk_bshd, sv_bshd, g)
     why = decoupled_supported(batch=b, heads_q=hkv * g, heads_kv=hkv, prefix_len=p,
                               suffix_cap=s_cap, head_dim=d, dtype=dtype)
     if why is not None:
         raise ValueError(f"decoupled_decode_mgpu cannot run these shapes: {why}")
-    if pk_phd.shape != (p, hkv, d) or pv_phd.shape != pk_phd.shape:
-        raise ValueError(f"prefix k/v must have shape {(p, hkv, d)}, got {pk_phd.shape} and "
-                         f"{pv_phd.shape}")
-    if sk_bshd.shape != (b, s_cap, hkv, d) or sv_bshd.shape != sk_bshd.shape:
-        raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
-                         f"{sk_bshd.shape} and {sv_bshd.shape}")
     suffix_registers = 512 - 2 * int(compute_registers) - MEMORY_REGISTERS
     if compute_registers % 8 or not 56 <= suffix_registers <= 256 or compute_registers > 256:
         raise ValueError(f"compute_registers={compute_registers} must be a multiple of 8 up to 256 "

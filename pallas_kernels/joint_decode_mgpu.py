@@ -137,8 +137,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
     p = pk_phd.shape[0]
     b, s_cap = sk_bshd.shape[:2]
     dtype = q_hmd.dtype
-    if m % 128 or m < b * group:
-        raise ValueError(f"q rows {m} must be a multiple of 128 covering {b} x {group} rows")
+    pm.check_decode_operands(q_hmd, pk_phd, pv_phd, sk_bshd, sv_bshd, group)
     t_kv, t_s = joint_tiles(d, jnp.dtype(dtype).itemsize, steps)
     block_kv = t_kv if block_kv is None else int(block_kv)
     bs = t_s if block_s is None else int(block_s)
@@ -146,12 +145,6 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
                           suffix_cap=s_cap, head_dim=d, dtype=dtype, block_s=bs)
     if why is not None:
         raise ValueError(f"joint_decode_mgpu cannot run these shapes: {why}")
-    if pk_phd.shape != (p, hkv, d) or pv_phd.shape != pk_phd.shape:
-        raise ValueError(f"prefix k/v must have shape {(p, hkv, d)}, got {pk_phd.shape} and "
-                         f"{pv_phd.shape}")
-    if sk_bshd.shape != (b, s_cap, hkv, d) or sv_bshd.shape != sk_bshd.shape:
-        raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
-                         f"{sk_bshd.shape} and {sv_bshd.shape}")
     if p % block_kv:
         raise ValueError(f"prefix length {p} must be a multiple of block_kv={block_kv}")
     pk_phd, pv_phd, sk_bshd, sv_bshd = (x.astype(dtype) for x in (pk_phd, pv_phd, sk_bshd, sv_bshd))

@@ -106,6 +106,24 @@ FEW_CTAS = 48  # below this many (kv head, 128-row block) CTAs, split to about o
 LONG_TILES = 128  # from this many key tiles (a 16K prefix), at most 2 splits with >= FEW_CTAS
 
 
+def check_decode_operands(q_hmd, pk_phd, pv_phd, sk_bshd, sv_bshd, group: int, *,
+                          prefix: bool = True) -> None:
+    """Shape checks shared by the one-launch decode kernels: ``q_hmd [Hkv, M, D]`` rows a
+    multiple of 128 covering ``B * group``; prefix ``k/v [P, Hkv, D]`` (unless ``prefix`` is
+    False); suffix ``k/v [B, S, Hkv, D]``.  Raises ``ValueError`` naming the operand."""
+    hkv, m, d = q_hmd.shape
+    p = pk_phd.shape[0]
+    b, s_cap = sk_bshd.shape[:2]
+    if m % 128 or m < b * group:
+        raise ValueError(f"q rows {m} must be a multiple of 128 covering {b} x {group} rows")
+    if prefix and (pk_phd.shape != (p, hkv, d) or pv_phd.shape != pk_phd.shape):
+        raise ValueError(f"prefix k/v must have shape {(p, hkv, d)}, got {pk_phd.shape} and "
+                         f"{pv_phd.shape}")
+    if sk_bshd.shape != (b, s_cap, hkv, d) or sv_bshd.shape != sk_bshd.shape:
+        raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
+                         f"{sk_bshd.shape} and {sv_bshd.shape}")
+
+
 def choose_splits(n_tiles: int, ctas: int, sms: int = SMS) -> int:
     """Splits of the prefix for ``ctas`` (kv head, 128-row block) CTAs (a divisor of the
     ``n_tiles`` key tiles):

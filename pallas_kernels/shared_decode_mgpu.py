@@ -251,15 +251,11 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
     p = pk_phd.shape[0]
     b, s_cap = sk_bshd.shape[:2]
     dtype = q_hmd.dtype
-    if m % 128 or m < b * group:
-        raise ValueError(f"q rows {m} must be a multiple of 128 covering {b} x {group} rows")
+    pm.check_decode_operands(q_hmd, pk_phd, pv_phd, sk_bshd, sv_bshd, group, prefix=False)
     why = fused_supported(batch=b, heads_q=hkv * group, heads_kv=hkv, prefix_len=p,
                           suffix_cap=s_cap, head_dim=d, dtype=dtype, block_s=block_s)
     if why is not None:
         raise ValueError(f"shared_decode_partials_mgpu cannot run these shapes: {why}")
-    if sk_bshd.shape != (b, s_cap, hkv, d) or sv_bshd.shape != sk_bshd.shape:
-        raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
-                         f"{sk_bshd.shape} and {sv_bshd.shape}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if suffix_mode not in SUFFIX_MODES:
