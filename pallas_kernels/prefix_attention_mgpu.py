@@ -174,7 +174,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
                          scale: float, num_splits: int | None = None, block_q: int = 64,
                          block_kv: int = 128, max_concurrent_steps: int | None = None,
                          schedule_barrier: bool = True, out_rows: int | None = None,
-                         interpret: bool = False, _cpu_check: bool = False):
+                         persistent_ctas: int | None = None, interpret: bool = False,
+                         _cpu_check: bool = False):
     """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
 
     Returns ``(o, lse)``: ``o [splits, Hkv, M, D]`` in q's dtype (normalised) and
@@ -189,7 +190,10 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     scheduling, through one two-arrival barrier).  ``out_rows``: rows of ``o``/``lse`` to
     allocate (``>= M``, rounded up to a multiple of 16); rows ``>= M`` are left unwritten, for a
     consumer that reads whole tiles past the last real row and discards them (the suffix pass),
-    instead of computing a padding row block.
+    instead of computing a padding row block.  ``persistent_ctas``: launch that many CTAs, each
+    looping over the ``Hkv * M / (2 * block_q) * splits`` tasks (round robin), instead of one CTA
+    per task: the kernel then holds at most that many SMs, and the rest are free for a kernel
+    running beside it.
     """
     hkv, m, d = q_hmd.shape
     p = k_phd.shape[0]
@@ -220,20 +224,42 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     lse_in_smem = steps <= 2
     scale_log2 = float(scale) * _LOG2E
 
+    n_tasks = hkv * m_blocks * splits
+    if persistent_ctas is not None and not 1 <= int(persistent_ctas) <= n_tasks:
+        raise ValueError(f"persistent_ctas={persistent_ctas} must be in [1, {n_tasks}] (the tasks)")
+
     def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, *rest):
         lse_smem2, q_barriers, sched_barrier, *maybe_p = rest if lse_in_smem else (None, *rest)
-        prefix_task(h=lax.axis_index("h"), mb=lax.axis_index("m"), sp=lax.axis_index("s"),
-                    n_keys=len_ref[0], q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref,
-                    lse_ref=lse_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers,
-                    sched_barrier=sched_barrier, p_smem2=maybe_p[0] if _cpu_check else None,
-                    tiles_per_split=tiles_per_split, steps=steps, block_q=block_q,
-                    block_kv=block_kv, scale_log2=scale_log2, schedule_barrier=schedule_barrier,
-                    cpu_check=_cpu_check)
+        task = functools.partial(
+            prefix_task, n_keys=len_ref[0], q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref,
+            lse_ref=lse_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers,
+            sched_barrier=sched_barrier, p_smem2=maybe_p[0] if _cpu_check else None,
+            tiles_per_split=tiles_per_split, steps=steps, block_q=block_q, block_kv=block_kv,
+            scale_log2=scale_log2, schedule_barrier=schedule_barrier, cpu_check=_cpu_check)
+        if persistent_ctas is None:
+            task(h=lax.axis_index("h"), mb=lax.axis_index("m"), sp=lax.axis_index("s"))
+            return
+        # Persistent: CTA c runs tasks c, c + n, c + 2n, ... (split fastest, then row block,
+        # then kv head) through one set of pipeline buffers and barriers.
+        allocs = prefix_pipeline(None, None, first_tile=0, tiles_per_split=tiles_per_split,
+                                 steps=steps, d=d, block_kv=block_kv,
+                                 cpu_check=_cpu_check).get_allocations(
+                                     *_head_refs(k_ref, v_ref, 0, _cpu_check))
 
+        def scope(**pipeline_allocs):
+            @plgpu.nd_loop((n_tasks,), collective_axes="c")
+            def _tasks(info):
+                (t,) = info.index
+                task(h=t // (m_blocks * splits), mb=(t // splits) % m_blocks, sp=t % splits,
+                     allocations=pipeline_allocs)
+        pl.run_scoped(scope, **allocs, collective_axes="wg")
+
+    grid, names = (((hkv, m_blocks, splits), ("h", "m", "s")) if persistent_ctas is None
+                   else ((int(persistent_ctas),), ("c",)))
     o, lse = plgpu.kernel(
         kernel,
-        grid=(hkv, m_blocks, splits),
-        grid_names=("h", "m", "s"),
+        grid=grid,
+        grid_names=names,
         num_threads=3,
         thread_name="wg",
         out_type=(jax.ShapeDtypeStruct((splits, hkv, m_out, d), dtype),
@@ -371,12 +397,14 @@ def wg_pipeline(tile_body, *, n_steps, steps, compute_context, in_specs):
 
 def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2,
                 q_barriers, sched_barrier, p_smem2, tiles_per_split, steps, block_q, block_kv,
-                scale_log2, schedule_barrier, cpu_check):
+                scale_log2, schedule_barrier, cpu_check, allocations=None):
     """One CTA of the prefix kernel: rows ``[mb * 2 * block_q, +2 * block_q)`` of kv head ``h``
     (one ``block_q``-row block per compute warpgroup) against key tiles
     ``[sp * tiles_per_split, +tiles_per_split)`` of the prefix (keys ``>= n_keys`` masked),
     partial state written to split ``sp`` of ``o_ref [splits, Hkv, M, D]`` / ``lse_ref``.
-    ``k_ref/v_ref [P, Hkv, D]`` (``k_ref [Hkv, D, P]`` with ``cpu_check``)."""
+    ``k_ref/v_ref [P, Hkv, D]`` (``k_ref [Hkv, D, P]`` with ``cpu_check``).  ``allocations``: the
+    pipeline's shared-memory buffers and barriers allocated once by the caller
+    (:func:`prefix_pipeline`'s ``get_allocations``), so a persistent CTA can run several tasks."""
     wg = lax.axis_index("wg")
     d = q_ref.shape[-1]
     dtype = q_ref.dtype
@@ -408,10 +436,23 @@ def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_sme
         plgpu.barrier_arrive(v_consumed)
         return acc, m_new, l_i
 
-    pipeline = wg_pipeline(
+    pipeline = prefix_pipeline(tile_body, compute_context, first_tile=first_tile,
+                               tiles_per_split=tiles_per_split, steps=steps, d=d,
+                               block_kv=block_kv, cpu_check=cpu_check)
+    pipeline(*_head_refs(k_ref, v_ref, h, cpu_check), allocations=allocations)
+
+
+def _head_refs(k_ref, v_ref, h, cpu_check: bool):
+    """kv head ``h``'s ``K`` and ``V`` refs as the prefix pipeline reads them."""
+    return (k_ref.at[h] if cpu_check else k_ref.at[:, h, :]), v_ref.at[:, h, :]
+
+
+def prefix_pipeline(tile_body, compute_context, *, first_tile, tiles_per_split, steps, d, block_kv,
+                    cpu_check):
+    """The prefix task's K/V pipeline over ``tiles_per_split`` tiles from ``first_tile``."""
+    return wg_pipeline(
         tile_body, n_steps=tiles_per_split, steps=steps, compute_context=compute_context,
         in_specs=[plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, first_tile + t))
                   if cpu_check else
                   plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0)),
                   plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0))])
-    pipeline(k_ref.at[h] if cpu_check else k_ref.at[:, h, :], v_ref.at[:, h, :])
