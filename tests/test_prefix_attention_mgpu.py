@@ -153,6 +153,45 @@ def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits, sc
     np.testing.assert_allclose(np.asarray(lse), np.asarray(rl), atol=1e-4, rtol=1e-5)
 
 
+def _rand_operands(hkv, m, d, p, seed):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+                 for shape in ((hkv, m, d), (p, hkv, d), (p, hkv, d)))
+
+
+@pytest.mark.parametrize("hkv,m,d,p,n,splits,ctas,stages", [
+    (2, 256, 64, 512, 300, 2, 3, 2),     # 8 tasks over 3 CTAs: uneven rounds
+    (2, 128, 128, 768, 700, 3, 4, 3)])   # 6 tasks over 4 CTAs, 3 stages
+def test_persistent_ctas_in_cpu_interpreter(hkv, m, d, p, n, splits, ctas, stages):
+    """``persistent_ctas``: CTAs looping over the tasks through one set of pipeline buffers give
+    the same partial states as one CTA per task (bit for bit), and match the reference."""
+    from pallas_kernels.decode_attention import merge_partials
+    q, k, v = _rand_operands(hkv, m, d, p, seed=m + p + ctas)
+    kw = dict(scale=d ** -0.5, num_splits=splits, interpret=True, _cpu_check=True,
+              max_concurrent_steps=stages)
+    o, lse = prefix_partials_mgpu(q, k, v, n, persistent_ctas=ctas, **kw)
+    o_grid, lse_grid = prefix_partials_mgpu(q, k, v, n, **kw)
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o_grid, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_grid))
+    o, lse = merge_partials(o.astype(jnp.float32), lse)
+    ro, rl = _reference_partials(q, k, v, n, d ** -0.5)
+    assert float(jnp.linalg.norm(o - ro) / jnp.linalg.norm(ro)) < 2e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(rl), atol=1e-4, rtol=1e-5)
+
+
+def test_persistent_ctas_validation_and_lowering():
+    q, k, v = _rand_operands(1, 128, 64, 512, seed=0)
+    for bad in (0, 5):   # 1 kv head x 1 row block x 4 splits = 4 tasks
+        with pytest.raises(ValueError, match=f"persistent_ctas={bad} must be in \\[1, 4\\]"):
+            prefix_partials_mgpu(q, k, v, 512, scale=0.125, num_splits=4, persistent_ctas=bad)
+    txt = _lower_for_cuda(
+        lambda q, k, v, n: prefix_partials_mgpu(q, k, v, n, scale=0.125, num_splits=4,
+                                                persistent_ctas=100),
+        S((8, 1024, 128), jnp.bfloat16), S((4096, 8, 128), jnp.bfloat16),
+        S((4096, 8, 128), jnp.bfloat16), S((1,), jnp.int32))
+    assert "mosaic_gpu" in txt
+
+
 @pytest.mark.parametrize("merge", ["epilogue", "independent"])
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [(3, 8, 2, 64, 256, 20),
                                            (32, 8, 2, 64, 128, 9)])  # 128 rows: unwritten tail rows read
@@ -226,6 +265,24 @@ def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, 
         return
     rel = float(jnp.linalg.norm(o - ro) / jnp.linalg.norm(ro))
     assert rel < 2e-2, rel
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(rl), atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hkv,m,d,p,n,splits,ctas", [
+    (8, 1024, 128, 4096, 3000, 4, 100), (1, 512, 64, 8192, 8192, 16, 7)])
+def test_gpu_persistent_ctas(hkv, m, d, p, n, splits, ctas):
+    """The persistent form on the GPU: against the reference, and equal to the grid form."""
+    from pallas_kernels.decode_attention import merge_partials
+    q, k, v = _rand_operands(hkv, m, d, p, seed=m + p)
+    o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits,
+                                  persistent_ctas=ctas)
+    o_grid, lse_grid = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits)
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o_grid, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_grid))
+    o, lse = merge_partials(o.astype(jnp.float32), lse)
+    ro, rl = _reference_partials(q, k, v, n, d ** -0.5)
+    assert float(jnp.linalg.norm(o - ro) / jnp.linalg.norm(ro)) < 2e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(rl), atol=2e-2, rtol=1e-3)
 
 
