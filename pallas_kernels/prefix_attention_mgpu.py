@@ -21,6 +21,14 @@ stages; bit-identical outputs to 2 stages) but not faster: on an H200 (session 1
 ``bench/results/logs/session19_probe_stages_h200.jsonl``) the kernel alone took 1.01-1.05x the
 time of 2 stages and the whole shared path 0.99-1.02x at five target points, so the default
 stays 2.
+``persistent_ctas=n`` (session 20) launches ``n`` CTAs that loop over the tasks (round robin,
+one set of pipeline buffers), so the kernel holds at most ``n`` SMs and a kernel beside it can
+have the rest.  It is exact (bit-equal to one CTA per task; CPU interpreter and GPU tests) but
+not dispatched: as a space split of the shared path (prefix on ``n`` SMs, the suffix kernel
+beside it under ``CONCURRENT_COMPILER_OPTIONS``) it took 1.02-1.39x the default's time at five
+target points on an H100 (``bench/results/logs/session20_probe_persist_h100.jsonl``): the
+prefix is tensor-core bound, so its time grows as ``132 / n`` (B=512 P=8K: 0.128 / 0.155 /
+0.182 ms at 132 / 112 / 96 CTAs), while at most about a third of the suffix ran beside it.
 The CPU tests lower it for CUDA and run it in Mosaic GPU's CPU interpreter against the
 reference, except two operand forms that interpreter lacks (``_cpu_check=True`` swaps them: K
 pre-transposed in memory for ``Q K^T``; ``P`` staged through shared memory and ``P V`` into a
