@@ -23,8 +23,8 @@ time of 2 stages and the whole shared path 0.99-1.02x at five target points, so 
 stays 2.
 ``persistent_ctas=n`` (session 20) launches ``n`` CTAs that loop over the tasks (round robin,
 one set of pipeline buffers), so the kernel holds at most ``n`` SMs and a kernel beside it can
-have the rest.  It is exact (bit-equal to one CTA per task; CPU interpreter and GPU tests) but
-not dispatched: as a space split of the shared path (prefix on ``n`` SMs, the suffix kernel
+have the rest.  It is exact (GPU test: bit-equal to one CTA per task; CPU interpreter test:
+the reference) but not dispatched: as a space split of the shared path (prefix on ``n`` SMs, the suffix kernel
 beside it under ``CONCURRENT_COMPILER_OPTIONS``) it took 1.02-1.39x the default's time at five
 target points on an H100 (``bench/results/logs/session20_probe_persist_h100.jsonl``): the
 prefix is tensor-core bound, so its time grows as ``132 / n`` (B=512 P=8K: 0.128 / 0.155 /
