@@ -293,21 +293,13 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
                 def body(t, carry):
                     slot = lax.rem(t, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
-                    s = pm.wg_scores(q_smem2.at[wg], k_smem.at[slot], shape=(64, BLOCK_KV),
-                                     cpu_check=_cpu_check, after_issue=turn)
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    key0 = (first_tile + t) * BLOCK_KV
-                    acc, m_new, l_i, p16 = pm.masked_softmax_step(
-                        s, lambda: key0 + lax.broadcasted_iota(jnp.int32, (64, BLOCK_KV), 1) < n_keys,
-                        key0 + BLOCK_KV > n_keys, carry, scale_log2=scale_log2, dtype=dtype)
-                    if schedule_barrier:  # softmax done: wait for the tensor cores' turn
-                        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                        turn()
-                    plgpu.barrier_wait(v_bars.at[slot])
-                    acc = pm.wg_accumulate_pv(acc, p16, v_smem.at[slot], p_smem,
-                                              cpu_check=_cpu_check)
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    return acc, m_new, l_i
+                    return pm.prefix_tile_step(
+                        carry, q_smem=q_smem2.at[wg], k_smem=k_smem.at[slot],
+                        v_smem=v_smem.at[slot], p_smem=p_smem, k_consumed=k_free.at[slot],
+                        v_consumed=v_free.at[slot], v_ready=v_bars.at[slot],
+                        first_key=lambda: (first_tile + t) * BLOCK_KV, n_keys=n_keys, turn=turn,
+                        schedule_barrier=schedule_barrier, scale_log2=scale_log2,
+                        cpu_check=_cpu_check)
                 return lax.fori_loop(0, t_pre, body, carry)
 
             # warpgroup 1 starts one phase behind (one extra turn before its first tile,

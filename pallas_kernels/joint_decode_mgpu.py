@@ -195,18 +195,11 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
             return w, i, bc, n, u % s_tiles
 
         def pre_body(t, pk_s, pv_s, pk_done, pv_done, carry):
-            s = pm.wg_scores(q_smem2.at[wg], pk_s, shape=(64, block_kv), cpu_check=_cpu_check,
-                             after_issue=turn)
-            plgpu.barrier_arrive(pk_done)
-            key0 = (first_tile + t) * block_kv
-            acc, m_new, l_i, p16 = pm.masked_softmax_step(
-                s, lambda: key0 + lax.broadcasted_iota(jnp.int32, (64, block_kv), 1) < n_keys,
-                key0 + block_kv > n_keys, carry, scale_log2=scale_log2, dtype=dtype)
-            if schedule_barrier:  # softmax done: wait for the tensor cores' turn
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                turn()
-            acc = pm.wg_accumulate_pv(acc, p16, pv_s, p_pre, cpu_check=_cpu_check)
-            plgpu.barrier_arrive(pv_done)
+            acc, m_new, l_i = pm.prefix_tile_step(
+                carry, q_smem=q_smem2.at[wg], k_smem=pk_s, v_smem=pv_s, p_smem=p_pre,
+                k_consumed=pk_done, v_consumed=pv_done,
+                first_key=lambda: (first_tile + t) * block_kv, n_keys=n_keys, turn=turn,
+                schedule_barrier=schedule_barrier, scale_log2=scale_log2, cpu_check=_cpu_check)
             # Warpgroup 0's closing turn right after the last prefix tile (not after the
             # pipeline, as in the prefix kernel): warpgroup 1 waits on it there, and the
             # suffix steps that follow need both warpgroups to release their tiles.

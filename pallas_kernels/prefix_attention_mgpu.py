@@ -356,6 +356,35 @@ def wg_accumulate_pv(acc, p16, v_smem, p_smem, *, cpu_check: bool):
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
+def prefix_tile_step(carry, *, q_smem, k_smem, v_smem, p_smem, k_consumed, v_consumed, first_key,
+                     n_keys, turn, schedule_barrier: bool, scale_log2: float, cpu_check: bool,
+                     v_ready=None):
+    """One prefix key tile for one compute warpgroup, as every kernel here runs it: ``S = Q K^T``
+    (``turn`` between issuing and reading it), ``k_consumed`` arrived on, the online softmax
+    with keys ``>= n_keys`` masked (``first_key()`` gives the tile's first key), then (after the
+    ping-pong ``turn`` when ``schedule_barrier``; after waiting on ``v_ready`` when given)
+    ``O += P V`` and ``v_consumed`` arrived on.  ``q_smem [rows, D]``, ``k_smem/v_smem
+    [keys, D]`` (``k_smem [D, keys]`` with ``cpu_check``); ``carry = (acc, m, l)`` as
+    :func:`softmax_step`.  Used by the prefix kernel and the one-pass and decoupled one-launch
+    kernels (the last waits on ``v_ready`` itself: it runs its own pipeline).  Returns the new
+    carry."""
+    rows, keys = q_smem.shape[0], k_smem.shape[-1] if cpu_check else k_smem.shape[0]
+    s = wg_scores(q_smem, k_smem, shape=(rows, keys), cpu_check=cpu_check, after_issue=turn)
+    plgpu.barrier_arrive(k_consumed)
+    key0 = first_key()
+    acc, m_new, l_i, p16 = masked_softmax_step(
+        s, lambda: key0 + lax.broadcasted_iota(jnp.int32, (rows, keys), 1) < n_keys,
+        key0 + keys > n_keys, carry, scale_log2=scale_log2, dtype=q_smem.dtype)
+    if schedule_barrier:  # softmax done: wait for the tensor cores' turn
+        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        turn()
+    if v_ready is not None:
+        plgpu.barrier_wait(v_ready)
+    acc = wg_accumulate_pv(acc, p16, v_smem, p_smem, cpu_check=cpu_check)
+    plgpu.barrier_arrive(v_consumed)
+    return acc, m_new, l_i
+
+
 def wg_compute_context(*, q_src, q_smem, q_barrier, lse_smem, o_dst, lse_dst, block_q, d, dtype,
                        before=None, after=None):
     """A ``compute_context`` for ``emit_pipeline_warp_specialized``: load this warpgroup's
@@ -429,20 +458,12 @@ def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_sme
         before=lambda: pl.when(wg == 1)(turn), after=lambda: pl.when(wg == 0)(turn))
 
     def tile_body(indices, k_smem, v_smem, k_consumed, v_consumed, carry):
-        s = wg_scores(q_smem2.at[wg], k_smem, shape=(block_q, block_kv), cpu_check=cpu_check,
-                      after_issue=turn)
-        plgpu.barrier_arrive(k_consumed)
-        key0 = (first_tile + indices[0]) * block_kv
-        acc, m_new, l_i, p16 = masked_softmax_step(
-            s, lambda: key0 + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1) < n_keys,
-            key0 + block_kv > n_keys, carry, scale_log2=scale_log2, dtype=dtype)
-        if schedule_barrier:  # softmax done: wait for the tensor cores' turn
-            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-            turn()
-        acc = wg_accumulate_pv(acc, p16, v_smem, None if p_smem2 is None else p_smem2.at[wg],
-                               cpu_check=cpu_check)
-        plgpu.barrier_arrive(v_consumed)
-        return acc, m_new, l_i
+        return prefix_tile_step(
+            carry, q_smem=q_smem2.at[wg], k_smem=k_smem, v_smem=v_smem,
+            p_smem=None if p_smem2 is None else p_smem2.at[wg], k_consumed=k_consumed,
+            v_consumed=v_consumed, first_key=lambda: (first_tile + indices[0]) * block_kv,
+            n_keys=n_keys, turn=turn, schedule_barrier=schedule_barrier, scale_log2=scale_log2,
+            cpu_check=cpu_check)
 
     pipeline = prefix_pipeline(tile_body, compute_context, first_tile=first_tile,
                                tiles_per_split=tiles_per_split, steps=steps, d=d,
