@@ -1,0 +1,295 @@
+"""Decode suffix attention streamed by a few persistent CTAs (Pallas Mosaic GPU; EXPERIMENTAL).
+
+For decoding (one query per sequence) with GQA group ``G = Hq / Hkv``, every (sequence, kv
+head) attends over its own suffix keys ``[0, s_len[b])``.  That part of the shared-prefix path
+is bound by HBM bandwidth (each suffix K/V byte is read once), while the prefix part is bound
+by the tensor cores.  This kernel computes the suffix part on only ``ctas`` SMs, so the prefix
+kernel can hold the others at the same time (a split of the SMs by role).
+
+Why a kernel of its own: session 20 ran the Triton-lowered suffix kernel beside a persistent
+prefix kernel and it hid at most 35 of its 100 us; a load-only probe this session
+(``bench/results/logs/session21_probe_stream_h100.jsonl``, H100) found that persistent CTAs
+with a deep TMA pipeline read the suffix at 2.35 TB/s on 20 SMs and 2.56 TB/s on 24 (2.67 TB/s
+on all 132): a few SMs can stream nearly all of HBM's bandwidth if they keep enough bytes in
+flight.
+
+Products ("swap AB", as ``decoupled_decode_mgpu``'s suffix warpgroup): for a task's sequence
+``b`` and kv head ``h``, ``S^T = K Q^T`` is ``[64 keys, COLS]`` (wgmma M = 64 keys, N = COLS
+query rows), the online softmax runs down the columns, and ``O^T += V^T P^T`` is ``[D, COLS]``.
+``COLS = max(16, G)``: a task is ``COLS / G`` consecutive sequences of one kv head (rows
+``blk * COLS ..`` of ``q_hmd[h]``), walked one after another into one state whose columns
+belong to them in turn (a column only sees keys while its own sequence is walked).
+
+Kernel: ``ctas`` CTAs of three warpgroups: two compute warpgroups, each a *worker* with its own
+tasks (worker ``2 c + w`` takes tasks ``worker, worker + 2 ctas, ...``: task ``i`` is block
+``i // Hkv`` of kv head ``i % Hkv``, so concurrent workers read neighbouring rows of the
+cache), and one memory warpgroup that keeps ``stages`` steps of each worker in flight (per
+step and worker: a ``[64, D]`` K tile and a ``[64, D]`` V tile, each with its own barrier,
+and at a task's first step its ``[COLS, D]`` queries into one of ``n_q`` buffers; a "free"
+barrier per slot, arrived on by the worker after its ``P V``).  Steps form a static ``rounds x (COLS/G) x S/64`` grid per worker, so barrier
+phases never depend on the lengths; a tile wholly past its sequence's length loads the last
+valid tile again (an L2 hit) and skips the math; ``V`` rows past a length are zeroed in shared
+memory before ``P V`` (NaN in the cache there never reaches the output).
+
+Layouts: ``q_hmd [Hkv, M, D]`` row ``b * G + j`` is query head ``h * G + j`` of sequence ``b``
+(``M >= ceil(B G / COLS) COLS``, rows past ``B G`` zero or anything finite), suffix
+``k/v [B, S, Hkv, D]`` (``S % 64 == 0``), ``s_len [B]`` int32 (dynamic, clamped to ``[0, S]``
+by the caller).  Returns ``o [1, Hkv, B * G, D]`` (q's dtype, normalised) and
+``lse [1, Hkv, B * G]`` float32 natural log, the row layout of
+:func:`pallas_kernels.prefix_attention._merge_row_parts`; ``lse = -inf`` and ``o = 0`` for a
+sequence with no suffix key.
+
+Static arguments: every shape, ``group``, ``ctas``, ``stages``, ``scale``; one compile per
+(shape, ctas, stages).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.prefix_attention_mgpu import plgpu
+
+__all__ = ["stream_supported", "suffix_stream_mgpu", "BLOCK_S", "cols_for"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+BLOCK_S = 64   # suffix keys per tile (the swapped product's M)
+
+
+def cols_for(group: int) -> int:
+    """Query rows per task (the swapped products' N): ``max(16, G)`` (a ``P^T`` tile of fewer
+    than 16 columns has 16-byte rows, which no wgmma shared-memory swizzle takes)."""
+    return max(16, int(group))
+
+
+def stream_supported(*, heads_q: int, heads_kv: int, suffix_cap: int, head_dim: int,
+                     dtype) -> str | None:
+    """``None`` when :func:`suffix_stream_mgpu` handles these static shapes, else the reason."""
+    if heads_kv < 1 or heads_q % heads_kv:
+        return f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}"
+    g = heads_q // heads_kv
+    if g & (g - 1) or g > 16:
+        return f"query heads per kv head must be a power of two up to 16, got {g}"
+    if head_dim not in (64, 128):
+        return f"head_dim must be 64 or 128, got {head_dim}"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype must be bfloat16 or float16, got {jnp.dtype(dtype)}"
+    if suffix_cap % BLOCK_S or suffix_cap == 0:
+        return f"suffix capacity {suffix_cap} must be a positive multiple of {BLOCK_S}"
+    return None
+
+
+def _iota(shape, dim):
+    """An int32 iota in the wgmma register layout (a layout hint for Mosaic GPU's inference)."""
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+SMEM_BYTES = 232448 - 1024   # Hopper's per-CTA shared memory, less room for the barriers
+
+
+def _n_q(stages: int, per_task: int) -> int:
+    """Query buffers per worker: task ``r``'s queries are loaded at its first step ``u0``,
+    which waits for step ``u0 - stages`` to be consumed; the buffer's previous task
+    (``r - n_q``) ended at step ``u0 - (n_q - 1) * per_task - 1``, so
+    ``n_q - 1 >= (stages - 1) / per_task``."""
+    return min(stages, 1 + -(-(stages - 1) // per_task))
+
+
+def _smem_bytes(stages: int, n_q: int, cols: int, d: int, itemsize: int) -> int:
+    return itemsize * (2 * stages * 2 * BLOCK_S * d + 2 * n_q * cols * d + 2 * BLOCK_S * cols
+                       + 2 * d * cols)
+
+
+def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: int, ctas: int,
+                       stages: int | None = None):
+    """Suffix attention states of every row on ``ctas`` persistent CTAs; see the module
+    docstring for layouts and outputs.  ``stages``: steps in flight per worker (each step
+    ``2 * 64 * D`` bytes of K/V; None: the most, up to 3, that fit in shared memory).
+
+    Raises ``ValueError`` for shapes outside :func:`stream_supported`, ``M`` too small, or
+    ``ctas``/``stages`` out of range."""
+    hkv, m, d = q_hmd.shape
+    b, s_cap = sk_bshd.shape[:2]
+    g = int(group)
+    dtype = q_hmd.dtype
+    why = stream_supported(heads_q=hkv * g, heads_kv=hkv, suffix_cap=s_cap, head_dim=d, dtype=dtype)
+    if why is not None:
+        raise ValueError(f"suffix_stream_mgpu cannot run these shapes: {why}")
+    if sk_bshd.shape != (b, s_cap, hkv, d) or sv_bshd.shape != sk_bshd.shape:
+        raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
+                         f"{sk_bshd.shape} and {sv_bshd.shape}")
+    cols = cols_for(g)
+    spt = cols // g                               # sequences per task
+    n_blk = -(-b * g // cols)
+    if m < n_blk * cols:
+        raise ValueError(f"q_hmd has {m} rows; needs at least {n_blk * cols}")
+    n_tasks = n_blk * hkv
+    workers = 2 * int(ctas)
+    if not 1 <= int(ctas) or workers > 2 * n_tasks:
+        raise ValueError(f"ctas={ctas} must be in [1, {n_tasks}]")
+    rounds = -(-n_tasks // workers)
+    s_tiles = s_cap // BLOCK_S
+    per_task = spt * s_tiles
+    n_steps = rounds * per_task                   # static steps per worker
+    isz = jnp.dtype(dtype).itemsize
+    if stages is None:
+        stages = max([st for st in (1, 2, 3)
+                      if _smem_bytes(st, _n_q(st, per_task), cols, d, isz) <= SMEM_BYTES])
+    stages = int(stages)
+    n_q = _n_q(stages, per_task) if stages >= 1 else 1
+    if not 1 <= stages <= 4 or _smem_bytes(stages, n_q, cols, d, isz) > SMEM_BYTES:
+        raise ValueError(f"stages={stages} must be in [1, 4] and fit in shared memory")
+    scale_log2 = float(scale) * _LOG2E
+    log2_g = g.bit_length() - 1
+    sk_bshd = sk_bshd.astype(dtype)
+    sv_bshd = sv_bshd.astype(dtype)
+    s_len = jnp.asarray(s_len, jnp.int32).reshape(b)
+
+    def kernel(slen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, k_smem, v_smem, q_smem, p_smem,
+               o_smem, k_bar, v_bar, q_bar, free_bar):
+        c = lax.axis_index("c")
+        wg = lax.axis_index("wg")
+
+        def step_of(worker, u):
+            """(task, h, block, local sequence j, clamped sequence, its keys, tile to load,
+            key0) of step ``u`` of ``worker``."""
+            r = lax.div(u, per_task)
+            j = lax.rem(lax.div(u, s_tiles), spt)
+            t = lax.rem(u, s_tiles)
+            task = r * workers + worker
+            h = lax.rem(task, hkv)
+            blk = lax.div(task, hkv)
+            seq = blk * spt + j
+            real = seq < b
+            bc = jnp.minimum(seq, b - 1)
+            n = jnp.where(real, slen_ref[bc], 0)
+            last = jnp.maximum(lax.div(n + BLOCK_S - 1, BLOCK_S) - 1, 0)
+            return task, h, blk, j, bc, n, jnp.minimum(t, last), t * BLOCK_S
+
+        # ------------------------------------------------------------------ memory warpgroup
+        @pl.when(wg == 2)
+        def _memory():
+            @pl.loop(0, n_steps)
+            def _(u):
+                slot = lax.rem(u, stages)
+                for w in range(2):
+                    worker = 2 * c + w
+                    _, h, blk, _, bc, _, tile, _ = step_of(worker, u)
+                    i = w * stages + slot
+
+                    @pl.when(u >= stages)
+                    def _():
+                        plgpu.barrier_wait(free_bar.at[i])
+                    @pl.when(lax.rem(u, per_task) == 0)   # a task's first step: its queries
+                    def _():
+                        iq = w * n_q + lax.rem(lax.div(u, per_task), n_q)
+                        blk_c = jnp.minimum(blk, n_blk - 1)
+                        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(blk_c * cols, cols)],
+                                                q_smem.at[iq], q_bar.at[iq])
+                    plgpu.copy_gmem_to_smem(k_ref.at[bc, pl.ds(tile * BLOCK_S, BLOCK_S), h, :],
+                                            k_smem.at[i], k_bar.at[i])
+                    plgpu.copy_gmem_to_smem(v_ref.at[bc, pl.ds(tile * BLOCK_S, BLOCK_S), h, :],
+                                            v_smem.at[i], v_bar.at[i])
+
+        # ------------------------------------------------------------------ compute warpgroups
+        @pl.when(wg < 2)
+        def _compute():
+            worker = 2 * c + wg
+
+            def fresh():
+                return (jnp.zeros((d, cols), jnp.float32), jnp.full((cols,), -jnp.inf, jnp.float32),
+                        jnp.zeros((cols,), jnp.float32))
+
+            def step(u, carry):
+                task, _, _, j, _, n, _, key0 = step_of(worker, u)
+                i = wg * stages + lax.rem(u, stages)
+                iq = wg * n_q + lax.rem(lax.div(u, per_task), n_q)
+
+                @pl.when(lax.rem(u, per_task) == 0)
+                def _():
+                    plgpu.barrier_wait(q_bar.at[iq])
+                plgpu.barrier_wait(k_bar.at[i])
+                plgpu.barrier_wait(v_bar.at[i])
+                k_tile, v_tile, q_tile = k_smem.at[i], v_smem.at[i], q_smem.at[iq]
+
+                def attend(acc, m_i, l_i):
+                    def scores(s_ref):   # S^T = K Q^T: [keys, cols]
+                        plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
+                        return s_ref[...]
+                    s = pl.run_scoped(scores, plgpu.ACC((BLOCK_S, cols), jnp.float32))
+
+                    @pl.when(key0 + BLOCK_S > n)   # zero V rows past the length (NaN-safe)
+                    def _():
+                        keys = _iota((BLOCK_S, d), 0)
+                        v_tile[...] = jnp.where(key0 + keys < n, v_tile[...],
+                                                jnp.zeros_like(v_tile[...]))
+                        plgpu.commit_smem()
+                    keys = key0 + _iota((BLOCK_S, cols), 0)
+                    valid = keys < n
+                    if spt > 1:   # columns of the other sequences of the task see no key
+                        col_seq = lax.shift_right_logical(_iota((BLOCK_S, cols), 1), log2_g)
+                        valid = valid & (col_seq == j)
+                    sv = jnp.where(valid, s, -jnp.inf)
+                    m_new = jnp.maximum(m_i, sv.max(axis=0) * scale_log2)
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    alpha = jnp.exp2(m_i - m_use)
+                    prob = jnp.exp2(sv * scale_log2 - lax.broadcast_in_dim(m_use, sv.shape, [1]))
+                    l_new = l_i * alpha + prob.sum(axis=0)
+                    p_smem.at[wg][...] = prob.astype(dtype)
+                    plgpu.commit_smem()
+
+                    def pv(acc_ref):   # O^T += V^T P^T: [D, cols]
+                        plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.at[wg])
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    return acc, m_new, l_new
+
+                acc, m_i, l_i = lax.cond(key0 < n, attend, lambda *a: a, *carry)
+                plgpu.barrier_arrive(free_bar.at[i])
+                last_step = lax.rem(u, per_task) == per_task - 1
+
+                @pl.when(last_step)   # the task's state: normalise and write
+                def _():
+                    has = l_i > 0.0
+                    l_safe = jnp.where(has, l_i, 1.0)
+                    plgpu.wait_smem_to_gmem(0)     # the staging buffer's previous store
+                    o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])).astype(dtype)
+                    lse_ref.at[task][...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[task])
+                return lax.cond(last_step, lambda *a: fresh(), lambda *a: a, acc, m_i, l_i)
+
+            lax.fori_loop(0, n_steps, step, fresh())
+            plgpu.wait_smem_to_gmem(0)
+
+    n_out = rounds * workers
+    scratch = (plgpu.SMEM((2 * stages, BLOCK_S, d), dtype),
+               plgpu.SMEM((2 * stages, BLOCK_S, d), dtype),
+               plgpu.SMEM((2 * n_q, cols, d), dtype),
+               plgpu.SMEM((2, BLOCK_S, cols), dtype),
+               plgpu.SMEM((2, d, cols), dtype),
+               plgpu.Barrier(num_barriers=2 * stages),
+               plgpu.Barrier(num_barriers=2 * stages),
+               plgpu.Barrier(num_barriers=2 * n_q),
+               plgpu.Barrier(num_barriers=2 * stages))
+    o_t, lse_t = plgpu.kernel(
+        kernel,
+        grid=(int(ctas),),
+        grid_names=("c",),
+        num_threads=3,
+        thread_name="wg",
+        out_type=(jax.ShapeDtypeStruct((n_out, d, cols), dtype),
+                  jax.ShapeDtypeStruct((n_out, cols), jnp.float32)),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(s_len, q_hmd, sk_bshd, sv_bshd)
+    # task i = block i // Hkv of kv head i % Hkv -> the row layout [1, Hkv, B * G(, D)]
+    o = o_t[:n_tasks].reshape(n_blk, hkv, d, cols)
+    o = jnp.transpose(o, (1, 0, 3, 2)).reshape(hkv, n_blk * cols, d)[None, :, :b * g]
+    lse = jnp.swapaxes(lse_t[:n_tasks].reshape(n_blk, hkv, cols), 0, 1).reshape(hkv, n_blk * cols)
+    return o, lse[None, :, :b * g]
