@@ -105,7 +105,7 @@ def _smem_bytes(stages: int, n_q: int, cols: int, d: int, itemsize: int) -> int:
 
 
 def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: int, ctas: int,
-                       stages: int | None = None):
+                       stages: int | None = None, _debug: str = ""):
     """Suffix attention states of every row on ``ctas`` persistent CTAs; see the module
     docstring for layouts and outputs.  ``stages``: steps in flight per worker (each step
     ``2 * 64 * D`` bytes of K/V; None: the most, up to 3, that fit in shared memory).
@@ -166,7 +166,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             seq = blk * spt + j
             real = seq < b
             bc = jnp.minimum(seq, b - 1)
-            n = jnp.where(real, slen_ref[bc], 0)
+            n = jnp.where(real, s_cap if "nolen" in _debug else slen_ref[bc], 0)
             last = jnp.maximum(lax.div(n + BLOCK_S - 1, BLOCK_S) - 1, 0)
             return task, h, blk, j, bc, n, jnp.minimum(t, last), t * BLOCK_S
 
@@ -248,7 +248,10 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     return acc, m_new, l_new
 
-                acc, m_i, l_i = lax.cond(key0 < n, attend, lambda *a: a, *carry)
+                if "nomath" in _debug:   # (timing probes only: the memory side alone)
+                    acc, m_i, l_i = carry
+                else:
+                    acc, m_i, l_i = lax.cond(key0 < n, attend, lambda *a: a, *carry)
                 plgpu.barrier_arrive(free_bar.at[i])
                 last_step = lax.rem(u, per_task) == per_task - 1
 
