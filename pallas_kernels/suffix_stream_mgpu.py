@@ -88,7 +88,9 @@ def _iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-SMEM_BYTES = 232448 - 1024   # Hopper's per-CTA shared memory, less room for the barriers
+RED_SCRATCH = 128 * 4 * 4    # Mosaic GPU's default cross-warp reduction scratch (bytes)
+# Hopper's per-CTA shared memory, less the reduction scratch and room for the barriers
+SMEM_BYTES = 232448 - RED_SCRATCH - 1024
 
 
 def _n_q(stages: int, per_task: int) -> int:
@@ -150,7 +152,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
     s_len = jnp.asarray(s_len, jnp.int32).reshape(b)
 
     def kernel(slen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, k_smem, v_smem, q_smem, p_smem,
-               o_smem, k_bar, v_bar, q_bar, free_bar):
+               o_smem, k_bar, v_bar, q_bar, free_bar, token):
         c = lax.axis_index("c")
         wg = lax.axis_index("wg")
 
@@ -196,15 +198,32 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                                             v_smem.at[i], v_bar.at[i])
 
         # ------------------------------------------------------------------ compute warpgroups
-        @pl.when(wg < 2)
-        def _compute():
+        def compute(wg: int):
+            """Compute warpgroup ``wg`` (a Python int: each is traced on its own, see below)."""
             worker = 2 * c + wg
+            u_now = [None]
+
+            # Mosaic GPU places the shared-memory scratch of a cross-warp reduction (the online
+            # softmax's max and sum run down the key rows, which span the warpgroup's 4 warps)
+            # at the allocation top where it is lowered: the same for both compute warpgroups,
+            # so reductions running at once in both race on it (measured: wrong outputs at
+            # random).  A token passed between the two warpgroups through two barriers makes
+            # their reductions take turns: warpgroup 0 at step 0, then 1, then 0 at step 1...
+            def take_token():
+                if wg == 0:
+                    pl.when(u_now[0] > 0)(lambda: plgpu.barrier_wait(token.at[0]))
+                else:
+                    plgpu.barrier_wait(token.at[1])
+
+            def pass_token():
+                plgpu.barrier_arrive(token.at[1 - wg])
 
             def fresh():
                 return (jnp.zeros((d, cols), jnp.float32), jnp.full((cols,), -jnp.inf, jnp.float32),
                         jnp.zeros((cols,), jnp.float32))
 
             def step(u, carry):
+                u_now[0] = u
                 task, _, _, j, _, n, _, key0 = step_of(worker, u)
                 i = wg * stages + lax.rem(u, stages)
                 iq = wg * n_q + lax.rem(lax.div(u, per_task), n_q)
@@ -234,28 +253,44 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                         col_seq = lax.shift_right_logical(_iota((BLOCK_S, cols), 1), log2_g)
                         valid = valid & (col_seq == j)
                     sv = jnp.where(valid, s, -jnp.inf)
-                    m_new = jnp.maximum(m_i, sv.max(axis=0) * scale_log2)
+                    if "noreduce" in _debug:   # (timing probes only: no cross-warp reductions)
+                        m_new = jnp.maximum(m_i, 0.0)
+                    else:
+                        take_token()
+                        m_new = jnp.maximum(m_i, sv.max(axis=0) * scale_log2)
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                     alpha = jnp.exp2(m_i - m_use)
                     prob = jnp.exp2(sv * scale_log2 - lax.broadcast_in_dim(m_use, sv.shape, [1]))
-                    l_new = l_i * alpha + prob.sum(axis=0)
+                    if "noreduce" in _debug:
+                        l_new = l_i * alpha + 1.0
+                    else:
+                        l_new = l_i * alpha + prob.sum(axis=0)
+                        pass_token()
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                    if "nopv" in _debug:   # (timing probes only)
+                        return acc, m_new, l_new
                     p_smem.at[wg][...] = prob.astype(dtype)
                     plgpu.commit_smem()
 
                     def pv(acc_ref):   # O^T += V^T P^T: [D, cols]
                         plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.at[wg])
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     return acc, m_new, l_new
+
+                def skip(*carry):
+                    if "noreduce" not in _debug:
+                        take_token()
+                        pass_token()
+                    return carry
 
                 if "nomath" in _debug:   # (timing probes only: the memory side alone)
                     acc, m_i, l_i = carry
                 else:
-                    acc, m_i, l_i = lax.cond(key0 < n, attend, lambda *a: a, *carry)
+                    acc, m_i, l_i = lax.cond(key0 < n, attend, skip, *carry)
                 plgpu.barrier_arrive(free_bar.at[i])
                 last_step = lax.rem(u, per_task) == per_task - 1
 
-                @pl.when(last_step)   # the task's state: normalise and write
+                @pl.when(last_step & ("nomath" not in _debug))   # the task's state: write it
                 def _():
                     has = l_i > 0.0
                     l_safe = jnp.where(has, l_i, 1.0)
@@ -269,6 +304,9 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             lax.fori_loop(0, n_steps, step, fresh())
             plgpu.wait_smem_to_gmem(0)
 
+        pl.when(wg == 0)(lambda: compute(0))
+        pl.when(wg == 1)(lambda: compute(1))
+
     n_out = rounds * workers
     scratch = (plgpu.SMEM((2 * stages, BLOCK_S, d), dtype),
                plgpu.SMEM((2 * stages, BLOCK_S, d), dtype),
@@ -278,7 +316,8 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                plgpu.Barrier(num_barriers=2 * stages),
                plgpu.Barrier(num_barriers=2 * stages),
                plgpu.Barrier(num_barriers=2 * n_q),
-               plgpu.Barrier(num_barriers=2 * stages))
+               plgpu.Barrier(num_barriers=2 * stages),
+               plgpu.Barrier(num_barriers=2))
     o_t, lse_t = plgpu.kernel(
         kernel,
         grid=(int(ctas),),
