@@ -156,9 +156,16 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
         c = lax.axis_index("c")
         wg = lax.axis_index("wg")
 
-        def step_of(worker, u):
+        def read_len(seq):
+            """Valid keys of (possibly padding) sequence ``seq``: a global-memory read."""
+            if "nolen" in _debug:   # (timing probes only)
+                return jnp.where(seq < b, s_cap, 0)
+            return jnp.where(seq < b, slen_ref[jnp.minimum(seq, b - 1)], 0)
+
+        def step_of(worker, u, n_prev):
             """(task, h, block, local sequence j, clamped sequence, its keys, tile to load,
-            key0) of step ``u`` of ``worker``."""
+            key0) of step ``u`` of ``worker``; the length is read from memory only at a
+            sequence's first step (``n_prev`` otherwise), off the per-step path."""
             r = lax.div(u, per_task)
             j = lax.rem(lax.div(u, s_tiles), spt)
             t = lax.rem(u, s_tiles)
@@ -166,26 +173,27 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             h = lax.rem(task, hkv)
             blk = lax.div(task, hkv)
             seq = blk * spt + j
-            real = seq < b
             bc = jnp.minimum(seq, b - 1)
-            n = jnp.where(real, s_cap if "nolen" in _debug else slen_ref[bc], 0)
+            n = lax.cond(t == 0, lambda: read_len(seq), lambda: n_prev) if s_tiles > 1 else read_len(seq)
             last = jnp.maximum(lax.div(n + BLOCK_S - 1, BLOCK_S) - 1, 0)
             return task, h, blk, j, bc, n, jnp.minimum(t, last), t * BLOCK_S
 
         # ------------------------------------------------------------------ memory warpgroup
         @pl.when(wg == 2)
         def _memory():
-            @pl.loop(0, n_steps)
-            def _(u):
+            def mem_step(u, lens):
                 slot = lax.rem(u, stages)
+                new_lens = []
                 for w in range(2):
                     worker = 2 * c + w
-                    _, h, blk, _, bc, _, tile, _ = step_of(worker, u)
+                    _, h, blk, _, bc, n, tile, _ = step_of(worker, u, lens[w])
+                    new_lens.append(n)
                     i = w * stages + slot
 
                     @pl.when(u >= stages)
                     def _():
                         plgpu.barrier_wait(free_bar.at[i])
+
                     @pl.when(lax.rem(u, per_task) == 0)   # a task's first step: its queries
                     def _():
                         iq = w * n_q + lax.rem(lax.div(u, per_task), n_q)
@@ -196,22 +204,24 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                                             k_smem.at[i], k_bar.at[i])
                     plgpu.copy_gmem_to_smem(v_ref.at[bc, pl.ds(tile * BLOCK_S, BLOCK_S), h, :],
                                             v_smem.at[i], v_bar.at[i])
+                return tuple(new_lens)
+            lax.fori_loop(0, n_steps, mem_step, (jnp.int32(0), jnp.int32(0)))
 
         # ------------------------------------------------------------------ compute warpgroups
         def compute(wg: int):
             """Compute warpgroup ``wg`` (a Python int: each is traced on its own, see below)."""
             worker = 2 * c + wg
-            u_now = [None]
 
             # Mosaic GPU places the shared-memory scratch of a cross-warp reduction (the online
-            # softmax's max and sum run down the key rows, which span the warpgroup's 4 warps)
-            # at the allocation top where it is lowered: the same for both compute warpgroups,
-            # so reductions running at once in both race on it (measured: wrong outputs at
+            # softmax's max runs down the key rows, which span the warpgroup's 4 warps) at the
+            # allocation top where it is lowered: the same for both compute warpgroups, so
+            # reductions running at once in both race on it (measured: wrong outputs at
             # random).  A token passed between the two warpgroups through two barriers makes
-            # their reductions take turns: warpgroup 0 at step 0, then 1, then 0 at step 1...
-            def take_token():
+            # their reductions take turns: each takes it once per step and once more at a
+            # task's last step (the same steps for both), warpgroup 0 first.
+            def take_token(first):
                 if wg == 0:
-                    pl.when(u_now[0] > 0)(lambda: plgpu.barrier_wait(token.at[0]))
+                    pl.when(jnp.logical_not(first))(lambda: plgpu.barrier_wait(token.at[0]))
                 else:
                     plgpu.barrier_wait(token.at[1])
 
@@ -219,12 +229,14 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                 plgpu.barrier_arrive(token.at[1 - wg])
 
             def fresh():
+                # O^T [D, cols]; running max (base 2, scaled) [cols]; the softmax sums kept
+                # per (key row, column) [64, cols] and reduced once per task
                 return (jnp.zeros((d, cols), jnp.float32), jnp.full((cols,), -jnp.inf, jnp.float32),
-                        jnp.zeros((cols,), jnp.float32))
+                        jnp.zeros((BLOCK_S, cols), jnp.float32))
 
             def step(u, carry):
-                u_now[0] = u
-                task, _, _, j, _, n, _, key0 = step_of(worker, u)
+                n_prev, state = carry
+                task, _, _, j, _, n, _, key0 = step_of(worker, u, n_prev)
                 i = wg * stages + lax.rem(u, stages)
                 iq = wg * n_q + lax.rem(lax.div(u, per_task), n_q)
 
@@ -235,7 +247,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                 plgpu.barrier_wait(v_bar.at[i])
                 k_tile, v_tile, q_tile = k_smem.at[i], v_smem.at[i], q_smem.at[iq]
 
-                def attend(acc, m_i, l_i):
+                def attend(acc, m_i, l_part):
                     def scores(s_ref):   # S^T = K Q^T: [keys, cols]
                         plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
                         return s_ref[...]
@@ -253,45 +265,38 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                         col_seq = lax.shift_right_logical(_iota((BLOCK_S, cols), 1), log2_g)
                         valid = valid & (col_seq == j)
                     sv = jnp.where(valid, s, -jnp.inf)
-                    if "noreduce" in _debug:   # (timing probes only: no cross-warp reductions)
-                        m_new = jnp.maximum(m_i, 0.0)
-                    else:
-                        take_token()
-                        m_new = jnp.maximum(m_i, sv.max(axis=0) * scale_log2)
+                    take_token(u == 0)
+                    m_new = jnp.maximum(m_i, sv.max(axis=0) * scale_log2)
+                    pass_token()
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                     alpha = jnp.exp2(m_i - m_use)
                     prob = jnp.exp2(sv * scale_log2 - lax.broadcast_in_dim(m_use, sv.shape, [1]))
-                    if "noreduce" in _debug:
-                        l_new = l_i * alpha + 1.0
-                    else:
-                        l_new = l_i * alpha + prob.sum(axis=0)
-                        pass_token()
+                    l_part = l_part * lax.broadcast_in_dim(alpha, sv.shape, [1]) + prob
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-                    if "nopv" in _debug:   # (timing probes only)
-                        return acc, m_new, l_new
                     p_smem.at[wg][...] = prob.astype(dtype)
                     plgpu.commit_smem()
 
                     def pv(acc_ref):   # O^T += V^T P^T: [D, cols]
                         plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.at[wg])
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    return acc, m_new, l_new
+                    return acc, m_new, l_part
 
-                def skip(*carry):
-                    if "noreduce" not in _debug:
-                        take_token()
-                        pass_token()
-                    return carry
+                def skip(*state):
+                    take_token(u == 0)
+                    pass_token()
+                    return state
 
                 if "nomath" in _debug:   # (timing probes only: the memory side alone)
-                    acc, m_i, l_i = carry
+                    acc, m_i, l_part = state
                 else:
-                    acc, m_i, l_i = lax.cond(key0 < n, attend, skip, *carry)
+                    acc, m_i, l_part = lax.cond(key0 < n, attend, skip, *state)
                 plgpu.barrier_arrive(free_bar.at[i])
                 last_step = lax.rem(u, per_task) == per_task - 1
 
-                @pl.when(last_step & ("nomath" not in _debug))   # the task's state: write it
-                def _():
+                def finish(acc, m_i, l_part):   # the task's state: normalise and write it
+                    take_token(jnp.bool_(False))
+                    l_i = l_part.sum(axis=0)
+                    pass_token()
                     has = l_i > 0.0
                     l_safe = jnp.where(has, l_i, 1.0)
                     plgpu.wait_smem_to_gmem(0)     # the staging buffer's previous store
@@ -299,9 +304,13 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                     lse_ref.at[task][...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[task])
-                return lax.cond(last_step, lambda *a: fresh(), lambda *a: a, acc, m_i, l_i)
+                    return fresh()
 
-            lax.fori_loop(0, n_steps, step, fresh())
+                if "nomath" not in _debug:
+                    acc, m_i, l_part = lax.cond(last_step, finish, lambda *a: a, acc, m_i, l_part)
+                return n, (acc, m_i, l_part)
+
+            lax.fori_loop(0, n_steps, step, (jnp.int32(0), fresh()))
             plgpu.wait_smem_to_gmem(0)
 
         pl.when(wg == 0)(lambda: compute(0))
