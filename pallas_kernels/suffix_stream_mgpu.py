@@ -44,6 +44,7 @@ Static arguments: every shape, ``group``, ``ctas``, ``stages``, ``scale``; one c
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -101,13 +102,14 @@ def _n_q(stages: int, per_task: int) -> int:
     return min(stages, 1 + -(-(stages - 1) // per_task))
 
 
-def _smem_bytes(stages: int, n_q: int, cols: int, d: int, itemsize: int) -> int:
-    return itemsize * (2 * stages * 2 * BLOCK_S * d + 2 * n_q * cols * d + 2 * BLOCK_S * cols
-                       + 2 * d * cols)
+def _smem_bytes(stages: int, n_q: int, cols: int, d: int, itemsize: int, wgs: int = 2,
+                bs: int = BLOCK_S) -> int:
+    return itemsize * wgs * (stages * 2 * bs * d + n_q * cols * d + bs * cols + d * cols)
 
 
 def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: int, ctas: int,
-                       stages: int | None = None, _debug: str = ""):
+                       stages: int | None = None, wgs: int = 2, block_s: int = BLOCK_S,
+                       _debug: str = ""):
     """Suffix attention states of every row on ``ctas`` persistent CTAs; see the module
     docstring for layouts and outputs.  ``stages``: steps in flight per worker (each step
     ``2 * 64 * D`` bytes of K/V; None: the most, up to 3, that fit in shared memory).
@@ -130,20 +132,24 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
     if m < n_blk * cols:
         raise ValueError(f"q_hmd has {m} rows; needs at least {n_blk * cols}")
     n_tasks = n_blk * hkv
-    workers = 2 * int(ctas)
-    if not 1 <= int(ctas) or workers > 2 * n_tasks:
+    wgs, bs = int(wgs), int(block_s)
+    if wgs not in (1, 2) or bs not in (64, 128) or s_cap % bs:
+        raise ValueError(f"wgs={wgs} must be 1 or 2 and block_s={bs} 64 or 128 dividing the "
+                         f"suffix capacity {s_cap}")
+    workers = wgs * int(ctas)
+    if not 1 <= int(ctas) or workers > wgs * n_tasks:
         raise ValueError(f"ctas={ctas} must be in [1, {n_tasks}]")
     rounds = -(-n_tasks // workers)
-    s_tiles = s_cap // BLOCK_S
+    s_tiles = s_cap // bs
     per_task = spt * s_tiles
     n_steps = rounds * per_task                   # static steps per worker
     isz = jnp.dtype(dtype).itemsize
     if stages is None:
-        stages = max([st for st in (1, 2, 3)
-                      if _smem_bytes(st, _n_q(st, per_task), cols, d, isz) <= SMEM_BYTES])
+        stages = max([st for st in (1, 2, 3, 4)
+                      if _smem_bytes(st, _n_q(st, per_task), cols, d, isz, wgs, bs) <= SMEM_BYTES])
     stages = int(stages)
     n_q = _n_q(stages, per_task) if stages >= 1 else 1
-    if not 1 <= stages <= 4 or _smem_bytes(stages, n_q, cols, d, isz) > SMEM_BYTES:
+    if not 1 <= stages <= 4 or _smem_bytes(stages, n_q, cols, d, isz, wgs, bs) > SMEM_BYTES:
         raise ValueError(f"stages={stages} must be in [1, 4] and fit in shared memory")
     scale_log2 = float(scale) * _LOG2E
     log2_g = g.bit_length() - 1
@@ -175,17 +181,17 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             seq = blk * spt + j
             bc = jnp.minimum(seq, b - 1)
             n = lax.cond(t == 0, lambda: read_len(seq), lambda: n_prev) if s_tiles > 1 else read_len(seq)
-            last = jnp.maximum(lax.div(n + BLOCK_S - 1, BLOCK_S) - 1, 0)
-            return task, h, blk, j, bc, n, jnp.minimum(t, last), t * BLOCK_S
+            last = jnp.maximum(lax.div(n + bs - 1, bs) - 1, 0)
+            return task, h, blk, j, bc, n, jnp.minimum(t, last), t * bs
 
         # ------------------------------------------------------------------ memory warpgroup
-        @pl.when(wg == 2)
+        @pl.when(wg == wgs)
         def _memory():
             def mem_step(u, lens):
                 slot = lax.rem(u, stages)
                 new_lens = []
-                for w in range(2):
-                    worker = 2 * c + w
+                for w in range(wgs):
+                    worker = wgs * c + w
                     _, h, blk, _, bc, n, tile, _ = step_of(worker, u, lens[w])
                     new_lens.append(n)
                     i = w * stages + slot
@@ -200,17 +206,17 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                         blk_c = jnp.minimum(blk, n_blk - 1)
                         plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(blk_c * cols, cols)],
                                                 q_smem.at[iq], q_bar.at[iq])
-                    plgpu.copy_gmem_to_smem(k_ref.at[bc, pl.ds(tile * BLOCK_S, BLOCK_S), h, :],
+                    plgpu.copy_gmem_to_smem(k_ref.at[bc, pl.ds(tile * bs, bs), h, :],
                                             k_smem.at[i], k_bar.at[i])
-                    plgpu.copy_gmem_to_smem(v_ref.at[bc, pl.ds(tile * BLOCK_S, BLOCK_S), h, :],
+                    plgpu.copy_gmem_to_smem(v_ref.at[bc, pl.ds(tile * bs, bs), h, :],
                                             v_smem.at[i], v_bar.at[i])
                 return tuple(new_lens)
-            lax.fori_loop(0, n_steps, mem_step, (jnp.int32(0), jnp.int32(0)))
+            lax.fori_loop(0, n_steps, mem_step, (jnp.int32(0),) * wgs)
 
         # ------------------------------------------------------------------ compute warpgroups
         def compute(wg: int):
             """Compute warpgroup ``wg`` (a Python int: each is traced on its own, see below)."""
-            worker = 2 * c + wg
+            worker = wgs * c + wg
 
             # Mosaic GPU places the shared-memory scratch of a cross-warp reduction (the online
             # softmax's max runs down the key rows, which span the warpgroup's 4 warps) at the
@@ -220,19 +226,22 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             # their reductions take turns: each takes it once per step and once more at a
             # task's last step (the same steps for both), warpgroup 0 first.
             def take_token(first):
+                if wgs == 1:
+                    return
                 if wg == 0:
                     pl.when(jnp.logical_not(first))(lambda: plgpu.barrier_wait(token.at[0]))
                 else:
                     plgpu.barrier_wait(token.at[1])
 
             def pass_token():
-                plgpu.barrier_arrive(token.at[1 - wg])
+                if wgs == 2:
+                    plgpu.barrier_arrive(token.at[1 - wg])
 
             def fresh():
                 # O^T [D, cols]; running max (base 2, scaled) [cols]; the softmax sums kept
                 # per (key row, column) [64, cols] and reduced once per task
                 return (jnp.zeros((d, cols), jnp.float32), jnp.full((cols,), -jnp.inf, jnp.float32),
-                        jnp.zeros((BLOCK_S, cols), jnp.float32))
+                        jnp.zeros((bs, cols), jnp.float32))
 
             def step(u, carry):
                 n_prev, state = carry
@@ -251,18 +260,18 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                     def scores(s_ref):   # S^T = K Q^T: [keys, cols]
                         plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
                         return s_ref[...]
-                    s = pl.run_scoped(scores, plgpu.ACC((BLOCK_S, cols), jnp.float32))
+                    s = pl.run_scoped(scores, plgpu.ACC((bs, cols), jnp.float32))
 
-                    @pl.when(key0 + BLOCK_S > n)   # zero V rows past the length (NaN-safe)
+                    @pl.when(key0 + bs > n)   # zero V rows past the length (NaN-safe)
                     def _():
-                        keys = _iota((BLOCK_S, d), 0)
+                        keys = _iota((bs, d), 0)
                         v_tile[...] = jnp.where(key0 + keys < n, v_tile[...],
                                                 jnp.zeros_like(v_tile[...]))
                         plgpu.commit_smem()
-                    keys = key0 + _iota((BLOCK_S, cols), 0)
+                    keys = key0 + _iota((bs, cols), 0)
                     valid = keys < n
                     if spt > 1:   # columns of the other sequences of the task see no key
-                        col_seq = lax.shift_right_logical(_iota((BLOCK_S, cols), 1), log2_g)
+                        col_seq = lax.shift_right_logical(_iota((bs, cols), 1), log2_g)
                         valid = valid & (col_seq == j)
                     sv = jnp.where(valid, s, -jnp.inf)
                     take_token(u == 0)
@@ -313,25 +322,25 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             lax.fori_loop(0, n_steps, step, (jnp.int32(0), fresh()))
             plgpu.wait_smem_to_gmem(0)
 
-        pl.when(wg == 0)(lambda: compute(0))
-        pl.when(wg == 1)(lambda: compute(1))
+        for w in range(wgs):
+            pl.when(wg == w)(functools.partial(compute, w))
 
     n_out = rounds * workers
-    scratch = (plgpu.SMEM((2 * stages, BLOCK_S, d), dtype),
-               plgpu.SMEM((2 * stages, BLOCK_S, d), dtype),
-               plgpu.SMEM((2 * n_q, cols, d), dtype),
-               plgpu.SMEM((2, BLOCK_S, cols), dtype),
-               plgpu.SMEM((2, d, cols), dtype),
-               plgpu.Barrier(num_barriers=2 * stages),
-               plgpu.Barrier(num_barriers=2 * stages),
-               plgpu.Barrier(num_barriers=2 * n_q),
-               plgpu.Barrier(num_barriers=2 * stages),
+    scratch = (plgpu.SMEM((wgs * stages, bs, d), dtype),
+               plgpu.SMEM((wgs * stages, bs, d), dtype),
+               plgpu.SMEM((wgs * n_q, cols, d), dtype),
+               plgpu.SMEM((wgs, bs, cols), dtype),
+               plgpu.SMEM((wgs, d, cols), dtype),
+               plgpu.Barrier(num_barriers=wgs * stages),
+               plgpu.Barrier(num_barriers=wgs * stages),
+               plgpu.Barrier(num_barriers=wgs * n_q),
+               plgpu.Barrier(num_barriers=wgs * stages),
                plgpu.Barrier(num_barriers=2))
     o_t, lse_t = plgpu.kernel(
         kernel,
         grid=(int(ctas),),
         grid_names=("c",),
-        num_threads=3,
+        num_threads=wgs + 1,
         thread_name="wg",
         out_type=(jax.ShapeDtypeStruct((n_out, d, cols), dtype),
                   jax.ShapeDtypeStruct((n_out, cols), jnp.float32)),

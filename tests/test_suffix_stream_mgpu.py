@@ -17,14 +17,14 @@ from test_prefix_attention_mgpu import _lower_for_cuda
 S = jax.ShapeDtypeStruct
 
 
-def _states(q, sk, sv, sl, *, ctas, stages=None):
+def _states(q, sk, sv, sl, *, ctas, stages=None, wgs=2, block_s=64):
     """q [B, Hq, D] -> (o [B, Hq, D], lse [B, Hq]) over each sequence's suffix keys."""
     b, hq, d = q.shape
     hkv = sk.shape[2]
     g = hq // hkv
     qm, _ = pa._rows_128(q[:, None], hkv, g)
     o, lse = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=d ** -0.5, group=g, ctas=ctas,
-                                   stages=stages)
+                                   stages=stages, wgs=wgs, block_s=block_s)
     o = jnp.swapaxes(o[0].reshape(hkv, b, g, d), 0, 1).reshape(b, hq, d)
     lse = jnp.swapaxes(lse[0].reshape(hkv, b, g), 0, 1).reshape(b, hq)
     return o, lse
@@ -46,6 +46,11 @@ def test_supported_and_validation():
         ss.suffix_stream_mgpu(q, skv, skv, sl, scale=1.0, group=4, ctas=0)
     with pytest.raises(ValueError, match="stages"):
         ss.suffix_stream_mgpu(q, skv, skv, sl, scale=1.0, group=4, ctas=2, stages=4)
+    with pytest.raises(ValueError, match="block_s"):
+        ss.suffix_stream_mgpu(q, skv[:, :64], skv[:, :64], sl, scale=1.0, group=4, ctas=2,
+                              block_s=128)
+    with pytest.raises(ValueError, match="wgs"):
+        ss.suffix_stream_mgpu(q, skv, skv, sl, scale=1.0, group=4, ctas=2, wgs=3)
     with pytest.raises(ValueError, match="suffix k/v"):
         ss.suffix_stream_mgpu(q, skv[:, :64], skv, sl, scale=1.0, group=4, ctas=2)
     with pytest.raises(ValueError, match="rows"):
@@ -53,10 +58,12 @@ def test_supported_and_validation():
                               scale=1.0, group=4, ctas=2)
 
 
-@pytest.mark.parametrize("b,hq,hkv,d,s,ctas", [(512, 32, 8, 128, 128, 20), (40, 32, 2, 128, 64, 2),
-                                               (6, 4, 2, 64, 192, 2)])
-def test_lowers_for_cuda_on_cpu(b, hq, hkv, d, s, ctas):
-    txt = _lower_for_cuda(lambda q, k, v, l: _states(q, k, v, l, ctas=ctas),
+@pytest.mark.parametrize("b,hq,hkv,d,s,ctas,wgs,bs", [(512, 32, 8, 128, 128, 20, 2, 64),
+                                                      (40, 32, 2, 128, 64, 2, 2, 64),
+                                                      (6, 4, 2, 64, 192, 2, 2, 64),
+                                                      (512, 32, 8, 128, 128, 24, 1, 128)])
+def test_lowers_for_cuda_on_cpu(b, hq, hkv, d, s, ctas, wgs, bs):
+    txt = _lower_for_cuda(lambda q, k, v, l: _states(q, k, v, l, ctas=ctas, wgs=wgs, block_s=bs),
                           S((b, hq, d), jnp.bfloat16), S((b, s, hkv, d), jnp.bfloat16),
                           S((b, s, hkv, d), jnp.bfloat16), S((b,), jnp.int32))
     assert "mosaic_gpu" in txt
@@ -80,21 +87,23 @@ def _oracle(q, sk, sv, sl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,hq,hkv,d,s,ctas,stages", [
-    (70, 32, 8, 128, 128, 5, None),   # G=4: 4 sequences per task; 18 tasks per worker round
-    (33, 8, 1, 128, 192, 3, None),    # G=8: 2 sequences per task, 3 tiles each
-    (29, 4, 2, 64, 256, 4, 2),        # G=2, D=64, 2 stages
-    (21, 16, 1, 128, 64, 2, None),    # G=16: one sequence per task
-    (45, 4, 4, 64, 128, 3, 1),        # G=1: 16 sequences per task, 1 stage
+@pytest.mark.parametrize("b,hq,hkv,d,s,ctas,stages,wgs,bs", [
+    (70, 32, 8, 128, 128, 5, None, 2, 64),   # G=4: 4 sequences per task; 15 rounds of 10 workers
+    (33, 8, 1, 128, 192, 3, None, 2, 64),    # G=8: 2 sequences per task, 3 tiles each
+    (29, 4, 2, 64, 256, 4, 2, 2, 64),        # G=2, D=64, 2 stages
+    (21, 16, 1, 128, 64, 2, None, 2, 64),    # G=16: one sequence per task
+    (45, 4, 4, 64, 128, 3, 1, 2, 64),        # G=1: 16 sequences per task, 1 stage
+    (70, 32, 8, 128, 256, 7, None, 1, 128),  # one worker per CTA, 128-key steps
+    (33, 8, 1, 128, 192, 3, None, 1, 64),    # one worker per CTA, 64-key steps
 ])
-def test_gpu_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, ctas, stages):
+def test_gpu_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, ctas, stages, wgs, bs):
     rng = np.random.default_rng(b)
     f = lambda *sh: jnp.asarray(rng.standard_normal(sh, np.float32), jnp.bfloat16)  # noqa: E731
     q, sk, sv = f(b, hq, d), f(b, s, hkv, d), f(b, s, hkv, d)
     sl = rng.integers(0, s + 1, b)
     sl[0], sl[-1], sl[1] = s, 0, 1
     past = jnp.asarray(np.arange(s)[None, :, None, None] >= sl[:, None, None, None])
-    o, lse = jax.jit(lambda *a: _states(*a, ctas=ctas, stages=stages))(
+    o, lse = jax.jit(lambda *a: _states(*a, ctas=ctas, stages=stages, wgs=wgs, block_s=bs))(
         q, jnp.where(past, jnp.nan, sk).astype(sk.dtype), jnp.where(past, jnp.nan, sv).astype(sv.dtype),
         jnp.asarray(sl, jnp.int32))
     o = np.asarray(o.astype(jnp.float32), np.float64)

@@ -36,6 +36,9 @@ def _prefix(qm, pk, pv, n, s):
                                    schedule_barrier=pa.MGPU_SCHEDULE_BARRIER)
 
 
+WGS, BS = (int(v) for v in os.environ.get("STREAM", "2/64").split("/"))
+
+
 def split(n, sp, m):
     def f(q, pk, pv, sk, sv, sl):
         b, hq, d = q.shape
@@ -43,7 +46,8 @@ def split(n, sp, m):
         g = hq // hkv
         qm, _ = pa._rows_128(q[:, None], hkv, g)
         o_pre, l_pre = _prefix(qm, pk, pv, n, sp)
-        o_s, l_s = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=d ** -0.5, group=g, ctas=m)
+        o_s, l_s = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=d ** -0.5, group=g, ctas=m,
+                                         wgs=WGS, block_s=BS)
         out, _ = pa._merge_row_parts([(o_pre, l_pre, g), (o_s, l_s, g)], b=b, tq=1, hq=hq, r=g,
                                      dtype=q.dtype, inv=None)
         return out[:, 0]
@@ -64,19 +68,22 @@ def str_only(m):
         b, hq, d = q.shape
         hkv = pk.shape[1]
         qm, _ = pa._rows_128(q[:, None], hkv, hq // hkv)
-        o, _ = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=d ** -0.5, group=hq // hkv, ctas=m)
+        o, _ = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=d ** -0.5, group=hq // hkv, ctas=m,
+                                     wgs=WGS, block_s=BS)
         return q + (o[0, 0, :1, :1] * 0).astype(q.dtype)
     return f
 
 
 # (hq, hkv, b, p, s, [(prefix CTAs n, prefix splits, suffix CTAs m), ...])
-POINTS = [
+POINTS_ALL = [
     (32, 8, 512, 8192, 128, [(114, 8, 18), (112, 4, 20), (108, 4, 24)]),
     (32, 8, 256, 4096, 128, [(103, 8, 29), (112, 8, 20)]),
     (32, 8, 1024, 4096, 128, [(114, 4, 18), (103, 2, 29)]),
     (32, 8, 256, 16384, 256, [(114, 16, 18), (108, 8, 24)]),
     (8, 1, 1024, 4096, 256, [(103, 8, 29), (112, 8, 20)]),
 ]
+POINTS = [POINTS_ALL[int(i)] for i in os.environ.get("POINTS", "0,1,2,3,4").split(",")]
+print(json.dumps(dict(stream_wgs=WGS, stream_block_s=BS)), flush=True)
 bw = measure_copy_bandwidth()
 mma = measure_matmul_rate()
 print(json.dumps(dict(copy_bw=bw, matmul=mma)), flush=True)

@@ -15,17 +15,20 @@ sk = jnp.asarray(np.random.default_rng(1).standard_normal((512, 128, 8, 128)), j
 sv = jnp.asarray(np.random.default_rng(2).standard_normal((512, 128, 8, 128)), jnp.bfloat16)
 sl = jnp.full((512,), 128, jnp.int32)
 rows = []
+CFGS = [tuple(int(v) for v in c.split("/")) for c in os.environ.get("CFGS", "2/64").split(",")]
 for m in [int(x) for x in os.environ.get("CTAS", "24,132").split(",")]:
+  for wgs, bs in CFGS:
     for dbg in os.environ.get("VARIANTS", ",nolen,nomath,nomath+nolen").split(","):
-        def fn(q, sk, sv, sl, m=m, dbg=dbg):
+        def fn(q, sk, sv, sl, m=m, dbg=dbg, wgs=wgs, bs=bs):
             qm, _ = pa._rows_128(q[:, None], 8, 4)
-            o, _ = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=0.1, group=4, ctas=m, _debug=dbg)
+            o, _ = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=0.1, group=4, ctas=m, wgs=wgs,
+                                         block_s=bs, _debug=dbg)
             return q + (o[0, 0, :1, :1] * 0).astype(q.dtype)
         try:
             t = loop_time(fn, q, (sk, sv, sl), compiler_options=GRAPH_ALWAYS)
-            r = dict(m=m, debug=dbg, ms=t * 1e3, tbps=2 * sk.size * 2 / t / 1e12)
+            r = dict(m=m, wgs=wgs, bs=bs, debug=dbg, ms=t * 1e3, tbps=2 * sk.size * 2 / t / 1e12)
         except Exception as e:  # noqa: BLE001
-            r = dict(m=m, debug=dbg, error=f"{type(e).__name__}: {str(e)[-300:]}")
+            r = dict(m=m, wgs=wgs, bs=bs, debug=dbg, error=f"{type(e).__name__}: {str(e)[-300:]}")
         print(json.dumps(r), flush=True)
         rows.append(r)
 from pallas_kernels.suffix_attention import suffix_decode_merge
@@ -39,6 +42,6 @@ def triton_suffix(q, sk, sv, sl):
 t = loop_time(triton_suffix, q, (sk, sv, sl), compiler_options=GRAPH_ALWAYS)
 rows.append(dict(m="all", debug="triton suffix kernel", ms=t * 1e3, tbps=2 * sk.size * 2 / t / 1e12))
 print(json.dumps(rows[-1]), flush=True)
-print("\nm debug | ms TB/s")
+print("\nm wgs bs debug | ms TB/s")
 for r in rows:
-    print(r["m"], r["debug"] or "-", "| %.4f %.2f" % (r["ms"], r["tbps"]) if "ms" in r else r["error"][:100])
+    print(r["m"], r.get("wgs"), r.get("bs"), r["debug"] or "-", "| %.4f %.2f" % (r["ms"], r["tbps"]) if "ms" in r else r["error"][:100])
