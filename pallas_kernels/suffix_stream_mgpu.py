@@ -90,8 +90,8 @@ def _iota(shape, dim):
 
 
 RED_SCRATCH = 128 * 4 * 4    # Mosaic GPU's default cross-warp reduction scratch (bytes)
-# Hopper's per-CTA shared memory, less the reduction scratch and room for the barriers
-SMEM_BYTES = 232448 - RED_SCRATCH - 1024
+# Hopper's per-CTA shared memory, less two reduction scratch areas and room for the barriers
+SMEM_BYTES = 232448 - 2 * RED_SCRATCH - 1024
 
 
 def _n_q(stages: int, per_task: int) -> int:
@@ -109,7 +109,7 @@ def _smem_bytes(stages: int, n_q: int, cols: int, d: int, itemsize: int, wgs: in
 
 def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: int, ctas: int,
                        stages: int | None = None, wgs: int = 2, block_s: int = BLOCK_S,
-                       _debug: str = ""):
+                       separate_scratch: bool = False, _debug: str = ""):
     """Suffix attention states of every row on ``ctas`` persistent CTAs; see the module
     docstring for layouts and outputs.  ``stages``: steps in flight per worker (each step
     ``2 * 64 * D`` bytes of K/V; None: the most, up to 3, that fit in shared memory).
@@ -226,7 +226,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             # their reductions take turns: each takes it once per step and once more at a
             # task's last step (the same steps for both), warpgroup 0 first.
             def take_token(first):
-                if wgs == 1:
+                if wgs == 1 or separate_scratch:
                     return
                 if wg == 0:
                     pl.when(jnp.logical_not(first))(lambda: plgpu.barrier_wait(token.at[0]))
@@ -234,7 +234,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                     plgpu.barrier_wait(token.at[1])
 
             def pass_token():
-                if wgs == 2:
+                if wgs == 2 and not separate_scratch:
                     plgpu.barrier_arrive(token.at[1 - wg])
 
             def fresh():
@@ -322,8 +322,18 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             lax.fori_loop(0, n_steps, step, (jnp.int32(0), fresh()))
             plgpu.wait_smem_to_gmem(0)
 
-        for w in range(wgs):
-            pl.when(wg == w)(functools.partial(compute, w))
+        if separate_scratch and wgs == 2:
+            # Warpgroup 1's code is traced inside a collective allocation of one reduction
+            # scratch's size and warpgroup 0's after it closes, so their cross-warp reduction
+            # scratch lies at different offsets (the allocation's barrier is at its entry, which
+            # every warpgroup passes before any work).
+            def inner(_pad):
+                pl.when(wg == 1)(functools.partial(compute, 1))
+            pl.run_scoped(inner, plgpu.SMEM((RED_SCRATCH // 4,), jnp.float32), collective_axes="wg")
+            pl.when(wg == 0)(functools.partial(compute, 0))
+        else:
+            for w in range(wgs):
+                pl.when(wg == w)(functools.partial(compute, w))
 
     n_out = rounds * workers
     scratch = (plgpu.SMEM((wgs * stages, bs, d), dtype),

@@ -17,14 +17,14 @@ from test_prefix_attention_mgpu import _lower_for_cuda
 S = jax.ShapeDtypeStruct
 
 
-def _states(q, sk, sv, sl, *, ctas, stages=None, wgs=2, block_s=64):
+def _states(q, sk, sv, sl, *, ctas, stages=None, wgs=2, block_s=64, sep=False):
     """q [B, Hq, D] -> (o [B, Hq, D], lse [B, Hq]) over each sequence's suffix keys."""
     b, hq, d = q.shape
     hkv = sk.shape[2]
     g = hq // hkv
     qm, _ = pa._rows_128(q[:, None], hkv, g)
     o, lse = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=d ** -0.5, group=g, ctas=ctas,
-                                   stages=stages, wgs=wgs, block_s=block_s)
+                                   stages=stages, wgs=wgs, block_s=block_s, separate_scratch=sep)
     o = jnp.swapaxes(o[0].reshape(hkv, b, g, d), 0, 1).reshape(b, hq, d)
     lse = jnp.swapaxes(lse[0].reshape(hkv, b, g), 0, 1).reshape(b, hq)
     return o, lse
@@ -95,6 +95,8 @@ def _oracle(q, sk, sv, sl):
     (45, 4, 4, 64, 128, 3, 1, 2, 64),        # G=1: 16 sequences per task, 1 stage
     (70, 32, 8, 128, 256, 7, None, 1, 128),  # one worker per CTA, 128-key steps
     (33, 8, 1, 128, 192, 3, None, 1, 64),    # one worker per CTA, 64-key steps
+    (70, 32, 8, 128, 128, 5, None, 2, -64),  # -: two workers, own reduction scratch, no token
+    (33, 8, 1, 128, 192, 3, None, 2, -64),
 ])
 def test_gpu_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, ctas, stages, wgs, bs):
     rng = np.random.default_rng(b)
@@ -103,7 +105,9 @@ def test_gpu_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, ctas, stage
     sl = rng.integers(0, s + 1, b)
     sl[0], sl[-1], sl[1] = s, 0, 1
     past = jnp.asarray(np.arange(s)[None, :, None, None] >= sl[:, None, None, None])
-    o, lse = jax.jit(lambda *a: _states(*a, ctas=ctas, stages=stages, wgs=wgs, block_s=bs))(
+    sep, bs = bs < 0, abs(bs)
+    o, lse = jax.jit(lambda *a: _states(*a, ctas=ctas, stages=stages, wgs=wgs, block_s=bs,
+                                        sep=sep))(
         q, jnp.where(past, jnp.nan, sk).astype(sk.dtype), jnp.where(past, jnp.nan, sv).astype(sv.dtype),
         jnp.asarray(sl, jnp.int32))
     o = np.asarray(o.astype(jnp.float32), np.float64)

@@ -16,13 +16,14 @@ sv = jnp.asarray(np.random.default_rng(2).standard_normal((512, 128, 8, 128)), j
 sl = jnp.full((512,), 128, jnp.int32)
 rows = []
 CFGS = [tuple(int(v) for v in c.split("/")) for c in os.environ.get("CFGS", "2/64").split(",")]
+# block_s < 0: two workers with their own reduction scratch (separate_scratch=True, no token)
 for m in [int(x) for x in os.environ.get("CTAS", "24,132").split(",")]:
   for wgs, bs in CFGS:
     for dbg in os.environ.get("VARIANTS", ",nolen,nomath,nomath+nolen").split(","):
         def fn(q, sk, sv, sl, m=m, dbg=dbg, wgs=wgs, bs=bs):
             qm, _ = pa._rows_128(q[:, None], 8, 4)
             o, _ = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=0.1, group=4, ctas=m, wgs=wgs,
-                                         block_s=bs, _debug=dbg)
+                                         block_s=abs(bs), separate_scratch=bs < 0, _debug=dbg)
             return q + (o[0, 0, :1, :1] * 0).astype(q.dtype)
         try:
             t = loop_time(fn, q, (sk, sv, sl), compiler_options=GRAPH_ALWAYS)
