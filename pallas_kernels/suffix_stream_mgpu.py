@@ -185,8 +185,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             return task, h, blk, j, bc, n, jnp.minimum(t, last), t * bs
 
         # ------------------------------------------------------------------ memory warpgroup
-        @pl.when(wg == wgs)
-        def _memory():
+        def memory():
             def mem_step(u, lens):
                 slot = lax.rem(u, stages)
                 new_lens = []
@@ -325,8 +324,8 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
         if separate_scratch and wgs == 2:
             # Warpgroup 1's code is traced inside a collective allocation of one reduction
             # scratch's size and warpgroup 0's after it closes, so their cross-warp reduction
-            # scratch lies at different offsets (the allocation's barrier is at its entry, which
-            # every warpgroup passes before any work).
+            # scratch lies at different offsets.  The allocation's CTA barrier is at its entry:
+            # it comes first, so every warpgroup passes it before any work.
             def inner(_pad):
                 pl.when(wg == 1)(functools.partial(compute, 1))
             pl.run_scoped(inner, plgpu.SMEM((RED_SCRATCH // 4,), jnp.float32), collective_axes="wg")
@@ -334,6 +333,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
         else:
             for w in range(wgs):
                 pl.when(wg == w)(functools.partial(compute, w))
+        pl.when(wg == wgs)(memory)
 
     n_out = rounds * workers
     scratch = (plgpu.SMEM((wgs * stages, bs, d), dtype),
