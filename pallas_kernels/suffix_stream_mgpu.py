@@ -1,46 +1,76 @@
-"""Decode suffix attention streamed by a few persistent CTAs (Pallas Mosaic GPU; EXPERIMENTAL).
+"""Decode suffix attention streamed by a few persistent CTAs (Pallas Mosaic GPU; EXPERIMENTAL,
+not dispatched: see "Status").
 
 For decoding (one query per sequence) with GQA group ``G = Hq / Hkv``, every (sequence, kv
 head) attends over its own suffix keys ``[0, s_len[b])``.  That part of the shared-prefix path
 is bound by HBM bandwidth (each suffix K/V byte is read once), while the prefix part is bound
-by the tensor cores.  This kernel computes the suffix part on only ``ctas`` SMs, so the prefix
-kernel can hold the others at the same time (a split of the SMs by role).
+by the tensor cores.  This kernel computes the suffix part on only ``ctas`` SMs, so that the
+persistent prefix kernel (``prefix_attention_mgpu.prefix_partials_mgpu(persistent_ctas=n)``)
+can hold the others at the same time: a split of the SMs by role.
 
 Why a kernel of its own: session 20 ran the Triton-lowered suffix kernel beside a persistent
-prefix kernel and it hid at most 35 of its 100 us; a load-only probe this session
-(``bench/results/logs/session21_probe_stream_h100.jsonl``, H100) found that persistent CTAs
-with a deep TMA pipeline read the suffix at 2.35 TB/s on 20 SMs and 2.56 TB/s on 24 (2.67 TB/s
-on all 132): a few SMs can stream nearly all of HBM's bandwidth if they keep enough bytes in
-flight.
+prefix kernel and it hid at most 35 of its 100 us.  A load-only probe (session 21,
+``bench/results/logs/session21_probe_stream_h100.jsonl``, H100) found that persistent CTAs with
+a deep TMA pipeline read the suffix at 2.35 TB/s on 20 SMs and 2.56 TB/s on 24 (2.67 TB/s on
+all 132), and that such a load-only stream on 24 SMs beside the prefix on 108 took 0.182-0.188 ms
+at Hq=32 B=512 P=8K S=128 where the default path takes 0.223 ms: a few SMs can stream nearly
+all of HBM's bandwidth if they keep enough bytes in flight.
 
 Products ("swap AB", as ``decoupled_decode_mgpu``'s suffix warpgroup): for a task's sequence
-``b`` and kv head ``h``, ``S^T = K Q^T`` is ``[64 keys, COLS]`` (wgmma M = 64 keys, N = COLS
-query rows), the online softmax runs down the columns, and ``O^T += V^T P^T`` is ``[D, COLS]``.
-``COLS = max(16, G)``: a task is ``COLS / G`` consecutive sequences of one kv head (rows
-``blk * COLS ..`` of ``q_hmd[h]``), walked one after another into one state whose columns
-belong to them in turn (a column only sees keys while its own sequence is walked).
+``b`` and kv head ``h``, ``S^T = K Q^T`` is ``[block_s keys, COLS]`` (wgmma M = the keys, N =
+COLS query rows), the online softmax runs down the columns, and ``O^T += V^T P^T`` is
+``[D, COLS]``.  ``COLS = max(16, G)``: a task is ``COLS / G`` consecutive sequences of one kv
+head (rows ``blk * COLS ..`` of ``q_hmd[h]``), walked one after another into one state whose
+columns belong to them in turn (a column only sees keys while its own sequence is walked).  The
+running max is reduced across the key rows every step; the softmax sums are kept per (key row,
+column) and reduced once per task.
 
-Kernel: ``ctas`` CTAs of three warpgroups: two compute warpgroups, each a *worker* with its own
-tasks (worker ``2 c + w`` takes tasks ``worker, worker + 2 ctas, ...``: task ``i`` is block
-``i // Hkv`` of kv head ``i % Hkv``, so concurrent workers read neighbouring rows of the
-cache), and one memory warpgroup that keeps ``stages`` steps of each worker in flight (per
-step and worker: a ``[64, D]`` K tile and a ``[64, D]`` V tile, each with its own barrier,
-and at a task's first step its ``[COLS, D]`` queries into one of ``n_q`` buffers; a "free"
-barrier per slot, arrived on by the worker after its ``P V``).  Steps form a static ``rounds x (COLS/G) x S/64`` grid per worker, so barrier
-phases never depend on the lengths; a tile wholly past its sequence's length loads the last
-valid tile again (an L2 hit) and skips the math; ``V`` rows past a length are zeroed in shared
-memory before ``P V`` (NaN in the cache there never reaches the output).
+Kernel: ``ctas`` CTAs of ``wgs + 1`` warpgroups: ``wgs`` (1 or 2) compute warpgroups, each a
+*worker* with its own tasks (worker ``wgs c + w`` takes tasks ``worker, worker + wgs ctas,
+...``: task ``i`` is block ``i // Hkv`` of kv head ``i % Hkv``, so concurrent workers read
+neighbouring rows of the cache), and one memory warpgroup that keeps ``stages`` steps of each
+worker in flight (per step and worker: a ``[block_s, D]`` K tile and V tile, each with its own
+barrier, and at a task's first step its ``[COLS, D]`` queries into one of ``n_q`` buffers; a
+"free" barrier per slot, arrived on by the worker after its ``P V``).  Steps form a static
+``rounds x (COLS/G) x S/block_s`` grid per worker, so barrier phases never depend on the
+lengths; each sequence's length is read once, at its first step; a tile wholly past its
+sequence's length loads the last valid tile again (an L2 hit) and skips the math; ``V`` rows
+past a length are zeroed in shared memory before ``P V`` (NaN in the cache there never reaches
+the output).
+
+Two compute warpgroups and Mosaic GPU's reduction scratch: a cross-warp reduction (the max runs
+down the key rows, which span the warpgroup's 4 warps) uses a shared-memory scratch placed at
+the allocation top where it is lowered, the same for both warpgroups, so reductions running at
+once in both race on it (measured on the GPU: wrong outputs at random, 4-143 of 560 (sequence,
+kv head) pairs, ``session21_stream_diag*_h100.jsonl``).  Two remedies, both exact: a token
+passed through two barriers makes the reductions take turns (default), or
+``separate_scratch=True`` traces warpgroup 1's code inside a collective padding allocation, so
+its scratch lies elsewhere (1-3% faster).
 
 Layouts: ``q_hmd [Hkv, M, D]`` row ``b * G + j`` is query head ``h * G + j`` of sequence ``b``
 (``M >= ceil(B G / COLS) COLS``, rows past ``B G`` zero or anything finite), suffix
-``k/v [B, S, Hkv, D]`` (``S % 64 == 0``), ``s_len [B]`` int32 (dynamic, clamped to ``[0, S]``
-by the caller).  Returns ``o [1, Hkv, B * G, D]`` (q's dtype, normalised) and
-``lse [1, Hkv, B * G]`` float32 natural log, the row layout of
-:func:`pallas_kernels.prefix_attention._merge_row_parts`; ``lse = -inf`` and ``o = 0`` for a
-sequence with no suffix key.
+``k/v [B, S, Hkv, D]`` (``S % block_s == 0``), ``s_len [B]`` int32 (dynamic, in ``[0, S]``).
+Returns ``o [1, Hkv, B * G, D]`` (q's dtype, normalised) and ``lse [1, Hkv, B * G]`` float32
+natural log, the row layout of :func:`pallas_kernels.prefix_attention._merge_row_parts`;
+``lse = -inf`` and ``o = 0`` for a sequence with no suffix key.  ``interpret=True`` runs Mosaic
+GPU's CPU interpreter (``Q^T`` and ``V^T`` then transposed in memory: its wgmma reads no
+transposed ref).  The pure-JAX reference is :func:`jax_prefix_attn.reference.attention` over each
+sequence's suffix (the tests use a float64 NumPy one).
 
-Static arguments: every shape, ``group``, ``ctas``, ``stages``, ``scale``; one compile per
-(shape, ctas, stages).
+Static arguments: every shape, ``group``, ``ctas``, ``stages``, ``wgs``, ``block_s``,
+``separate_scratch``, ``scale``; one compile per combination.
+
+Status (session 21, H100, ``bench/results/logs/session21_*``): exact (GPU and interpreter tests
+against float64) but, on few SMs, bound by the latency of each step's compute, not by memory.
+Hq=32/Hkv=8 B=512 S=128 (268 MB of suffix K/V): on 24 CTAs 0.21 ms = 1.28 TB/s (two workers;
+one worker with 128-key steps 0.25 ms, with 64-key steps 0.31 ms), while the same kernel
+without its math streams 2.35 TB/s there; on all 132 SMs 0.118 ms, 0.90x the speed of the
+Triton-lowered suffix kernel (0.106 ms).  Each worker's step is a dependent chain (wait, ``S^T``
+wgmma, cross-warp max, ``exp2``, ``P^T`` to shared memory, ``P V`` wgmma) of about 0.6 us per
+32 KB, so 24 SMs cannot keep 2.3 TB/s in flight.  The space split built on it (persistent
+prefix on 103-114 CTAs beside this kernel on 18-29, XLA's concurrent scheduling, one merge)
+took 1.01-1.40x the default path's time at four target points
+(``session21_probe_split_b_h100.jsonl``), so nothing dispatches it.
 """
 from __future__ import annotations
 
@@ -52,7 +82,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.prefix_attention_mgpu import plgpu
+from pallas_kernels.prefix_attention_mgpu import _gpu_interpret_params, plgpu
 
 __all__ = ["stream_supported", "suffix_stream_mgpu", "BLOCK_S", "cols_for"]
 
@@ -84,8 +114,11 @@ def stream_supported(*, heads_q: int, heads_kv: int, suffix_cap: int, head_dim: 
     return None
 
 
-def _iota(shape, dim):
-    """An int32 iota in the wgmma register layout (a layout hint for Mosaic GPU's inference)."""
+def _iota(shape, dim, hint: bool = True):
+    """An int32 iota in the wgmma register layout (a layout hint for Mosaic GPU's inference;
+    the CPU interpreter has no layout casts: ``hint=False``)."""
+    if not hint:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
@@ -109,7 +142,8 @@ def _smem_bytes(stages: int, n_q: int, cols: int, d: int, itemsize: int, wgs: in
 
 def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: int, ctas: int,
                        stages: int | None = None, wgs: int = 2, block_s: int = BLOCK_S,
-                       separate_scratch: bool = False, _debug: str = ""):
+                       separate_scratch: bool = False, interpret: bool = False,
+                       _debug: str = ""):
     """Suffix attention states of every row on ``ctas`` persistent CTAs; see the module
     docstring for layouts and outputs.  ``stages``: steps in flight per worker (each step
     ``2 * 64 * D`` bytes of K/V; None: the most, up to 3, that fit in shared memory).
@@ -156,6 +190,10 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
     sk_bshd = sk_bshd.astype(dtype)
     sv_bshd = sv_bshd.astype(dtype)
     s_len = jnp.asarray(s_len, jnp.int32).reshape(b)
+    cpu = bool(interpret)   # the interpreter's wgmma reads no transposed ref: Q^T, V^T in memory
+    if cpu:
+        q_hmd = jnp.transpose(q_hmd, (0, 2, 1))          # [Hkv, D, M]
+        sv_bshd = jnp.transpose(sv_bshd, (0, 2, 3, 1))   # [B, Hkv, D, S]
 
     def kernel(slen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, k_smem, v_smem, q_smem, p_smem,
                o_smem, k_bar, v_bar, q_bar, free_bar, token):
@@ -203,14 +241,21 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                     def _():
                         iq = w * n_q + lax.rem(lax.div(u, per_task), n_q)
                         blk_c = jnp.minimum(blk, n_blk - 1)
-                        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(blk_c * cols, cols)],
-                                                q_smem.at[iq], q_bar.at[iq])
+                        src = (q_ref.at[h, :, pl.ds(blk_c * cols, cols)] if cpu
+                               else q_ref.at[h, pl.ds(blk_c * cols, cols)])
+                        plgpu.copy_gmem_to_smem(src, q_smem.at[iq], q_bar.at[iq])
                     plgpu.copy_gmem_to_smem(k_ref.at[bc, pl.ds(tile * bs, bs), h, :],
                                             k_smem.at[i], k_bar.at[i])
-                    plgpu.copy_gmem_to_smem(v_ref.at[bc, pl.ds(tile * bs, bs), h, :],
+                    plgpu.copy_gmem_to_smem(v_ref.at[bc, h, :, pl.ds(tile * bs, bs)] if cpu
+                                            else v_ref.at[bc, pl.ds(tile * bs, bs), h, :],
                                             v_smem.at[i], v_bar.at[i])
                 return tuple(new_lens)
             lax.fori_loop(0, n_steps, mem_step, (jnp.int32(0),) * wgs)
+            # the slots' last "free" phases (the workers' last steps): waited on so that every
+            # phase of every barrier is observed (the CPU interpreter checks it)
+            for w in range(wgs):
+                for slot in range(min(stages, n_steps)):
+                    plgpu.barrier_wait(free_bar.at[w * stages + slot])
 
         # ------------------------------------------------------------------ compute warpgroups
         def compute(wg: int):
@@ -257,20 +302,20 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
 
                 def attend(acc, m_i, l_part):
                     def scores(s_ref):   # S^T = K Q^T: [keys, cols]
-                        plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
+                        plgpu.wgmma(s_ref, k_tile, q_tile if cpu else q_tile.transpose((1, 0)))
                         return s_ref[...]
                     s = pl.run_scoped(scores, plgpu.ACC((bs, cols), jnp.float32))
 
                     @pl.when(key0 + bs > n)   # zero V rows past the length (NaN-safe)
                     def _():
-                        keys = _iota((bs, d), 0)
+                        keys = _iota((d, bs), 1, hint=False) if cpu else _iota((bs, d), 0)
                         v_tile[...] = jnp.where(key0 + keys < n, v_tile[...],
                                                 jnp.zeros_like(v_tile[...]))
                         plgpu.commit_smem()
-                    keys = key0 + _iota((bs, cols), 0)
+                    keys = key0 + _iota((bs, cols), 0, hint=not cpu)
                     valid = keys < n
                     if spt > 1:   # columns of the other sequences of the task see no key
-                        col_seq = lax.shift_right_logical(_iota((bs, cols), 1), log2_g)
+                        col_seq = lax.shift_right_logical(_iota((bs, cols), 1, hint=not cpu), log2_g)
                         valid = valid & (col_seq == j)
                     sv = jnp.where(valid, s, -jnp.inf)
                     take_token(u == 0)
@@ -285,8 +330,15 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                     plgpu.commit_smem()
 
                     def pv(acc_ref):   # O^T += V^T P^T: [D, cols]
-                        plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.at[wg])
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                        plgpu.wgmma(acc_ref, v_tile if cpu else v_tile.transpose((1, 0)),
+                                    p_smem.at[wg])
+                    if cpu:   # (the interpreter has no in-place accumulator: a fresh one)
+                        def pv_fresh(acc_ref):
+                            pv(acc_ref)
+                            return acc_ref[...]
+                        acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
+                    else:
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     return acc, m_new, l_part
 
                 def skip(*state):
@@ -320,6 +372,8 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
 
             lax.fori_loop(0, n_steps, step, (jnp.int32(0), fresh()))
             plgpu.wait_smem_to_gmem(0)
+            if wgs == 2 and not separate_scratch and wg == 0 and "nomath" not in _debug:
+                plgpu.barrier_wait(token.at[0])   # warpgroup 1's last pass (see take_token)
 
         if separate_scratch and wgs == 2:
             # Warpgroup 1's code is traced inside a collective allocation of one reduction
@@ -337,8 +391,8 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
 
     n_out = rounds * workers
     scratch = (plgpu.SMEM((wgs * stages, bs, d), dtype),
-               plgpu.SMEM((wgs * stages, bs, d), dtype),
-               plgpu.SMEM((wgs * n_q, cols, d), dtype),
+               plgpu.SMEM((wgs * stages,) + ((d, bs) if cpu else (bs, d)), dtype),
+               plgpu.SMEM((wgs * n_q,) + ((d, cols) if cpu else (cols, d)), dtype),
                plgpu.SMEM((wgs, bs, cols), dtype),
                plgpu.SMEM((wgs, d, cols), dtype),
                plgpu.Barrier(num_barriers=wgs * stages),
@@ -357,6 +411,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )(s_len, q_hmd, sk_bshd, sv_bshd)
     # task i = block i // Hkv of kv head i % Hkv -> the row layout [1, Hkv, B * G(, D)]
     o = o_t[:n_tasks].reshape(n_blk, hkv, d, cols)

@@ -1,10 +1,12 @@
 """Streamed decode suffix kernel on a few persistent CTAs (experimental; see the module docstring).
 
-CPU: validation, and the kernel traced and lowered for CUDA (Mosaic GPU layout inference and the
-shared-memory budget; no PTX is compiled).  GPU (marker ``gpu``): the suffix states (output and
+CPU: validation; the kernel traced and lowered for CUDA (Mosaic GPU layout inference and the
+shared-memory budget; no PTX is compiled); and Mosaic GPU's interpreter against float64 NumPy.  GPU (marker ``gpu``): the suffix states (output and
 LSE) against float64 NumPy, with random suffix lengths (0 and the capacity included), NaN in the
 cache past them, and more tasks than workers (several rounds, padding tasks in the last).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,14 +19,15 @@ from test_prefix_attention_mgpu import _lower_for_cuda
 S = jax.ShapeDtypeStruct
 
 
-def _states(q, sk, sv, sl, *, ctas, stages=None, wgs=2, block_s=64, sep=False):
+def _states(q, sk, sv, sl, *, ctas, stages=None, wgs=2, block_s=64, sep=False, interpret=False):
     """q [B, Hq, D] -> (o [B, Hq, D], lse [B, Hq]) over each sequence's suffix keys."""
     b, hq, d = q.shape
     hkv = sk.shape[2]
     g = hq // hkv
     qm, _ = pa._rows_128(q[:, None], hkv, g)
     o, lse = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=d ** -0.5, group=g, ctas=ctas,
-                                   stages=stages, wgs=wgs, block_s=block_s, separate_scratch=sep)
+                                   stages=stages, wgs=wgs, block_s=block_s, separate_scratch=sep,
+                                   interpret=interpret)
     o = jnp.swapaxes(o[0].reshape(hkv, b, g, d), 0, 1).reshape(b, hq, d)
     lse = jnp.swapaxes(lse[0].reshape(hkv, b, g), 0, 1).reshape(b, hq)
     return o, lse
@@ -86,6 +89,41 @@ def _oracle(q, sk, sv, sl):
     return out, lse
 
 
+def _check(b, hq, hkv, d, s, *, interpret=False, **kw):
+    """The kernel's states against float64 NumPy, with random suffix lengths (the capacity, 1
+    and 0 included) and NaN in the cache past them."""
+    rng = np.random.default_rng(b)
+    f = lambda *sh: jnp.asarray(rng.standard_normal(sh, np.float32), jnp.bfloat16)  # noqa: E731
+    q, sk, sv = f(b, hq, d), f(b, s, hkv, d), f(b, s, hkv, d)
+    sl = rng.integers(0, s + 1, b)
+    sl[0], sl[-1], sl[1] = s, 0, 1
+    past = jnp.asarray(np.arange(s)[None, :, None, None] >= sl[:, None, None, None])
+    fn = functools.partial(_states, interpret=interpret, **kw)
+    o, lse = (fn if interpret else jax.jit(fn))(
+        q, jnp.where(past, jnp.nan, sk).astype(sk.dtype), jnp.where(past, jnp.nan, sv).astype(sv.dtype),
+        jnp.asarray(sl, jnp.int32))
+    o = np.asarray(o.astype(jnp.float32), np.float64)
+    lse = np.asarray(lse, np.float64)
+    ref_o, ref_l = _oracle(q, sk, sv, sl)
+    assert np.isfinite(o).all()
+    assert np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o) < 2e-2
+    empty = sl == 0
+    assert np.all(o[empty] == 0) and np.all(np.isneginf(lse[empty]))
+    assert np.abs(lse[~empty] - ref_l[~empty]).max() < 2e-2
+
+
+# Mosaic GPU's CPU interpreter (simulated warpgroups, barriers, TMA, wgmma; it also checks that
+# every barrier phase is observed), about 5-7 s a case.
+@pytest.mark.parametrize("b,hq,hkv,d,s,kw", [
+    (10, 8, 2, 64, 128, dict(ctas=1)),                          # G=4, 3 rounds, the token
+    (9, 2, 2, 64, 192, dict(ctas=1, sep=True)),                 # G=1: 16 sequences per task
+    (10, 8, 2, 64, 128, dict(ctas=2, wgs=1, block_s=128)),      # one worker, 128-key steps
+    (5, 16, 1, 64, 64, dict(ctas=2)),                           # G=16, padding tasks, 3 q buffers
+])
+def test_interpreter_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, kw):
+    _check(b, hq, hkv, d, s, interpret=True, **kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,hq,hkv,d,s,ctas,stages,wgs,bs", [
     (70, 32, 8, 128, 128, 5, None, 2, 64),   # G=4: 4 sequences per task; 15 rounds of 10 workers
@@ -99,22 +137,4 @@ def _oracle(q, sk, sv, sl):
     (33, 8, 1, 128, 192, 3, None, 2, -64),
 ])
 def test_gpu_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, ctas, stages, wgs, bs):
-    rng = np.random.default_rng(b)
-    f = lambda *sh: jnp.asarray(rng.standard_normal(sh, np.float32), jnp.bfloat16)  # noqa: E731
-    q, sk, sv = f(b, hq, d), f(b, s, hkv, d), f(b, s, hkv, d)
-    sl = rng.integers(0, s + 1, b)
-    sl[0], sl[-1], sl[1] = s, 0, 1
-    past = jnp.asarray(np.arange(s)[None, :, None, None] >= sl[:, None, None, None])
-    sep, bs = bs < 0, abs(bs)
-    o, lse = jax.jit(lambda *a: _states(*a, ctas=ctas, stages=stages, wgs=wgs, block_s=bs,
-                                        sep=sep))(
-        q, jnp.where(past, jnp.nan, sk).astype(sk.dtype), jnp.where(past, jnp.nan, sv).astype(sv.dtype),
-        jnp.asarray(sl, jnp.int32))
-    o = np.asarray(o.astype(jnp.float32), np.float64)
-    lse = np.asarray(lse, np.float64)
-    ref_o, ref_l = _oracle(q, sk, sv, sl)
-    assert np.isfinite(o).all()
-    assert np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o) < 2e-2
-    empty = sl == 0
-    assert np.all(o[empty] == 0) and np.all(np.isneginf(lse[empty]))
-    assert np.abs(lse[~empty] - ref_l[~empty]).max() < 2e-2
+    _check(b, hq, hkv, d, s, ctas=ctas, stages=stages, wgs=wgs, block_s=abs(bs), sep=bs < 0)
