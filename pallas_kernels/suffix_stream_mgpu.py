@@ -69,7 +69,7 @@ Triton-lowered suffix kernel (0.106 ms).  Each worker's step is a dependent chai
 wgmma, cross-warp max, ``exp2``, ``P^T`` to shared memory, ``P V`` wgmma) of about 0.6 us per
 32 KB, so 24 SMs cannot keep 2.3 TB/s in flight.  The space split built on it (persistent
 prefix on 103-114 CTAs beside this kernel on 18-29, XLA's concurrent scheduling, one merge)
-took 1.01-1.40x the default path's time at four target points
+took 1.01-1.40x the default path's time at the three target points it reached
 (``session21_probe_split_b_h100.jsonl``), so nothing dispatches it.
 """
 from __future__ import annotations
