@@ -12,8 +12,8 @@ Why a kernel of its own: session 20 ran the Triton-lowered suffix kernel beside 
 prefix kernel and it hid at most 35 of its 100 us.  A load-only probe (session 21,
 ``bench/results/logs/session21_probe_stream_h100.jsonl``, H100) found that persistent CTAs with
 a deep TMA pipeline read the suffix at 2.35 TB/s on 20 SMs and 2.56 TB/s on 24 (2.67 TB/s on
-all 132), and that such a load-only stream on 24 SMs beside the prefix on 108 took 0.182-0.188 ms
-at Hq=32 B=512 P=8K S=128 where the default path takes 0.223 ms: a few SMs can stream nearly
+all 132), and that such a load-only stream on 16-24 SMs beside the prefix on 108-116 took
+0.181-0.188 ms at Hq=32 B=512 P=8K S=128 where the default path takes 0.223 ms: a few SMs can stream nearly
 all of HBM's bandwidth if they keep enough bytes in flight.
 
 Products ("swap AB", as ``decoupled_decode_mgpu``'s suffix warpgroup): for a task's sequence
@@ -62,9 +62,9 @@ Static arguments: every shape, ``group``, ``ctas``, ``stages``, ``wgs``, ``block
 
 Status (session 21, H100, ``bench/results/logs/session21_*``): exact (GPU and interpreter tests
 against float64) but, on few SMs, bound by the latency of each step's compute, not by memory.
-Hq=32/Hkv=8 B=512 S=128 (268 MB of suffix K/V): on 24 CTAs 0.21 ms = 1.28 TB/s (two workers;
-one worker with 128-key steps 0.25 ms, with 64-key steps 0.31 ms), while the same kernel
-without its math streams 2.35 TB/s there; on all 132 SMs 0.118 ms, 0.90x the speed of the
+Hq=32/Hkv=8 B=512 S=128 (268 MB of suffix K/V): on 24 CTAs 0.21-0.23 ms = 1.19-1.29 TB/s (two
+workers; one worker with 128-key steps 0.23-0.25 ms, with 64-key steps 0.31 ms), while the same
+kernel without its math streams 2.12-2.35 TB/s there; on all 132 SMs 0.118 ms, 0.90x the speed of the
 Triton-lowered suffix kernel (0.106 ms).  Each worker's step is a dependent chain (wait, ``S^T``
 wgmma, cross-warp max, ``exp2``, ``P^T`` to shared memory, ``P V`` wgmma) of about 0.6 us per
 32 KB, so 24 SMs cannot keep 2.3 TB/s in flight.  The space split built on it (persistent
