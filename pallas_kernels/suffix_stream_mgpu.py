@@ -145,11 +145,14 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                        separate_scratch: bool = False, interpret: bool = False,
                        _debug: str = ""):
     """Suffix attention states of every row on ``ctas`` persistent CTAs; see the module
-    docstring for layouts and outputs.  ``stages``: steps in flight per worker (each step
-    ``2 * 64 * D`` bytes of K/V; None: the most, up to 3, that fit in shared memory).
+    docstring for layouts, outputs and the options.  ``stages``: steps in flight per worker
+    (each step ``2 * block_s * D`` elements of K/V; None: the most, up to 4, that fit in shared
+    memory).  ``wgs``: compute warpgroups (workers) per CTA, 1 or 2.  ``block_s``: keys per
+    step, 64 or 128.  ``_debug`` (timing probes only, inexact): ``"nolen"`` reads no length,
+    ``"nomath"`` skips the attention and writes nothing.
 
     Raises ``ValueError`` for shapes outside :func:`stream_supported`, ``M`` too small, or
-    ``ctas``/``stages`` out of range."""
+    ``ctas``/``stages``/``wgs``/``block_s`` out of range."""
     hkv, m, d = q_hmd.shape
     b, s_cap = sk_bshd.shape[:2]
     g = int(group)
@@ -283,7 +286,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
 
             def fresh():
                 # O^T [D, cols]; running max (base 2, scaled) [cols]; the softmax sums kept
-                # per (key row, column) [64, cols] and reduced once per task
+                # per (key row, column) [block_s, cols] and reduced once per task
                 return (jnp.zeros((d, cols), jnp.float32), jnp.full((cols,), -jnp.inf, jnp.float32),
                         jnp.zeros((bs, cols), jnp.float32))
 
