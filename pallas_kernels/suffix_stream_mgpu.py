@@ -41,7 +41,7 @@ the output).
 Two compute warpgroups and Mosaic GPU's reduction scratch: a cross-warp reduction (the max runs
 down the key rows, which span the warpgroup's 4 warps) uses a shared-memory scratch placed at
 the allocation top where it is lowered, the same for both warpgroups, so reductions running at
-once in both race on it (measured on the GPU: wrong outputs at random, 4-143 of 560 (sequence,
+once in both race on it (measured on the GPU: wrong outputs at random, 3-143 of 560 (sequence,
 kv head) pairs, ``session21_stream_diag*_h100.jsonl``).  Two remedies, both exact: a token
 passed through two barriers makes the reductions take turns (default), or
 ``separate_scratch=True`` traces warpgroup 1's code inside a collective padding allocation, so
