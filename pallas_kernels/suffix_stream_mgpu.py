@@ -123,8 +123,6 @@ def _iota(shape, dim, hint: bool = True):
 
 
 RED_SCRATCH = 128 * 4 * 4    # Mosaic GPU's default cross-warp reduction scratch (bytes)
-# Hopper's per-CTA shared memory, less two reduction scratch areas and room for the barriers
-SMEM_BYTES = 232448 - 2 * RED_SCRATCH - 1024
 
 
 def _n_q(stages: int, per_task: int) -> int:
@@ -137,7 +135,14 @@ def _n_q(stages: int, per_task: int) -> int:
 
 def _smem_bytes(stages: int, n_q: int, cols: int, d: int, itemsize: int, wgs: int = 2,
                 bs: int = BLOCK_S) -> int:
-    return itemsize * wgs * (stages * 2 * bs * d + n_q * cols * d + bs * cols + d * cols)
+    """Shared memory of the buffers (with three workers ``O^T`` is stored from registers)."""
+    o_stage = 0 if wgs == 3 else d * cols
+    return itemsize * wgs * (stages * 2 * bs * d + n_q * cols * d + bs * cols + o_stage)
+
+
+def _red_bytes(wgs: int) -> int:
+    """Cross-warp reduction scratch per compute warpgroup (smaller with three, to fit)."""
+    return RED_SCRATCH if wgs < 3 else 1024
 
 
 def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: int, ctas: int,
@@ -147,7 +152,9 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
     """Suffix attention states of every row on ``ctas`` persistent CTAs; see the module
     docstring for layouts, outputs and the options.  ``stages``: steps in flight per worker
     (each step ``2 * block_s * D`` elements of K/V; None: the most, up to 4, that fit in shared
-    memory).  ``wgs``: compute warpgroups (workers) per CTA, 1 or 2.  ``block_s``: keys per
+    memory).  ``wgs``: compute warpgroups (workers) per CTA, 1, 2 or 3 (3: ``separate_scratch``
+    implied, 1 KB of reduction scratch each, ``O^T`` stored from registers; two stages fit at
+    D = 128).  ``block_s``: keys per
     step, 64 or 128.  ``_debug`` (timing probes only, inexact): ``"nolen"`` reads no length,
     ``"nomath"`` skips the attention and writes nothing.
 
@@ -170,9 +177,13 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
         raise ValueError(f"q_hmd has {m} rows; needs at least {n_blk * cols}")
     n_tasks = n_blk * hkv
     wgs, bs = int(wgs), int(block_s)
-    if wgs not in (1, 2) or bs not in (64, 128) or s_cap % bs:
-        raise ValueError(f"wgs={wgs} must be 1 or 2 and block_s={bs} 64 or 128 dividing the "
+    if wgs not in (1, 2, 3) or bs not in (64, 128) or s_cap % bs:
+        raise ValueError(f"wgs={wgs} must be 1, 2 or 3 and block_s={bs} 64 or 128 dividing the "
                          f"suffix capacity {s_cap}")
+    separate_scratch = bool(separate_scratch) or wgs == 3   # (the token serves two)
+    red = _red_bytes(wgs)
+    # Hopper's per-CTA shared memory, less the reduction scratch areas and room for barriers
+    smem_limit = 232448 - 1024 - max(2, wgs) * red
     workers = wgs * int(ctas)
     if not 1 <= int(ctas) or workers > wgs * n_tasks:
         raise ValueError(f"ctas={ctas} must be in [1, {n_tasks}]")
@@ -183,10 +194,10 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
     isz = jnp.dtype(dtype).itemsize
     if stages is None:
         stages = max([st for st in (1, 2, 3, 4)
-                      if _smem_bytes(st, _n_q(st, per_task), cols, d, isz, wgs, bs) <= SMEM_BYTES])
+                      if _smem_bytes(st, _n_q(st, per_task), cols, d, isz, wgs, bs) <= smem_limit])
     stages = int(stages)
     n_q = _n_q(stages, per_task) if stages >= 1 else 1
-    if not 1 <= stages <= 4 or _smem_bytes(stages, n_q, cols, d, isz, wgs, bs) > SMEM_BYTES:
+    if not 1 <= stages <= 4 or _smem_bytes(stages, n_q, cols, d, isz, wgs, bs) > smem_limit:
         raise ValueError(f"stages={stages} must be in [1, 4] and fit in shared memory")
     scale_log2 = float(scale) * _LOG2E
     log2_g = g.bit_length() - 1
@@ -362,11 +373,16 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                     pass_token()
                     has = l_i > 0.0
                     l_safe = jnp.where(has, l_i, 1.0)
-                    plgpu.wait_smem_to_gmem(0)     # the staging buffer's previous store
-                    o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])).astype(dtype)
+                    o_val = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])).astype(dtype)
+                    if wgs == 3:   # no staging buffer: from registers
+                        o_ref.at[task][...] = o_val
+                    else:
+                        plgpu.wait_smem_to_gmem(0)     # the staging buffer's previous store
+                        o_smem.at[wg][...] = o_val
                     lse_ref.at[task][...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[task])
+                    if wgs != 3:
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[task])
                     return fresh()
 
                 if "nomath" not in _debug:
@@ -378,15 +394,17 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             if wgs == 2 and not separate_scratch and wg == 0 and "nomath" not in _debug:
                 plgpu.barrier_wait(token.at[0])   # warpgroup 1's last pass (see take_token)
 
-        if separate_scratch and wgs == 2:
-            # Warpgroup 1's code is traced inside a collective allocation of one reduction
-            # scratch's size and warpgroup 0's after it closes, so their cross-warp reduction
-            # scratch lies at different offsets.  The allocation's CTA barrier is at its entry:
-            # it comes first, so every warpgroup passes it before any work.
-            def inner(_pad):
-                pl.when(wg == 1)(functools.partial(compute, 1))
-            pl.run_scoped(inner, plgpu.SMEM((RED_SCRATCH // 4,), jnp.float32), collective_axes="wg")
-            pl.when(wg == 0)(functools.partial(compute, 0))
+        if separate_scratch and wgs > 1:
+            # Warpgroup w's code is traced inside w nested collective allocations of one
+            # reduction scratch's size, so the compute warpgroups' cross-warp reduction scratch
+            # lies at different offsets.  Each allocation's CTA barrier is at its entry: they
+            # all come first, so every warpgroup passes them before any work.
+            def place(w):
+                if w < wgs - 1:
+                    pl.run_scoped(lambda _pad: place(w + 1), plgpu.SMEM((red // 4,), jnp.float32),
+                                  collective_axes="wg")
+                pl.when(wg == w)(functools.partial(compute, w))
+            place(0)
         else:
             for w in range(wgs):
                 pl.when(wg == w)(functools.partial(compute, w))
@@ -397,7 +415,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                plgpu.SMEM((wgs * stages,) + ((d, bs) if cpu else (bs, d)), dtype),
                plgpu.SMEM((wgs * n_q,) + ((d, cols) if cpu else (cols, d)), dtype),
                plgpu.SMEM((wgs, bs, cols), dtype),
-               plgpu.SMEM((wgs, d, cols), dtype),
+               plgpu.SMEM((wgs, d, cols) if wgs < 3 else (1, 16, cols), dtype),   # (unused at 3)
                plgpu.Barrier(num_barriers=wgs * stages),
                plgpu.Barrier(num_barriers=wgs * stages),
                plgpu.Barrier(num_barriers=wgs * n_q),
@@ -412,7 +430,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
         out_type=(jax.ShapeDtypeStruct((n_out, d, cols), dtype),
                   jax.ShapeDtypeStruct((n_out, cols), jnp.float32)),
         scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(approx_math=True,
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=red,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )(s_len, q_hmd, sk_bshd, sv_bshd)

@@ -53,7 +53,7 @@ def test_supported_and_validation():
         ss.suffix_stream_mgpu(q, skv[:, :64], skv[:, :64], sl, scale=1.0, group=4, ctas=2,
                               block_s=128)
     with pytest.raises(ValueError, match="wgs"):
-        ss.suffix_stream_mgpu(q, skv, skv, sl, scale=1.0, group=4, ctas=2, wgs=3)
+        ss.suffix_stream_mgpu(q, skv, skv, sl, scale=1.0, group=4, ctas=2, wgs=4)
     with pytest.raises(ValueError, match="suffix k/v"):
         ss.suffix_stream_mgpu(q, skv[:, :64], skv, sl, scale=1.0, group=4, ctas=2)
     with pytest.raises(ValueError, match="rows"):
@@ -64,7 +64,8 @@ def test_supported_and_validation():
 @pytest.mark.parametrize("b,hq,hkv,d,s,ctas,wgs,bs", [(512, 32, 8, 128, 128, 20, 2, 64),
                                                       (40, 32, 2, 128, 64, 2, 2, 64),
                                                       (6, 4, 2, 64, 192, 2, 2, 64),
-                                                      (512, 32, 8, 128, 128, 24, 1, 128)])
+                                                      (512, 32, 8, 128, 128, 24, 1, 128),
+                                                      (512, 32, 8, 128, 128, 24, 3, 64)])
 def test_lowers_for_cuda_on_cpu(b, hq, hkv, d, s, ctas, wgs, bs):
     txt = _lower_for_cuda(lambda q, k, v, l: _states(q, k, v, l, ctas=ctas, wgs=wgs, block_s=bs),
                           S((b, hq, d), jnp.bfloat16), S((b, s, hkv, d), jnp.bfloat16),
@@ -119,6 +120,7 @@ def _check(b, hq, hkv, d, s, *, interpret=False, **kw):
     (9, 2, 2, 64, 192, dict(ctas=1, sep=True)),                 # G=1: 16 sequences per task
     (10, 8, 2, 64, 128, dict(ctas=2, wgs=1, block_s=128)),      # one worker, 128-key steps
     (5, 16, 1, 64, 64, dict(ctas=2)),                           # G=16, padding tasks, 3 q buffers
+    (10, 8, 2, 64, 128, dict(ctas=1, wgs=3)),                   # three workers, O^T from registers
 ])
 def test_interpreter_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, kw):
     _check(b, hq, hkv, d, s, interpret=True, **kw)
@@ -135,6 +137,8 @@ def test_interpreter_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, kw)
     (33, 8, 1, 128, 192, 3, None, 1, 64),    # one worker per CTA, 64-key steps
     (70, 32, 8, 128, 128, 5, None, 2, -64),  # -: two workers, own reduction scratch, no token
     (33, 8, 1, 128, 192, 3, None, 2, -64),
+    (70, 32, 8, 128, 128, 5, None, 3, 64),   # three workers per CTA (own scratch, O^T from registers)
+    (33, 8, 1, 128, 192, 3, None, 3, 64),
 ])
 def test_gpu_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, ctas, stages, wgs, bs):
     _check(b, hq, hkv, d, s, ctas=ctas, stages=stages, wgs=wgs, block_s=abs(bs), sep=bs < 0)
