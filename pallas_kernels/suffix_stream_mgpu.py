@@ -62,15 +62,20 @@ Static arguments: every shape, ``group``, ``ctas``, ``stages``, ``wgs``, ``block
 
 Status (session 21, H100, ``bench/results/logs/session21_*``): exact (GPU and interpreter tests
 against float64) but, on few SMs, bound by the latency of each step's compute, not by memory.
-Hq=32/Hkv=8 B=512 S=128 (268 MB of suffix K/V): on 24 CTAs 0.21-0.23 ms = 1.19-1.29 TB/s (two
-workers; one worker with 128-key steps 0.23-0.25 ms, with 64-key steps 0.31 ms), while the same
-kernel without its math streams 2.12-2.35 TB/s there; on all 132 SMs 0.118 ms, 0.90x the speed of the
-Triton-lowered suffix kernel (0.106 ms).  Each worker's step is a dependent chain (wait, ``S^T``
-wgmma, cross-warp max, ``exp2``, ``P^T`` to shared memory, ``P V`` wgmma) of about 0.6 us per
-32 KB, so 24 SMs cannot keep 2.3 TB/s in flight.  The space split built on it (persistent
-prefix on 103-114 CTAs beside this kernel on 18-29, XLA's concurrent scheduling, one merge)
-took 1.01-1.40x the default path's time at the three target points it reached
-(``session21_probe_split_b_h100.jsonl``), so nothing dispatches it.
+Hq=32/Hkv=8 B=512 S=128 (268 MB of suffix K/V) on 24 CTAs: two workers 0.20-0.23 ms = 1.19-1.32
+TB/s, three workers 0.179 ms = 1.50 TB/s (one worker with 128-key steps 0.23-0.25 ms, with
+64-key steps 0.31 ms), while the same kernel without its math streams 2.12-2.35 TB/s there; on
+all 132 SMs 0.117-0.123 ms, 0.88-0.91x the speed of the Triton-lowered suffix kernel
+(0.106-0.108 ms).  Each worker's step is a dependent chain (wait, ``S^T`` wgmma, cross-warp max,
+``exp2``, ``P^T`` to shared memory, ``P V`` wgmma) of about 0.6 us per 32 KB, so more workers
+per SM stream faster; three is what shared memory holds at D = 128 with two stages.  The space
+split built on it (persistent prefix on n CTAs beside this kernel on m, XLA's concurrent
+scheduling, one merge; ``session21_probe_split.py``): with three workers, 0.196 ms against the
+default's 0.223 at Hq=32 B=512 P=8K S=128 (0.88x; n=108, m=24), but 1.24x at B=256 P=4K S=128
+and 1.74x at B=1024 P=4K S=128 (``..._split_c_h100.jsonl``); with two workers 1.01-1.40x
+(``..._split_b_...``).  It needs the two launches to run concurrently (``CONCURRENT_COMPILER_OPTIONS``;
+in sequence it takes 1.5x the default), so nothing dispatches it; a one-launch form (prefix and
+stream roles as CTAs of one kernel) would not depend on XLA's scheduling.
 """
 from __future__ import annotations
 
