@@ -25,7 +25,7 @@ columns belong to them in turn (a column only sees keys while its own sequence i
 running max is reduced across the key rows every step; the softmax sums are kept per (key row,
 column) and reduced once per task.
 
-Kernel: ``ctas`` CTAs of ``wgs + 1`` warpgroups: ``wgs`` (1 or 2) compute warpgroups, each a
+Kernel: ``ctas`` CTAs of ``wgs + 1`` warpgroups: ``wgs`` (1, 2 or 3) compute warpgroups, each a
 *worker* with its own tasks (worker ``wgs c + w`` takes tasks ``worker, worker + wgs ctas,
 ...``: task ``i`` is block ``i // Hkv`` of kv head ``i % Hkv``, so concurrent workers read
 neighbouring rows of the cache), and one memory warpgroup that keeps ``stages`` steps of each
@@ -43,9 +43,9 @@ down the key rows, which span the warpgroup's 4 warps) uses a shared-memory scra
 the allocation top where it is lowered, the same for both warpgroups, so reductions running at
 once in both race on it (measured on the GPU: wrong outputs at random, 3-143 of 560 (sequence,
 kv head) pairs, ``session21_stream_diag*_h100.jsonl``).  Two remedies, both exact: a token
-passed through two barriers makes the reductions take turns (default), or
-``separate_scratch=True`` traces warpgroup 1's code inside a collective padding allocation, so
-its scratch lies elsewhere (1-3% faster).
+passed through two barriers makes two warpgroups' reductions take turns (the default with two),
+or ``separate_scratch=True`` traces warpgroup ``w``'s code inside ``w`` nested collective padding
+allocations, so each one's scratch lies elsewhere (1-3% faster with two; what three use).
 
 Layouts: ``q_hmd [Hkv, M, D]`` row ``b * G + j`` is query head ``h * G + j`` of sequence ``b``
 (``M >= ceil(B G / COLS) COLS``, rows past ``B G`` zero or anything finite), suffix
