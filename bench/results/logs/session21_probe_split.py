@@ -81,6 +81,9 @@ POINTS_ALL = [
     (32, 8, 1024, 4096, 128, [(114, 4, 18), (103, 2, 29)]),
     (32, 8, 256, 16384, 256, [(114, 16, 18), (108, 8, 24)]),
     (8, 1, 1024, 4096, 256, [(103, 8, 29), (112, 8, 20)]),
+    # 5, 6: more SMs for the stream (run d, three workers)
+    (32, 8, 512, 8192, 128, [(100, 4, 32), (104, 4, 28)]),
+    (32, 8, 256, 16384, 256, [(108, 8, 24), (100, 8, 32)]),
 ]
 POINTS = [POINTS_ALL[int(i)] for i in os.environ.get("POINTS", "0,1,2,3,4").split(",")]
 print(json.dumps(dict(stream_wgs=WGS, stream_block_s=BS)), flush=True)
