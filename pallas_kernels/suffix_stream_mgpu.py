@@ -71,9 +71,10 @@ all 132 SMs 0.117-0.123 ms, 0.88-0.91x the speed of the Triton-lowered suffix ke
 per SM stream faster; three is what shared memory holds at D = 128 with two stages.  The space
 split built on it (persistent prefix on n CTAs beside this kernel on m, XLA's concurrent
 scheduling, one merge; ``session21_probe_split.py``): with three workers, 0.196 ms against the
-default's 0.223 at Hq=32 B=512 P=8K S=128 (0.88x; n=108, m=24), but 1.24x at B=256 P=4K S=128
-and 1.74x at B=1024 P=4K S=128 (``..._split_c_h100.jsonl``); with two workers 1.01-1.40x
-(``..._split_b_...``).  It needs the two launches to run concurrently (``CONCURRENT_COMPILER_OPTIONS``;
+default's 0.223 at Hq=32 B=512 P=8K S=128 (0.88x; n=108, m=24; 0.85x with n=104, m=28 in
+``..._split_d_...``), but 1.24x at B=256 P=4K S=128, 1.74x at B=1024 P=4K S=128
+(``..._split_c_h100.jsonl``) and 1.04x at B=256 P=16K S=256 (``_d_``); with two workers
+1.01-1.40x (``..._split_b_...``).  It needs the two launches to run concurrently (``CONCURRENT_COMPILER_OPTIONS``;
 in sequence it takes 1.5x the default), so nothing dispatches it; a one-launch form (prefix and
 stream roles as CTAs of one kernel) would not depend on XLA's scheduling.
 """
