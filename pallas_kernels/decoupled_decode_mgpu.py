@@ -157,14 +157,6 @@ def _divmod(u, n: int):
     return lax.div(u, n), lax.rem(u, n)
 
 
-def _iota(shape, dim, hint: bool = True):
-    """An int32 iota in the wgmma register layout (a layout hint: without it Mosaic GPU's
-    layout inference runs out of search fuel on this kernel)."""
-    if not hint:  # (the CPU interpreter has no layout casts)
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
 def _zero_rows_past(v_smem, key0, n, *, transposed: bool):
     """Zero the keys ``>= n`` of a suffix ``V`` tile in shared memory (``[keys, D]``, or
     ``[D, keys]`` when ``transposed``), so that NaN or Inf in the cache there never reaches
@@ -172,7 +164,7 @@ def _zero_rows_past(v_smem, key0, n, *, transposed: bool):
     @pl.when(key0 + BLOCK_S > n)
     def _():
         shape = v_smem.shape
-        keys = _iota(shape, 1 if transposed else 0, hint=not transposed)
+        keys = pm.wgmma_iota(shape, 1 if transposed else 0, hint=not transposed)
         v_smem[...] = jnp.where(key0 + keys < n, v_smem[...], jnp.zeros_like(v_smem[...]))
         plgpu.commit_smem()
 
@@ -392,7 +384,7 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
 
                 def attend(acc, m_i, l_i):
                     _zero_rows_past(v_tile, key0, n, transposed=_cpu_check)
-                    keys = key0 + _iota((BLOCK_S, COLS), 0, hint=not _cpu_check)
+                    keys = key0 + pm.wgmma_iota((BLOCK_S, COLS), 0, hint=not _cpu_check)
                     sv = jnp.where(keys < n, s, -jnp.inf)
                     m_new = jnp.maximum(m_i, sv.max(axis=0) * scale_log2)
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -401,18 +393,10 @@ def decoupled_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len,
                     l_new = l_i * alpha + prob.sum(axis=0)
                     sp_smem[...] = prob.astype(dtype)
                     plgpu.commit_smem()
-
-                    def pv(acc_ref):   # O^T += V^T P^T: [D, COLS]
-                        plgpu.wgmma(acc_ref, v_tile if _cpu_check else v_tile.transpose((1, 0)),
-                                    sp_smem)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-                    if _cpu_check:   # (the interpreter has no in-place accumulator: a fresh one)
-                        def pv_fresh(acc_ref):
-                            pv(acc_ref)
-                            return acc_ref[...]
-                        acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
-                    else:
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    acc = pm.wg_accumulate(   # O^T += V^T P^T
+                        acc, lambda: (v_tile if _cpu_check else v_tile.transpose((1, 0)), sp_smem),
+                        cpu_check=_cpu_check)
                     return acc, m_new, l_new
                 acc, m_i, l_i = lax.cond(key0 < n, attend, lambda *c: c, acc, m_i, l_i)
 

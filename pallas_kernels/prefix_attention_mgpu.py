@@ -339,21 +339,39 @@ def masked_softmax_step(s, valid_fn, any_masked, carry, *, scale_log2: float, dt
         s, carry)
 
 
+def wgmma_iota(shape, dim, hint: bool = True):
+    """An int32 iota in the wgmma register layout (a layout hint: without it Mosaic GPU's layout
+    inference can run out of search fuel; the CPU interpreter has no layout casts:
+    ``hint=False``)."""
+    if not hint:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def wg_accumulate(acc, operands, *, cpu_check: bool):
+    """``acc + a @ b`` on the tensor cores, ``(a, b) = operands()``: in place in the accumulator,
+    or with ``cpu_check`` into a fresh accumulator then added (Mosaic GPU's CPU interpreter has
+    no in-place one).  ``operands`` is called inside the product's scope: a shared-memory ref
+    indexed outside it would become an input of that scope, which Mosaic GPU cannot lower."""
+    if cpu_check:
+        def fresh(ref):
+            plgpu.wgmma(ref, *operands())
+            return ref[...]
+        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+    def in_place(acc_ref):
+        plgpu.wgmma(acc_ref, *operands())
+    return pl.run_state(in_place)(plgpu.ACC.init(acc))
+
+
 def wg_accumulate_pv(acc, p16, v_smem, p_smem, *, cpu_check: bool):
     """``acc + P V`` on the tensor cores (``P`` from registers; with ``cpu_check`` staged through
     ``p_smem`` into a fresh accumulator, the operand forms Mosaic GPU's CPU interpreter has)."""
     if cpu_check:
         p_smem[...] = p16
         plgpu.commit_smem()
-
-        def pv_fresh(pv_ref):
-            plgpu.wgmma(pv_ref, p_smem, v_smem)
-            return pv_ref[...]
-        return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
-
-    def pv(acc_ref):  # O += P V in place, P from registers
-        plgpu.wgmma(acc_ref, p16, v_smem)
-    return pl.run_state(pv)(plgpu.ACC.init(acc))
+        return wg_accumulate(acc, lambda: (p_smem, v_smem), cpu_check=True)
+    return wg_accumulate(acc, lambda: (p16, v_smem), cpu_check=False)
 
 
 def prefix_tile_step(carry, *, q_smem, k_smem, v_smem, p_smem, k_consumed, v_consumed, first_key,

@@ -88,7 +88,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.prefix_attention_mgpu import _gpu_interpret_params, plgpu
+from pallas_kernels.prefix_attention_mgpu import (_gpu_interpret_params, plgpu, wg_accumulate,
+                                                   wgmma_iota)
 
 __all__ = ["stream_supported", "suffix_stream_mgpu", "BLOCK_S", "cols_for"]
 
@@ -118,14 +119,6 @@ def stream_supported(*, heads_q: int, heads_kv: int, suffix_cap: int, head_dim: 
     if suffix_cap % BLOCK_S or suffix_cap == 0:
         return f"suffix capacity {suffix_cap} must be a positive multiple of {BLOCK_S}"
     return None
-
-
-def _iota(shape, dim, hint: bool = True):
-    """An int32 iota in the wgmma register layout (a layout hint for Mosaic GPU's inference;
-    the CPU interpreter has no layout casts: ``hint=False``)."""
-    if not hint:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
 RED_SCRATCH = 128 * 4 * 4    # Mosaic GPU's default cross-warp reduction scratch (bytes)
@@ -328,14 +321,15 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
 
                     @pl.when(key0 + bs > n)   # zero V rows past the length (NaN-safe)
                     def _():
-                        keys = _iota((d, bs), 1, hint=False) if cpu else _iota((bs, d), 0)
+                        keys = wgmma_iota((d, bs), 1, hint=False) if cpu else wgmma_iota((bs, d), 0)
                         v_tile[...] = jnp.where(key0 + keys < n, v_tile[...],
                                                 jnp.zeros_like(v_tile[...]))
                         plgpu.commit_smem()
-                    keys = key0 + _iota((bs, cols), 0, hint=not cpu)
+                    keys = key0 + wgmma_iota((bs, cols), 0, hint=not cpu)
                     valid = keys < n
                     if spt > 1:   # columns of the other sequences of the task see no key
-                        col_seq = lax.shift_right_logical(_iota((bs, cols), 1, hint=not cpu), log2_g)
+                        col = wgmma_iota((bs, cols), 1, hint=not cpu)
+                        col_seq = lax.shift_right_logical(col, log2_g)
                         valid = valid & (col_seq == j)
                     sv = jnp.where(valid, s, -jnp.inf)
                     take_token(u == 0)
@@ -348,17 +342,9 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
                     p_smem.at[wg][...] = prob.astype(dtype)
                     plgpu.commit_smem()
-
-                    def pv(acc_ref):   # O^T += V^T P^T: [D, cols]
-                        plgpu.wgmma(acc_ref, v_tile if cpu else v_tile.transpose((1, 0)),
-                                    p_smem.at[wg])
-                    if cpu:   # (the interpreter has no in-place accumulator: a fresh one)
-                        def pv_fresh(acc_ref):
-                            pv(acc_ref)
-                            return acc_ref[...]
-                        acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
-                    else:
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    acc = wg_accumulate(   # O^T += V^T P^T
+                        acc, lambda: (v_tile if cpu else v_tile.transpose((1, 0)), p_smem.at[wg]),
+                        cpu_check=cpu)
                     return acc, m_new, l_part
 
                 def skip(*state):
