@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +145,124 @@ def _red_bytes(wgs: int) -> int:
     return RED_SCRATCH if wgs < 3 else 1024
 
 
+class StreamGeometry(NamedTuple):
+    """Static geometry of a streamed suffix pass (see the module docstring): ``b`` sequences of
+    capacity ``s_cap``, ``hkv`` kv heads of size ``d``; ``cols`` query rows per task, ``spt``
+    sequences per task, ``s_tiles`` tiles of ``bs`` keys per sequence, ``per_task`` steps per
+    task; ``workers`` workers in all; ``n_blk`` row blocks; ``log2_g`` = log2(G);
+    ``scale_log2`` the softmax scale times log2(e); ``cpu``: the interpreter's operand forms."""
+    b: int
+    s_cap: int
+    hkv: int
+    d: int
+    cols: int
+    spt: int
+    s_tiles: int
+    per_task: int
+    workers: int
+    n_blk: int
+    bs: int
+    log2_g: int
+    scale_log2: float
+    dtype: object
+    cpu: bool
+
+
+def stream_step_of(worker, u, n_prev, *, read_len, geo: StreamGeometry):
+    """(task, h, block, local sequence j, clamped sequence, its keys, tile to load, key0) of
+    step ``u`` of ``worker``.  ``read_len(seq)`` reads a sequence's length; it is called only at
+    a sequence's first step (``n_prev``, the value carried from the previous step, otherwise),
+    off the per-step path.  A tile wholly past the length loads the last valid tile again (an
+    L2 hit; its math is skipped)."""
+    r = lax.div(u, geo.per_task)
+    j = lax.rem(lax.div(u, geo.s_tiles), geo.spt)
+    t = lax.rem(u, geo.s_tiles)
+    task = r * geo.workers + worker
+    h = lax.rem(task, geo.hkv)
+    blk = lax.div(task, geo.hkv)
+    seq = blk * geo.spt + j
+    bc = jnp.minimum(seq, geo.b - 1)
+    n = (lax.cond(t == 0, lambda: read_len(seq), lambda: n_prev) if geo.s_tiles > 1
+         else read_len(seq))
+    last = jnp.maximum(lax.div(n + geo.bs - 1, geo.bs) - 1, 0)
+    return task, h, blk, j, bc, n, jnp.minimum(t, last), t * geo.bs
+
+
+def stream_fresh(geo: StreamGeometry):
+    """A task's empty state: ``O^T [D, cols]``; the running max (base 2, scaled) ``[cols]``;
+    the softmax sums kept per (key row, column) ``[block_s, cols]``, reduced once per task."""
+    return (jnp.zeros((geo.d, geo.cols), jnp.float32),
+            jnp.full((geo.cols,), -jnp.inf, jnp.float32),
+            jnp.zeros((geo.bs, geo.cols), jnp.float32))
+
+
+def stream_attend(state, *, k_tile, v_tile, q_tile, p_tile, key0, n, j, geo: StreamGeometry,
+                  before_max, after_max):
+    """One step of one worker (a compute warpgroup): ``S^T = K Q^T`` over the ``[block_s, D]``
+    tile ``k_tile`` and the task's ``[cols, D]`` queries ``q_tile``, the keys ``>= n`` and the
+    columns of the task's other sequences (not ``j``) masked, the online softmax down the
+    columns, ``P^T`` through ``p_tile() [block_s, cols]`` (a thunk: a ref indexed outside the
+    product's scope would become one of its inputs), ``O^T += V^T P^T`` (V rows past ``n``
+    zeroed in shared memory first: NaN-safe).  ``before_max`` / ``after_max`` run around the
+    cross-warp max (the two-worker token).  Returns the new state."""
+    acc, m_i, l_part = state
+    bs, cols, d, cpu = geo.bs, geo.cols, geo.d, geo.cpu
+
+    def scores(s_ref):   # S^T = K Q^T: [keys, cols]
+        plgpu.wgmma(s_ref, k_tile, q_tile if cpu else q_tile.transpose((1, 0)))
+        return s_ref[...]
+    s = pl.run_scoped(scores, plgpu.ACC((bs, cols), jnp.float32))
+
+    @pl.when(key0 + bs > n)   # zero V rows past the length (NaN-safe)
+    def _():
+        keys = wgmma_iota((d, bs), 1, hint=False) if cpu else wgmma_iota((bs, d), 0)
+        v_tile[...] = jnp.where(key0 + keys < n, v_tile[...], jnp.zeros_like(v_tile[...]))
+        plgpu.commit_smem()
+    keys = key0 + wgmma_iota((bs, cols), 0, hint=not cpu)
+    valid = keys < n
+    if geo.spt > 1:   # columns of the other sequences of the task see no key
+        col = wgmma_iota((bs, cols), 1, hint=not cpu)
+        col_seq = lax.shift_right_logical(col, geo.log2_g)
+        valid = valid & (col_seq == j)
+    sv = jnp.where(valid, s, -jnp.inf)
+    before_max()
+    m_new = jnp.maximum(m_i, sv.max(axis=0) * geo.scale_log2)
+    after_max()
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_use)
+    prob = jnp.exp2(sv * geo.scale_log2 - lax.broadcast_in_dim(m_use, sv.shape, [1]))
+    l_part = l_part * lax.broadcast_in_dim(alpha, sv.shape, [1]) + prob
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+    p_tile()[...] = prob.astype(geo.dtype)
+    plgpu.commit_smem()
+    acc = wg_accumulate(   # O^T += V^T P^T
+        acc, lambda: (v_tile if cpu else v_tile.transpose((1, 0)), p_tile()), cpu_check=cpu)
+    return acc, m_new, l_part
+
+
+def stream_finish(state, *, o_dst, lse_dst, o_stage, geo: StreamGeometry, before_sum, after_sum):
+    """A task's end: reduce the softmax sums, normalise, write ``O^T`` to ``o_dst [D, cols]``
+    (from registers with ``o_stage=None``, else staged through ``o_stage`` and TMA) and the
+    natural-log LSE to ``lse_dst [cols]`` (``-inf`` and 0 for columns that saw no key).
+    ``before_sum`` / ``after_sum`` run around the cross-warp sum."""
+    acc, m_i, l_part = state
+    before_sum()
+    l_i = l_part.sum(axis=0)
+    after_sum()
+    has = l_i > 0.0
+    l_safe = jnp.where(has, l_i, 1.0)
+    o_val = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])).astype(geo.dtype)
+    if o_stage is None:   # no staging buffer: from registers
+        o_dst[...] = o_val
+    else:
+        plgpu.wait_smem_to_gmem(0)     # the staging buffer's previous store
+        o_stage[...] = o_val
+    lse_dst[...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+    if o_stage is not None:
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_stage, o_dst)
+
+
 def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: int, ctas: int,
                        stages: int | None = None, wgs: int = 2, block_s: int = BLOCK_S,
                        separate_scratch: bool = False, interpret: bool = False,
@@ -204,6 +323,9 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
     sv_bshd = sv_bshd.astype(dtype)
     s_len = jnp.asarray(s_len, jnp.int32).reshape(b)
     cpu = bool(interpret)   # the interpreter's wgmma reads no transposed ref: Q^T, V^T in memory
+    geo = StreamGeometry(b=b, s_cap=s_cap, hkv=hkv, d=d, cols=cols, spt=spt, s_tiles=s_tiles,
+                         per_task=per_task, workers=workers, n_blk=n_blk, bs=bs, log2_g=log2_g,
+                         scale_log2=scale_log2, dtype=dtype, cpu=cpu)
     if cpu:
         q_hmd = jnp.transpose(q_hmd, (0, 2, 1))          # [Hkv, D, M]
         sv_bshd = jnp.transpose(sv_bshd, (0, 2, 3, 1))   # [B, Hkv, D, S]
@@ -220,20 +342,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
             return jnp.where(seq < b, slen_ref[jnp.minimum(seq, b - 1)], 0)
 
         def step_of(worker, u, n_prev):
-            """(task, h, block, local sequence j, clamped sequence, its keys, tile to load,
-            key0) of step ``u`` of ``worker``; the length is read from memory only at a
-            sequence's first step (``n_prev`` otherwise), off the per-step path."""
-            r = lax.div(u, per_task)
-            j = lax.rem(lax.div(u, s_tiles), spt)
-            t = lax.rem(u, s_tiles)
-            task = r * workers + worker
-            h = lax.rem(task, hkv)
-            blk = lax.div(task, hkv)
-            seq = blk * spt + j
-            bc = jnp.minimum(seq, b - 1)
-            n = lax.cond(t == 0, lambda: read_len(seq), lambda: n_prev) if s_tiles > 1 else read_len(seq)
-            last = jnp.maximum(lax.div(n + bs - 1, bs) - 1, 0)
-            return task, h, blk, j, bc, n, jnp.minimum(t, last), t * bs
+            return stream_step_of(worker, u, n_prev, read_len=read_len, geo=geo)
 
         # ------------------------------------------------------------------ memory warpgroup
         def memory():
@@ -295,10 +404,7 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                     plgpu.barrier_arrive(token.at[1 - wg])
 
             def fresh():
-                # O^T [D, cols]; running max (base 2, scaled) [cols]; the softmax sums kept
-                # per (key row, column) [block_s, cols] and reduced once per task
-                return (jnp.zeros((d, cols), jnp.float32), jnp.full((cols,), -jnp.inf, jnp.float32),
-                        jnp.zeros((bs, cols), jnp.float32))
+                return stream_fresh(geo)
 
             def step(u, carry):
                 n_prev, state = carry
@@ -314,38 +420,10 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                 k_tile, v_tile, q_tile = k_smem.at[i], v_smem.at[i], q_smem.at[iq]
 
                 def attend(acc, m_i, l_part):
-                    def scores(s_ref):   # S^T = K Q^T: [keys, cols]
-                        plgpu.wgmma(s_ref, k_tile, q_tile if cpu else q_tile.transpose((1, 0)))
-                        return s_ref[...]
-                    s = pl.run_scoped(scores, plgpu.ACC((bs, cols), jnp.float32))
-
-                    @pl.when(key0 + bs > n)   # zero V rows past the length (NaN-safe)
-                    def _():
-                        keys = wgmma_iota((d, bs), 1, hint=False) if cpu else wgmma_iota((bs, d), 0)
-                        v_tile[...] = jnp.where(key0 + keys < n, v_tile[...],
-                                                jnp.zeros_like(v_tile[...]))
-                        plgpu.commit_smem()
-                    keys = key0 + wgmma_iota((bs, cols), 0, hint=not cpu)
-                    valid = keys < n
-                    if spt > 1:   # columns of the other sequences of the task see no key
-                        col = wgmma_iota((bs, cols), 1, hint=not cpu)
-                        col_seq = lax.shift_right_logical(col, log2_g)
-                        valid = valid & (col_seq == j)
-                    sv = jnp.where(valid, s, -jnp.inf)
-                    take_token(u == 0)
-                    m_new = jnp.maximum(m_i, sv.max(axis=0) * scale_log2)
-                    pass_token()
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    alpha = jnp.exp2(m_i - m_use)
-                    prob = jnp.exp2(sv * scale_log2 - lax.broadcast_in_dim(m_use, sv.shape, [1]))
-                    l_part = l_part * lax.broadcast_in_dim(alpha, sv.shape, [1]) + prob
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-                    p_smem.at[wg][...] = prob.astype(dtype)
-                    plgpu.commit_smem()
-                    acc = wg_accumulate(   # O^T += V^T P^T
-                        acc, lambda: (v_tile if cpu else v_tile.transpose((1, 0)), p_smem.at[wg]),
-                        cpu_check=cpu)
-                    return acc, m_new, l_part
+                    return stream_attend(
+                        (acc, m_i, l_part), k_tile=k_tile, v_tile=v_tile, q_tile=q_tile,
+                        p_tile=lambda: p_smem.at[wg], key0=key0, n=n, j=j, geo=geo,
+                        before_max=lambda: take_token(u == 0), after_max=pass_token)
 
                 def skip(*state):
                     take_token(u == 0)
@@ -360,21 +438,10 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                 last_step = lax.rem(u, per_task) == per_task - 1
 
                 def finish(acc, m_i, l_part):   # the task's state: normalise and write it
-                    take_token(jnp.bool_(False))
-                    l_i = l_part.sum(axis=0)
-                    pass_token()
-                    has = l_i > 0.0
-                    l_safe = jnp.where(has, l_i, 1.0)
-                    o_val = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])).astype(dtype)
-                    if wgs == 3:   # no staging buffer: from registers
-                        o_ref.at[task][...] = o_val
-                    else:
-                        plgpu.wait_smem_to_gmem(0)     # the staging buffer's previous store
-                        o_smem.at[wg][...] = o_val
-                    lse_ref.at[task][...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
-                    if wgs != 3:
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[task])
+                    stream_finish((acc, m_i, l_part), o_dst=o_ref.at[task], lse_dst=lse_ref.at[task],
+                                  o_stage=None if wgs == 3 else o_smem.at[wg],
+                                  before_sum=lambda: take_token(jnp.bool_(False)),
+                                  after_sum=pass_token, geo=geo)
                     return fresh()
 
                 if "nomath" not in _debug:
