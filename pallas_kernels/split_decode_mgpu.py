@@ -1,0 +1,327 @@
+"""Shared-prefix decode attention with the SMs split by role in ONE launch (Pallas Mosaic GPU;
+EXPERIMENTAL, not dispatched: see "Status").
+
+For decoding (one query per sequence, one prefix shared by all ``B`` sequences, GQA group
+``G = Hq / Hkv``) the shared path has a tensor-core-bound part (every sequence's queries against
+the prefix, batched: ``prefix_attention_mgpu``) and an HBM-bound part (each sequence against its
+own suffix).  The default path runs them one after the other, so at the points where the two
+take about as long its time is near their sum.  This kernel runs them *at the same time on
+different SMs*: its first ``prefix_ctas`` CTAs are persistent prefix workers (the prefix
+kernel's task -- two ping-pong compute warpgroups and a memory warpgroup -- looped over
+``Hkv x row blocks x splits`` tasks, round robin), the other ``stream_ctas`` CTAs stream the
+suffixes (three compute warpgroups, each a worker over ``(row block, kv head)`` tasks with the
+swapped products of ``suffix_stream_mgpu``).  Session 21 measured that split as two launches
+run concurrently by XLA (0.85-0.88x the default at Hq=32 B=512 P=8K S=128 on an H100, but only
+under ``CONCURRENT_COMPILER_OPTIONS``); one launch needs no scheduling help.
+
+Both roles need three warpgroups, so one kernel holds them with no register conflict: the
+prefix role keeps its 232/232/40 register split (set by its pipeline), and the stream role, which
+has no memory warpgroup, has its workers issue their own TMA loads: after a step's products a
+worker refills the slot it just consumed with the step ``stages`` ahead (so, as with a memory
+warpgroup fed by "free" barriers, ``stages - 1`` steps are in flight during each step's math).
+Each role allocates its shared memory in its own scope (the larger, the stream's, sets the
+kernel's footprint).  The stream workers' cross-warp reductions use separate scratch (nested
+collective padding allocations, ``suffix_stream_mgpu``'s ``separate_scratch``).
+
+Layouts: ``q_hmd [Hkv, M, D]`` (row ``b * G + j`` is query head ``h * G + j`` of sequence
+``b``; ``M`` a multiple of 128 with zero rows past ``B G``: ``prefix_attention._rows_128``),
+prefix ``k/v [P, Hkv, D]`` (``P`` a multiple of 128), ``p_len [1]`` int32 (dynamic; keys past
+it masked, their values must be finite), suffix ``k/v [B, S, Hkv, D]`` (``S`` a multiple of 64),
+``s_len [B]`` int32 (dynamic, in ``[0, S]``; NaN past it never reaches the output).  Returns the
+two sets of partial states in the row layout of ``prefix_attention._merge_row_parts``: prefix
+``(o [splits, Hkv, M, D], lse [splits, Hkv, M])`` and suffix ``(o [1, Hkv, B G, D], lse [1, Hkv,
+B G])``; :func:`split_decode_mgpu` merges them (one XLA fusion).  ``interpret=True`` runs Mosaic
+GPU's CPU interpreter (with the operand forms it has: ``K^T``, ``Q^T`` and ``V^T`` in memory,
+``P`` staged through shared memory).  Reference: :func:`jax_prefix_attn.reference.attention`
+over each sequence's prefix and suffix (the tests use float64 NumPy).
+
+Static arguments: every shape, ``group``, ``prefix_ctas``, ``stream_ctas``, ``num_splits``,
+``stages``, ``stream_stages``, ``schedule_barrier``, ``scale``; one compile per combination.
+
+Status: new in session 22; see ``docs/performance.md``.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import prefix_attention_mgpu as pm
+from pallas_kernels import suffix_stream_mgpu as ss
+from pallas_kernels.prefix_attention_mgpu import plgpu
+
+__all__ = ["split_decode_partials_mgpu", "split_decode_mgpu", "STREAM_WGS"]
+
+STREAM_WGS = 3          # stream workers per CTA (the prefix role's three warpgroups)
+_SMEM_LIMIT = 232448    # Hopper's per-CTA shared memory (bytes)
+
+
+def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *,
+                               scale: float, group: int, prefix_ctas: int, stream_ctas: int,
+                               num_splits: int | None = None, stages: int | None = None,
+                               stream_stages: int | None = None, schedule_barrier: bool = True,
+                               interpret: bool = False):
+    """The prefix and suffix partial states of every row in one launch of
+    ``prefix_ctas + stream_ctas`` CTAs (see the module docstring for layouts and outputs).
+
+    ``num_splits``: prefix splits (None: ``prefix_attention_mgpu.choose_splits`` for
+    ``prefix_ctas`` SMs).  ``stages``: the prefix pipeline's stages (None: the prefix kernel's
+    default).  ``stream_stages``: steps in flight per stream worker (None: the most, up to 4,
+    that fit).  Raises ``ValueError`` for shapes either role cannot run or out-of-range
+    counts."""
+    hkv, m, d = q_hmd.shape
+    p = pk_phd.shape[0]
+    b, s_cap = sk_bshd.shape[:2]
+    g = int(group)
+    dtype = q_hmd.dtype
+    n_pre, n_str = int(prefix_ctas), int(stream_ctas)
+    block_q, block_kv, bs, wgs = 64, 128, ss.BLOCK_S, STREAM_WGS
+    why = (pm.mgpu_supported(rows=m, prefix_len=p, head_dim=d, dtype=dtype, block_q=block_q,
+                             block_kv=block_kv)
+           or ss.stream_supported(heads_q=hkv * g, heads_kv=hkv, suffix_cap=s_cap, head_dim=d,
+                                  dtype=dtype))
+    if why is not None:
+        raise ValueError(f"split_decode_partials_mgpu cannot run these shapes: {why}")
+    if pk_phd.shape != (p, hkv, d) or pv_phd.shape != pk_phd.shape:
+        raise ValueError(f"prefix k/v must have shape {(p, hkv, d)}, got {pk_phd.shape} and "
+                         f"{pv_phd.shape}")
+    if sk_bshd.shape != (b, s_cap, hkv, d) or sv_bshd.shape != sk_bshd.shape:
+        raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
+                         f"{sk_bshd.shape} and {sv_bshd.shape}")
+    cols = ss.cols_for(g)
+    spt = cols // g
+    n_blk = -(-b * g // cols)
+    if m < max(n_blk * cols, b * g):
+        raise ValueError(f"q_hmd has {m} rows; needs at least {max(n_blk * cols, b * g)}")
+
+    # ---- prefix role: the prefix kernel's tasks, round robin over the first n_pre CTAs
+    n_tiles = p // block_kv
+    m_blocks = m // (2 * block_q)
+    splits = pm.choose_splits(n_tiles, hkv * m_blocks, sms=n_pre) if num_splits is None \
+        else int(num_splits)
+    if splits < 1 or n_tiles % splits:
+        raise ValueError(f"num_splits={splits} must divide the {n_tiles} prefix key tiles")
+    tiles_per_split = n_tiles // splits
+    pre_tasks = hkv * m_blocks * splits
+    if not 1 <= n_pre <= pre_tasks:
+        raise ValueError(f"prefix_ctas={prefix_ctas} must be in [1, {pre_tasks}] (the prefix tasks)")
+    pre_rounds = -(-pre_tasks // n_pre)
+    steps = max(1, min(pm.PIPELINE_STAGES if stages is None else int(stages), tiles_per_split))
+    lse_in_smem = steps <= 2
+
+    # ---- stream role: STREAM_WGS self-issuing workers per CTA on the other n_str CTAs
+    s_tasks = n_blk * hkv
+    workers = wgs * n_str
+    if not 1 <= n_str or workers > wgs * s_tasks:
+        raise ValueError(f"stream_ctas={stream_ctas} must be in [1, {s_tasks}] (the suffix tasks)")
+    s_rounds = -(-s_tasks // workers)
+    s_tiles = s_cap // bs
+    per_task = spt * s_tiles
+    n_steps = s_rounds * per_task
+    isz = jnp.dtype(dtype).itemsize
+    red = ss._red_bytes(wgs)
+    smem_limit = _SMEM_LIMIT - 1024 - wgs * red
+    fits = lambda st: ss._smem_bytes(st, ss._n_q(st, per_task), cols, d, isz, wgs, bs) <= smem_limit  # noqa: E731
+    if stream_stages is None:
+        stream_stages = max([st for st in (1, 2, 3, 4) if fits(st)], default=0)
+    st = int(stream_stages)
+    if not 1 <= st <= 4 or not fits(st):
+        raise ValueError(f"stream_stages={stream_stages} must be in [1, 4] and fit in shared memory")
+    n_q = ss._n_q(st, per_task)
+
+    cpu = bool(interpret)
+    scale_log2 = float(scale) * ss._LOG2E
+    geo = ss.StreamGeometry(b=b, s_cap=s_cap, hkv=hkv, d=d, cols=cols, spt=spt, s_tiles=s_tiles,
+                            per_task=per_task, workers=workers, n_blk=n_blk, bs=bs,
+                            log2_g=g.bit_length() - 1, scale_log2=scale_log2, dtype=dtype,
+                            cpu=cpu)
+    pk_phd, pv_phd = pk_phd.astype(dtype), pv_phd.astype(dtype)
+    sk_bshd, sv_bshd = sk_bshd.astype(dtype), sv_bshd.astype(dtype)
+    qs = q_hmd
+    if cpu:   # the interpreter's wgmma reads no transposed ref
+        pk_phd = jnp.transpose(pk_phd, (1, 2, 0))        # [Hkv, D, P]
+        qs = jnp.transpose(q_hmd, (0, 2, 1))             # [Hkv, D, M]
+        sv_bshd = jnp.transpose(sv_bshd, (0, 2, 3, 1))   # [B, Hkv, D, S]
+    s_len = jnp.asarray(s_len, jnp.int32).reshape(b)
+
+    def kernel(plen_ref, slen_ref, q_ref, qs_ref, pk_ref, pv_ref, sk_ref, sv_ref, o_pre_ref,
+               lse_pre_ref, o_st_ref, lse_st_ref):
+        c = lax.axis_index("c")
+        wg = lax.axis_index("wg")
+
+        # -------------------------------------------------------------- prefix CTAs
+        def prefix_role():
+            def body(q_smem2, *rest):
+                lse_smem2, q_barriers, sched_barrier, *maybe_p = (rest if lse_in_smem
+                                                                  else (None, *rest))
+                task = functools.partial(
+                    pm.prefix_task, n_keys=plen_ref[0], q_ref=q_ref, k_ref=pk_ref, v_ref=pv_ref,
+                    o_ref=o_pre_ref, lse_ref=lse_pre_ref, q_smem2=q_smem2, lse_smem2=lse_smem2,
+                    q_barriers=q_barriers, sched_barrier=sched_barrier,
+                    p_smem2=maybe_p[0] if cpu else None, tiles_per_split=tiles_per_split,
+                    steps=steps, block_q=block_q, block_kv=block_kv, scale_log2=scale_log2,
+                    schedule_barrier=schedule_barrier, cpu_check=cpu)
+                allocs = pm.prefix_pipeline(
+                    None, None, first_tile=0, tiles_per_split=tiles_per_split, steps=steps, d=d,
+                    block_kv=block_kv, cpu_check=cpu).get_allocations(
+                        *pm._head_refs(pk_ref, pv_ref, 0, cpu))
+
+                def scope(**pipeline_allocs):
+                    def one_round(r, carry):
+                        t = c + r * n_pre      # split fastest, then row block, then kv head
+
+                        @pl.when(t < pre_tasks)
+                        def _():
+                            task(h=t // (m_blocks * splits), mb=(t // splits) % m_blocks,
+                                 sp=t % splits, allocations=pipeline_allocs)
+                        return carry
+                    lax.fori_loop(0, pre_rounds, one_round, None)
+                pl.run_scoped(scope, **allocs, collective_axes="wg")
+
+            pl.run_scoped(
+                body, plgpu.SMEM((2, block_q, d), dtype),
+                *((plgpu.SMEM((2, block_q), jnp.float32),) if lse_in_smem else ()),
+                plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=2),
+                *((plgpu.SMEM((2, block_q, block_kv), dtype),) if cpu else ()),
+                collective_axes="wg")
+
+        # -------------------------------------------------------------- stream CTAs
+        def stream_role():
+            cs = c - n_pre
+
+            def read_len(seq):
+                return jnp.where(seq < b, slen_ref[jnp.minimum(seq, b - 1)], 0)
+
+            def body(k_smem, v_smem, q_smem, p_smem, k_bar, v_bar, q_bar):
+                def worker_code(w: int):
+                    worker = wgs * cs + w
+
+                    def issue(u, n_prev):
+                        """Start step ``u``'s loads (and, at a task's first step, its
+                        queries) into slot ``u % stages``; returns the sequence's length."""
+                        _, h, blk, _, bc, n, tile, _ = ss.stream_step_of(
+                            worker, u, n_prev, read_len=read_len, geo=geo)
+                        i = w * st + lax.rem(u, st)
+
+                        @pl.when(lax.rem(u, per_task) == 0)
+                        def _():
+                            iq = w * n_q + lax.rem(lax.div(u, per_task), n_q)
+                            blk_c = jnp.minimum(blk, n_blk - 1)
+                            src = (qs_ref.at[h, :, pl.ds(blk_c * cols, cols)] if cpu
+                                   else qs_ref.at[h, pl.ds(blk_c * cols, cols)])
+                            plgpu.copy_gmem_to_smem(src, q_smem.at[iq], q_bar.at[iq])
+                        plgpu.copy_gmem_to_smem(sk_ref.at[bc, pl.ds(tile * bs, bs), h, :],
+                                                k_smem.at[i], k_bar.at[i])
+                        plgpu.copy_gmem_to_smem(sv_ref.at[bc, h, :, pl.ds(tile * bs, bs)] if cpu
+                                                else sv_ref.at[bc, pl.ds(tile * bs, bs), h, :],
+                                                v_smem.at[i], v_bar.at[i])
+                        return n
+
+                    n_iss = jnp.int32(0)
+                    for u0 in range(min(st, n_steps)):   # the pipeline's first steps
+                        n_iss = issue(jnp.int32(u0), n_iss)
+
+                    def step(u, carry):
+                        n_prev, n_iss, state = carry
+                        task, _, _, j, _, n, _, key0 = ss.stream_step_of(
+                            worker, u, n_prev, read_len=read_len, geo=geo)
+                        i = w * st + lax.rem(u, st)
+                        iq = w * n_q + lax.rem(lax.div(u, per_task), n_q)
+
+                        @pl.when(lax.rem(u, per_task) == 0)
+                        def _():
+                            plgpu.barrier_wait(q_bar.at[iq])
+                        plgpu.barrier_wait(k_bar.at[i])
+                        plgpu.barrier_wait(v_bar.at[i])
+                        k_tile, v_tile, q_tile = k_smem.at[i], v_smem.at[i], q_smem.at[iq]
+
+                        def attend(*state):
+                            return ss.stream_attend(
+                                state, k_tile=k_tile, v_tile=v_tile, q_tile=q_tile,
+                                p_tile=lambda: p_smem.at[w], key0=key0, n=n, j=j, geo=geo,
+                                before_max=lambda: None, after_max=lambda: None)
+                        state = lax.cond(key0 < n, attend, lambda *s: s, *state)
+                        # slot i is consumed (both products waited on): refill it
+                        nxt = u + st
+                        n_iss = lax.cond(nxt < n_steps, lambda: issue(nxt, n_iss), lambda: n_iss)
+
+                        def finish(*state):
+                            ss.stream_finish(state, o_dst=o_st_ref.at[task],
+                                             lse_dst=lse_st_ref.at[task], o_stage=None, geo=geo,
+                                             before_sum=lambda: None, after_sum=lambda: None)
+                            return ss.stream_fresh(geo)
+                        state = lax.cond(lax.rem(u, per_task) == per_task - 1, finish,
+                                         lambda *s: s, *state)
+                        return n, n_iss, state
+
+                    lax.fori_loop(0, n_steps, step, (jnp.int32(0), n_iss, ss.stream_fresh(geo)))
+
+                # Worker w's code is traced inside w nested collective allocations of one
+                # reduction scratch's size, so the workers' cross-warp reduction scratch lies at
+                # different offsets (see suffix_stream_mgpu: one shared area races).
+                def place(w):
+                    if w < wgs - 1:
+                        pl.run_scoped(lambda _pad: place(w + 1),
+                                      plgpu.SMEM((red // 4,), jnp.float32), collective_axes="wg")
+                    pl.when(wg == w)(functools.partial(worker_code, w))
+                place(0)
+
+            pl.run_scoped(
+                body,
+                plgpu.SMEM((wgs * st, bs, d), dtype),
+                plgpu.SMEM((wgs * st,) + ((d, bs) if cpu else (bs, d)), dtype),
+                plgpu.SMEM((wgs * n_q,) + ((d, cols) if cpu else (cols, d)), dtype),
+                plgpu.SMEM((wgs, bs, cols), dtype),
+                plgpu.Barrier(num_barriers=wgs * st),
+                plgpu.Barrier(num_barriers=wgs * st),
+                plgpu.Barrier(num_barriers=wgs * n_q),
+                collective_axes="wg")
+
+        pl.when(c < n_pre)(prefix_role)
+        pl.when(c >= n_pre)(stream_role)
+
+    n_out = s_rounds * workers
+    o_pre, lse_pre, o_t, lse_t = plgpu.kernel(
+        kernel,
+        grid=(n_pre + n_str,),
+        grid_names=("c",),
+        num_threads=3,
+        thread_name="wg",
+        out_type=(jax.ShapeDtypeStruct((splits, hkv, m, d), dtype),
+                  jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32),
+                  jax.ShapeDtypeStruct((n_out, d, cols), dtype),
+                  jax.ShapeDtypeStruct((n_out, cols), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=red,
+                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": pm._gpu_interpret_params()} if interpret else {}),
+    )(jnp.asarray(p_len, jnp.int32).reshape(1), s_len, q_hmd, qs, pk_phd, pv_phd, sk_bshd,
+      sv_bshd)
+    # suffix task i = block i // Hkv of kv head i % Hkv -> the row layout [1, Hkv, B * G(, D)]
+    o = o_t[:s_tasks].reshape(n_blk, hkv, d, cols)
+    o = jnp.transpose(o, (1, 0, 3, 2)).reshape(hkv, n_blk * cols, d)[None, :, :b * g]
+    lse = jnp.swapaxes(lse_t[:s_tasks].reshape(n_blk, hkv, cols), 0, 1).reshape(hkv, n_blk * cols)
+    return (o_pre, lse_pre), (o, lse[None, :, :b * g])
+
+
+def split_decode_mgpu(q_bhd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, scale=None,
+                      return_lse: bool = False, **kw):
+    """Decode attention of ``q_bhd [B, Hq, D]`` over one shared prefix ``pk/pv [P, Hkv, D]``
+    (``p_len`` keys) and each sequence's suffix ``sk/sv [B, S, Hkv, D]`` (``s_len [B]`` keys),
+    through :func:`split_decode_partials_mgpu` (``**kw``: its static options) and one XLA merge.
+    Returns ``out [B, Hq, D]`` in q's dtype (and ``lse [B, Hq]`` float32 natural log)."""
+    from pallas_kernels import prefix_attention as pa   # noqa: PLC0415 (imports this package)
+    b, hq, d = q_bhd.shape
+    hkv = pk_phd.shape[1]
+    if hq % hkv:
+        raise ValueError(f"heads_q={hq} must be a multiple of heads_kv={hkv}")
+    g = hq // hkv
+    scale = d ** -0.5 if scale is None else float(scale)
+    qm, _ = pa._rows_128(q_bhd[:, None], hkv, g)
+    (o_pre, l_pre), (o_s, l_s) = split_decode_partials_mgpu(
+        qm, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, scale=scale, group=g, **kw)
+    out, lse = pa._merge_row_parts([(o_pre, l_pre, g), (o_s, l_s, g)], b=b, tq=1, hq=hq, r=g,
+                                   dtype=q_bhd.dtype, inv=None)
+    return (out[:, 0], lse[:, 0]) if return_lse else out[:, 0]
