@@ -63,14 +63,15 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                                scale: float, group: int, prefix_ctas: int, stream_ctas: int,
                                num_splits: int | None = None, stages: int | None = None,
                                stream_stages: int | None = None, schedule_barrier: bool = True,
-                               interpret: bool = False):
+                               interpret: bool = False, _debug: str = ""):
     """The prefix and suffix partial states of every row in one launch of
     ``prefix_ctas + stream_ctas`` CTAs (see the module docstring for layouts and outputs).
 
     ``num_splits``: prefix splits (None: ``prefix_attention_mgpu.choose_splits`` for
     ``prefix_ctas`` SMs).  ``stages``: the prefix pipeline's stages (None: the prefix kernel's
     default).  ``stream_stages``: steps in flight per stream worker (None: the most, up to 4,
-    that fit).  Raises ``ValueError`` for shapes either role cannot run or out-of-range
+    that fit).  ``_debug`` (timing probes only, outputs left unwritten): ``"noprefix"`` /
+    ``"nostream"`` make that role's CTAs return at once, to time the other alone.  Raises ``ValueError`` for shapes either role cannot run or out-of-range
     counts."""
     hkv, m, d = q_hmd.shape
     p = pk_phd.shape[0]
@@ -200,10 +201,18 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                     worker = wgs * cs + w
 
                     def issue(u, n_prev):
-                        """Start step ``u``'s loads (and, at a task's first step, its
-                        queries) into slot ``u % stages``; returns the sequence's length."""
-                        _, h, blk, _, bc, n, tile, _ = ss.stream_step_of(
-                            worker, u, n_prev, read_len=read_len, geo=geo)
+                        """Start step ``u``'s loads (and, at a task's first step, its queries)
+                        into slot ``u % stages``; returns the length of its sequence: read from
+                        memory at the sequence's first step, whose tile 0 needs no length (so
+                        the read's latency is hidden until the value is used, a step or more
+                        later), carried (``n_prev``, step ``u - 1``'s) otherwise."""
+                        _, h, blk, _, seq, bc, t = ss.stream_step_geometry(worker, u, geo)
+                        if s_tiles > 1:
+                            n, tile = lax.cond(
+                                t == 0, lambda: (read_len(seq), jnp.int32(0)),
+                                lambda: (n_prev, jnp.minimum(t, ss.last_tile(n_prev, geo))))
+                        else:
+                            n, tile = read_len(seq), jnp.int32(0)
                         i = w * st + lax.rem(u, st)
 
                         @pl.when(lax.rem(u, per_task) == 0)
@@ -220,14 +229,18 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                                                 v_smem.at[i], v_bar.at[i])
                         return n
 
-                    n_iss = jnp.int32(0)
+                    # the lengths of the steps in flight (u .. u + stages - 1), as issued
+                    ring, n_iss = [], jnp.int32(0)
                     for u0 in range(min(st, n_steps)):   # the pipeline's first steps
                         n_iss = issue(jnp.int32(u0), n_iss)
+                        ring.append(n_iss)
+                    ring += [jnp.int32(0)] * (st - len(ring))
 
                     def step(u, carry):
-                        n_prev, n_iss, state = carry
-                        task, _, _, j, _, n, _, key0 = ss.stream_step_of(
-                            worker, u, n_prev, read_len=read_len, geo=geo)
+                        ring, state = carry
+                        n = ring[0]
+                        task, _, _, j, _, _, t = ss.stream_step_geometry(worker, u, geo)
+                        key0 = t * bs
                         i = w * st + lax.rem(u, st)
                         iq = w * n_q + lax.rem(lax.div(u, per_task), n_q)
 
@@ -246,7 +259,8 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                         state = lax.cond(key0 < n, attend, lambda *s: s, *state)
                         # slot i is consumed (both products waited on): refill it
                         nxt = u + st
-                        n_iss = lax.cond(nxt < n_steps, lambda: issue(nxt, n_iss), lambda: n_iss)
+                        n_new = lax.cond(nxt < n_steps, lambda: issue(nxt, ring[-1]),
+                                         lambda: ring[-1])
 
                         def finish(*state):
                             ss.stream_finish(state, o_dst=o_st_ref.at[task],
@@ -255,9 +269,9 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                             return ss.stream_fresh(geo)
                         state = lax.cond(lax.rem(u, per_task) == per_task - 1, finish,
                                          lambda *s: s, *state)
-                        return n, n_iss, state
+                        return tuple(ring[1:]) + (n_new,), state
 
-                    lax.fori_loop(0, n_steps, step, (jnp.int32(0), n_iss, ss.stream_fresh(geo)))
+                    lax.fori_loop(0, n_steps, step, (tuple(ring), ss.stream_fresh(geo)))
 
                 # Worker w's code is traced inside w nested collective allocations of one
                 # reduction scratch's size, so the workers' cross-warp reduction scratch lies at
@@ -280,8 +294,10 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                 plgpu.Barrier(num_barriers=wgs * n_q),
                 collective_axes="wg")
 
-        pl.when(c < n_pre)(prefix_role)
-        pl.when(c >= n_pre)(stream_role)
+        if "noprefix" not in _debug:
+            pl.when(c < n_pre)(prefix_role)
+        if "nostream" not in _debug:
+            pl.when(c >= n_pre)(stream_role)
 
     n_out = s_rounds * workers
     o_pre, lse_pre, o_t, lse_t = plgpu.kernel(

@@ -92,7 +92,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.prefix_attention_mgpu import (_gpu_interpret_params, plgpu, wg_accumulate,
                                                    wgmma_iota)
 
-__all__ = ["stream_supported", "suffix_stream_mgpu", "BLOCK_S", "cols_for"]
+__all__ = ["stream_supported", "suffix_stream_mgpu", "BLOCK_S", "cols_for", "StreamGeometry",
+           "stream_step_geometry", "stream_step_of", "stream_fresh", "stream_attend",
+           "stream_finish", "last_tile"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -168,12 +170,10 @@ class StreamGeometry(NamedTuple):
     cpu: bool
 
 
-def stream_step_of(worker, u, n_prev, *, read_len, geo: StreamGeometry):
-    """(task, h, block, local sequence j, clamped sequence, its keys, tile to load, key0) of
-    step ``u`` of ``worker``.  ``read_len(seq)`` reads a sequence's length; it is called only at
-    a sequence's first step (``n_prev``, the value carried from the previous step, otherwise),
-    off the per-step path.  A tile wholly past the length loads the last valid tile again (an
-    L2 hit; its math is skipped)."""
+def stream_step_geometry(worker, u, geo: StreamGeometry):
+    """(task, h, block, local sequence j, sequence, clamped sequence, tile index t) of step
+    ``u`` of ``worker``: tasks ``worker, worker + workers, ...``, each ``spt`` sequences of
+    ``s_tiles`` steps."""
     r = lax.div(u, geo.per_task)
     j = lax.rem(lax.div(u, geo.s_tiles), geo.spt)
     t = lax.rem(u, geo.s_tiles)
@@ -182,9 +182,24 @@ def stream_step_of(worker, u, n_prev, *, read_len, geo: StreamGeometry):
     blk = lax.div(task, geo.hkv)
     seq = blk * geo.spt + j
     bc = jnp.minimum(seq, geo.b - 1)
+    return task, h, blk, j, seq, bc, t
+
+
+def last_tile(n, geo: StreamGeometry):
+    """The last tile holding a key of a sequence of ``n`` keys (0 when empty)."""
+    return jnp.maximum(lax.div(n + geo.bs - 1, geo.bs) - 1, 0)
+
+
+def stream_step_of(worker, u, n_prev, *, read_len, geo: StreamGeometry):
+    """(task, h, block, local sequence j, clamped sequence, its keys, tile to load, key0) of
+    step ``u`` of ``worker``.  ``read_len(seq)`` reads a sequence's length; it is called only at
+    a sequence's first step (``n_prev``, the value carried from the previous step, otherwise),
+    off the per-step path.  A tile wholly past the length loads the last valid tile again (an
+    L2 hit; its math is skipped)."""
+    task, h, blk, j, seq, bc, t = stream_step_geometry(worker, u, geo)
     n = (lax.cond(t == 0, lambda: read_len(seq), lambda: n_prev) if geo.s_tiles > 1
          else read_len(seq))
-    last = jnp.maximum(lax.div(n + geo.bs - 1, geo.bs) - 1, 0)
+    last = last_tile(n, geo)
     return task, h, blk, j, bc, n, jnp.minimum(t, last), t * geo.bs
 
 

@@ -71,11 +71,30 @@ def model_configs(hq, hkv, b, p, s, d=128, k=4):
     return out
 
 
-def split(n, sp, m):
+def split(n, sp, m, debug=""):
     def f(q, pk, pv, sk, sv, sl):
-        return sd.split_decode_mgpu(q, pk, pv, jnp.full((1,), pk.shape[0], jnp.int32), sk, sv, sl,
-                                    prefix_ctas=n, stream_ctas=m, num_splits=sp)
+        out = sd.split_decode_mgpu(q, pk, pv, jnp.full((1,), pk.shape[0], jnp.int32), sk, sv, sl,
+                                   prefix_ctas=n, stream_ctas=m, num_splits=sp, _debug=debug)
+        return out if not debug else q + (out[:1, :1, :1] * 0).astype(q.dtype)
     return f
+
+
+def stream_alone(m):
+    """Session 21's streamed suffix kernel (memory warpgroup + 3 workers) on m CTAs alone."""
+    from pallas_kernels import prefix_attention as pa
+    from pallas_kernels import suffix_stream_mgpu as ss
+
+    def f(q, pk, pv, sk, sv, sl):
+        b, hq, d = q.shape
+        hkv = pk.shape[1]
+        qm, _ = pa._rows_128(q[:, None], hkv, hq // hkv)
+        o, _ = ss.suffix_stream_mgpu(qm, sk, sv, sl, scale=d ** -0.5, group=hq // hkv, ctas=m, wgs=3)
+        return q + (o[0, 0, :1, :1] * 0).astype(q.dtype)
+    return f
+
+
+ROLES = os.environ.get("ROLES", "0") == "1"
+K = int(os.environ.get("K", "4"))
 
 
 bw = measure_copy_bandwidth()
@@ -94,7 +113,7 @@ for hq, hkv, b, p, s, cfgs in POINTS:
     base_f = ours("shared")
     ref = jax.jit(base_f)(q, *rest).astype(jnp.float32)
     rec["base_ms"] = loop_time(base_f, q, rest, compiler_options=GRAPH_ALWAYS) * 1e3
-    cfgs = cfgs or model_configs(hq, hkv, b, p, s)
+    cfgs = cfgs or model_configs(hq, hkv, b, p, s, k=K)
     for n, sp, m, *t_model in cfgs:
         if time.time() - T0 > BUDGET:
             break
@@ -105,6 +124,13 @@ for hq, hkv, b, p, s, cfgs in POINTS:
             rec[f"split_{key}_ms"] = loop_time(split(n, sp, m), q, rest, compiler_options=GRAPH_ALWAYS) * 1e3
             if t_model:
                 rec[f"model_{key}_ms"] = t_model[0] * 1e3
+            if ROLES:   # each role alone in the same launch geometry; session 21's stream kernel
+                kv_bytes = 2 * b * s * hkv * d * 2
+                rec[f"pre_only_{key}_ms"] = loop_time(split(n, sp, m, "nostream"), q, rest, compiler_options=GRAPH_ALWAYS) * 1e3
+                t = loop_time(split(n, sp, m, "noprefix"), q, rest, compiler_options=GRAPH_ALWAYS)
+                rec[f"str_only_{key}_ms"], rec[f"str_only_{key}_tbps"] = t * 1e3, kv_bytes / t / 1e12
+                t = loop_time(stream_alone(m), q, rest, compiler_options=GRAPH_ALWAYS)
+                rec[f"s21_stream_m{m}_ms"], rec[f"s21_stream_m{m}_tbps"] = t * 1e3, kv_bytes / t / 1e12
         except Exception as e:  # noqa: BLE001
             rec[f"error_{key}"] = f"{type(e).__name__}: {str(e)[:600]}"
     rec["base_again_ms"] = loop_time(base_f, q, rest, compiler_options=GRAPH_ALWAYS) * 1e3
