@@ -71,7 +71,8 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     ``prefix_ctas`` SMs).  ``stages``: the prefix pipeline's stages (None: the prefix kernel's
     default).  ``stream_stages``: steps in flight per stream worker (None: the most, up to 4,
     that fit).  ``_debug`` (timing probes only, outputs left unwritten): ``"noprefix"`` /
-    ``"nostream"`` make that role's CTAs return at once, to time the other alone.  Raises ``ValueError`` for shapes either role cannot run or out-of-range
+    ``"nostream"`` make that role's CTAs return at once, to time the other alone;
+    ``"streamfirst"`` puts the stream role on the first CTAs.  Raises ``ValueError`` for shapes either role cannot run or out-of-range
     counts."""
     hkv, m, d = q_hmd.shape
     p = pk_phd.shape[0]
@@ -152,6 +153,9 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                lse_pre_ref, o_st_ref, lse_st_ref):
         c = lax.axis_index("c")
         wg = lax.axis_index("wg")
+        stream_first = "streamfirst" in _debug   # (probe: the stream role on the first CTAs)
+        cp = c - n_str if stream_first else c    # index among the prefix CTAs
+        is_pre = c >= n_str if stream_first else c < n_pre
 
         # -------------------------------------------------------------- prefix CTAs
         def prefix_role():
@@ -172,7 +176,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
 
                 def scope(**pipeline_allocs):
                     def one_round(r, carry):
-                        t = c + r * n_pre      # split fastest, then row block, then kv head
+                        t = cp + r * n_pre     # split fastest, then row block, then kv head
 
                         @pl.when(t < pre_tasks)
                         def _():
@@ -191,7 +195,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
 
         # -------------------------------------------------------------- stream CTAs
         def stream_role():
-            cs = c - n_pre
+            cs = c if stream_first else c - n_pre
 
             def read_len(seq):
                 return jnp.where(seq < b, slen_ref[jnp.minimum(seq, b - 1)], 0)
@@ -295,9 +299,9 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                 collective_axes="wg")
 
         if "noprefix" not in _debug:
-            pl.when(c < n_pre)(prefix_role)
+            pl.when(is_pre)(prefix_role)
         if "nostream" not in _debug:
-            pl.when(c >= n_pre)(stream_role)
+            pl.when(jnp.logical_not(is_pre))(stream_role)
 
     n_out = s_rounds * workers
     o_pre, lse_pre, o_t, lse_t = plgpu.kernel(

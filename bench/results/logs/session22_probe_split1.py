@@ -71,7 +71,11 @@ def model_configs(hq, hkv, b, p, s, d=128, k=4):
     return out
 
 
+DEBUG = os.environ.get("DEBUG", "")   # e.g. "streamfirst"
+
+
 def split(n, sp, m, debug=""):
+    debug = debug + DEBUG
     def f(q, pk, pv, sk, sv, sl):
         out = sd.split_decode_mgpu(q, pk, pv, jnp.full((1,), pk.shape[0], jnp.int32), sk, sv, sl,
                                    prefix_ctas=n, stream_ctas=m, num_splits=sp, _debug=debug)
@@ -97,6 +101,7 @@ ROLES = os.environ.get("ROLES", "0") == "1"
 K = int(os.environ.get("K", "4"))
 
 
+print(json.dumps(dict(sm_count=getattr(jax.devices()[0], "core_count", None), debug=DEBUG)), flush=True)
 bw = measure_copy_bandwidth()
 mma = measure_matmul_rate()
 print(json.dumps(dict(copy_bw=bw, matmul=mma)), flush=True)
@@ -113,6 +118,8 @@ for hq, hkv, b, p, s, cfgs in POINTS:
     base_f = ours("shared")
     ref = jax.jit(base_f)(q, *rest).astype(jnp.float32)
     rec["base_ms"] = loop_time(base_f, q, rest, compiler_options=GRAPH_ALWAYS) * 1e3
+    if os.environ.get("CONFIGS"):   # "n/splits/m,n/splits/m"
+        cfgs = [tuple(int(x) for x in c.split("/")) for c in os.environ["CONFIGS"].split(",")]
     cfgs = cfgs or model_configs(hq, hkv, b, p, s, k=K)
     for n, sp, m, *t_model in cfgs:
         if time.time() - T0 > BUDGET:
