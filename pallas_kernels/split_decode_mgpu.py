@@ -72,7 +72,8 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     default).  ``stream_stages``: steps in flight per stream worker (None: the most, up to 4,
     that fit).  ``_debug`` (timing probes only, outputs left unwritten): ``"noprefix"`` /
     ``"nostream"`` make that role's CTAs return at once, to time the other alone;
-    ``"streamfirst"`` puts the stream role on the first CTAs.  Raises ``ValueError`` for shapes either role cannot run or out-of-range
+    ``"streamfirst"`` puts the stream role on the first CTAs; ``"prefixcodefirst"`` traces the
+    prefix role's code before the stream role's.  Raises ``ValueError`` for shapes either role cannot run or out-of-range
     counts."""
     hkv, m, d = q_hmd.shape
     p = pk_phd.shape[0]
@@ -298,10 +299,16 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                 plgpu.Barrier(num_barriers=wgs * n_q),
                 collective_axes="wg")
 
-        if "noprefix" not in _debug:
-            pl.when(is_pre)(prefix_role)
-        if "nostream" not in _debug:
-            pl.when(jnp.logical_not(is_pre))(stream_role)
+        # The stream role's code comes first in program order: the prefix role changes the
+        # per-thread register limit (setmaxnreg: 232 for its compute warpgroups, 40 for its
+        # memory warpgroup), and code after it was measured 2x slower (session 22: ptxas
+        # appears to compile what follows for the lowest limit).
+        roles = [(jnp.logical_not(is_pre), stream_role, "nostream"), (is_pre, prefix_role, "noprefix")]
+        if "prefixcodefirst" in _debug:   # (probe: the order measured slow)
+            roles.reverse()
+        for cond, role, off in roles:
+            if off not in _debug:
+                pl.when(cond)(role)
 
     n_out = s_rounds * workers
     o_pre, lse_pre, o_t, lse_t = plgpu.kernel(
