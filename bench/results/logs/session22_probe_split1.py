@@ -35,6 +35,10 @@ POINTS_ALL = [
     (32, 8, 256, 16384, 256, None),
     (32, 8, 1024, 16384, 256, None),
     (8, 1, 1024, 16384, 256, None),
+    (32, 8, 1024, 4096, 256, None),    # 8-11: more large-batch points (call 5)
+    (32, 8, 1024, 16384, 64, None),
+    (8, 1, 1024, 4096, 64, None),
+    (8, 1, 1024, 4096, 256, None),
 ]
 POINTS = [POINTS_ALL[int(i)] for i in os.environ.get("POINTS", "0,1,2,3,4,5").split(",")]
 
