@@ -109,15 +109,18 @@ MGPU_SCHEDULE_BARRIER = True
 #   the kernel applies (``joint_plan(..., force=True)``); with 128-key prefix tiles (session 14)
 #   0.74-0.97x the default's time at prefix 1K-4K with short suffixes, 1.02-1.10x at prefix 16K
 #   (see ``JOINT_REGIONS``);
-# "auto" (default): "joint" where ``joint_plan`` says it pays (measured), else "one_launch"
-#   where ``one_launch_plan`` does, else "independent".
+# "split": the SMs split by role in one Mosaic GPU launch -- persistent prefix CTAs beside
+#   suffix-streaming CTAs (``split_decode_mgpu``), then the same XLA merge -- wherever the
+#   kernel applies (``split_plan(..., force=True)``; see ``SPLIT_REGIONS``);
+# "auto" (default): "split" where ``split_plan`` says it pays (measured), else "joint" where
+#   ``joint_plan`` does, else "one_launch" where ``one_launch_plan`` does, else "independent".
 # Session 13 re-measured "epilogue" against the default after the suffix kernel's move to the
 # queries' own layout (session 11), and the default under ``CONCURRENT_COMPILER_OPTIONS``
 # (H200, one run, 17 points of the grid with B >= 256, P >= 4K:
 # ``bench/results/logs/session13_probe_merge13_h200.jsonl``): "epilogue" 0.98-1.21x the
 # default's time (median 1.036x), concurrent scheduling 0.98-1.12x (median 0.997x).
 MGPU_MERGE = "auto"
-MGPU_MERGES = ("epilogue", "independent", "one_launch", "joint", "auto")
+MGPU_MERGES = ("epilogue", "independent", "one_launch", "joint", "split", "auto")
 # Knobs of the one-launch kernel (None: the plan's choice).  Session 7, H200, one run
 # (bench/results/logs/session7_probe_one_launch2_h200.json): the unsplit prefix (num_splits=1)
 # with interleaved tasks was the fastest setting at P=4K; splitting the prefix, or suffix tasks
@@ -469,6 +472,60 @@ def one_launch_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
     return cfg
 
 
+# The role-split launch under ``MGPU_MERGE = "auto"`` (session 22): G = SPLIT_GROUP query heads
+# per kv head, at least SPLIT_MIN_ROWS rows per kv head (B * G), head_dim 128, and (prefix keys,
+# suffix capacity) in one of SPLIT_REGIONS.  Measured on an H200 against the default path in the
+# same process (``bench/results/logs/session22_probe_split{4a,4c,5}_h200.jsonl``), Hq=32/Hkv=8,
+# with ``split_decode_mgpu.plan_roles``'s choice of CTAs: B=512 P=8K S=128 0.91x (0.1765 ms,
+# 1.60x the floor); B=1024 P=4K S=64 / 128 / 256 0.967x / 0.951x / 0.974x; B=1024 P=16K S=256
+# 0.879x (0.610 ms).  Not taken, measured slower: B=1024 P=16K S=64 (1.07x), B=256 (0.99-1.22x
+# at P=4K S=64/128, P=16K S=256), Hq=8/Hkv=1 (G=8: 1.06-1.39x at B=1024).
+SPLIT_REGIONS = (((4096, 8192), (64, 256)),
+                 ((16384, 16384), (128, 256)))
+SPLIT_GROUP = 4
+SPLIT_MIN_ROWS = 2048
+
+
+def split_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
+               interpret: bool = False, force: bool = False) -> dict | None:
+    """Static plan of the role-split decode launch (``split_decode_mgpu``): its keyword
+    arguments (``plan_roles``'s CTAs and prefix splits), or ``None`` where it does not apply
+    (the Mosaic GPU prefix kernel not taken, or shapes outside ``split_supported``) or, unless
+    ``force``, where it was not measured to pay (``SPLIT_REGIONS``, ``SPLIT_GROUP``,
+    ``SPLIT_MIN_ROWS``, head_dim 128)."""
+    from pallas_kernels import split_decode_mgpu as sd  # noqa: PLC0415
+    if mgpu_decode_splits(b, hq, hkv, p, d, jnp.dtype(dtype).itemsize, interpret=interpret) is None:
+        return None
+    if sd.split_supported(batch=b, heads_q=hq, heads_kv=hkv, prefix_len=p, suffix_cap=s,
+                          head_dim=d, dtype=dtype) is not None:
+        return None
+    g = hq // hkv
+    in_region = (g == SPLIT_GROUP and b * g >= SPLIT_MIN_ROWS and d == 128
+                 and any(pr[0] <= p <= pr[1] and sr[0] <= s <= sr[1] for pr, sr in SPLIT_REGIONS))
+    if not force and not in_region:
+        return None
+    # (Mosaic GPU's CPU interpreter simulates every CTA: there, a 4-SM split of the same work)
+    n, splits, m = sd.plan_roles(b, hq, hkv, p, s, d, jnp.dtype(dtype).itemsize,
+                                 sms=4 if interpret else sd.pm.SMS)
+    return dict(prefix_ctas=n, stream_ctas=m, num_splits=splits)
+
+
+def _split_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, prefix_ctas,
+                  stream_ctas, num_splits):
+    """Decode with one prefix through the role-split launch, then one XLA merge."""
+    from pallas_kernels import split_decode_mgpu as sd  # noqa: PLC0415
+    b, _, hq, d = q.shape
+    hkv = pk.shape[1]
+    g = hq // hkv
+    qm, _ = _rows_128(q, hkv, g)
+    (o_pre, lse_pre), (o_suf, lse_suf) = sd.split_decode_partials_mgpu(
+        qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale, group=g,
+        prefix_ctas=prefix_ctas, stream_ctas=stream_ctas, num_splits=num_splits,
+        schedule_barrier=MGPU_SCHEDULE_BARRIER, interpret=interpret)
+    return _merge_row_parts([(o_pre, lse_pre, g), (o_suf, lse_suf, g)], b=b, tq=1, hq=hq, r=g,
+                            dtype=q.dtype, inv=None)
+
+
 def _rows_128(q, hkv: int, g: int):
     """``(q_hmd [Hkv, M128, D], M)``: the decode queries as ``G`` rows per sequence and kv head
     (row ``b * G + j``), ``M = B * G`` padded with zero rows to a multiple of 128 (the Mosaic GPU
@@ -655,6 +712,12 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
         jplan = (joint_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret,
                             force=MGPU_MERGE == "joint")
                  if MGPU_MERGE in ("joint", "auto") else None)
+        splan = (split_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret,
+                            force=MGPU_MERGE == "split")
+                 if MGPU_MERGE in ("split", "auto") else None)
+        if splan is not None:
+            return _split_decode(q, prefix_k[0], prefix_v[0], p_len, suffix_k, suffix_v,
+                                 lim_s[:, 0], scale=scale, interpret=interpret, **splan)
         if jplan is not None:
             return _joint_decode(q, prefix_k[0], prefix_v[0], p_len, suffix_k, suffix_v,
                                  lim_s[:, 0], scale=scale, interpret=interpret, **jplan)

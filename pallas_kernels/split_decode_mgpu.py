@@ -53,10 +53,75 @@ from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels import suffix_stream_mgpu as ss
 from pallas_kernels.prefix_attention_mgpu import plgpu
 
-__all__ = ["split_decode_partials_mgpu", "split_decode_mgpu", "STREAM_WGS"]
+__all__ = ["split_decode_partials_mgpu", "split_decode_mgpu", "split_supported", "plan_roles",
+           "STREAM_WGS"]
 
 STREAM_WGS = 3          # stream workers per CTA (the prefix role's three warpgroups)
 _SMEM_LIMIT = 232448    # Hopper's per-CTA shared memory (bytes)
+# plan_roles's time model (fit on the H200, session 22: ``bench/results/logs/session22_*``):
+PLAN_SM_FLOPS = 5.5e14 / pm.SMS  # the prefix role's FLOP/s per CTA (the whole kernel's 550 TF/s)
+PLAN_TASK_S = 2.5e-6             # + per prefix task (pipeline fill, q load, output)
+PLAN_STREAM_BPS = 5.5e10         # suffix K/V bytes/s per stream CTA (latency-bound)
+
+
+def _stream_smem_limit() -> int:
+    return _SMEM_LIMIT - 1024 - STREAM_WGS * ss._red_bytes(STREAM_WGS)
+
+
+def split_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
+                    head_dim: int, dtype) -> str | None:
+    """``None`` when :func:`split_decode_partials_mgpu` handles these static shapes (rows padded
+    to 128 as ``prefix_attention._rows_128`` does), else the reason."""
+    if heads_kv < 1 or heads_q % heads_kv:
+        return f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}"
+    g = heads_q // heads_kv
+    m128 = -(-batch * g // 128) * 128
+    why = (pm.mgpu_supported(rows=m128, prefix_len=prefix_len, head_dim=head_dim, dtype=dtype)
+           or ss.stream_supported(heads_q=heads_q, heads_kv=heads_kv, suffix_cap=suffix_cap,
+                                  head_dim=head_dim, dtype=dtype))
+    if why is not None:
+        return why
+    cols = ss.cols_for(g)
+    per_task = cols // g * (suffix_cap // ss.BLOCK_S)
+    if ss._smem_bytes(1, ss._n_q(1, per_task), cols, head_dim, jnp.dtype(dtype).itemsize,
+                      STREAM_WGS) > _stream_smem_limit():
+        return "the stream role's buffers do not fit in shared memory"
+    return None
+
+
+def plan_roles(batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
+               head_dim: int, itemsize: int = 2, sms: int = pm.SMS) -> tuple[int, int, int]:
+    """``(prefix_ctas, num_splits, stream_ctas)`` for these static shapes: the split of the
+    ``sms`` SMs that a two-term time model finds fastest.  For prefix splits ``c`` in (1, 2, 4,
+    8) dividing the 128-key tiles, and each number of rounds ``r`` of its ``T`` tasks (the
+    fewest CTAs for it, ``n = ceil(T / r)``): ``max(r * (task flops / PLAN_SM_FLOPS +
+    PLAN_TASK_S), suffix bytes / (m * PLAN_STREAM_BPS))`` with ``m = sms - n`` (at most the
+    suffix tasks).  At the six H200 points of session 22 where the one launch was timed in
+    several settings it picks the fastest measured (or within 1%)."""
+    g = heads_q // heads_kv
+    m_blocks = -(-batch * g // 128)
+    n_tiles = prefix_len // 128
+    cols = ss.cols_for(g)
+    s_tasks = -(-batch * g // cols) * heads_kv
+    s_bytes = 2 * batch * suffix_cap * heads_kv * head_dim * itemsize
+    best = None
+    for splits in (1, 2, 4, 8):
+        if n_tiles % splits:
+            continue
+        tasks = heads_kv * m_blocks * splits
+        t_task = 4.0 * 128 * (prefix_len // splits) * head_dim / PLAN_SM_FLOPS + PLAN_TASK_S
+        for rounds in range(1, tasks + 1):
+            n = -(-tasks // rounds)
+            if n > sms - 1:
+                continue
+            m = min(sms - n, s_tasks)
+            t = max(rounds * t_task, s_bytes / (m * PLAN_STREAM_BPS))
+            if best is None or t < best[0] * (1 - 1e-9):
+                best = (t, n, splits, m)
+            if n == 1:
+                break
+    assert best is not None, (batch, heads_q, heads_kv, prefix_len)
+    return best[1], best[2], best[3]
 
 
 def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *,
@@ -126,7 +191,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     n_steps = s_rounds * per_task
     isz = jnp.dtype(dtype).itemsize
     red = ss._red_bytes(wgs)
-    smem_limit = _SMEM_LIMIT - 1024 - wgs * red
+    smem_limit = _stream_smem_limit()
     fits = lambda st: ss._smem_bytes(st, ss._n_q(st, per_task), cols, d, isz, wgs, bs) <= smem_limit  # noqa: E731
     if stream_stages is None:
         stream_stages = max([st for st in (1, 2, 3, 4) if fits(st)], default=0)

@@ -123,3 +123,94 @@ def test_interpreter_matches_float64(b, hq, hkv, d, p, plen, s, kw):
 ])
 def test_gpu_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     _check(b, hq, hkv, d, p, plen, s, **kw)
+
+
+# --------------------------------------------------------------------------- the shared path
+
+def test_split_plan_follows_the_measured_rule(monkeypatch):
+    """``MGPU_MERGE="auto"`` takes the role split only where session 22 measured it faster
+    (G = 4, B * G >= 2048, D = 128, prefix 4K-8K with suffix 64-256 or prefix 16K with suffix
+    128-256), with ``plan_roles``'s CTAs (the fastest measured settings); ``force`` wherever
+    the kernel applies."""
+    from pallas_kernels import prefix_attention as pa
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    plan = lambda *a, **kw: pa.split_plan(*a, 128, BF, **kw)  # noqa: E731
+    assert plan(512, 32, 8, 8192, 128) == dict(prefix_ctas=103, stream_ctas=29, num_splits=4)
+    assert plan(1024, 32, 8, 16384, 256) == dict(prefix_ctas=103, stream_ctas=29, num_splits=2)
+    assert plan(1024, 32, 8, 4096, 128) == dict(prefix_ctas=86, stream_ctas=46, num_splits=1)
+    assert plan(1024, 32, 8, 4096, 256) == dict(prefix_ctas=64, stream_ctas=68, num_splits=1)
+    assert plan(1024, 32, 8, 4096, 64) == dict(prefix_ctas=103, stream_ctas=29, num_splits=2)
+    for args in [(1024, 32, 8, 16384, 64), (256, 32, 8, 4096, 128), (256, 32, 8, 16384, 256),
+                 (1024, 8, 1, 16384, 256), (1024, 8, 1, 4096, 64), (1024, 32, 8, 1024, 128),
+                 (1024, 32, 8, 4096, 1024), (1024, 64, 8, 4096, 128)]:
+        assert plan(*args) is None, args
+    assert plan(256, 32, 8, 4096, 128, force=True) is not None
+    assert plan(1024, 32, 8, 4000, 128, force=True) is None          # prefix not a multiple of 128
+    assert pa.split_plan(1024, 32, 8, 4096, 128, 96, BF, force=True) is None   # head_dim 96
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "triton")
+    assert plan(512, 32, 8, 8192, 128) is None
+
+
+def test_plan_roles_bounds():
+    for b, hq, hkv, p, s in [(36, 8, 2, 256, 64), (1, 1, 1, 128, 64), (4096, 32, 8, 16384, 1024)]:
+        n, splits, m = sd.plan_roles(b, hq, hkv, p, s, 128, sms=132)
+        g = hq // hkv
+        tasks = hkv * -(-b * g // 128) * splits
+        assert 1 <= n <= tasks and 1 <= m and n + m <= 132 and (p // 128) % splits == 0
+        assert m <= -(-b * g // max(16, g)) * hkv
+
+
+def _shared_path(monkeypatch, b, hq, hkv, d, p, s, impl, seed, merge="split"):
+    from jax_prefix_attn import shared_prefix_attention
+    from pallas_kernels import prefix_attention as pa
+    from test_shared_prefix import check, make_case, oracle
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    monkeypatch.setattr(pa, "MGPU_MERGE", merge)
+    assert pa.split_plan(b, hq, hkv, p, s, d, BF, interpret=impl != "shared",
+                         force=merge == "split") is not None
+    sl = np.random.default_rng(seed).integers(0, s + 1, size=b)
+    sl[:2] = [0, s]
+    args, kw, meta = make_case(seed, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=BF,
+                               suffix_lengths=sl)
+    fn = lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, impl=impl)  # noqa: E731
+    out, lse = (fn if impl != "shared" else jax.jit(fn))(*args)
+    check(out, lse, oracle(args, kw, meta), BF)
+
+
+def test_shared_path_split_in_cpu_interpreter(monkeypatch):
+    """``MGPU_MERGE = "split"``: the whole shared path against the concatenation oracle."""
+    _shared_path(monkeypatch, 36, 8, 2, 64, 256, 64, "pallas_interpret", 13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,p,s", [(300, 32, 8, 128, 2048, 128), (96, 8, 1, 128, 1024, 256),
+                                            (64, 16, 4, 64, 512, 192)])
+def test_gpu_shared_path_split(monkeypatch, b, hq, hkv, d, p, s):
+    _shared_path(monkeypatch, b, hq, hkv, d, p, s, "shared", 90 + b)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_takes_split_in_region(monkeypatch):
+    """At a point of ``SPLIT_REGIONS`` (Hq=32/Hkv=8 B=512 P=8K S=128, ragged suffixes) the default
+    path (the role split) against the two-launch path (``MGPU_MERGE="independent"``); the
+    concatenation oracle is too slow on the host at this size."""
+    from jax_prefix_attn import shared_prefix_attention
+    from pallas_kernels import prefix_attention as pa
+    from test_shared_prefix import make_case
+    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+    b, hq, hkv, d, p, s = 512, 32, 8, 128, 8192, 128
+    assert pa.split_plan(b, hq, hkv, p, s, d, BF) is not None
+    sl = np.random.default_rng(5).integers(0, s + 1, size=b)
+    sl[:2] = [0, s]
+    args, kw, _ = make_case(5, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=BF,
+                            suffix_lengths=sl)
+    outs = []
+    for merge in ("auto", "independent"):
+        monkeypatch.setattr(pa, "MGPU_MERGE", merge)
+        o, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True,
+                                                            impl="shared"))(*args)
+        outs.append((np.asarray(o.astype(jnp.float32)), np.asarray(lse)))
+    (o1, l1), (o2, l2) = outs
+    assert np.isfinite(o1).all()
+    assert np.linalg.norm(o1 - o2) / np.linalg.norm(o2) < 2e-2
+    assert np.abs(l1 - l2).max() < 2e-2
