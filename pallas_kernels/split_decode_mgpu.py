@@ -64,8 +64,8 @@ PLAN_TASK_S = 2.5e-6             # + per prefix task (pipeline fill, q load, out
 PLAN_STREAM_BPS = 5.5e10         # suffix K/V bytes/s per stream CTA (latency-bound)
 
 
-def _stream_smem_limit() -> int:
-    return _SMEM_LIMIT - 1024 - STREAM_WGS * ss._red_bytes(STREAM_WGS)
+def _stream_smem_limit(wgs: int = STREAM_WGS) -> int:
+    return _SMEM_LIMIT - 1024 - max(2, wgs) * ss._red_bytes(wgs)
 
 
 def split_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
@@ -128,14 +128,16 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                                scale: float, group: int, prefix_ctas: int, stream_ctas: int,
                                num_splits: int | None = None, stages: int | None = None,
                                stream_stages: int | None = None, schedule_barrier: bool = True,
-                               interpret: bool = False, _debug: str = ""):
+                               stream_wgs: int = STREAM_WGS, interpret: bool = False,
+                               _debug: str = ""):
     """The prefix and suffix partial states of every row in one launch of
     ``prefix_ctas + stream_ctas`` CTAs (see the module docstring for layouts and outputs).
 
     ``num_splits``: prefix splits (None: ``prefix_attention_mgpu.choose_splits`` for
     ``prefix_ctas`` SMs).  ``stages``: the prefix pipeline's stages (None: the prefix kernel's
     default).  ``stream_stages``: steps in flight per stream worker (None: the most, up to 4,
-    that fit).  ``_debug`` (timing probes only, outputs left unwritten): ``"noprefix"`` /
+    that fit).  ``stream_wgs``: stream workers per CTA, 3 (default) or 2 (the third warpgroup
+    then idles in the stream CTAs; more stages fit).  ``_debug`` (timing probes only, outputs left unwritten): ``"noprefix"`` /
     ``"nostream"`` make that role's CTAs return at once, to time the other alone;
     ``"streamfirst"`` puts the stream role on the first CTAs; ``"prefixcodefirst"`` traces the
     prefix role's code before the stream role's.  Raises ``ValueError`` for shapes either role cannot run or out-of-range
@@ -146,7 +148,9 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     g = int(group)
     dtype = q_hmd.dtype
     n_pre, n_str = int(prefix_ctas), int(stream_ctas)
-    block_q, block_kv, bs, wgs = 64, 128, ss.BLOCK_S, STREAM_WGS
+    block_q, block_kv, bs, wgs = 64, 128, ss.BLOCK_S, int(stream_wgs)
+    if wgs not in (2, 3):
+        raise ValueError(f"stream_wgs={stream_wgs} must be 2 or 3")
     why = (pm.mgpu_supported(rows=m, prefix_len=p, head_dim=d, dtype=dtype, block_q=block_q,
                              block_kv=block_kv)
            or ss.stream_supported(heads_q=hkv * g, heads_kv=hkv, suffix_cap=s_cap, head_dim=d,
@@ -191,7 +195,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     n_steps = s_rounds * per_task
     isz = jnp.dtype(dtype).itemsize
     red = ss._red_bytes(wgs)
-    smem_limit = _stream_smem_limit()
+    smem_limit = _stream_smem_limit(wgs)
     fits = lambda st: ss._smem_bytes(st, ss._n_q(st, per_task), cols, d, isz, wgs, bs) <= smem_limit  # noqa: E731
     if stream_stages is None:
         stream_stages = max([st for st in (1, 2, 3, 4) if fits(st)], default=0)

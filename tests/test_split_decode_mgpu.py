@@ -37,6 +37,8 @@ def test_validation():
         call(num_splits=3)
     with pytest.raises(ValueError, match="stream_stages"):
         call(stream_stages=5)
+    with pytest.raises(ValueError, match="stream_wgs"):
+        call(stream_wgs=1)
     with pytest.raises(ValueError, match="prefix k/v"):
         call(pk=pkv[:, :1])
     with pytest.raises(ValueError, match="suffix k/v"):
@@ -107,6 +109,8 @@ def _check(b, hq, hkv, d, p, plen, s, *, interpret=False, **kw):
     (10, 8, 2, 64, 256, 200, 128, dict(prefix_ctas=2, stream_ctas=1, stream_stages=2)),
     # G=1: 16 sequences per task; 3 prefix tasks on 2 CTAs (a CTA idle in round 2); 2 stages
     (20, 1, 1, 64, 384, 384, 64, dict(prefix_ctas=2, stream_ctas=1, num_splits=3)),
+    # two stream workers (the third warpgroup idle in the stream CTA), 3 stages
+    (12, 8, 2, 64, 256, 256, 128, dict(prefix_ctas=1, stream_ctas=1, stream_wgs=2)),
 ])
 def test_interpreter_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     _check(b, hq, hkv, d, p, plen, s, interpret=True, **kw)
@@ -120,6 +124,7 @@ def test_interpreter_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     (21, 16, 1, 128, 1024, 777, 64, dict(prefix_ctas=4, stream_ctas=2, num_splits=2)),
     (45, 4, 4, 64, 768, 768, 128, dict(prefix_ctas=5, stream_ctas=3, num_splits=2, stream_stages=1)),
     (300, 32, 8, 128, 4096, 4096, 128, dict(prefix_ctas=100, stream_ctas=32, num_splits=2)),
+    (70, 32, 8, 128, 1024, 1000, 128, dict(prefix_ctas=7, stream_ctas=3, stream_wgs=2)),
 ])
 def test_gpu_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     _check(b, hq, hkv, d, p, plen, s, **kw)

@@ -76,13 +76,15 @@ def model_configs(hq, hkv, b, p, s, d=128, k=4):
 
 
 DEBUG = os.environ.get("DEBUG", "")   # e.g. "streamfirst"
+SWGS = int(os.environ.get("STREAM_WGS", "3"))   # stream workers per CTA (session 22, call 8)
 
 
 def split(n, sp, m, debug=""):
     debug = debug + DEBUG
     def f(q, pk, pv, sk, sv, sl):
         out = sd.split_decode_mgpu(q, pk, pv, jnp.full((1,), pk.shape[0], jnp.int32), sk, sv, sl,
-                                   prefix_ctas=n, stream_ctas=m, num_splits=sp, _debug=debug)
+                                   prefix_ctas=n, stream_ctas=m, num_splits=sp, _debug=debug,
+                                   stream_wgs=SWGS)
         return out if not debug else q + (out[:1, :1, :1] * 0).astype(q.dtype)
     return f
 
@@ -105,7 +107,8 @@ ROLES = os.environ.get("ROLES", "0") == "1"
 K = int(os.environ.get("K", "4"))
 
 
-print(json.dumps(dict(sm_count=getattr(jax.devices()[0], "core_count", None), debug=DEBUG)), flush=True)
+print(json.dumps(dict(sm_count=getattr(jax.devices()[0], "core_count", None), debug=DEBUG,
+                      stream_wgs=SWGS)), flush=True)
 bw = measure_copy_bandwidth()
 mma = measure_matmul_rate()
 print(json.dumps(dict(copy_bw=bw, matmul=mma)), flush=True)

@@ -23,6 +23,8 @@ print(json.dumps(dict(header=device_info(), commit=os.environ.get("COMMIT"))), f
 REGIONS = pa.SPLIT_REGIONS
 POINTS = [(32, 8, 512, 4096, 128), (32, 8, 768, 8192, 192), (32, 8, 2048, 4096, 128),
           (32, 8, 1024, 8192, 256), (32, 8, 512, 16384, 128), (32, 8, 640, 4096, 64)]
+if os.environ.get("POINTS"):   # indices (the second run: POINTS=4,5, the two the first skipped)
+    POINTS = [POINTS[int(i)] for i in os.environ["POINTS"].split(",")]
 bw = measure_copy_bandwidth()
 mma = measure_matmul_rate()
 print(json.dumps(dict(copy_bw=bw, matmul=mma)), flush=True)
