@@ -106,6 +106,10 @@ on the H200 too), 15 of 18 fresh out-of-sample shapes
 (``bench/results/logs/session15_validate_auto15_h200.jsonl``, worst 1.09x), 177 of 188 in all.
 A scan of ``SLOTS`` (33-198), ``T_KEY``, ``T_KEY_FLAT`` and ``T_LAUNCH`` found at best 179 of
 188 (many settings), the same worst case and the same 15 of 18 out of sample: no change.
+Session 22's role-split launch (``pallas_kernels.split_decode_mgpu``, taken in
+``prefix_attention.SPLIT_REGIONS``: G = 4, B >= 512, prefix 4K-16K, suffix 64-256) is not
+modelled separately either: charged as the Mosaic GPU path above, it is overestimated there
+(0.72-1.005x measured), where flat is 5-12x slower (grid run 24), so no choice changes.
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison
 without the flops, parallelism and L2 terms.
 """

@@ -38,7 +38,18 @@ over each sequence's prefix and suffix (the tests use float64 NumPy).
 Static arguments: every shape, ``group``, ``prefix_ctas``, ``stream_ctas``, ``num_splits``,
 ``stages``, ``stream_stages``, ``schedule_barrier``, ``scale``; one compile per combination.
 
-Status: new in session 22; see ``docs/performance.md``.
+Code order matters: the stream role is traced *before* the prefix role.  The prefix role
+changes the per-thread register limit (setmaxnreg); with its code first, the launch took the
+sum of the two roles' times (session 22, H200: 0.345 ms where each alone took 0.149-0.160 ms),
+which fits ptxas compiling the code after it for the lowest limit.
+
+Status (session 22, H200, ``bench/results/logs/session22_*``): exact (interpreter and GPU tests
+against float64); dispatched by the shared path where measured to pay
+(``prefix_attention.SPLIT_REGIONS``, CTAs from :func:`plan_roles`): Hq=32/Hkv=8 B=512 P=8K S=128
+0.1765 ms, 0.91x the previous default (1.60x the floor); B=1024 P=16K S=256 0.879x; B=1024 P=4K
+S=64-256 0.95-0.97x; out of sample 0.72-1.005x at five shapes.  Slower at B=256 (0.99-1.22x) and
+at G=8 (1.06-1.39x): each stream CTA moves only about 55-65 GB/s (its workers are bound by their
+steps' latency), so the stream needs many SMs when the suffix is a large share.
 """
 from __future__ import annotations
 

@@ -76,7 +76,9 @@ default's 0.223 at Hq=32 B=512 P=8K S=128 (0.88x; n=108, m=24; 0.85x with n=104,
 (``..._split_c_h100.jsonl``) and 1.04x at B=256 P=16K S=256 (``_d_``); with two workers
 1.01-1.40x (``..._split_b_...``).  It needs the two launches to run concurrently (``CONCURRENT_COMPILER_OPTIONS``;
 in sequence it takes 1.5x the default), so nothing dispatches it; a one-launch form (prefix and
-stream roles as CTAs of one kernel) would not depend on XLA's scheduling.
+stream roles as CTAs of one kernel) would not depend on XLA's scheduling.  Session 22 built it:
+``split_decode_mgpu`` runs this module's per-step math (:func:`stream_step_geometry`,
+:func:`stream_attend`, :func:`stream_finish`) in its stream role, with self-issuing workers.
 """
 from __future__ import annotations
 
