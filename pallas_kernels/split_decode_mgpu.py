@@ -148,11 +148,12 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     ``prefix_ctas`` SMs).  ``stages``: the prefix pipeline's stages (None: the prefix kernel's
     default).  ``stream_stages``: steps in flight per stream worker (None: the most, up to 4,
     that fit).  ``stream_wgs``: stream workers per CTA, 3 (default) or 2 (the third warpgroup
-    then idles in the stream CTAs; more stages fit).  ``_debug`` (timing probes only, outputs left unwritten): ``"noprefix"`` /
-    ``"nostream"`` make that role's CTAs return at once, to time the other alone;
-    ``"streamfirst"`` puts the stream role on the first CTAs; ``"prefixcodefirst"`` traces the
-    prefix role's code before the stream role's.  Raises ``ValueError`` for shapes either role cannot run or out-of-range
-    counts."""
+    then idles in the stream CTAs; more stages fit; measured slower).  ``_debug`` (timing probes
+    only, outputs left unwritten): ``"noprefix"`` / ``"nostream"`` make that role's CTAs return
+    at once, to time the other alone; ``"streamfirst"`` puts the stream role on the first CTAs;
+    ``"prefixcodefirst"`` traces the prefix role's code before the stream role's.
+
+    Raises ``ValueError`` for shapes either role cannot run or out-of-range counts."""
     hkv, m, d = q_hmd.shape
     p = pk_phd.shape[0]
     b, s_cap = sk_bshd.shape[:2]
@@ -207,7 +208,9 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     isz = jnp.dtype(dtype).itemsize
     red = ss._red_bytes(wgs)
     smem_limit = _stream_smem_limit(wgs)
-    fits = lambda st: ss._smem_bytes(st, ss._n_q(st, per_task), cols, d, isz, wgs, bs) <= smem_limit  # noqa: E731
+
+    def fits(st):
+        return ss._smem_bytes(st, ss._n_q(st, per_task), cols, d, isz, wgs, bs) <= smem_limit
     if stream_stages is None:
         stream_stages = max([st for st in (1, 2, 3, 4) if fits(st)], default=0)
     st = int(stream_stages)
