@@ -301,20 +301,11 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                                 lambda: (n_prev, jnp.minimum(t, ss.last_tile(n_prev, geo))))
                         else:
                             n, tile = read_len(seq), jnp.int32(0)
-                        i = w * st + lax.rem(u, st)
-
-                        @pl.when(lax.rem(u, per_task) == 0)
-                        def _():
-                            iq = w * n_q + lax.rem(lax.div(u, per_task), n_q)
-                            blk_c = jnp.minimum(blk, n_blk - 1)
-                            src = (qs_ref.at[h, :, pl.ds(blk_c * cols, cols)] if cpu
-                                   else qs_ref.at[h, pl.ds(blk_c * cols, cols)])
-                            plgpu.copy_gmem_to_smem(src, q_smem.at[iq], q_bar.at[iq])
-                        plgpu.copy_gmem_to_smem(sk_ref.at[bc, pl.ds(tile * bs, bs), h, :],
-                                                k_smem.at[i], k_bar.at[i])
-                        plgpu.copy_gmem_to_smem(sv_ref.at[bc, h, :, pl.ds(tile * bs, bs)] if cpu
-                                                else sv_ref.at[bc, pl.ds(tile * bs, bs), h, :],
-                                                v_smem.at[i], v_bar.at[i])
+                        ss.stream_issue_loads(
+                            u, w=w, i=w * st + lax.rem(u, st), h=h, blk=blk, bc=bc, tile=tile,
+                            n_q=n_q, q_ref=qs_ref, k_ref=sk_ref, v_ref=sv_ref, q_smem=q_smem,
+                            k_smem=k_smem, v_smem=v_smem, q_bar=q_bar, k_bar=k_bar, v_bar=v_bar,
+                            geo=geo)
                         return n
 
                     # the lengths of the steps in flight (u .. u + stages - 1), as issued

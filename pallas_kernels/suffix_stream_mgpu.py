@@ -96,7 +96,7 @@ from pallas_kernels.prefix_attention_mgpu import (_gpu_interpret_params, plgpu, 
 
 __all__ = ["stream_supported", "suffix_stream_mgpu", "BLOCK_S", "cols_for", "StreamGeometry",
            "stream_step_geometry", "stream_step_of", "stream_fresh", "stream_attend",
-           "stream_finish", "last_tile"]
+           "stream_finish", "stream_issue_loads", "last_tile"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -203,6 +203,29 @@ def stream_step_of(worker, u, n_prev, *, read_len, geo: StreamGeometry):
          else read_len(seq))
     last = last_tile(n, geo)
     return task, h, blk, j, bc, n, jnp.minimum(t, last), t * geo.bs
+
+
+def stream_issue_loads(u, *, w, i, h, blk, bc, tile, n_q, q_ref, k_ref, v_ref, q_smem, k_smem,
+                       v_smem, q_bar, k_bar, v_bar, geo: StreamGeometry):
+    """Start step ``u``'s TMA loads for worker slot ``w``: the ``[block_s, D]`` K and V tiles
+    ``tile`` of (clamped) sequence ``bc``, kv head ``h``, into slot ``i`` of ``k_smem``/``v_smem``
+    (barriers ``k_bar``/``v_bar``), and at a task's first step its ``[cols, D]`` queries (row block
+    ``blk``) into query buffer ``w * n_q + task % n_q`` (barrier ``q_bar``).  ``q_ref [Hkv, M, D]``,
+    ``k_ref/v_ref [B, S, Hkv, D]`` (with ``geo.cpu``: ``Q^T [Hkv, D, M]`` and ``V^T [B, Hkv, D,
+    S]``, the interpreter's operand forms)."""
+    cols, bs, cpu = geo.cols, geo.bs, geo.cpu
+
+    @pl.when(lax.rem(u, geo.per_task) == 0)   # a task's first step: its queries
+    def _():
+        iq = w * n_q + lax.rem(lax.div(u, geo.per_task), n_q)
+        blk_c = jnp.minimum(blk, geo.n_blk - 1)
+        src = (q_ref.at[h, :, pl.ds(blk_c * cols, cols)] if cpu
+               else q_ref.at[h, pl.ds(blk_c * cols, cols)])
+        plgpu.copy_gmem_to_smem(src, q_smem.at[iq], q_bar.at[iq])
+    plgpu.copy_gmem_to_smem(k_ref.at[bc, pl.ds(tile * bs, bs), h, :], k_smem.at[i], k_bar.at[i])
+    plgpu.copy_gmem_to_smem(v_ref.at[bc, h, :, pl.ds(tile * bs, bs)] if cpu
+                            else v_ref.at[bc, pl.ds(tile * bs, bs), h, :],
+                            v_smem.at[i], v_bar.at[i])
 
 
 def stream_fresh(geo: StreamGeometry):
@@ -376,18 +399,10 @@ def suffix_stream_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: i
                     def _():
                         plgpu.barrier_wait(free_bar.at[i])
 
-                    @pl.when(lax.rem(u, per_task) == 0)   # a task's first step: its queries
-                    def _():
-                        iq = w * n_q + lax.rem(lax.div(u, per_task), n_q)
-                        blk_c = jnp.minimum(blk, n_blk - 1)
-                        src = (q_ref.at[h, :, pl.ds(blk_c * cols, cols)] if cpu
-                               else q_ref.at[h, pl.ds(blk_c * cols, cols)])
-                        plgpu.copy_gmem_to_smem(src, q_smem.at[iq], q_bar.at[iq])
-                    plgpu.copy_gmem_to_smem(k_ref.at[bc, pl.ds(tile * bs, bs), h, :],
-                                            k_smem.at[i], k_bar.at[i])
-                    plgpu.copy_gmem_to_smem(v_ref.at[bc, h, :, pl.ds(tile * bs, bs)] if cpu
-                                            else v_ref.at[bc, pl.ds(tile * bs, bs), h, :],
-                                            v_smem.at[i], v_bar.at[i])
+                    stream_issue_loads(u, w=w, i=i, h=h, blk=blk, bc=bc, tile=tile, n_q=n_q,
+                                       q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, q_smem=q_smem,
+                                       k_smem=k_smem, v_smem=v_smem, q_bar=q_bar, k_bar=k_bar,
+                                       v_bar=v_bar, geo=geo)
                 return tuple(new_lens)
             lax.fori_loop(0, n_steps, mem_step, (jnp.int32(0),) * wgs)
             # the slots' last "free" phases (the workers' last steps): waited on so that every
