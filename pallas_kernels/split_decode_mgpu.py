@@ -140,7 +140,8 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                                num_splits: int | None = None, stages: int | None = None,
                                stream_stages: int | None = None, schedule_barrier: bool = True,
                                stream_wgs: int = STREAM_WGS, stream_prefetch: int = 0,
-                               interpret: bool = False, _debug: str = ""):
+                               stream_block: int = ss.BLOCK_S, interpret: bool = False,
+                               _debug: str = ""):
     """The prefix and suffix partial states of every row in one launch of
     ``prefix_ctas + stream_ctas`` CTAs (see the module docstring for layouts and outputs).
 
@@ -154,7 +155,9 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     memory; 0: none).  The lengths then are read at that front, where a sequence's first tile
     is prefetched, and carried in a ring of ``stream_stages + stream_prefetch`` steps, so the
     prefetched tiles are exactly the tiles later loaded (clamped to each length).  The CPU
-    interpreter runs the ring but not the hint.  ``_debug`` (timing probes
+    interpreter runs the ring but not the hint.  ``stream_block``: suffix keys per stream step,
+    64 (default) or 128 (dividing the capacity; one stage per worker then fits at D = 128).
+    ``_debug`` (timing probes
     only, outputs left unwritten): ``"noprefix"`` / ``"nostream"`` make that role's CTAs return
     at once, to time the other alone; ``"streamfirst"`` puts the stream role on the first CTAs;
     ``"prefixcodefirst"`` traces the prefix role's code before the stream role's.
@@ -166,9 +169,12 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     g = int(group)
     dtype = q_hmd.dtype
     n_pre, n_str = int(prefix_ctas), int(stream_ctas)
-    block_q, block_kv, bs, wgs = 64, 128, ss.BLOCK_S, int(stream_wgs)
+    block_q, block_kv, bs, wgs = 64, 128, int(stream_block), int(stream_wgs)
     if wgs not in (2, 3):
         raise ValueError(f"stream_wgs={stream_wgs} must be 2 or 3")
+    if bs not in (64, 128) or s_cap % bs:
+        raise ValueError(f"stream_block={stream_block} must be 64 or 128 and divide the suffix "
+                         f"capacity {s_cap}")
     pf = int(stream_prefetch)
     if not 0 <= pf <= 16:
         raise ValueError(f"stream_prefetch={stream_prefetch} must be in [0, 16]")

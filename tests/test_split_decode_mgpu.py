@@ -41,6 +41,8 @@ def test_validation():
         call(stream_wgs=1)
     with pytest.raises(ValueError, match="stream_prefetch"):
         call(stream_prefetch=-1)
+    with pytest.raises(ValueError, match="stream_block"):
+        call(sk=skv[:, :64], stream_block=128)
     with pytest.raises(ValueError, match="prefix k/v"):
         call(pk=pkv[:, :1])
     with pytest.raises(ValueError, match="suffix k/v"):
@@ -118,6 +120,8 @@ def _check(b, hq, hkv, d, p, plen, s, *, interpret=False, **kw):
     # the L2-prefetch front 3 steps past the loads: the lengths read there and carried in a
     # ring of 5 steps (the interpreter runs the ring, not the hint); several sequences a task
     (10, 8, 2, 64, 256, 200, 128, dict(prefix_ctas=2, stream_ctas=1, stream_prefetch=3)),
+    # 128-key stream steps, one stage a worker
+    (10, 8, 2, 64, 256, 200, 256, dict(prefix_ctas=2, stream_ctas=1, stream_block=128)),
 ])
 def test_interpreter_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     _check(b, hq, hkv, d, p, plen, s, interpret=True, **kw)
@@ -133,6 +137,9 @@ def test_interpreter_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     (300, 32, 8, 128, 4096, 4096, 128, dict(prefix_ctas=100, stream_ctas=32, num_splits=2)),
     (70, 32, 8, 128, 1024, 1000, 128, dict(prefix_ctas=7, stream_ctas=3, stream_wgs=2)),
     (70, 32, 8, 128, 1024, 1000, 128, dict(prefix_ctas=7, stream_ctas=3, stream_prefetch=4)),
+    (70, 32, 8, 128, 1024, 1000, 256, dict(prefix_ctas=7, stream_ctas=3, stream_block=128)),
+    (45, 4, 4, 64, 768, 768, 128, dict(prefix_ctas=5, stream_ctas=3, stream_block=128,
+                                       stream_stages=2)),
     (33, 8, 1, 128, 2048, 2048, 192, dict(prefix_ctas=2, stream_ctas=2, stream_prefetch=1)),
     (29, 4, 2, 64, 512, 300, 64, dict(prefix_ctas=3, stream_ctas=4, stream_prefetch=6)),
 ])

@@ -8,7 +8,7 @@ stream rate PLAN_STREAM_BPS at the values in BPS) the split at each prefetch dis
 with its max |split - base|; with STREAM_ONLY=1 also the stream role alone (``_debug="noprefix"``)
 at the plan's stream CTAs, giving the suffix GB/s per stream CTA.  One JSON line per point, a
 table last.  Env: COMMIT, BUDGET_S (default 520), POINTS (indices), PFS ("0,2,4,8"), BPS
-("5.5e10,1.1e11"), STREAM_ONLY."""
+("5.5e10,1.1e11"), STREAM_ONLY, BLOCKS (stream keys per step, "64"; 128 where it divides S)."""
 import json
 import os
 import time
@@ -39,13 +39,14 @@ POINTS = [POINTS_ALL[int(i)] for i in os.environ.get("POINTS", "0,1,2,3").split(
 PFS = [int(x) for x in os.environ.get("PFS", "0,2,4,8").split(",")]
 BPS = [float(x) for x in os.environ.get("BPS", "5.5e10,1.1e11").split(",")]
 STREAM_ONLY = os.environ.get("STREAM_ONLY", "0") == "1"
+BLOCKS = [int(x) for x in os.environ.get("BLOCKS", "64").split(",")]
 
 
-def split(n, sp, m, pf, debug=""):
+def split(n, sp, m, pf, debug="", bs=64):
     def f(q, pk, pv, sk, sv, sl):
         out = sd.split_decode_mgpu(q, pk, pv, jnp.full((1,), pk.shape[0], jnp.int32), sk, sv, sl,
                                    prefix_ctas=n, stream_ctas=m, num_splits=sp,
-                                   stream_prefetch=pf, _debug=debug)
+                                   stream_prefetch=pf, stream_block=bs, _debug=debug)
         return out if not debug else q + (out[:1, :1, :1] * 0).astype(q.dtype)
     return f
 
@@ -75,17 +76,16 @@ for hq, hkv, b, p, s in POINTS:
         if pl_ not in plans:
             plans.append(pl_)
     sd.PLAN_STREAM_BPS = bps0
-    for n, sp, m in plans:
-        for pf in PFS:
-            if time.time() - T0 > BUDGET:
-                break
-            key = f"n{n}_s{sp}_m{m}_pf{pf}"
+    for (n, sp, m), pf, bs in [(c, pf, bs) for c in plans for bs in BLOCKS for pf in PFS]:
+            if time.time() - T0 > BUDGET or s % bs:
+                continue
+            key = f"n{n}_s{sp}_m{m}_pf{pf}" + (f"_b{bs}" if bs != 64 else "")
             try:
-                out = jax.jit(split(n, sp, m, pf))(q, *rest).astype(jnp.float32)
+                out = jax.jit(split(n, sp, m, pf, bs=bs))(q, *rest).astype(jnp.float32)
                 rec[f"maxdiff_{key}"] = float(jnp.max(jnp.abs(out - ref)))
-                rec[f"split_{key}_ms"] = loop_time(split(n, sp, m, pf), q, rest, compiler_options=GRAPH_ALWAYS) * 1e3
+                rec[f"split_{key}_ms"] = loop_time(split(n, sp, m, pf, bs=bs), q, rest, compiler_options=GRAPH_ALWAYS) * 1e3
                 if STREAM_ONLY:
-                    t = loop_time(split(n, sp, m, pf, "noprefix"), q, rest, compiler_options=GRAPH_ALWAYS)
+                    t = loop_time(split(n, sp, m, pf, "noprefix", bs=bs), q, rest, compiler_options=GRAPH_ALWAYS)
                     rec[f"str_only_{key}_ms"] = t * 1e3
                     rec[f"str_only_{key}_GBps_per_cta"] = kv_bytes / t / m / 1e9
             except Exception as e:  # noqa: BLE001
