@@ -139,8 +139,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                                scale: float, group: int, prefix_ctas: int, stream_ctas: int,
                                num_splits: int | None = None, stages: int | None = None,
                                stream_stages: int | None = None, schedule_barrier: bool = True,
-                               stream_wgs: int = STREAM_WGS, stream_prefetch: int = 0,
-                               stream_block: int = ss.BLOCK_S, interpret: bool = False,
+                               stream_wgs: int = STREAM_WGS, interpret: bool = False,
                                _debug: str = ""):
     """The prefix and suffix partial states of every row in one launch of
     ``prefix_ctas + stream_ctas`` CTAs (see the module docstring for layouts and outputs).
@@ -149,15 +148,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     ``prefix_ctas`` SMs).  ``stages``: the prefix pipeline's stages (None: the prefix kernel's
     default).  ``stream_stages``: steps in flight per stream worker (None: the most, up to 4,
     that fit).  ``stream_wgs``: stream workers per CTA, 3 (default) or 2 (the third warpgroup
-    then idles in the stream CTAs; more stages fit; measured slower).  ``stream_prefetch``: a
-    stream worker also asks for the K/V tiles of the step ``stream_stages + stream_prefetch``
-    ahead to be brought into L2 (``plgpu.async_prefetch``: bytes in flight that take no shared
-    memory; 0: none).  The lengths then are read at that front, where a sequence's first tile
-    is prefetched, and carried in a ring of ``stream_stages + stream_prefetch`` steps, so the
-    prefetched tiles are exactly the tiles later loaded (clamped to each length).  The CPU
-    interpreter runs the ring but not the hint.  ``stream_block``: suffix keys per stream step,
-    64 (default) or 128 (dividing the capacity; one stage per worker then fits at D = 128).
-    ``_debug`` (timing probes
+    then idles in the stream CTAs; more stages fit; measured slower).  ``_debug`` (timing probes
     only, outputs left unwritten): ``"noprefix"`` / ``"nostream"`` make that role's CTAs return
     at once, to time the other alone; ``"streamfirst"`` puts the stream role on the first CTAs;
     ``"prefixcodefirst"`` traces the prefix role's code before the stream role's.
@@ -169,15 +160,9 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     g = int(group)
     dtype = q_hmd.dtype
     n_pre, n_str = int(prefix_ctas), int(stream_ctas)
-    block_q, block_kv, bs, wgs = 64, 128, int(stream_block), int(stream_wgs)
+    block_q, block_kv, bs, wgs = 64, 128, ss.BLOCK_S, int(stream_wgs)
     if wgs not in (2, 3):
         raise ValueError(f"stream_wgs={stream_wgs} must be 2 or 3")
-    if bs not in (64, 128) or s_cap % bs:
-        raise ValueError(f"stream_block={stream_block} must be 64 or 128 and divide the suffix "
-                         f"capacity {s_cap}")
-    pf = int(stream_prefetch)
-    if not 0 <= pf <= 16:
-        raise ValueError(f"stream_prefetch={stream_prefetch} must be in [0, 16]")
     why = (pm.mgpu_supported(rows=m, prefix_len=p, head_dim=d, dtype=dtype, block_q=block_q,
                              block_kv=block_kv)
            or ss.stream_supported(heads_q=hkv * g, heads_kv=hkv, suffix_cap=s_cap, head_dim=d,
@@ -323,44 +308,12 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                             geo=geo)
                         return n
 
-                    def front(v, n_prev):
-                        """With ``stream_prefetch``: step ``v``'s length (read at its sequence's
-                        first tile, carried otherwise) and an L2 prefetch of the tile it will
-                        load; returns the length."""
-                        _, h, _, _, seq, bc, t = ss.stream_step_geometry(worker, v, geo)
-                        if s_tiles > 1:
-                            n, tile = lax.cond(
-                                t == 0, lambda: (read_len(seq), jnp.int32(0)),
-                                lambda: (n_prev, jnp.minimum(t, ss.last_tile(n_prev, geo))))
-                        else:
-                            n, tile = read_len(seq), jnp.int32(0)
-                        if not cpu:   # (a hint: the interpreter has no L2)
-                            keys = pl.ds(tile * bs, bs)
-                            plgpu.async_prefetch(sk_ref.at[bc, keys, h, :])
-                            plgpu.async_prefetch(sv_ref.at[bc, keys, h, :])
-                        return n
-
-                    def load(v, n):
-                        """Step ``v``'s TMA loads, its length ``n`` known (read at the front)."""
-                        _, h, blk, _, _, bc, t = ss.stream_step_geometry(worker, v, geo)
-                        ss.stream_issue_loads(
-                            v, w=w, i=w * st + lax.rem(v, st), h=h, blk=blk, bc=bc,
-                            tile=jnp.minimum(t, ss.last_tile(n, geo)), n_q=n_q, q_ref=qs_ref,
-                            k_ref=sk_ref, v_ref=sv_ref, q_smem=q_smem, k_smem=k_smem,
-                            v_smem=v_smem, q_bar=q_bar, k_bar=k_bar, v_bar=v_bar, geo=geo)
-
-                    # the lengths of the steps in flight (u .. u + stages - 1), as issued, and
-                    # with a prefetch front those of the prefetched steps after them
+                    # the lengths of the steps in flight (u .. u + stages - 1), as issued
                     ring, n_iss = [], jnp.int32(0)
-                    for u0 in range(min(st + pf, n_steps)):   # the pipeline's first steps
-                        if pf == 0:
-                            n_iss = issue(jnp.int32(u0), n_iss)
-                        else:
-                            n_iss = front(jnp.int32(u0), n_iss)
-                            if u0 < st:
-                                load(jnp.int32(u0), n_iss)
+                    for u0 in range(min(st, n_steps)):   # the pipeline's first steps
+                        n_iss = issue(jnp.int32(u0), n_iss)
                         ring.append(n_iss)
-                    ring += [jnp.int32(0)] * (st + pf - len(ring))
+                    ring += [jnp.int32(0)] * (st - len(ring))
 
                     def step(u, carry):
                         ring, state = carry
@@ -385,14 +338,8 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                         state = lax.cond(key0 < n, attend, lambda *s: s, *state)
                         # slot i is consumed (both products waited on): refill it
                         nxt = u + st
-                        if pf == 0:
-                            n_new = lax.cond(nxt < n_steps, lambda: issue(nxt, ring[-1]),
-                                             lambda: ring[-1])
-                        else:
-                            pl.when(nxt < n_steps)(lambda: load(nxt, ring[st]))
-                            n_new = lax.cond(nxt + pf < n_steps,
-                                             lambda: front(nxt + pf, ring[-1]),
-                                             lambda: ring[-1])
+                        n_new = lax.cond(nxt < n_steps, lambda: issue(nxt, ring[-1]),
+                                         lambda: ring[-1])
 
                         def finish(*state):
                             ss.stream_finish(state, o_dst=o_st_ref.at[task],

@@ -39,10 +39,6 @@ def test_validation():
         call(stream_stages=5)
     with pytest.raises(ValueError, match="stream_wgs"):
         call(stream_wgs=1)
-    with pytest.raises(ValueError, match="stream_prefetch"):
-        call(stream_prefetch=-1)
-    with pytest.raises(ValueError, match="stream_block"):
-        call(sk=skv[:, :64], stream_block=128)
     with pytest.raises(ValueError, match="prefix k/v"):
         call(pk=pkv[:, :1])
     with pytest.raises(ValueError, match="suffix k/v"):
@@ -57,18 +53,16 @@ def test_validation():
                              jnp.zeros((10, 128, 4, 64), BF), sl, prefix_ctas=1, stream_ctas=1)
 
 
-@pytest.mark.parametrize("b,hq,hkv,p,s,n,m,pf", [(512, 32, 8, 8192, 128, 104, 28, 0),
-                                                 (1024, 8, 1, 4096, 256, 100, 32, 0),
-                                                 (40, 32, 2, 1024, 64, 3, 2, 0),
-                                                 (512, 32, 8, 8192, 128, 104, 28, 4)])
-def test_lowers_for_cuda_on_cpu(b, hq, hkv, p, s, n, m, pf):
+@pytest.mark.parametrize("b,hq,hkv,p,s,n,m", [(512, 32, 8, 8192, 128, 104, 28),
+                                              (1024, 8, 1, 4096, 256, 100, 32),
+                                              (40, 32, 2, 1024, 64, 3, 2)])
+def test_lowers_for_cuda_on_cpu(b, hq, hkv, p, s, n, m):
     txt = _lower_for_cuda(
         lambda q, pk, pv, pl_, sk, sv, sl: sd.split_decode_mgpu(
-            q, pk, pv, pl_, sk, sv, sl, prefix_ctas=n, stream_ctas=m, stream_prefetch=pf),
+            q, pk, pv, pl_, sk, sv, sl, prefix_ctas=n, stream_ctas=m),
         S((b, hq, 128), BF), S((p, hkv, 128), BF), S((p, hkv, 128), BF), S((1,), jnp.int32),
         S((b, s, hkv, 128), BF), S((b, s, hkv, 128), BF), S((b,), jnp.int32))
     assert "mosaic_gpu" in txt
-    assert ("prefetch" in txt.lower()) == bool(pf)   # the L2 hint only when asked for
 
 
 def _oracle(q, pk, pv, plen, sk, sv, sl):
@@ -117,11 +111,6 @@ def _check(b, hq, hkv, d, p, plen, s, *, interpret=False, **kw):
     (20, 1, 1, 64, 384, 384, 64, dict(prefix_ctas=2, stream_ctas=1, num_splits=3)),
     # two stream workers (the third warpgroup idle in the stream CTA), 3 stages
     (12, 8, 2, 64, 256, 256, 128, dict(prefix_ctas=1, stream_ctas=1, stream_wgs=2)),
-    # the L2-prefetch front 3 steps past the loads: the lengths read there and carried in a
-    # ring of 5 steps (the interpreter runs the ring, not the hint); several sequences a task
-    (10, 8, 2, 64, 256, 200, 128, dict(prefix_ctas=2, stream_ctas=1, stream_prefetch=3)),
-    # 128-key stream steps, one stage a worker
-    (10, 8, 2, 64, 256, 200, 256, dict(prefix_ctas=2, stream_ctas=1, stream_block=128)),
 ])
 def test_interpreter_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     _check(b, hq, hkv, d, p, plen, s, interpret=True, **kw)
@@ -136,12 +125,6 @@ def test_interpreter_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     (45, 4, 4, 64, 768, 768, 128, dict(prefix_ctas=5, stream_ctas=3, num_splits=2, stream_stages=1)),
     (300, 32, 8, 128, 4096, 4096, 128, dict(prefix_ctas=100, stream_ctas=32, num_splits=2)),
     (70, 32, 8, 128, 1024, 1000, 128, dict(prefix_ctas=7, stream_ctas=3, stream_wgs=2)),
-    (70, 32, 8, 128, 1024, 1000, 128, dict(prefix_ctas=7, stream_ctas=3, stream_prefetch=4)),
-    (70, 32, 8, 128, 1024, 1000, 256, dict(prefix_ctas=7, stream_ctas=3, stream_block=128)),
-    (45, 4, 4, 64, 768, 768, 128, dict(prefix_ctas=5, stream_ctas=3, stream_block=128,
-                                       stream_stages=2)),
-    (33, 8, 1, 128, 2048, 2048, 192, dict(prefix_ctas=2, stream_ctas=2, stream_prefetch=1)),
-    (29, 4, 2, 64, 512, 300, 64, dict(prefix_ctas=3, stream_ctas=4, stream_prefetch=6)),
 ])
 def test_gpu_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     _check(b, hq, hkv, d, p, plen, s, **kw)

@@ -1,4 +1,7 @@
-"""Session 23 probe: the role-split kernel's stream workers with an L2-prefetch front
+"""Session 23 probe (ran at commits 9b47c3c and 5882a20, whose ``split_decode_mgpu`` had the
+options ``stream_prefetch`` and ``stream_block``; both measured slower and were removed again,
+so this script does not run at later commits): the role-split kernel's stream workers with an
+L2-prefetch front
 (``split_decode_mgpu(stream_prefetch=k)``: the K/V tiles of the step ``stages + k`` ahead asked
 into L2, bytes in flight that take no shared memory), in one process, against the default shared
 path, at target points that miss 1.5x the floor.
