@@ -182,8 +182,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
                          scale: float, num_splits: int | None = None, block_q: int = 64,
                          block_kv: int = 128, max_concurrent_steps: int | None = None,
                          schedule_barrier: bool = True, out_rows: int | None = None,
-                         persistent_ctas: int | None = None, persistent_flat: bool = False,
-                         interpret: bool = False, _cpu_check: bool = False):
+                         persistent_ctas: int | None = None, interpret: bool = False,
+                         _cpu_check: bool = False):
     """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
 
     Returns ``(o, lse)``: ``o [splits, Hkv, M, D]`` in q's dtype (normalised) and
@@ -201,8 +201,7 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     instead of computing a padding row block.  ``persistent_ctas``: launch that many CTAs, each
     looping over the ``Hkv * M / (2 * block_q) * splits`` tasks (round robin), instead of one CTA
     per task: the kernel then holds at most that many SMs, and the rest are free for a kernel
-    running beside it.  ``persistent_flat`` (with ``persistent_ctas``): a CTA's tasks run as one
-    K/V pipeline (:func:`prefix_flat_tasks`: no pipeline fill or drain per task).
+    running beside it.
     """
     hkv, m, d = q_hmd.shape
     p = k_phd.shape[0]
@@ -236,33 +235,6 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     n_tasks = hkv * m_blocks * splits
     if persistent_ctas is not None and not 1 <= int(persistent_ctas) <= n_tasks:
         raise ValueError(f"persistent_ctas={persistent_ctas} must be in [1, {n_tasks}] (the tasks)")
-    if persistent_flat:
-        if persistent_ctas is None:
-            raise ValueError("persistent_flat=True needs persistent_ctas")
-        steps = flat_steps(stages, -(-n_tasks // int(persistent_ctas)) * tiles_per_split,
-                           schedule_barrier)
-
-        def flat_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem4, q_barriers4,
-                        sched_barrier, *maybe_p):
-            prefix_flat_tasks(
-                cp=lax.axis_index("c"), n_ctas=int(persistent_ctas), n_tasks=n_tasks,
-                m_blocks=m_blocks, splits=splits, n_keys=len_ref[0], q_ref=q_ref, k_ref=k_ref,
-                v_ref=v_ref, o_ref=o_ref, lse_ref=lse_ref, q_smem4=q_smem4,
-                q_barriers4=q_barriers4, sched_barrier=sched_barrier,
-                p_smem2=maybe_p[0] if _cpu_check else None, tiles_per_split=tiles_per_split,
-                steps=steps, block_q=block_q, block_kv=block_kv, scale_log2=scale_log2,
-                schedule_barrier=schedule_barrier, cpu_check=_cpu_check)
-        return plgpu.kernel(
-            flat_kernel, grid=(int(persistent_ctas),), grid_names=("c",), num_threads=3,
-            thread_name="wg",
-            out_type=(jax.ShapeDtypeStruct((splits, hkv, m_out, d), dtype),
-                      jax.ShapeDtypeStruct((splits, hkv, m_out), jnp.float32)),
-            scratch_types=flat_scratch(block_q=block_q, d=d, block_kv=block_kv, dtype=dtype,
-                                       cpu_check=_cpu_check),
-            compiler_params=plgpu.CompilerParams(
-                approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-            **({"interpret": _gpu_interpret_params()} if interpret else {}),
-        )(jnp.asarray(length, jnp.int32).reshape(1), q_hmd, k_phd, v_phd)
 
     def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, *rest):
         lse_smem2, q_barriers, sched_barrier, *maybe_p = rest if lse_in_smem else (None, *rest)
@@ -515,137 +487,6 @@ def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_sme
                                tiles_per_split=tiles_per_split, steps=steps, d=d,
                                block_kv=block_kv, cpu_check=cpu_check)
     pipeline(*_head_refs(k_ref, v_ref, h, cpu_check), allocations=allocations)
-
-
-def prefix_flat_tasks(*, cp, n_ctas, n_tasks, m_blocks, splits, n_keys, q_ref, k_ref, v_ref, o_ref,
-                      lse_ref, q_smem4, q_barriers4, sched_barrier, p_smem2, tiles_per_split,
-                      steps, block_q, block_kv, scale_log2, schedule_barrier, cpu_check):
-    """Persistent CTA ``cp`` of ``n_ctas``: its tasks ``cp, cp + n_ctas, ...`` (of
-    :func:`prefix_task`'s ``n_tasks``, split fastest, then row block, then kv head) as ONE K/V
-    pipeline of ``rounds * tiles_per_split`` steps, so the memory warpgroup streams the next
-    task's first tiles while this task's last ones are computed (no pipeline fill or drain per
-    task).  At a task's first tile the compute warpgroups reset their state and take the task's
-    queries, which were loaded a task ahead into the other of two buffers per warpgroup
-    (``q_smem4 [2 warpgroups x 2, block_q, D]``, barriers ``q_barriers4``); at its last tile
-    they write the normalised output through that buffer (TMA) and the LSE from registers.  A
-    step of a padding task (``task >= n_tasks``, a CTA's last round) loads the last task's
-    tiles (L2 hits) and only arrives on the barriers.  ``k_ref/v_ref [P, Hkv, D]`` (``k_ref
-    [Hkv, D, P]`` with ``cpu_check``); ``o_ref/lse_ref`` as :func:`prefix_task`'s."""
-    wg = lax.axis_index("wg")
-    d = q_ref.shape[-1]
-    dtype = q_ref.dtype
-    tps = tiles_per_split
-    rounds = -(-n_tasks // n_ctas)
-    turn = functools.partial(take_turn, sched_barrier, schedule_barrier)
-
-    def task_of(r):          # round -> (task, clamped task's kv head, row block, split)
-        task = cp + r * n_ctas
-        tc = jnp.minimum(task, n_tasks - 1)
-        return task, tc // (m_blocks * splits), (tc // splits) % m_blocks, tc % splits
-
-    def kv_index(t):
-        _, h, _, sp = task_of(t // tps)
-        tile = sp * tps + t % tps
-        return tile, h, 0
-
-    def q_load(r):           # task r's queries into buffer r % 2 of this warpgroup
-        _, h, mb, _ = task_of(r)
-        i = wg * 2 + lax.rem(r, 2)
-        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(mb * (2 * block_q) + wg * block_q, block_q)],
-                                q_smem4.at[i], q_barriers4.at[i])
-
-    def fresh():
-        return (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
-                jnp.zeros((block_q,), jnp.float32))
-
-    def compute_context(run_pipeline):
-        q_load(jnp.int32(0))
-        pl.when(wg == 1)(turn)   # warpgroup 1 one phase behind (see prefix_task)
-        run_pipeline(fresh())
-        pl.when(wg == 0)(turn)
-        plgpu.wait_smem_to_gmem(0)
-
-    def tile_body(indices, k_smem, v_smem, k_consumed, v_consumed, carry):
-        t = indices[0]
-        r, i = lax.div(t, tps), lax.rem(t, tps)
-        task, h, mb, sp = task_of(r)
-        qi = wg * 2 + lax.rem(r, 2)
-
-        @pl.when(i == 0)
-        def _():
-            plgpu.barrier_wait(q_barriers4.at[qi])   # this task's queries
-
-            @pl.when(r + 1 < rounds)
-            def _():
-                # the next task's queries into the other buffer, whose last reader was the
-                # output store of the task before this one
-                plgpu.wait_smem_to_gmem(0)
-                q_load(r + 1)
-        carry = lax.cond(i == 0, fresh, lambda: carry)
-
-        def step(carry):
-            return prefix_tile_step(
-                carry, q_smem=q_smem4.at[qi], k_smem=k_smem, v_smem=v_smem,
-                p_smem=None if p_smem2 is None else p_smem2.at[wg], k_consumed=k_consumed,
-                v_consumed=v_consumed, first_key=lambda: (sp * tps + i) * block_kv,
-                n_keys=n_keys, turn=turn, schedule_barrier=schedule_barrier,
-                scale_log2=scale_log2, cpu_check=cpu_check)
-
-        def skip(carry):         # a padding task: the barriers and turns only
-            plgpu.barrier_arrive(k_consumed)
-            if schedule_barrier:
-                turn()
-                turn()
-            plgpu.barrier_arrive(v_consumed)
-            return carry
-        carry = lax.cond(task < n_tasks, step, skip, carry)
-
-        @pl.when((i == tps - 1) & (task < n_tasks))
-        def _():                 # the task's normalised output and natural-log LSE
-            acc, m_i, l_i = carry
-            has = l_i > 0.0
-            l_safe = jnp.where(has, l_i, 1.0)
-            r0 = mb * (2 * block_q) + wg * block_q
-            q_smem4.at[qi][...] = (acc / lax.broadcast_in_dim(l_safe, (block_q, d), [0])).astype(dtype)
-            lse_ref.at[sp, h, pl.ds(r0, block_q)][...] = jnp.where(
-                has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem4.at[qi], o_ref.at[sp, h, pl.ds(r0, block_q)])
-        return carry
-
-    if cpu_check:
-        specs = [plgpu.BlockSpec(block_shape=(None, d, block_kv),
-                                 index_map=lambda t: (kv_index(t)[1], 0, kv_index(t)[0])),
-                 plgpu.BlockSpec(block_shape=(block_kv, None, d), index_map=kv_index)]
-    else:
-        specs = [plgpu.BlockSpec(block_shape=(block_kv, None, d), index_map=kv_index)] * 2
-    pipeline = plgpu.emit_pipeline_warp_specialized(
-        tile_body, grid=(rounds * tps,), max_concurrent_steps=steps, num_compute_wgs=2,
-        memory_registers=40, wg_axis="wg", manual_consumed_barriers=True,
-        compute_context=compute_context, in_specs=specs, out_specs=[])
-    # the pipeline's buffers and barriers allocated collectively by the three warpgroups (as the
-    # round-robin form does)
-    pl.run_scoped(lambda **allocs: pipeline(k_ref, v_ref, allocations=allocs),
-                  **pipeline.get_allocations(k_ref, v_ref), collective_axes="wg")
-
-
-def flat_steps(stages: int, n_steps: int, schedule_barrier: bool) -> int:
-    """Pipeline stages of :func:`prefix_flat_tasks` over ``n_steps`` steps: at most 2 (its four
-    query buffers and a third stage do not fit at D = 128), not bounded by a split's tiles (the
-    pipeline spans a CTA's tasks), and 2 with the ping-pong turns whenever there are two steps:
-    with one stage, warpgroup 0 would wait for a slot that warpgroup 1, one turn behind, has
-    not released (a deadlock, seen in the CPU interpreter)."""
-    if schedule_barrier:
-        return min(2, n_steps)
-    return max(1, min(int(stages), 2, n_steps))
-
-
-def flat_scratch(*, block_q: int, d: int, block_kv: int, dtype, cpu_check: bool):
-    """The shared-memory scratch of :func:`prefix_flat_tasks` besides its pipeline: ``q_smem4``,
-    ``q_barriers4``, the turn barrier and (interpreter only) ``p_smem2``."""
-    return ((plgpu.SMEM((4, block_q, d), dtype), plgpu.Barrier(num_barriers=4),
-             plgpu.Barrier(num_arrivals=2))
-            + ((plgpu.SMEM((2, block_q, block_kv), dtype),) if cpu_check else ()))
 
 
 def _head_refs(k_ref, v_ref, h, cpu_check: bool):

@@ -139,8 +139,8 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                                scale: float, group: int, prefix_ctas: int, stream_ctas: int,
                                num_splits: int | None = None, stages: int | None = None,
                                stream_stages: int | None = None, schedule_barrier: bool = True,
-                               stream_wgs: int = STREAM_WGS, prefix_flat: bool = False,
-                               interpret: bool = False, _debug: str = ""):
+                               stream_wgs: int = STREAM_WGS, interpret: bool = False,
+                               _debug: str = ""):
     """The prefix and suffix partial states of every row in one launch of
     ``prefix_ctas + stream_ctas`` CTAs (see the module docstring for layouts and outputs).
 
@@ -148,9 +148,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     ``prefix_ctas`` SMs).  ``stages``: the prefix pipeline's stages (None: the prefix kernel's
     default).  ``stream_stages``: steps in flight per stream worker (None: the most, up to 4,
     that fit).  ``stream_wgs``: stream workers per CTA, 3 (default) or 2 (the third warpgroup
-    then idles in the stream CTAs; more stages fit; measured slower).  ``prefix_flat``: a
-    prefix CTA's tasks run as one K/V pipeline (``prefix_attention_mgpu.prefix_flat_tasks``: no
-    pipeline fill or drain per task; at most 2 stages).  ``_debug`` (timing probes
+    then idles in the stream CTAs; more stages fit; measured slower).  ``_debug`` (timing probes
     only, outputs left unwritten): ``"noprefix"`` / ``"nostream"`` make that role's CTAs return
     at once, to time the other alone; ``"streamfirst"`` puts the stream role on the first CTAs;
     ``"prefixcodefirst"`` traces the prefix role's code before the stream role's.
@@ -196,9 +194,6 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
         raise ValueError(f"prefix_ctas={prefix_ctas} must be in [1, {pre_tasks}] (the prefix tasks)")
     pre_rounds = -(-pre_tasks // n_pre)
     steps = max(1, min(pm.PIPELINE_STAGES if stages is None else int(stages), tiles_per_split))
-    if prefix_flat:
-        steps = pm.flat_steps(pm.PIPELINE_STAGES if stages is None else int(stages),
-                              pre_rounds * tiles_per_split, schedule_barrier)
     lse_in_smem = steps <= 2
 
     # ---- stream role: STREAM_WGS self-issuing workers per CTA on the other n_str CTAs
@@ -248,22 +243,6 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
 
         # -------------------------------------------------------------- prefix CTAs
         def prefix_role():
-            if prefix_flat:
-                def flat_body(q_smem4, q_barriers4, sched_barrier, *maybe_p):
-                    pm.prefix_flat_tasks(
-                        cp=cp, n_ctas=n_pre, n_tasks=pre_tasks, m_blocks=m_blocks, splits=splits,
-                        n_keys=plen_ref[0], q_ref=q_ref, k_ref=pk_ref, v_ref=pv_ref,
-                        o_ref=o_pre_ref, lse_ref=lse_pre_ref, q_smem4=q_smem4,
-                        q_barriers4=q_barriers4, sched_barrier=sched_barrier,
-                        p_smem2=maybe_p[0] if cpu else None, tiles_per_split=tiles_per_split,
-                        steps=steps, block_q=block_q, block_kv=block_kv, scale_log2=scale_log2,
-                        schedule_barrier=schedule_barrier, cpu_check=cpu)
-                pl.run_scoped(flat_body, *pm.flat_scratch(block_q=block_q, d=d,
-                                                          block_kv=block_kv, dtype=dtype,
-                                                          cpu_check=cpu),
-                              collective_axes="wg")
-                return
-
             def body(q_smem2, *rest):
                 lse_smem2, q_barriers, sched_barrier, *maybe_p = (rest if lse_in_smem
                                                                   else (None, *rest))

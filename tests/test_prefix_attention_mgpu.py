@@ -159,37 +159,16 @@ def _rand_operands(hkv, m, d, p, seed):
                  for shape in ((hkv, m, d), (p, hkv, d), (p, hkv, d)))
 
 
-@pytest.mark.parametrize("flat", [False, True])
-def test_persistent_ctas_in_cpu_interpreter(flat):
+def test_persistent_ctas_in_cpu_interpreter():
     """``persistent_ctas``: CTAs looping over the tasks through one set of pipeline buffers and
-    barriers (6 tasks over 4 CTAs: two CTAs run two, with 3 pipeline stages; ``flat``: each
-    CTA's tasks as one pipeline, 2 stages, two CTAs running a padding task in round 2) match the
-    reference (the GPU test also checks them bit for bit against the grid form)."""
+    barriers (6 tasks over 4 CTAs: two CTAs run two, with 3 pipeline stages) match the reference
+    (the GPU test also checks them bit for bit against the grid form)."""
     from pallas_kernels.decode_attention import merge_partials
     hkv, m, d, p, n = 2, 128, 64, 1152, 1100
     q, k, v = _rand_operands(hkv, m, d, p, seed=7)
     o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=3, persistent_ctas=4,
-                                  max_concurrent_steps=3, persistent_flat=flat, interpret=True,
-                                  _cpu_check=True)
+                                  max_concurrent_steps=3, interpret=True, _cpu_check=True)
     assert o.shape == (3, hkv, m, d) and lse.shape == (3, hkv, m)
-    o, lse = merge_partials(o.astype(jnp.float32), lse)
-    ro, rl = _reference_partials(q, k, v, n, d ** -0.5)
-    assert float(jnp.linalg.norm(o - ro) / jnp.linalg.norm(ro)) < 2e-2
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(rl), atol=1e-4, rtol=1e-5)
-
-
-def test_persistent_flat_one_tile_tasks_in_cpu_interpreter():
-    """The flat form with one key tile a task (3 splits of 3 tiles) on 2 CTAs, asked for one
-    stage: it runs two (:func:`flat_steps`; one stage deadlocks the ping-pong turns across tasks)
-    and matches the reference."""
-    from pallas_kernels.decode_attention import merge_partials
-    from pallas_kernels.prefix_attention_mgpu import flat_steps
-    assert flat_steps(1, 2, True) == 2 and flat_steps(1, 2, False) == 1 and flat_steps(3, 1, True) == 1
-    hkv, m, d, p, n = 1, 128, 64, 384, 300
-    q, k, v = _rand_operands(hkv, m, d, p, seed=3)
-    o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=3, persistent_ctas=2,
-                                  max_concurrent_steps=1, persistent_flat=True, interpret=True,
-                                  _cpu_check=True)
     o, lse = merge_partials(o.astype(jnp.float32), lse)
     ro, rl = _reference_partials(q, k, v, n, d ** -0.5)
     assert float(jnp.linalg.norm(o - ro) / jnp.linalg.norm(ro)) < 2e-2
@@ -201,15 +180,12 @@ def test_persistent_ctas_validation_and_lowering():
     for bad in (0, 5):   # 1 kv head x 1 row block x 4 splits = 4 tasks
         with pytest.raises(ValueError, match=f"persistent_ctas={bad} must be in \\[1, 4\\]"):
             prefix_partials_mgpu(q, k, v, 512, scale=0.125, num_splits=4, persistent_ctas=bad)
-    with pytest.raises(ValueError, match="persistent_flat"):
-        prefix_partials_mgpu(q, k, v, 512, scale=0.125, num_splits=4, persistent_flat=True)
-    for flat in (False, True):
-        txt = _lower_for_cuda(
-            lambda q, k, v, n: prefix_partials_mgpu(q, k, v, n, scale=0.125, num_splits=4,
-                                                    persistent_ctas=100, persistent_flat=flat),
-            S((8, 1024, 128), jnp.bfloat16), S((4096, 8, 128), jnp.bfloat16),
-            S((4096, 8, 128), jnp.bfloat16), S((1,), jnp.int32))
-        assert "mosaic_gpu" in txt
+    txt = _lower_for_cuda(
+        lambda q, k, v, n: prefix_partials_mgpu(q, k, v, n, scale=0.125, num_splits=4,
+                                                persistent_ctas=100),
+        S((8, 1024, 128), jnp.bfloat16), S((4096, 8, 128), jnp.bfloat16),
+        S((4096, 8, 128), jnp.bfloat16), S((1,), jnp.int32))
+    assert "mosaic_gpu" in txt
 
 
 @pytest.mark.parametrize("merge", ["epilogue", "independent"])
@@ -289,16 +265,14 @@ def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("hkv,m,d,p,n,splits,ctas", [
     (8, 1024, 128, 4096, 3000, 4, 100), (1, 512, 64, 8192, 8192, 16, 7)])
-def test_gpu_persistent_ctas(hkv, m, d, p, n, splits, ctas, flat):
-    """The persistent form on the GPU (``flat``: each CTA's tasks as one pipeline): against the
-    reference, and equal to the grid form bit for bit."""
+def test_gpu_persistent_ctas(hkv, m, d, p, n, splits, ctas):
+    """The persistent form on the GPU: against the reference, and equal to the grid form."""
     from pallas_kernels.decode_attention import merge_partials
     q, k, v = _rand_operands(hkv, m, d, p, seed=m + p)
     o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits,
-                                  persistent_ctas=ctas, persistent_flat=flat)
+                                  persistent_ctas=ctas)
     o_grid, lse_grid = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits)
     np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o_grid, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_grid))

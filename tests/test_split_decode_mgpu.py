@@ -53,14 +53,13 @@ def test_validation():
                              jnp.zeros((10, 128, 4, 64), BF), sl, prefix_ctas=1, stream_ctas=1)
 
 
-@pytest.mark.parametrize("b,hq,hkv,p,s,n,m,flat", [(512, 32, 8, 8192, 128, 104, 28, False),
-                                                   (1024, 8, 1, 4096, 256, 100, 32, False),
-                                                   (40, 32, 2, 1024, 64, 3, 2, False),
-                                                   (512, 32, 8, 8192, 128, 104, 28, True)])
-def test_lowers_for_cuda_on_cpu(b, hq, hkv, p, s, n, m, flat):
+@pytest.mark.parametrize("b,hq,hkv,p,s,n,m", [(512, 32, 8, 8192, 128, 104, 28),
+                                              (1024, 8, 1, 4096, 256, 100, 32),
+                                              (40, 32, 2, 1024, 64, 3, 2)])
+def test_lowers_for_cuda_on_cpu(b, hq, hkv, p, s, n, m):
     txt = _lower_for_cuda(
         lambda q, pk, pv, pl_, sk, sv, sl: sd.split_decode_mgpu(
-            q, pk, pv, pl_, sk, sv, sl, prefix_ctas=n, stream_ctas=m, prefix_flat=flat),
+            q, pk, pv, pl_, sk, sv, sl, prefix_ctas=n, stream_ctas=m),
         S((b, hq, 128), BF), S((p, hkv, 128), BF), S((p, hkv, 128), BF), S((1,), jnp.int32),
         S((b, s, hkv, 128), BF), S((b, s, hkv, 128), BF), S((b,), jnp.int32))
     assert "mosaic_gpu" in txt
@@ -112,9 +111,6 @@ def _check(b, hq, hkv, d, p, plen, s, *, interpret=False, **kw):
     (20, 1, 1, 64, 384, 384, 64, dict(prefix_ctas=2, stream_ctas=1, num_splits=3)),
     # two stream workers (the third warpgroup idle in the stream CTA), 3 stages
     (12, 8, 2, 64, 256, 256, 128, dict(prefix_ctas=1, stream_ctas=1, stream_wgs=2)),
-    # the prefix CTAs' tasks as one pipeline: 3 tasks on 2 CTAs (a padding task in round 2)
-    (20, 1, 1, 64, 384, 300, 64, dict(prefix_ctas=2, stream_ctas=1, num_splits=3,
-                                      prefix_flat=True)),
 ])
 def test_interpreter_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     _check(b, hq, hkv, d, p, plen, s, interpret=True, **kw)
@@ -129,9 +125,6 @@ def test_interpreter_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     (45, 4, 4, 64, 768, 768, 128, dict(prefix_ctas=5, stream_ctas=3, num_splits=2, stream_stages=1)),
     (300, 32, 8, 128, 4096, 4096, 128, dict(prefix_ctas=100, stream_ctas=32, num_splits=2)),
     (70, 32, 8, 128, 1024, 1000, 128, dict(prefix_ctas=7, stream_ctas=3, stream_wgs=2)),
-    (70, 32, 8, 128, 1024, 1000, 128, dict(prefix_ctas=7, stream_ctas=3, prefix_flat=True)),
-    (300, 32, 8, 128, 4096, 4000, 128, dict(prefix_ctas=100, stream_ctas=32, num_splits=2,
-                                            prefix_flat=True)),
 ])
 def test_gpu_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     _check(b, hq, hkv, d, p, plen, s, **kw)

@@ -1,4 +1,6 @@
-"""Session 23 probe: a persistent prefix CTA's tasks as ONE K/V pipeline
+"""Session 23 probe (ran at commit e81ba7e, which had ``prefix_flat_tasks`` and the options
+``persistent_flat`` / ``prefix_flat``; measured no faster and removed again, so this script does
+not run at later commits): a persistent prefix CTA's tasks as ONE K/V pipeline
 (``prefix_attention_mgpu.prefix_flat_tasks``: no pipeline fill or drain per task), in one process.
 
 Part A, the prefix kernel alone (``prefix_partials_mgpu``), per shape: the grid form (one CTA a
