@@ -49,7 +49,12 @@ against float64); dispatched by the shared path where measured to pay
 0.1765 ms, 0.91x the previous default (1.60x the floor); B=1024 P=16K S=256 0.879x; B=1024 P=4K
 S=64-256 0.95-0.97x; out of sample 0.72-1.005x at five shapes.  Slower at B=256 (0.99-1.22x) and
 at G=8 (1.06-1.39x): each stream CTA moves only about 55-65 GB/s (its workers are bound by their
-steps' latency), so the stream needs many SMs when the suffix is a large share.
+steps' latency), so the stream needs many SMs when the suffix is a large share.  Session 23
+(``docs/performance.md``, ``bench/results/logs/session23_*``): an L2-prefetch front, 128-key
+steps and one K/V pipeline across a prefix CTA's tasks were each measured no faster and
+removed; Nsight Compute puts the stream step's stalls on its cross-warp column max (31% of
+samples), scalar geometry (21%) and wgmma waits (18%), with DRAM at a third of its peak; and the
+two roles slow each other by about a fifth when they run together.
 """
 from __future__ import annotations
 
