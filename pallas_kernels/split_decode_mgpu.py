@@ -1,5 +1,5 @@
 """Shared-prefix decode attention with the SMs split by role in ONE launch (Pallas Mosaic GPU;
-EXPERIMENTAL, not dispatched: see "Status").
+dispatched by the shared path only where it was measured to pay: see "Status").
 
 For decoding (one query per sequence, one prefix shared by all ``B`` sequences, GQA group
 ``G = Hq / Hkv``) the shared path has a tensor-core-bound part (every sequence's queries against
