@@ -512,18 +512,15 @@ def split_plan(b: int, hq: int, hkv: int, p: int, s: int, d: int, dtype, *,
 
 def _split_decode(q, pk, pv, p_len, suffix_k, suffix_v, s_len, *, scale, interpret, prefix_ctas,
                   stream_ctas, num_splits):
-    """Decode with one prefix through the role-split launch, then one XLA merge."""
+    """Decode with one prefix through the role-split launch and its XLA merge
+    (``split_decode_mgpu.split_decode_mgpu``); ``q [B, 1, Hq, D]`` -> ``(out, lse)`` with the
+    query axis kept."""
     from pallas_kernels import split_decode_mgpu as sd  # noqa: PLC0415
-    b, _, hq, d = q.shape
-    hkv = pk.shape[1]
-    g = hq // hkv
-    qm, _ = _rows_128(q, hkv, g)
-    (o_pre, lse_pre), (o_suf, lse_suf) = sd.split_decode_partials_mgpu(
-        qm, pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale, group=g,
+    out, lse = sd.split_decode_mgpu(
+        q[:, 0], pk, pv, p_len, suffix_k, suffix_v, s_len, scale=scale, return_lse=True,
         prefix_ctas=prefix_ctas, stream_ctas=stream_ctas, num_splits=num_splits,
         schedule_barrier=MGPU_SCHEDULE_BARRIER, interpret=interpret)
-    return _merge_row_parts([(o_pre, lse_pre, g), (o_suf, lse_suf, g)], b=b, tq=1, hq=hq, r=g,
-                            dtype=q.dtype, inv=None)
+    return out[:, None], lse[:, None]
 
 
 def _rows_128(q, hkv: int, g: int):
@@ -709,15 +706,15 @@ def shared_prefix_forward(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_pref
                                 force=MGPU_MERGE == "one_launch")
                 if MGPU_MERGE in ("one_launch", "auto") and ss == 1 else None)
         p_len = jnp.max(lim_p) if one_len is None else one_len.reshape(())
-        jplan = (joint_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret,
-                            force=MGPU_MERGE == "joint")
-                 if MGPU_MERGE in ("joint", "auto") else None)
         splan = (split_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret,
                             force=MGPU_MERGE == "split")
                  if MGPU_MERGE in ("split", "auto") else None)
         if splan is not None:
             return _split_decode(q, prefix_k[0], prefix_v[0], p_len, suffix_k, suffix_v,
                                  lim_s[:, 0], scale=scale, interpret=interpret, **splan)
+        jplan = (joint_plan(b, hq, hkv, p, suffix_k.shape[1], d, q.dtype, interpret=interpret,
+                            force=MGPU_MERGE == "joint")
+                 if MGPU_MERGE in ("joint", "auto") else None)
         if jplan is not None:
             return _joint_decode(q, prefix_k[0], prefix_v[0], p_len, suffix_k, suffix_v,
                                  lim_s[:, 0], scale=scale, interpret=interpret, **jplan)

@@ -20,8 +20,10 @@ GROUPS = {
 }
 
 with gzip.open(PATH, "rt") as f:
+    head = f.readline().rstrip()     # "# commit ..., device, versions, command"
     rows = list(csv.reader(f))
 hdr, data = rows[1], rows[2:]
+print(head)
 i_s = hdr.index("Warp Stall Sampling (All Samples)")
 i_e = hdr.index("Instructions Executed")
 samp, ex = collections.Counter(), collections.Counter()
