@@ -85,8 +85,6 @@ SMS = 132  # streaming multiprocessors of an H100 / H200
 # K/V pipeline stages (``max_concurrent_steps``) when the caller does not say; at D = 128 a
 # third stage fits only with the LSE stored from registers (see ``prefix_partials_mgpu``).
 PIPELINE_STAGES = 2
-# The intra-warpgroup overlapped schedule (``prefix_tile_step_overlapped``) by default.
-OVERLAPPED = False
 
 
 def _gpu_interpret_params():
@@ -184,8 +182,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
                          scale: float, num_splits: int | None = None, block_q: int = 64,
                          block_kv: int = 128, max_concurrent_steps: int | None = None,
                          schedule_barrier: bool = True, out_rows: int | None = None,
-                         persistent_ctas: int | None = None, overlapped: bool | None = None,
-                         interpret: bool = False, _cpu_check: bool = False):
+                         persistent_ctas: int | None = None, interpret: bool = False,
+                         _cpu_check: bool = False):
     """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
 
     Returns ``(o, lse)``: ``o [splits, Hkv, M, D]`` in q's dtype (normalised) and
@@ -203,11 +201,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     instead of computing a padding row block.  ``persistent_ctas``: launch that many CTAs, each
     looping over the ``Hkv * M / (2 * block_q) * splits`` tasks (round robin), instead of one CTA
     per task: the kernel then holds at most that many SMs, and the rest are free for a kernel
-    running beside it.  ``overlapped`` (None: ``OVERLAPPED``): each compute warpgroup runs the
-    previous tile's ``P V`` on the tensor cores during its softmax of the next tile
-    (:func:`prefix_tile_step_overlapped`).
+    running beside it.
     """
-    overlapped = OVERLAPPED if overlapped is None else bool(overlapped)
     hkv, m, d = q_hmd.shape
     p = k_phd.shape[0]
     m_out = m if out_rows is None else -(-int(out_rows) // 16) * 16  # (TMA tiling of the rows)
@@ -248,16 +243,15 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
             lse_ref=lse_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers,
             sched_barrier=sched_barrier, p_smem2=maybe_p[0] if _cpu_check else None,
             tiles_per_split=tiles_per_split, steps=steps, block_q=block_q, block_kv=block_kv,
-            scale_log2=scale_log2, schedule_barrier=schedule_barrier, cpu_check=_cpu_check,
-            overlapped=overlapped)
+            scale_log2=scale_log2, schedule_barrier=schedule_barrier, cpu_check=_cpu_check)
         if persistent_ctas is None:
             task(h=lax.axis_index("h"), mb=lax.axis_index("m"), sp=lax.axis_index("s"))
             return
         # Persistent: CTA c runs tasks c, c + n, c + 2n, ... (split fastest, then row block,
         # then kv head) through one set of pipeline buffers and barriers.
         allocs = prefix_pipeline(None, None, first_tile=0, tiles_per_split=tiles_per_split,
-                                 steps=steps, d=d, block_kv=block_kv, cpu_check=_cpu_check,
-                                 overlapped=overlapped).get_allocations(
+                                 steps=steps, d=d, block_kv=block_kv,
+                                 cpu_check=_cpu_check).get_allocations(
                                      *_head_refs(k_ref, v_ref, 0, _cpu_check))
 
         def scope(**pipeline_allocs):
@@ -409,98 +403,24 @@ def prefix_tile_step(carry, *, q_smem, k_smem, v_smem, p_smem, k_consumed, v_con
     return acc, m_new, l_i
 
 
-def prefix_tile_step_overlapped(carry, *, step, n_tiles, q_smem, k_smem, v_smem, p_smem,
-                                k_consumed, v_consumed, first_key, n_keys, turn,
-                                schedule_barrier: bool, scale_log2: float, cpu_check: bool):
-    """Step ``step`` of ``n_tiles + 1`` of the intra-warpgroup overlapped schedule
-    (FlashAttention-3's "intra-warpgroup overlapping"): the product ``O += P_{t-1} V_{t-1}`` of
-    the previous tile runs on the tensor cores while this warpgroup computes the softmax of
-    tile ``t``.  Per step: issue ``S_t = Q K_t^T`` and ``O += P_{t-1} V_{t-1}`` (``P_{-1} = 0``),
-    wait for ``S_t`` only, ``k_consumed`` arrived on, the online softmax of ``S_t`` (all keys
-    masked on the extra step ``t = n_tiles``, which only drains the last ``P V``), then wait for
-    the ``P V``, ``v_consumed`` arrived on, and ``O`` rescaled to the new running max.
-
-    The caller's pipeline feeds ``K_{min(t, n_tiles - 1)}`` and ``V_{max(t - 1, 0)}`` at step
-    ``t``.  ``carry = (acc, m, l, p_prev)``: ``acc [rows, D]`` float32 holding the tiles before
-    ``t - 1`` relative to ``m``, ``m`` / ``l`` as :func:`softmax_step`, ``p_prev [rows, keys]``
-    the pending probabilities of tile ``t - 1`` (16-bit, relative to ``m``).  Returns the new
-    carry.  With ``cpu_check`` the two products run one after the other (the operand forms of
-    Mosaic GPU's CPU interpreter); the arithmetic is the same."""
-    acc, m_i, l_i, p_prev = carry
-    rows, keys = q_smem.shape[0], k_smem.shape[-1] if cpu_check else k_smem.shape[0]
-    key0 = first_key()
-    is_real = step < n_tiles
-    valid_fn = lambda: (key0 + lax.broadcasted_iota(jnp.int32, (rows, keys), 1) < n_keys) & is_real  # noqa: E731
-    any_masked = (key0 + keys > n_keys) | jnp.logical_not(is_real)
-
-    def softmax(s, m_i, l_i):
-        # softmax_step without the accumulator (rescaled by the caller once the pending P V is
-        # done), returning the rescale factor too
-        def step(s, valid):
-            if valid is not None:
-                s = jnp.where(valid, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-            m_use = m_new if valid is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            prob = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            return m_new, l_i * alpha + prob.sum(axis=1), prob.astype(q_smem.dtype), alpha
-        return lax.cond(any_masked, lambda s: step(s, valid_fn()), lambda s: step(s, None), s)
-
-    if cpu_check:
-        s = wg_scores(q_smem, k_smem, shape=(rows, keys), cpu_check=True, after_issue=turn)
-        acc = wg_accumulate_pv(acc, p_prev, v_smem, p_smem, cpu_check=True)
-        plgpu.barrier_arrive(k_consumed)
-        m_new, l_new, p16, alpha = softmax(s, m_i, l_i)
-        if schedule_barrier:
-            turn()
-    else:
-        def body(refs):
-            acc_ref, out_ref = refs
-
-            def scores(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.transpose((1, 0)))
-                plgpu.wgmma(acc_ref, p_prev, v_smem)
-                turn()
-                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_t done, P V in flight
-            s = pl.run_scoped(scores, plgpu.ACC((rows, keys), jnp.float32))
-            plgpu.barrier_arrive(k_consumed)
-            res = softmax(s, m_i, l_i)
-            if schedule_barrier:
-                res = lax.optimization_barrier(res)
-                turn()
-            out_ref[0][...] = res[0]
-            out_ref[1][...] = res[1]
-            out_ref[2][...] = res[2]
-            out_ref[3][...] = res[3]
-        acc, (m_new, l_new, p16, alpha) = pl.run_state(body)(
-            (plgpu.ACC.init(acc), (m_i, l_i, p_prev, m_i)))  # (exits after the P V is done)
-    plgpu.barrier_arrive(v_consumed)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    return acc, m_new, l_new, p16
-
-
 def wg_compute_context(*, q_src, q_smem, q_barrier, lse_smem, o_dst, lse_dst, block_q, d, dtype,
-                       before=None, after=None, extra_carry=None):
+                       before=None, after=None):
     """A ``compute_context`` for ``emit_pipeline_warp_specialized``: load this warpgroup's
     ``block_q`` query rows from ``q_src`` into ``q_smem``, run the pipeline from the empty state
     (``before`` / ``after`` around it), then write the normalised output (through ``q_smem``) to
     ``o_dst [block_q, D]`` and the natural-log LSE (``-inf`` for rows that saw no key) to
     ``lse_dst [block_q]``: through ``lse_smem [block_q]`` by TMA, or, with ``lse_smem=None``,
     stored from registers straight to global memory (no shared buffer: the one-pass kernel
-    needs those bytes for its tiles).  ``extra_carry()`` (optional) gives more initial carry
-    entries after ``(acc, m, l)``, dropped from the pipeline's result (the overlapped tile
-    step's pending ``P``)."""
+    needs those bytes for its tiles)."""
     def compute_context(run_pipeline):
         plgpu.copy_gmem_to_smem(q_src, q_smem, q_barrier)
         plgpu.barrier_wait(q_barrier)
         carry = (jnp.zeros((block_q, d), jnp.float32),
                  jnp.full((block_q,), -jnp.inf, jnp.float32),
                  jnp.zeros((block_q,), jnp.float32))
-        if extra_carry is not None:
-            carry = carry + tuple(extra_carry())
         if before is not None:
             before()
-        acc, m_i, l_i = run_pipeline(carry)[:3]
+        acc, m_i, l_i = run_pipeline(carry)
         if after is not None:
             after()
         has = l_i > 0.0
@@ -532,17 +452,14 @@ def wg_pipeline(tile_body, *, n_steps, steps, compute_context, in_specs):
 
 def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2,
                 q_barriers, sched_barrier, p_smem2, tiles_per_split, steps, block_q, block_kv,
-                scale_log2, schedule_barrier, cpu_check, allocations=None, overlapped=None):
+                scale_log2, schedule_barrier, cpu_check, allocations=None):
     """One CTA of the prefix kernel: rows ``[mb * 2 * block_q, +2 * block_q)`` of kv head ``h``
     (one ``block_q``-row block per compute warpgroup) against key tiles
     ``[sp * tiles_per_split, +tiles_per_split)`` of the prefix (keys ``>= n_keys`` masked),
     partial state written to split ``sp`` of ``o_ref [splits, Hkv, M, D]`` / ``lse_ref``.
     ``k_ref/v_ref [P, Hkv, D]`` (``k_ref [Hkv, D, P]`` with ``cpu_check``).  ``allocations``: the
     pipeline's shared-memory buffers and barriers allocated once by the caller
-    (:func:`prefix_pipeline`'s ``get_allocations``), so a persistent CTA can run several tasks.
-    ``overlapped``: the intra-warpgroup overlapped schedule
-    (:func:`prefix_tile_step_overlapped`, one more pipeline step; None: ``OVERLAPPED``)."""
-    overlapped = OVERLAPPED if overlapped is None else bool(overlapped)
+    (:func:`prefix_pipeline`'s ``get_allocations``), so a persistent CTA can run several tasks."""
     wg = lax.axis_index("wg")
     d = q_ref.shape[-1]
     dtype = q_ref.dtype
@@ -556,19 +473,9 @@ def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_sme
         lse_smem=None if lse_smem2 is None else lse_smem2.at[wg],
         o_dst=o_ref.at[sp, h, pl.ds(r0, block_q)],
         lse_dst=lse_ref.at[sp, h, pl.ds(r0, block_q)], block_q=block_q, d=d, dtype=dtype,
-        before=lambda: pl.when(wg == 1)(turn), after=lambda: pl.when(wg == 0)(turn),
-        extra_carry=(lambda: (_zeros_wgmma((block_q, block_kv), dtype, hint=not cpu_check),))
-        if overlapped else None)
+        before=lambda: pl.when(wg == 1)(turn), after=lambda: pl.when(wg == 0)(turn))
 
     def tile_body(indices, k_smem, v_smem, k_consumed, v_consumed, carry):
-        if overlapped:
-            return prefix_tile_step_overlapped(
-                carry, step=indices[0], n_tiles=tiles_per_split, q_smem=q_smem2.at[wg],
-                k_smem=k_smem, v_smem=v_smem,
-                p_smem=None if p_smem2 is None else p_smem2.at[wg], k_consumed=k_consumed,
-                v_consumed=v_consumed, first_key=lambda: (first_tile + indices[0]) * block_kv,
-                n_keys=n_keys, turn=turn, schedule_barrier=schedule_barrier,
-                scale_log2=scale_log2, cpu_check=cpu_check)
         return prefix_tile_step(
             carry, q_smem=q_smem2.at[wg], k_smem=k_smem, v_smem=v_smem,
             p_smem=None if p_smem2 is None else p_smem2.at[wg], k_consumed=k_consumed,
@@ -578,7 +485,7 @@ def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_sme
 
     pipeline = prefix_pipeline(tile_body, compute_context, first_tile=first_tile,
                                tiles_per_split=tiles_per_split, steps=steps, d=d,
-                               block_kv=block_kv, cpu_check=cpu_check, overlapped=overlapped)
+                               block_kv=block_kv, cpu_check=cpu_check)
     pipeline(*_head_refs(k_ref, v_ref, h, cpu_check), allocations=allocations)
 
 
@@ -588,27 +495,11 @@ def _head_refs(k_ref, v_ref, h, cpu_check: bool):
 
 
 def prefix_pipeline(tile_body, compute_context, *, first_tile, tiles_per_split, steps, d, block_kv,
-                    cpu_check, overlapped=False):
-    """The prefix task's K/V pipeline over ``tiles_per_split`` tiles from ``first_tile``; with
-    ``overlapped``, ``tiles_per_split + 1`` steps where step ``t`` brings ``K`` tile
-    ``min(t, n - 1)`` and ``V`` tile ``max(t - 1, 0)`` (:func:`prefix_tile_step_overlapped`)."""
-    last = tiles_per_split - 1
-    if overlapped:
-        k_tile = lambda t: first_tile + jnp.minimum(t, last)  # noqa: E731
-        v_tile = lambda t: first_tile + jnp.maximum(t - 1, 0)  # noqa: E731
-    else:
-        k_tile = v_tile = lambda t: first_tile + t  # noqa: E731
+                    cpu_check):
+    """The prefix task's K/V pipeline over ``tiles_per_split`` tiles from ``first_tile``."""
     return wg_pipeline(
-        tile_body, n_steps=tiles_per_split + int(overlapped), steps=steps,
-        compute_context=compute_context,
-        in_specs=[plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, k_tile(t)))
+        tile_body, n_steps=tiles_per_split, steps=steps, compute_context=compute_context,
+        in_specs=[plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, first_tile + t))
                   if cpu_check else
-                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (k_tile(t), 0)),
-                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (v_tile(t), 0))])
-
-
-def _zeros_wgmma(shape, dtype, hint: bool = True):
-    """Zeros in the wgmma register layout (``hint=False``: no layout cast, for the CPU
-    interpreter)."""
-    z = jnp.zeros(shape, dtype)
-    return plgpu.layout_cast(z, plgpu.Layout.WGMMA) if hint else z
+                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0)),
+                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0))])

@@ -1,4 +1,7 @@
-"""Session 24 probe: the prefix kernel's intra-warpgroup overlapped schedule
+"""Session 24 probe (ran at commit c18de32, which had the option ``overlapped`` of
+``prefix_attention_mgpu.prefix_partials_mgpu`` and the flag ``OVERLAPPED``; measured slower and
+removed again, so this script does not run at later commits): the prefix kernel's
+intra-warpgroup overlapped schedule
 (``prefix_attention_mgpu.prefix_tile_step_overlapped``, ``overlapped=True``: the previous tile's
 ``P V`` runs on the tensor cores during the softmax of the next tile), in one process.
 
