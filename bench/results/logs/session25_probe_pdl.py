@@ -14,7 +14,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bench.shared_prefix import floor_s, make_inputs, ours
