@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _is_concrete(x: Any) -> bool:
+def is_concrete(x: Any) -> bool:
     """True when ``x``'s value is known on the host (not a tracer)."""
     if isinstance(x, (np.ndarray, np.generic, int)):
         return True
@@ -46,7 +46,7 @@ def check_lengths(name: str, lengths: Any, batch: int, max_len: int) -> None:
     if lengths.shape[0] != batch:
         raise ValueError(f"{name} must have shape [{batch}] (one length per batch entry), "
                          f"got shape {tuple(lengths.shape)}")
-    if _is_concrete(lengths):
+    if is_concrete(lengths):
         vals = np.asarray(lengths)
         if vals.size and vals.min() < 0:
             raise ValueError(f"{name} must be >= 0, got minimum {int(vals.min())}")

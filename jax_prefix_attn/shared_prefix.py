@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_prefix_attn._validation import (_is_concrete, check_array, check_gqa, check_impl,
+from jax_prefix_attn._validation import (is_concrete, check_array, check_gqa, check_impl,
                                          check_lengths, check_sm_scale)
 from jax_prefix_attn.merge import merge_attention_states
 from pallas_kernels.decode_attention import MAX_ROWS_PER_TILE
@@ -140,7 +140,7 @@ def _validate(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_
         check_array("seq_to_prefix", seq_to_prefix, 1, floating=False, layout=f"[batch={b}]")
         if seq_to_prefix.shape[0] != b:
             raise ValueError(f"seq_to_prefix must have shape [{b}], got {tuple(seq_to_prefix.shape)}")
-        if _is_concrete(seq_to_prefix):
+        if is_concrete(seq_to_prefix):
             vals = np.asarray(seq_to_prefix)
             if vals.size and (vals.min() < 0 or vals.max() >= g):
                 raise ValueError(f"seq_to_prefix values must be in [0, {g}) (the number of prefix "

@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn import reference
-from jax_prefix_attn._validation import (_is_concrete, check_array, check_bool, check_gqa, check_impl,
+from jax_prefix_attn._validation import (is_concrete, check_array, check_bool, check_gqa, check_impl,
                                          check_lengths, check_sm_scale)
 from jax_prefix_attn.tree import (CHUNK, KV_START, LENGTH, NEVER, NTILES, OFF0, POS0, ROW_START, TIN, TOUT,
                                   PrefixTree, Schedule, TreeMetadata, build_tree_metadata)
@@ -143,7 +143,7 @@ def _check_draft_parents(draft_parents, b: int, tq: int, suffix_lengths):
     check_array("draft_parents", draft_parents, (1, 2), floating=False, layout="[seq_q] or [batch, seq_q]")
     if draft_parents.shape[-1] != tq or (draft_parents.ndim == 2 and draft_parents.shape[0] != b):
         raise ValueError(f"draft_parents must have shape [{tq}] or [{b}, {tq}], got {tuple(draft_parents.shape)}")
-    if _is_concrete(draft_parents):
+    if is_concrete(draft_parents):
         vals = np.asarray(draft_parents).reshape(-1, tq)
         t = np.arange(tq)[None, :]
         bad = (vals < -1) | (vals >= t)
@@ -151,7 +151,7 @@ def _check_draft_parents(draft_parents, b: int, tq: int, suffix_lengths):
             i, j = np.argwhere(bad)[0]
             raise ValueError(f"draft_parents[..., {j}] = {int(vals[i, j])}: a draft's parent must be -1 or an "
                              f"earlier draft in [0, {j})")
-    if _is_concrete(suffix_lengths) and np.asarray(suffix_lengths).size and np.asarray(suffix_lengths).min() < tq:
+    if is_concrete(suffix_lengths) and np.asarray(suffix_lengths).size and np.asarray(suffix_lengths).min() < tq:
         raise ValueError(f"with draft_parents the {tq} draft tokens are the last suffix tokens: suffix_lengths must "
                          f"be >= {tq}, got minimum {int(np.asarray(suffix_lengths).min())}")
     dp = jnp.asarray(draft_parents, jnp.int32)
