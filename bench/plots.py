@@ -116,7 +116,7 @@ def _tps(d, b, p, backend):
 
 
 def e2e_targets(data) -> dict:
-    """The three decode targets of issue 8, computed from one ``e2e_decode`` result file."""
+    """The three decode targets (see ``bench/README.md``), computed from one ``e2e_decode`` result file."""
     idx = e2e_index(data)
     res: dict = {"lines": []}
     lines = res["lines"]
@@ -408,12 +408,22 @@ def plot_two_level(data, slug: str, plots_dir: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------- README
+def _commit(meta: dict) -> str:
+    """The ``"meta"`` commit of a result file as text (one commit, or ``run: commit`` pairs)."""
+    c = meta.get("commit")
+    if isinstance(c, dict):
+        return ", ".join(f"{v} ({k})" for k, v in c.items())
+    return str(c) if c else ""
+
+
 def _header(data) -> str:
     info = data["device_info"]
     runs = data.get("runs", [])
     jaxv = sorted({r.get("jax", info.get("jax")) for r in runs} or {info.get("jax")})
     smoke = " **(CPU smoke run, not a measurement)**" if data.get("fixed", {}).get("smoke") else ""
-    return f"Device: **{info['device']}**, jax {', '.join(map(str, jaxv))}, {info.get('date', '')}{smoke}."
+    commit = _commit(data.get("meta", {}))
+    commit = f", commit {commit}" if commit else ""
+    return f"Device: **{info['device']}**, jax {', '.join(map(str, jaxv))}{commit}{smoke}."
 
 
 def render_markdown(results: dict, plots_dir: str, readme_dir: str, make_plots: bool = True) -> tuple[str, list[str]]:
