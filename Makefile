@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q -c constraints.txt
 run: $(VENV)/.installed-run
 	$(PY) -m models.cli --demo -n 3 -m 48 -t 0.3
 
-# Two to four pytest-xdist workers (one per core, CI has 2): 17 min instead of 22-23 on 2 cores.
+# One pytest-xdist worker per core (CI has 2), at most 4; work stealing balances the slow files.
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 

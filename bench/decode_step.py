@@ -1,5 +1,5 @@
 """Decode-step time of a Llama-3.1-8B-shaped decoder (random bf16 weights) for the attention
-backends "shared", "flat" and "none" (issue 6).
+backends "shared", "flat" and "none".
 
 Setting: ``B`` sequences share one prefix of ``P`` tokens and each has ``S`` suffix tokens in its
 cache; one decode step feeds one token per sequence (all layers + LM head).
@@ -38,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import jax_prefix_attn  # noqa: E402
 from bench.timing import device_info, is_oom, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 from models.kv_cache import KVCache, PrefixCache, empty_prefix_cache  # noqa: E402
@@ -170,11 +171,10 @@ def main():
                         "unrolled layers, one KV buffer per layer; 'stacked' = lax.scan over stacked arrays (XLA "
                         "copies the per-layer slices).")}
     try:
-        from jax_prefix_attn.cost_model import choose_path  # noqa: PLC0415
-        result["shared_prefix_auto_path"] = choose_path(batch=b, tq=1, heads_q=cfg0.num_attention_heads,
-                                                        heads_kv=cfg0.num_key_value_heads, head_dim=cfg0.head_dim,
-                                                        groups=1, prefix_len=p, suffix_len=cap, itemsize=2)
-    except Exception as e:  # noqa: BLE001
+        result["shared_prefix_auto_path"] = jax_prefix_attn.plan_shared_prefix(
+            batch=b, tq=1, heads_q=cfg0.num_attention_heads, heads_kv=cfg0.num_key_value_heads,
+            head_dim=cfg0.head_dim, groups=1, prefix_len=p, suffix_len=cap, dtype=dtype).impl
+    except Exception as e:  # noqa: BLE001 - informative only
         result["shared_prefix_auto_path"] = f"unavailable: {e!r}"
 
     def save():

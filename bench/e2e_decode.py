@@ -52,6 +52,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import jax_prefix_attn  # noqa: E402
 from bench import e2e_common as ec  # noqa: E402
 from models.kv_cache import KVCache, PrefixCache, empty_prefix_cache  # noqa: E402
 from models.llama import Llama  # noqa: E402
@@ -230,11 +231,11 @@ class Bench:
 
 
 def auto_path(cfg, batch: int, prefix: int, suffix: int) -> str:
-    """The cost model's choice ("shared" / "flat" kernel path) for one decode step, or why not known."""
+    """The planner's choice ("shared" / "flat" kernel path) for one bf16 decode step, or why not known."""
     try:
-        from jax_prefix_attn.cost_model import choose_path  # noqa: PLC0415
-        return choose_path(batch=batch, tq=1, heads_q=cfg.num_attention_heads, heads_kv=cfg.num_key_value_heads,
-                           head_dim=cfg.head_dim, groups=1, prefix_len=prefix, suffix_len=suffix, itemsize=2)
+        return jax_prefix_attn.plan_shared_prefix(
+            batch=batch, tq=1, heads_q=cfg.num_attention_heads, heads_kv=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, groups=1, prefix_len=prefix, suffix_len=suffix, dtype=jnp.bfloat16).impl
     except Exception as e:  # noqa: BLE001 - informative only
         return f"unknown: {e!r}"[:200]
 

@@ -54,9 +54,7 @@ def _calls(tree: bool, points=POINTS):
                 jax.jit(ours("shared")), make_inputs(b, p, s, hkv, hq, d)
         return
     from bench.tree_attention import HQ, HKV, make_case, workloads
-    from jax_prefix_attn import tree_attention
-    from jax_prefix_attn.tree import build_tree_metadata
-    from jax_prefix_attn.tree_attention import auto_path
+    from jax_prefix_attn import auto_path, build_tree_metadata, tree_attention
     wls = {w["name"]: w for w in workloads(False)}
     for name, impl in TREE_POINTS:
         tree, (q, kp, vp, sk, sv, sl) = make_case(wls[name])

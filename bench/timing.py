@@ -41,10 +41,10 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 3, iters: 
 # XLA compile options for timing loops that stand for a kernel inside a model's decode step:
 # every loop body becomes one CUDA graph.  XLA's default (``xla_gpu_graph_min_graph_size`` 5)
 # graphs only bodies of at least 5 kernels, so a path that launches fewer kernels is launched
-# kernel by kernel from the host and measured slower than with more: session 12 measured the
-# shared path at Hq=8 B=16 P=1K S=64 at 23.6 us with 2 launches (default) against 13.8 us with
-# 5 (bench/results/logs/session12_ab12x_h200.jsonl), and 11.4 us with 2 launches under these
-# options.  Inside a model's step the body holds many kernels and is graphed either way.
+# kernel by kernel from the host and measures slower than with more: on an H200 the shared path
+# at Hq=8 B=16 P=1K S=64 took 23.6 us with 2 launches under the default against 13.8 us with 5,
+# and 11.4 us with 2 launches under these options.  Inside a model's step the body holds many
+# kernels and is graphed either way.
 GRAPH_ALWAYS = {"xla_gpu_graph_min_graph_size": 1}
 
 LOOP_COUNTS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # static trip counts loop_time may compile
@@ -60,10 +60,9 @@ def loop_time(fn: Callable, q, rest: tuple, *, target_s: float = 0.03, reps: int
 
     The trip count is a compile-time constant (one compile at ``n = 4``, one more at the chosen
     ``n``).  With a traced trip count XLA's GPU while loop copies its predicate to the host
-    every iteration: measured on an H200 (session 5, ``bench/results/logs/session5_loop_probe_h200.json``)
-    that added 14-20 us per call (an elementwise op: 24 us per iteration with a traced count,
-    10 us with a constant one; the shared path at B=256 P=4K: 0.111 ms against 0.096 ms).
-    Results measured before 2026-11-22 session 5 used the traced count.
+    every iteration: on an H200 that added 14-20 us per call (an elementwise op: 24 us per
+    iteration with a traced count, 10 us with a constant one; the shared path at B=256 P=4K:
+    0.111 ms against 0.096 ms).
 
     ``compiler_options``: XLA options for the timed loop's compilation (``jax.jit``'s
     ``compiler_options``), e.g. the command-buffer scheduling mode."""

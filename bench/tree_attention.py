@@ -1,7 +1,7 @@
 """Benchmark: tree attention (Hydragen hierarchical / DeFT-Flatten) on tree-shaped decoding.
 
 Llama-3-8B attention heads (``Hq=32, Hkv=8, D=128``), bf16, one decode step (``Tq=1``).
-Workloads (issue 5):
+Workloads:
 
 * ``apps8`` / ``apps16``: few-shot root of 2400 tokens, 8 or 16 problems of 300-800 tokens,
   128 samples each, suffixes 0-512;
@@ -27,30 +27,13 @@ Usage: ``python bench/tree_attention.py --out bench/results/tree_attention_h100.
 (a PNG with the same stem is written next to the JSON).
 
 Timing: :func:`bench.timing.loop_time` (dependent calls inside one jitted loop, no per-call
-dispatch).  ``--iters`` is kept for old command lines and ignored.
+dispatch).
 
-Results (``bench/results/tree_attention_h200.json``, H200, jax 0.11.2, 2026-11-22 session 5,
-in-loop timing with the traced trip count (before ``bench.timing.loop_time`` took a constant one:
-every column carries the same extra 14-20 us per call, so the ratios to ``single_level`` and
-``flat`` are conservative and those to the floor are overstated), copy 2.56 TB/s and 688
-TFLOP/s measured in the run; ``auto`` takes the hybrid schedule on APPS-like and tree-of-thought
-trees, the shallow path on speculative trees, the shared-prefix path on one-level trees;
-``auto_path`` records which):
-
-* APPS-like: auto 1.79x (8 problems) / 2.14x (16) faster than single-level shared prefix,
-  1.11x / 1.05x the floor (session 4: 1.39x / 1.64x, 1.59x / 1.55x).
-* tree-of-thought: auto 1.65x single-level, 1.09x the floor (session 4: 1.10x, 1.87x).
-  (The floor divides bytes by the copy bandwidth, which counts a read and a write; the decode
-  kernels read at about 3.8-3.9 TB/s, and against bytes / 3.9 TB/s these three are 1.69x /
-  1.60x / 1.66x.)
-* speculative (single-token leaves): flatten 3.20x / 2.36x / 2.34x node-by-node for 32 / 64 /
-  256 drafts; auto (shallow path) 0.068 / 0.092 / 0.116 ms, 1.25x / 1.58x / 1.72x faster than
-  flatten.
-* few-shot (one level): auto 0.86-0.88x the ``single_level`` column (the same function on a
-  pre-sliced prefix: the difference is the root gather).
-The hybrid schedule's launches timed apart: ``bench/tree_breakdown.py``
-(``bench/results/tree_breakdown_h200.json``; its tree-kernel tiling: ``tree_mid_sweep_h200.json``).
-The session-4 run is in git history and ``bench/results/logs/tree_attention_run*_h200.log``.
+Results: ``bench/results/tree_attention_h200.json`` (the device, versions and rates measured in
+the run are recorded in the file; ``auto_path`` records which path ``auto`` took: the hybrid
+schedule on APPS-like and tree-of-thought trees, the shallow path on speculative trees, the
+shared-prefix path on one-level trees).  The hybrid schedule's launches timed apart:
+``bench/tree_breakdown.py``.
 """
 from __future__ import annotations
 
@@ -68,8 +51,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import device_info, loop_time, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
-from jax_prefix_attn import PrefixTree, tree_attention  # noqa: E402
-from jax_prefix_attn.tree import build_tree_metadata  # noqa: E402
+from jax_prefix_attn import (PrefixTree, auto_path, build_tree_metadata, shared_prefix_attention,  # noqa: E402
+                             tree_attention)
 
 HQ, HKV, D = 32, 8, 128
 DT = jnp.bfloat16
@@ -193,7 +176,6 @@ def bench_workload(wl, bw, rate, iters, block_kv=128, max_block_m=128):
     except Exception as e:  # noqa: BLE001
         rec["errors"]["flat"] = f"{type(e).__name__}: {e}"[:400]
     try:
-        from jax_prefix_attn.tree_attention import auto_path
         rec["auto_path"] = auto_path(meta, q, sk)
     except Exception as e:  # noqa: BLE001
         rec["errors"]["auto_path"] = f"{type(e).__name__}: {e}"[:400]
@@ -213,7 +195,6 @@ def bench_workload(wl, bw, rate, iters, block_kv=128, max_block_m=128):
         pk = kp[tree.starts[root]: tree.starts[root] + tree.lengths[root]][None]
         pv = vp[tree.starts[root]: tree.starts[root] + tree.lengths[root]][None]
         try:
-            from jax_prefix_attn import shared_prefix_attention
             f = lambda q, pk, pv, rk, rv, rlen: shared_prefix_attention(  # noqa: E731
                 q, pk, pv, rk, rv, suffix_lengths=rlen, impl="auto")
             args = (pk, pv, rk, rv, rlen)
@@ -297,7 +278,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20, help="unused (loop_time picks the trip count)")
     ap.add_argument("--sweep", action="store_true", help="also time a few block sizes first")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink workloads (CPU smoke test)")
     ap.add_argument("--block-kv", type=int, default=128)

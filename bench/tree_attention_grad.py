@@ -4,15 +4,13 @@ suffixes, on multi-level trees (the flatten schedule; single-level forests go th
 shared-prefix path and ``bench/shared_prefix_grad.py``), for
 
 * ``kernels``: ``impl="flatten"``, backward through the tree backward kernels
-  (``jax_prefix_attn.tree_attention.BACKWARD = "kernels"``, the default:
-  ``pallas_kernels.tree_attention_bwd`` for the tree part, the suffix part's backward kernel,
-  both with the merged statistics);
+  (``backward="kernels"``, the default: ``pallas_kernels.tree_attention_bwd`` for the tree
+  part, the suffix part's backward kernel, both with the merged statistics);
 * ``auto``: ``impl="auto"`` (what a user gets by default: on the GPU the hybrid schedule when
   decoding these trees, the level-wise or flatten one otherwise), backward as ``kernels``
   (off the GPU, ``auto`` is the pure-JAX mirror and its autodiff);
 * ``mirror``: the same forward as ``kernels``, backward by autodiff of the pure-JAX mirror of the flatten
-  schedule (``BACKWARD = "mirror"``, what the library did before; it materialises the scores
-  of every work item);
+  schedule (``backward="mirror"``; it materialises the scores of every work item);
 * ``concat_flash``: our flash attention (``pallas_kernels.flash_attention``) over explicitly
   gathered per-sequence contexts ``[B, L_max, Hkv, D]`` (path tokens then suffix; the gather's
   transpose scatters the pool gradient): what one would do without tree support;
@@ -27,7 +25,6 @@ bench/results/tree_attention_grad_<gpu>.json``; ``--smoke``: tiny shapes in inte
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -42,8 +39,7 @@ import numpy as np  # noqa: E402
 from bench.grad_common import compare_grads, kernel_ratios, measure_columns, print_row  # noqa: E402
 from bench.timing import device_info, gpu_slug, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
 from jax_prefix_attn import PrefixTree, tree_attention  # noqa: E402
-
-ta = importlib.import_module("jax_prefix_attn.tree_attention")
+from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 
 
 def _workloads():
@@ -63,7 +59,6 @@ def _workloads():
 SMOKE = [("smoke_a", [[40, 7, [9, 3, 5]]], 2, 1, 12, 4, 2, 16),
          ("smoke_b", [[33, [10, 4], 6], 20], 2, 3, 9, 4, 1, 16)]
 COLS = ("kernels", "auto", "mirror", "concat_flash")
-INTERPRET = False
 
 
 def make_inputs(wl, seed=0, dtype=jnp.bfloat16):
@@ -82,14 +77,16 @@ def make_inputs(wl, seed=0, dtype=jnp.bfloat16):
     return tree, (q, kp, vp, sk, sv), dict(sl=sl, w=w)
 
 
-def grad_fn(col, tree, meta, args):
-    """The compiled ``jit(grad)`` of the loss for one column (traced while ``BACKWARD`` is set)."""
-    from pallas_kernels.flash_attention import flash_attention
+def grad_fn(col, tree, meta, args, interpret: bool = False):
+    """The compiled ``jit(grad)`` of the loss for one column (``interpret``: kernels in interpret
+    mode)."""
     sl, w = meta["sl"], meta["w"]
-    impl = "auto" if col == "auto" else "pallas_interpret" if INTERPRET else "flatten"
+    impl = "auto" if col == "auto" else "flatten"
+    backward = "mirror" if col == "mirror" else "kernels"
     if col in ("kernels", "auto", "mirror"):
         def loss(q, kp, vp, sk, sv):
-            out = tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl)
+            out = tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl,
+                                 interpret=interpret and impl != "auto", backward=backward)
             return jnp.sum(out.astype(jnp.float32) * w)
     else:
         b = tree.num_seqs
@@ -113,14 +110,9 @@ def grad_fn(col, tree, meta, args):
                 from_suf = jnp.take_along_axis(suf, jnp.asarray(s_idx)[..., None, None], axis=1)
                 return jnp.where(jnp.asarray(from_suffix)[..., None, None], from_suf, from_pool)
             out, _ = flash_attention(q, ctx(kp, sk), ctx(vp, sv), causal=True,
-                                     kv_lengths=jnp.asarray(plen) + sl, interpret=INTERPRET)
+                                     kv_lengths=jnp.asarray(plen) + sl, interpret=interpret)
             return jnp.sum(out.astype(jnp.float32) * w)
-    old = ta.BACKWARD
-    ta.BACKWARD = "mirror" if col == "mirror" else "kernels"
-    try:
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
-    finally:
-        ta.BACKWARD = old
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
 
 
 def floor_s(tree, tq, hq, hkv, d, sl, bw, mma, itemsize=2):
@@ -135,14 +127,14 @@ def floor_s(tree, tq, hq, hkv, d, sl, bw, mma, itemsize=2):
     return max(nbytes / bw, flops / mma), nbytes, flops
 
 
-def run_point(wl, bw, mma, cols, iters):
+def run_point(wl, bw, mma, cols, iters, interpret: bool = False):
     name, _, per_leaf, tq, smax, hq, hkv, d = wl
     tree, args, meta = make_inputs(wl)
     rec = dict(name=name, batch=tree.num_seqs, tq=tq, suffix=smax, heads_q=hq, heads_kv=hkv, head_dim=d,
                nodes=tree.num_nodes, pool_tokens=tree.pool_extent, depth=int(tree.info['depth'].max()) + 1)
     fl, rec["bytes"], rec["flops"] = floor_s(tree, tq, hq, hkv, d, meta["sl"], bw, mma)
     rec["floor_ms"] = fl * 1e3
-    grads = measure_columns(rec, cols, lambda col: grad_fn(col, tree, meta, args), args, iters)
+    grads = measure_columns(rec, cols, lambda col: grad_fn(col, tree, meta, args, interpret), args, iters)
     compare_grads(rec, grads, "mirror", ("dq", "dk_pool", "dv_pool", "dsuffix_k", "dsuffix_v"))
     kernel_ratios(rec, cols)
     return rec
@@ -156,11 +148,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--only", default=None, help="comma-separated workload names")
     args = ap.parse_args()
-    global INTERPRET
-    points = _workloads()
-    if args.smoke:
-        INTERPRET = True
-        points = SMOKE
+    points = SMOKE if args.smoke else _workloads()
     if args.only:
         points = [p for p in points if p[0] in args.only.split(",")]
     out = args.out or f"bench/results/tree_attention_grad_{gpu_slug()}.json"
@@ -173,7 +161,7 @@ def main():
                results=[])
     for wl in points:
         t0 = time.time()
-        rec = run_point(wl, bw, mma, cols, 2 if args.smoke else args.iters)
+        rec = run_point(wl, bw, mma, cols, 2 if args.smoke else args.iters, interpret=args.smoke)
         rec["wall_s"] = time.time() - t0
         doc["results"].append(rec)
         with open(out, "w") as fh:

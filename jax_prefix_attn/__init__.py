@@ -6,17 +6,27 @@ Public API:
 * :func:`merge_attention_states`, :func:`merge_two` -- exact LSE merging of partial states.
 * :mod:`jax_prefix_attn.reference` -- the pure-JAX oracle.
 * :func:`shared_prefix_attention` -- decode/suffix attention over shared prefixes (Hydragen);
-  :data:`CONCURRENT_COMPILER_OPTIONS` -- optional ``jax.jit`` options that let XLA run its
+  :func:`shared_prefix_supported` -- whether its kernels take given shapes;
+  :func:`plan_shared_prefix` / :class:`SharedPrefixPlan` -- the planner's static choice of
+  kernels, tilings and splits (pass ``plan=`` to force one);
+  :class:`DeviceInfo`, :func:`device_info` -- the device facts the planner reads;
+  :func:`concurrent_compiler_options` -- optional ``jax.jit`` options that let XLA run its
   independent launches concurrently.
 * :class:`PrefixTree`, :func:`tree_attention` -- attention over a forest of shared prefixes (Hydragen 3.3, DeFT-Flatten).
 """
 from jax_prefix_attn import reference
 from jax_prefix_attn.attention import attention
 from jax_prefix_attn.merge import merge_attention_states, merge_two
-from jax_prefix_attn.shared_prefix import CONCURRENT_COMPILER_OPTIONS, shared_prefix_attention
-from jax_prefix_attn.tree import PrefixTree
-from jax_prefix_attn.tree_attention import tree_attention
+from jax_prefix_attn.device import DeviceInfo, device_info
+from jax_prefix_attn.planner import SharedPrefixPlan, plan_shared_prefix
+from jax_prefix_attn.shared_prefix import (concurrent_compiler_options, shared_prefix_attention,
+                                           shared_prefix_supported)
+from jax_prefix_attn.prefix_tree import PrefixTree
+from jax_prefix_attn.tree_attention import auto_path, tree_attention
+from jax_prefix_attn.tree_metadata import TreeMetadata, build_tree_metadata
 
-__all__ = ["CONCURRENT_COMPILER_OPTIONS", "attention", "merge_attention_states", "merge_two",
-           "reference", "shared_prefix_attention", "PrefixTree", "tree_attention"]
+__all__ = ["concurrent_compiler_options", "shared_prefix_supported", "plan_shared_prefix",
+           "SharedPrefixPlan", "DeviceInfo", "device_info", "attention", "merge_attention_states", "merge_two",
+           "reference", "shared_prefix_attention", "PrefixTree", "tree_attention", "TreeMetadata",
+           "build_tree_metadata", "auto_path"]
 __version__ = "0.1.0"

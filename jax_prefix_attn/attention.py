@@ -1,10 +1,16 @@
-"""Public flash-attention entry point with backend dispatch.
+"""Public flash-attention entry point: validate, choose the algorithm, run it.
 
-``impl``:
-  * ``"auto"``: the Pallas kernel on GPU, the reference elsewhere;
-  * ``"pallas"``: the Pallas kernel compiled for the GPU;
-  * ``"pallas_interpret"``: the Pallas kernel in interpret mode (CPU tests);
-  * ``"reference"``: :func:`jax_prefix_attn.reference.attention`.
+``impl`` names the algorithm:
+
+* ``"flash"``: :func:`pallas_kernels.flash_attention.flash_attention` (Pallas, one pass over
+  the keys with an online softmax: nothing of size ``[Tq, Tk]`` is stored);
+* ``"reference"``: :func:`jax_prefix_attn.reference.attention` (pure JAX, materialises the
+  scores);
+* ``"auto"``: ``"flash"`` on a GPU where the kernel supports the shapes
+  (:func:`pallas_kernels.flash_attention.supported`), else ``"reference"``.
+
+``interpret=True`` runs the Pallas kernel in interpret mode (any backend, e.g. CPU tests with
+``impl="flash"``).
 """
 from __future__ import annotations
 
@@ -12,26 +18,36 @@ import jax
 
 from jax_prefix_attn import reference
 from jax_prefix_attn._validation import check_bool, check_impl, check_qkv
+from pallas_kernels import flash_attention as flash
 
-IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
+IMPLS = ("auto", "flash", "reference")
 
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=None, impl: str = "auto"):
-    """Attention ``(out [B, Tq, Hq, D], lse [B, Tq, Hq] float32)``; see README for conventions."""
+def attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=None, impl: str = "auto",
+              interpret: bool = False):
+    """Attention ``(out [B, Tq, Hq, D], lse [B, Tq, Hq] float32)`` of ``q [B, Tq, Hq, D]`` over
+    ``k, v [B, Tk, Hkv, D]`` (GQA: ``Hq % Hkv == 0``).
+
+    ``causal``: bottom-right causal mask aligned to each sequence's valid length;
+    ``kv_lengths``: optional int ``[B]``, keys at or past it are masked (data: no recompile);
+    ``sm_scale``: score scale, default ``1/sqrt(D)``; ``impl``, ``interpret``: see the module
+    docstring.  Rows that see no key get ``out = 0``, ``lse = -inf``.
+    """
     check_impl(impl, IMPLS)
     check_qkv(q, k, v, kv_lengths=kv_lengths, sm_scale=sm_scale)
     check_bool("causal", causal)
-    if impl in ("pallas", "pallas_interpret") and 0 in (q.shape[1], k.shape[1]):
-        raise ValueError(f"impl={impl!r} (Pallas kernels) needs at least one query and one key, got "
-                         f"q seq_q={q.shape[1]} and k seq_k={k.shape[1]}; use impl='reference'")
+    check_bool("interpret", interpret)
+    reason = flash.supported(q.shape, k.shape, q.dtype)
     if impl == "auto":
-        impl = "pallas" if on_gpu() and 0 not in (q.shape[1], k.shape[1]) else "reference"
+        impl = "flash" if on_gpu() and reason is None else "reference"
     if impl == "reference":
         return reference.attention(q, k, v, causal=causal, kv_lengths=kv_lengths, sm_scale=sm_scale)
-    from pallas_kernels import flash_attention as fa  # noqa: PLC0415  (kernel import is lazy)
-    return fa.flash_attention(q, k, v, causal=causal, kv_lengths=kv_lengths, sm_scale=sm_scale,
-                              interpret=(impl == "pallas_interpret"))
+    if reason is not None:
+        raise ValueError(f"impl={impl!r} (Pallas kernel) cannot run these shapes: {reason}; "
+                         f"use impl='reference'")
+    return flash.flash_attention(q, k, v, causal=causal, kv_lengths=kv_lengths, sm_scale=sm_scale,
+                                 interpret=interpret)

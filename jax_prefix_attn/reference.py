@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_prefix_attn._validation import check_bool, check_qkv
+from jax_prefix_attn.merge import merge_attention_states
 
-__all__ = ["attention", "attention_mask"]
+__all__ = ["attention", "attention_mask", "row_limits", "part_attention",
+           "reference_shared_prefix"]
 
 
 def attention_mask(tq: int, tk: int, kv_lengths_b: jax.Array | None, causal: bool,
@@ -83,3 +85,79 @@ def attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, *, causal
     out = o.reshape(b, tq, hq, d).astype(q_bthd.dtype)
     lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, tq, hq)
     return out, lse
+
+
+# ----------------------------------------------------------------------------- shared prefix
+
+def row_limits(tq: int, prefix_len_b: jax.Array, suffix_len_b: jax.Array):
+    """Per-row key limits ``(lim_prefix [B, Tq], lim_suffix [B, Tq])`` (int32).
+
+    Query ``i`` of sequence ``b`` sees prefix keys ``j < lim_prefix[b, i]`` and suffix keys
+    ``j < lim_suffix[b, i]`` (the causal convention of :func:`attention` on the concatenation ``[prefix[:pl];
+    suffix[:sl]]``).
+    """
+    pl_ = prefix_len_b.astype(jnp.int32)[:, None]
+    sl_ = suffix_len_b.astype(jnp.int32)[:, None]
+    i = jnp.arange(tq, dtype=jnp.int32)[None, :]
+    lim_p = jnp.clip(pl_ + sl_ - tq + i + 1, 0, pl_)
+    lim_s = jnp.clip(sl_ - tq + i + 1, 0, sl_)
+    return lim_p, lim_s
+
+
+# ----------------------------------------------------------------------------- reference
+
+def part_attention(q_bthd, k_nshd, v_nshd, kv_index_b, limit_bt, scale):
+    """Attention of each sequence's queries over keys ``k_nshd[kv_index_b[b], :limit_bt[b, i]]``.
+
+    Returns ``(out [B, Tq, Hq, D] float32, lse [B, Tq, Hq] float32)``; rows with no visible key
+    give ``out = 0``, ``lse = -inf`` with finite gradients (as :func:`attention`).
+    """
+    b, tq, hq, d = q_bthd.shape
+    n, s, hkv, _ = k_nshd.shape
+    grp = hq // hkv
+    if s == 0 or b * tq == 0:  # an empty key axis (nothing to see), or no query at all
+        return jnp.zeros((b, tq, hq, d), jnp.float32), jnp.full((b, tq, hq), -jnp.inf, jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    q = q_bthd.astype(jnp.float32).reshape(b, tq, hkv, grp, d)
+    k = k_nshd.astype(jnp.float32)
+    v = v_nshd.astype(jnp.float32)
+    # Keys no row sees may hold anything (NaN too): zeroed, so that 0 * NaN reaches neither
+    # ``p @ v`` nor, in the backward, ``ds @ k``.  (The last query of a sequence sees the most.)
+    j = jnp.arange(s, dtype=jnp.int32)
+    if n == 1:  # one pool entry for everyone: no per-sequence copy
+        live = (j < jnp.max(limit_bt[:, -1]))[None, :, None, None]
+        k, v = jnp.where(live, k, 0.0), jnp.where(live, v, 0.0)
+        sc = jnp.einsum("bqhgd,khd->bhgqk", q, k[0], precision=hi)
+    else:
+        live = (j[None, :] < limit_bt[:, -1:])[:, :, None, None]
+        k, v = jnp.where(live, k[kv_index_b], 0.0), jnp.where(live, v[kv_index_b], 0.0)
+        sc = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=hi)
+    sc = sc * scale
+    mask = (j[None, None, :] < limit_bt[:, :, None])[:, None, None]
+    sc = jnp.where(mask, sc, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(sc, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    pr = jnp.where(mask, jnp.exp(sc - m), 0.0)
+    l = jnp.sum(pr, axis=-1, keepdims=True)
+    has = l > 0
+    l_safe = jnp.where(has, l, 1.0)
+    if n == 1:
+        o = jnp.einsum("bhgqk,khd->bqhgd", pr / l_safe, v[0], precision=hi)
+    else:
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", pr / l_safe, v, precision=hi)
+    lse = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)[..., 0]  # [B, Hkv, G, Tq]
+    return o.reshape(b, tq, hq, d), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, tq, hq)
+
+
+def reference_shared_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
+                            prefix_lengths, suffix_lengths, scale):
+    """Pure-JAX decomposition on canonical inputs (``prefix_k [G, P, Hkv, D]``).
+
+    Returns ``(out [B, Tq, Hq, D]`` in q's dtype, ``lse [B, Tq, Hq]`` float32).
+    """
+    b, tq = q.shape[:2]
+    lim_p, lim_s = row_limits(tq, prefix_lengths[seq_to_prefix], suffix_lengths)
+    o_p, l_p = part_attention(q, prefix_k, prefix_v, seq_to_prefix, lim_p, scale)
+    o_s, l_s = part_attention(q, suffix_k, suffix_v, jnp.arange(b, dtype=jnp.int32), lim_s, scale)
+    out, lse = merge_attention_states([o_p, o_s], [l_p, l_s])
+    return out.astype(q.dtype), lse

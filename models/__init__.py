@@ -18,6 +18,21 @@ Example::
                    sampling=SamplingConfig(temperature=0.7, top_p=0.9), key=jax.random.PRNGKey(0))
     out.tokens, out.lengths                # [B, 128] and [B]
 
+Names of the attention choices (one place for the mapping):
+
+* ``backend`` (:func:`generate`, :meth:`Llama.prefill`, :class:`KVCache`) and the CLI's
+  ``--attention`` name the *cache layout*: ``"shared"`` stores each prefix node once (prefix and
+  suffix attended separately, merged exactly), ``"flat"`` gives every sequence its own copy of its
+  prompt (the FlashAttention baseline), ``"none"`` skips attention (benchmarks only; not in the
+  CLI).  The CLI's ``--attention auto`` is ``"shared"`` when sequences share a prefix, else
+  ``"flat"``.
+* ``impl`` (:class:`Llama`, and every ``jax_prefix_attn`` entry point) names the *algorithm*:
+  the model's ``"auto"`` passes ``impl="auto"`` to each library call, whose planner then picks the
+  kernels (``jax_prefix_attn.attention``: ``"flash"``; ``shared_prefix_attention``: ``"shared"``
+  or ``"flat"``); the model's ``"reference"`` passes ``impl="reference"`` (pure JAX).
+* ``interpret`` (:class:`Llama` and the library) runs the Pallas kernels that are chosen in
+  interpret mode.
+
 Layer layout: the loaders return layer-stacked parameters (``lax.scan`` layer loop, fastest to
 compile); :func:`unstack_layers` gives the unrolled layout, which measured about 3x faster per
 layer on an H200 (XLA copies the per-layer slices of stacked arrays inside the scan; see

@@ -23,8 +23,10 @@ sequence's prefix path followed by its suffix:
   ``Llama(shared_impl="tree")``) all levels and the suffix go through one
   :func:`jax_prefix_attn.tree_attention` call instead (:func:`tree_cache_attention`).
 
-``impl``: ``"auto"`` (Pallas kernels on GPU, pure-JAX reference elsewhere) or ``"reference"``
-(pure JAX everywhere).  The "none" backend never gets here (see :mod:`models.llama`).
+``impl``: ``"auto"`` (each library call picks its kernels on a GPU, the pure-JAX reference
+elsewhere) or ``"reference"`` (pure JAX everywhere); ``interpret`` is passed to every library
+call (the kernels it runs run in Pallas interpret mode).  The "none" backend never gets here
+(see :mod:`models.llama`).
 """
 from __future__ import annotations
 
@@ -32,8 +34,6 @@ import jax
 import jax.numpy as jnp
 
 import jax_prefix_attn
-from jax_prefix_attn.merge import merge_attention_states
-from jax_prefix_attn.shared_prefix import _kernel_supported, shared_prefix_attention
 
 __all__ = ["FLAT_DECODE_MAX_TQ", "cache_attention", "flat_decode_attention", "level_attention", "prefix_tree",
            "tree_cache_attention"]
@@ -41,27 +41,27 @@ __all__ = ["FLAT_DECODE_MAX_TQ", "cache_attention", "flat_decode_attention", "le
 FLAT_DECODE_MAX_TQ = 8  # flat backend: queries per sequence up to which the decode kernel is used on GPU
 
 
-def _flat_decode_impl(q_bthd: jax.Array, k_bshd: jax.Array, impl: str) -> str | None:
-    """The ``shared_prefix_attention`` impl for flat decoding, or None for the flash path."""
+def _use_flat_decode(q_bthd: jax.Array, k_bshd: jax.Array, impl: str) -> bool:
+    """Whether the flat backend decodes through the ragged decode kernel (else flash attention)."""
     if impl != "auto" or jax.default_backend() != "gpu" or q_bthd.shape[1] > FLAT_DECODE_MAX_TQ:
-        return None
-    dummy = k_bshd[:1, :1]
-    return "flat" if _kernel_supported(q_bthd, dummy, k_bshd) is None else None
+        return False
+    return jax_prefix_attn.shared_prefix_supported(q_bthd.shape, q_bthd.dtype, 1, k_bshd.shape[1]) is None
 
 
 def flat_decode_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, lengths_b: jax.Array,
-                          *, impl: str = "flat") -> jax.Array:
+                          *, impl: str = "flat", interpret: bool = False) -> jax.Array:
     """Causal attention ``[B, T, Hq, D]`` of the newest ``T`` tokens over ``buffer[b, :lengths[b]]``
     through :func:`jax_prefix_attn.shared_prefix_attention` (``impl``: ``"flat"`` = the ragged
-    decode kernel, ``"flat_interpret"`` for CPU tests, or any impl it accepts); the buffer is the
-    suffix behind an empty (length-0) dummy prefix."""
+    decode kernel, or any impl it accepts; ``interpret`` as there); the buffer is the suffix
+    behind an empty (length-0) dummy prefix."""
     b, _, _, d = q_bthd.shape
     hkv = k_bshd.shape[2]
     dtype = q_bthd.dtype
     dummy = jnp.zeros((1, 1, hkv, d), dtype)
-    return shared_prefix_attention(q_bthd, dummy, dummy, k_bshd.astype(dtype), v_bshd.astype(dtype),
-                               suffix_lengths=lengths_b, prefix_lengths=jnp.zeros((1,), jnp.int32),
-                               seq_to_prefix=jnp.zeros((b,), jnp.int32), impl=impl)
+    return jax_prefix_attn.shared_prefix_attention(
+        q_bthd, dummy, dummy, k_bshd.astype(dtype), v_bshd.astype(dtype), suffix_lengths=lengths_b,
+        prefix_lengths=jnp.zeros((1,), jnp.int32), seq_to_prefix=jnp.zeros((b,), jnp.int32), impl=impl,
+        interpret=interpret)
 
 
 def prefix_tree(tree_nodes: tuple, prefix_p: tuple, batch: int):
@@ -69,7 +69,6 @@ def prefix_tree(tree_nodes: tuple, prefix_p: tuple, batch: int):
     layout: level ``l``'s ``[G_l, P_l]`` buffer flattened, levels concatenated; node ``g`` of
     level ``l`` spans ``[off_l + g * P_l, + len)``; sequence ``b`` hangs from node
     ``b // (B // G_last)`` of the deepest level."""
-    from jax_prefix_attn import PrefixTree  # noqa: PLC0415
     parents, starts, lengths, first = [], [], [], []
     off = 0
     for l, (lens, p) in enumerate(zip(tree_nodes, prefix_p)):
@@ -82,25 +81,25 @@ def prefix_tree(tree_nodes: tuple, prefix_p: tuple, batch: int):
         off += g * p
     g_last = len(tree_nodes[-1])
     leaf = [first[-1] + b // (batch // g_last) for b in range(batch)]
-    return PrefixTree(parents, starts, lengths, leaf)
+    return jax_prefix_attn.PrefixTree(parents, starts, lengths, leaf)
 
 
 def tree_cache_attention(q_bthd, prefix_k: tuple, prefix_v: tuple, tree_nodes: tuple, k_bshd, v_bshd,
-                         lengths_b, *, impl: str = "auto") -> jax.Array:
+                         lengths_b, *, impl: str = "auto", interpret: bool = False) -> jax.Array:
     """The ``"shared"`` backend through :func:`jax_prefix_attn.tree_attention` (one call for all
-    levels and the suffix).  The levels are concatenated into a flat pool per call (a copy of the
-    prefix per layer per step: an option for comparison, not the default path)."""
+    levels and the suffix).  The levels are concatenated into a flat pool per call: a copy of the
+    prefix per layer per step, which the default levels path does not make."""
     dtype = q_bthd.dtype
     hkv, d = k_bshd.shape[2], k_bshd.shape[3]
     pool_k = jnp.concatenate([k.reshape(-1, hkv, d) for k in prefix_k]).astype(dtype)
     pool_v = jnp.concatenate([v.reshape(-1, hkv, d) for v in prefix_v]).astype(dtype)
     tree = prefix_tree(tree_nodes, tuple(k.shape[1] for k in prefix_k), q_bthd.shape[0])
     return jax_prefix_attn.tree_attention(q_bthd, tree, pool_k, pool_v, k_bshd.astype(dtype), v_bshd.astype(dtype),
-                                          suffix_lengths=lengths_b, impl="auto" if impl == "auto" else "reference")
+                                          suffix_lengths=lengths_b, impl=impl, interpret=interpret)
 
 
 def level_attention(q_bthd: jax.Array, k_gphd: jax.Array, v_gphd: jax.Array, lengths_g: jax.Array,
-                    *, impl: str) -> tuple[jax.Array, jax.Array]:
+                    *, impl: str, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Non-causal attention of ``B`` sequences over the ``G`` nodes of one prefix level.
 
     Sequence ``b`` uses node ``b // (B // G)``.  The ``n = B // G`` sequences of a node are one
@@ -110,13 +109,14 @@ def level_attention(q_bthd: jax.Array, k_gphd: jax.Array, v_gphd: jax.Array, len
     b, t, hq, d = q_bthd.shape
     g = k_gphd.shape[0]
     qg = q_bthd.reshape(g, (b // g) * t, hq, d)
-    out, lse = jax_prefix_attn.attention(qg, k_gphd, v_gphd, causal=False, kv_lengths=lengths_g, impl=impl)
+    out, lse = jax_prefix_attn.attention(qg, k_gphd, v_gphd, causal=False, kv_lengths=lengths_g, impl=impl,
+                                         interpret=interpret)
     return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
 
 
 def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_lengths: tuple,
                     k_bshd: jax.Array, v_bshd: jax.Array, lengths_b: jax.Array, *, backend: str,
-                    impl: str = "auto", tree_nodes: tuple | None = None) -> jax.Array:
+                    impl: str = "auto", interpret: bool = False, tree_nodes: tuple | None = None) -> jax.Array:
     """Attention output ``[B, T, Hq, D]`` (q's dtype) of the newest ``T`` tokens over the cache.
 
     Args:
@@ -125,21 +125,23 @@ def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_
       prefix_lengths: tuple over levels of int32 ``[G_l]``.
       k_bshd, v_bshd: suffix buffers ``[B, S_max, Hkv, D]`` including the new tokens.
       lengths_b: valid suffix entries ``[B]`` (including the new tokens).
+      impl, interpret: see the module docstring.
       tree_nodes: host node lengths per level; when given (``Llama(shared_impl="tree")``) the
         "shared" backend goes through :func:`tree_cache_attention`.
     """
     if backend == "flat":
         if prefix_k:
             raise ValueError("the flat backend keeps no prefix levels; build its cache with flatten_prefix")
-        decode_impl = _flat_decode_impl(q_bthd, k_bshd, impl)
-        if decode_impl is not None:
-            return flat_decode_attention(q_bthd, k_bshd, v_bshd, lengths_b, impl=decode_impl)
-        out, _ = jax_prefix_attn.attention(q_bthd, k_bshd, v_bshd, causal=True, kv_lengths=lengths_b, impl=impl)
+        if _use_flat_decode(q_bthd, k_bshd, impl):
+            return flat_decode_attention(q_bthd, k_bshd, v_bshd, lengths_b, impl="flat", interpret=interpret)
+        out, _ = jax_prefix_attn.attention(q_bthd, k_bshd, v_bshd, causal=True, kv_lengths=lengths_b, impl=impl,
+                                           interpret=interpret)
         return out
     if backend != "shared":
         raise ValueError(f"cache_attention backend must be 'shared' or 'flat', got {backend!r}")
     if tree_nodes is not None and prefix_k:
-        return tree_cache_attention(q_bthd, prefix_k, prefix_v, tree_nodes, k_bshd, v_bshd, lengths_b, impl=impl)
+        return tree_cache_attention(q_bthd, prefix_k, prefix_v, tree_nodes, k_bshd, v_bshd, lengths_b, impl=impl,
+                                    interpret=interpret)
     dtype = q_bthd.dtype
     k_bshd, v_bshd = k_bshd.astype(dtype), v_bshd.astype(dtype)
     b = q_bthd.shape[0]
@@ -148,18 +150,21 @@ def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_
     if levels:
         k_last, v_last, len_last = levels.pop()
         g = k_last.shape[0]
-        out, lse = shared_prefix_attention(q_bthd, k_last.astype(dtype), v_last.astype(dtype), k_bshd, v_bshd,
-                       suffix_lengths=lengths_b, prefix_lengths=len_last,
-                       seq_to_prefix=jnp.arange(b, dtype=jnp.int32) // (b // g), return_lse=True, impl=impl)
+        out, lse = jax_prefix_attn.shared_prefix_attention(
+            q_bthd, k_last.astype(dtype), v_last.astype(dtype), k_bshd, v_bshd, suffix_lengths=lengths_b,
+            prefix_lengths=len_last, seq_to_prefix=jnp.arange(b, dtype=jnp.int32) // (b // g), return_lse=True,
+            impl=impl, interpret=interpret)
     else:
-        out, lse = jax_prefix_attn.attention(q_bthd, k_bshd, v_bshd, causal=True, kv_lengths=lengths_b, impl=impl)
+        out, lse = jax_prefix_attn.attention(q_bthd, k_bshd, v_bshd, causal=True, kv_lengths=lengths_b, impl=impl,
+                                             interpret=interpret)
     outs.append(out)
     lses.append(lse)
     for k_g, v_g, len_g in levels:
-        out, lse = level_attention(q_bthd, k_g.astype(dtype), v_g.astype(dtype), len_g, impl=impl)
+        out, lse = level_attention(q_bthd, k_g.astype(dtype), v_g.astype(dtype), len_g, impl=impl,
+                                   interpret=interpret)
         outs.append(out)
         lses.append(lse)
     if len(outs) == 1:
         return outs[0]
-    out, _ = merge_attention_states(outs, lses)
+    out, _ = jax_prefix_attn.merge_attention_states(outs, lses)
     return out

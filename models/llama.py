@@ -38,6 +38,7 @@ from models.attention import cache_attention
 from models.config import LlamaConfig
 from models.kv_cache import KVCache, PrefixCache
 from models.layers import apply_rope, dense, embed, lm_head, rms_norm, rope_inv_freq, swiglu_mlp
+from models.weights import stack_layers, unstack_layers
 
 # Prefix levels longer than this are stored with their length rounded up to a multiple of it
 # (rows past each node's length are masked padding): the Mosaic GPU prefix kernel, the shared
@@ -63,7 +64,8 @@ class Llama:
     """A Llama decoder bound to ``config``; methods are pure functions (see module docstring).
 
     ``impl`` picks the attention implementation: ``"auto"`` (Pallas kernels on GPU, pure JAX
-    elsewhere) or ``"reference"``.  ``shared_impl`` picks how the ``"shared"`` backend attends
+    elsewhere) or ``"reference"``; ``interpret`` is passed to every ``jax_prefix_attn`` call (the
+    Pallas kernels they run run in interpret mode).  ``shared_impl`` picks how the ``"shared"`` backend attends
     over prefix levels: ``"levels"`` (default: deepest level + suffix through
     ``shared_prefix_attention``, shallower levels with inter-sequence batching, LSE merge) or
     ``"tree"`` (one ``jax_prefix_attn.tree_attention`` call over the levels as a prefix tree and
@@ -71,19 +73,50 @@ class Llama:
     model, which records the node lengths on the host).
     """
 
-    def __init__(self, config: LlamaConfig, *, impl: str = "auto", shared_impl: str = "levels"):
+    def __init__(self, config: LlamaConfig, *, impl: str = "auto", shared_impl: str = "levels",
+                 interpret: bool = False):
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
         if impl not in ("auto", "reference"):
             raise ValueError(f"impl must be 'auto' or 'reference', got {impl!r}")
         if shared_impl not in ("levels", "tree"):
             raise ValueError(f"shared_impl must be 'levels' or 'tree', got {shared_impl!r}")
+        if not isinstance(interpret, bool):
+            raise TypeError(f"interpret must be a bool, got {type(interpret).__name__}")
         self.config = config
         self.impl = impl
         self.shared_impl = shared_impl
+        self.interpret = interpret
         self.inv_freq = rope_inv_freq(config)
         self._step_split = jax.jit(self._decode_step_split, static_argnames=("backend",),
                                    donate_argnames=("layers",))
+        self._prefill = jax.jit(self.prefill, static_argnames=("capacity", "backend"))
+        self._prefill_prefixes = jax.jit(self.prefill_prefixes)
+        self._layout_cache = None   # (layers, stacked, params): the last layout conversion
+
+    def prefill_prefixes_jit(self, params: dict, level_tokens: tuple, level_lengths: tuple) -> PrefixCache:
+        """Jitted :meth:`prefill_prefixes` (compiled once per shape)."""
+        return self._prefill_prefixes(params, level_tokens, level_lengths)
+
+    def prefill_jit(self, params: dict, prefix: PrefixCache, tokens_bt, n_tokens_b, *, capacity: int,
+                    backend: str = "shared") -> tuple[jax.Array, KVCache]:
+        """Jitted :meth:`prefill` (``capacity`` and ``backend`` static)."""
+        return self._prefill(params, prefix, tokens_bt, n_tokens_b, capacity=capacity, backend=backend)
+
+    def params_in_layout(self, params: dict, *, stacked: bool) -> dict:
+        """``params`` with its layers stacked (``lax.scan`` loop) or as a list (unrolled loop).
+
+        The last conversion is kept, so repeated calls with the same parameter tree convert once.
+        """
+        layers = params["layers"]
+        if kvc.is_stacked(layers) == stacked:
+            return params
+        cached = self._layout_cache
+        if cached is not None and cached[0] is layers and cached[1] == stacked:
+            return cached[2]
+        new = stack_layers(params) if stacked else unstack_layers(params)
+        self._layout_cache = (layers, stacked, new)
+        return new
 
     def decode_step_jit(self, params: dict, cache: KVCache, tokens_b, active_b=None):
         """Jitted :meth:`decode_step` that donates the cache's suffix buffers (not its
@@ -99,11 +132,13 @@ class Llama:
         return logits, cache.layers, cache.lengths
 
     def __hash__(self):
-        return hash((self.config, self.impl, self.shared_impl))
+        return hash(self._key())
 
     def __eq__(self, other):
-        return (isinstance(other, Llama)
-                and (self.config, self.impl, self.shared_impl) == (other.config, other.impl, other.shared_impl))
+        return isinstance(other, Llama) and self._key() == other._key()
+
+    def _key(self) -> tuple:
+        return (self.config, self.impl, self.shared_impl, self.interpret)
 
     # ------------------------------------------------------------------ one layer
     def _layer(self, x_bth, lp, prefix_kv, suffix_kv, *, pos_bt, n_new_b, lengths_b, new_lengths_b,
@@ -121,7 +156,8 @@ class Llama:
             attn = q + jnp.repeat(v, hq // hkv, axis=2).astype(q.dtype)
         else:
             attn = cache_attention(q, prefix_kv["k"], prefix_kv["v"], prefix_lengths, k_buf, v_buf,
-                                   new_lengths_b, backend=backend, impl=self.impl, tree_nodes=tree_nodes)
+                                   new_lengths_b, backend=backend, impl=self.impl, interpret=self.interpret,
+                                   tree_nodes=tree_nodes)
         x_bth = x_bth + dense(attn.reshape(b, t, hq * d), lp["wo"]).astype(x_bth.dtype)
         h = rms_norm(x_bth, lp["mlp_norm"], c.rms_norm_eps)
         x_bth = x_bth + swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]).astype(x_bth.dtype)

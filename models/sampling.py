@@ -21,10 +21,10 @@ reaches ``p`` in every row the nucleus threshold lies among them (exact), otherw
 sort).  When every surviving token is a candidate the draw is
 a categorical over the candidates, else over the whole masked row -- the same distribution
 either way (different random streams: a draw is deterministic given key, step and logits).
-Measured per step before -> after (CPU, 2 shared cores, logits ``3 * normal``, temperature 0.8):
-top-k 50: 303 -> 8 ms; top-p 0.9 (nucleus ~480 tokens: bisection): 266 -> 53 ms; both: 443 -> 8
-ms; with peaked logits (``10 * normal``) top-p 0.9: 315 -> 12 ms.  Temperature alone (a
-categorical over the whole row) stays ~30 ms.
+Measured per step, a full sort of the row against these paths (CPU, 2 shared cores, logits
+``3 * normal``, temperature 0.8): top-k 50: 303 vs 8 ms; top-p 0.9 (nucleus ~480 tokens:
+bisection): 266 vs 53 ms; both: 443 vs 8 ms; with peaked logits (``10 * normal``) top-p 0.9: 315
+vs 12 ms.  Temperature alone (a categorical over the whole row) takes ~30 ms.
 """
 from __future__ import annotations
 
@@ -56,7 +56,6 @@ class SamplingConfig:
 
 
 TOP_P_CANDIDATES = 256  # largest logits examined before top-p (alone) falls back to bisection
-
 
 def _top_k(logits_bv: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """``lax.top_k`` (values descending ``[B, k]``, indices ``[B, k]``) that stays a TopK.
@@ -123,10 +122,10 @@ def top_k_mask(logits_bv: jax.Array, k: int) -> jax.Array:
     return logits_bv >= _top_k(logits_bv, k)[0][:, -1:]
 
 
-def _top_p_candidates(logits_bv: jax.Array, p: float):
+def _top_p_candidates(logits_bv: jax.Array, p: float, candidates: int = TOP_P_CANDIDATES):
     """``(threshold [B, 1], cand_vals [B, C], cand_idx [B, C], exact [])`` for top-p alone."""
     v = logits_bv.shape[-1]
-    c = min(TOP_P_CANDIDATES, v)
+    c = min(candidates, v)
     vals, idx = _top_k(logits_bv, c)
     thr, decided = _nucleus(vals, jax.nn.logsumexp(logits_bv, axis=-1, keepdims=True), p)
     if c == v:
@@ -136,9 +135,10 @@ def _top_p_candidates(logits_bv: jax.Array, p: float):
     return thr, vals, idx, exact
 
 
-def top_p_mask(logits_bv: jax.Array, p: float) -> jax.Array:
-    """Boolean ``[B, V]``: True inside the nucleus of probability ``p`` (see module docstring)."""
-    return logits_bv >= _top_p_candidates(logits_bv, p)[0]
+def top_p_mask(logits_bv: jax.Array, p: float, *, candidates: int = TOP_P_CANDIDATES) -> jax.Array:
+    """Boolean ``[B, V]``: True inside the nucleus of probability ``p`` (see module docstring);
+    ``candidates``: how many of the largest logits are examined before the bisection."""
+    return logits_bv >= _top_p_candidates(logits_bv, p, candidates)[0]
 
 
 def _filter(logits_bv: jax.Array, cfg: SamplingConfig):

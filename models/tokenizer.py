@@ -20,8 +20,10 @@ Nothing here unpickles anything.
 from __future__ import annotations
 
 import codecs
+import datetime
 import json
 import os
+import types
 import warnings
 from typing import Any, Iterable, Sequence
 
@@ -46,7 +48,7 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
-_BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
+_BYTE_OF_CHAR = types.MappingProxyType({c: b for b, c in bytes_to_unicode().items()})
 
 # llama.cpp pre-tokenizer regexes by `tokenizer.ggml.pre` (llama-vocab.cpp).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -55,7 +57,7 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # pre type -> (split digits one by one first, main regex)
-_PRE_TYPES = {
+_PRE_TYPES = types.MappingProxyType({
     "default": (False, _GPT2_SPLIT), "gpt2": (False, _GPT2_SPLIT), "gpt-2": (False, _GPT2_SPLIT),
     "smollm": (True, _GPT2_SPLIT), "starcoder": (True, _GPT2_SPLIT), "refact": (True, _GPT2_SPLIT),
     "command-r": (True, _GPT2_SPLIT), "codeshell": (True, _GPT2_SPLIT), "exaone": (True, _GPT2_SPLIT),
@@ -63,7 +65,7 @@ _PRE_TYPES = {
     "llama3": (False, _LLAMA3_SPLIT), "llama-v3": (False, _LLAMA3_SPLIT), "llama-bpe": (False, _LLAMA3_SPLIT),
     "falcon3": (False, _LLAMA3_SPLIT), "smaug-bpe": (False, _LLAMA3_SPLIT), "dbrx": (False, _LLAMA3_SPLIT),
     "qwen2": (False, _QWEN2_SPLIT), "deepseek-r1-qwen": (False, _QWEN2_SPLIT),
-}
+})
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -327,8 +329,6 @@ def render_chat_template(template: str, messages: Sequence[dict], add_generation
     """Render a Hugging Face-style chat template in jinja2's `ImmutableSandboxedEnvironment`
     (trim_blocks, lstrip_blocks, loop controls, `tojson`, `raise_exception`, `strftime_now`,
     as transformers renders them). Template errors raise `TokenizerError`."""
-    import datetime
-
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from typing import Mapping
 
 import jax
@@ -46,7 +47,7 @@ from models.config import LlamaConfig
 __all__ = ["hf_param_shapes", "init_params", "load_hf_checkpoint", "params_from_hf_state_dict",
            "stack_layers", "unstack_layers"]
 
-_LAYER_MAP = {  # ours -> (HF suffix under model.layers.{i}., transpose)
+_LAYER_MAP = types.MappingProxyType({  # ours -> (HF suffix under model.layers.{i}., transpose)
     "attn_norm": ("input_layernorm.weight", False),
     "wq": ("self_attn.q_proj.weight", True),
     "wk": ("self_attn.k_proj.weight", True),
@@ -56,7 +57,7 @@ _LAYER_MAP = {  # ours -> (HF suffix under model.layers.{i}., transpose)
     "w_gate": ("mlp.gate_proj.weight", True),
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
-}
+})
 
 
 def hf_param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

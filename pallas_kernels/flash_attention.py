@@ -1,6 +1,7 @@
 """Flash attention (forward and backward) in Pallas, returning ``(out, lse)``.
 
-Public entry: :func:`flash_attention`.  Differentiable through both outputs with
+Public entry: :func:`flash_attention`; :func:`supported` says whether it runs given shapes
+(``None``) or why not.  Differentiable through both outputs with
 ``jax.custom_vjp``: a cotangent on ``lse`` enters the backward pass through
 ``delta_i = rowsum(dO_i * O_i) - dlse_i`` (since ``d lse_i / d s_ij = p_ij``).
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +44,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import LN2, LOG2E, next_pow2
+
 __all__ = ["flash_attention", "flash_attention_bwd", "FlashConfig", "SUPPORTED_HEAD_DIMS",
-           "SUPPORTED_DTYPES", "default_config"]
+           "SUPPORTED_DTYPES", "default_config", "supported"]
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 _MIN_BLOCK = 16  # Triton dot operands need >= 16 rows / cols.
 
 
@@ -76,14 +78,14 @@ class FlashConfig:
 
 # Per-(head_dim, dtype itemsize) defaults; 16-bit ones tuned on an H200 with
 # `bench/flash_attention.py --sweep` (causal, B=4, T=4096, H*D=4096).
-_DEFAULTS = {
+_DEFAULTS = types.MappingProxyType({
     (64, 2): FlashConfig(128, 64, 4, 3, 128, 64, 8, 3, 32, 128, 4, 3),
     (128, 2): FlashConfig(128, 128, 8, 3, 128, 64, 8, 3, 32, 64, 4, 3),
     (256, 2): FlashConfig(128, 64, 8, 2, 128, 32, 8, 2, 64, 64, 8, 2),
     (64, 4): FlashConfig(64, 64, 4, 2, 64, 32, 4, 2, 32, 64, 4, 2),
     (128, 4): FlashConfig(64, 32, 4, 2, 64, 32, 4, 2, 32, 64, 4, 2),
     (256, 4): FlashConfig(32, 32, 4, 2, 32, 16, 4, 2, 16, 32, 4, 2),
-}
+})
 
 
 def default_config(head_dim: int, dtype) -> FlashConfig:
@@ -103,10 +105,6 @@ class _Static:
     fp32: bool       # use exact (IEEE) fp32 dots
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -123,6 +121,7 @@ def _params(st: _Static, warps: int, stages: int):
 
 
 def _cdiv(a, b):
+    """Ceiling division of traced non-negative int32 scalars (one truncating division)."""
     return lax.div(a + b - 1, b)
 
 
@@ -136,7 +135,7 @@ def _fwd_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, nq
     if st.causal:  # heavy (late) query blocks first
         qi = nq - 1 - qi
     length = len_ref[()]
-    scale2 = st.scale * _LOG2E
+    scale2 = st.scale * LOG2E
     q = q_ref[...]
     rows = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     diag = length - st.tq  # query i sees keys j <= i + diag
@@ -146,8 +145,9 @@ def _fwd_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, nq
         start = pl.multiple_of(kb * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        # Scaled once into log2 units.  (The FMA form exp2(s * scale2 - m) used in the
-        # backward kernels measured ~10% slower here on an H200.)
+        # Scaled once into log2 units: in this loop one multiply of the [bq, bk] tile is
+        # cheaper than the backward kernels' FMA form exp2(s * scale2 - m) (that form costs
+        # about 10% more forward time on an H200).
         s = _dot(q, k, st, trans_b=True) * scale2  # [bq, bk]
         if masked:
             cols = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
@@ -188,7 +188,7 @@ def _fwd_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, nq
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(l_safe))
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
 
 
 def _fwd_call(q, k, v, lengths, st: _Static):
@@ -236,10 +236,10 @@ def _dq_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     if st.causal:
         qi = nq - 1 - qi
     length = len_ref[()]
-    scale2 = st.scale * _LOG2E
+    scale2 = st.scale * LOG2E
     q = q_ref[...]
     do = do_ref[...]
-    lse2 = lse_ref[...] * _LOG2E  # +inf on rows without keys -> p = 0
+    lse2 = lse_ref[...] * LOG2E  # +inf on rows without keys -> p = 0
     delta = delta_ref[...]
     rows = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     diag = length - st.tq
@@ -287,7 +287,7 @@ def _dkv_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref
     """
     kb = pl.program_id(0)
     length = len_ref[()]
-    scale2 = st.scale * _LOG2E
+    scale2 = st.scale * LOG2E
     k = k_ref[...]
     v = v_ref[...]
     j0 = kb * bk
@@ -299,7 +299,7 @@ def _dkv_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref
         start = pl.multiple_of(qb * bq, bq)
         q = q_ref[pl.ds(start, bq), g, :]
         do = do_ref[pl.ds(start, bq), g, :]
-        lse2 = lse_ref[g, pl.ds(start, bq)] * _LOG2E
+        lse2 = lse_ref[g, pl.ds(start, bq)] * LOG2E
         delta = delta_ref[g, pl.ds(start, bq)]
         s_t = _dot(k, q, st, trans_b=True)  # [bk, bq] unscaled
         if masked:
@@ -428,6 +428,26 @@ _flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
 # --------------------------------------------------------------------------- public entry
 
 
+def supported(q_shape, k_shape, dtype) -> str | None:
+    """``None`` when :func:`flash_attention` runs ``q [B, Tq, Hq, D]`` against ``k/v
+    [B, Tk, Hkv, D]`` of ``dtype``, else the reason it cannot: a head_dim above the largest
+    supported one (smaller ones are zero-padded), a dtype other than float16/bfloat16/float32,
+    an empty query or key axis (a grid without blocks), ``Hq`` not a multiple of ``Hkv``."""
+    q_shape, k_shape = tuple(q_shape), tuple(k_shape)
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        return f"q and k must have rank 4, got shapes {q_shape} and {k_shape}"
+    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"dtype must be float16, bfloat16 or float32, got {jnp.dtype(dtype)}"
+    if q_shape[3] > SUPPORTED_HEAD_DIMS[-1]:
+        return f"head_dim must be at most {SUPPORTED_HEAD_DIMS[-1]}, got {q_shape[3]}"
+    if 0 in (q_shape[1], k_shape[1]):
+        return (f"needs at least one query and one key, got q seq_q={q_shape[1]} and "
+                f"k seq_k={k_shape[1]}")
+    if k_shape[2] < 1 or q_shape[2] % k_shape[2]:
+        return f"heads_q must be a multiple of heads_kv, got {q_shape[2]} and {k_shape[2]}"
+    return None
+
+
 def _check_inputs(q, k, v, kv_lengths, head_dim_supported):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -463,7 +483,7 @@ def _pad_axis(x, axis: int, size: int):
 
 
 def _clamp_block(block: int, n: int) -> int:
-    return max(_MIN_BLOCK, min(int(block), _next_pow2(max(n, 1))))
+    return max(_MIN_BLOCK, min(int(block), next_pow2(max(n, 1))))
 
 
 def _prepare(q, k, v, *, causal, kv_lengths, sm_scale, interpret, block_q=None, block_k=None,

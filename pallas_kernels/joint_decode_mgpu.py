@@ -4,17 +4,17 @@ softmax state, so one SM's tensor cores work on prefix tiles while its memory wa
 suffix tiles from HBM.
 
 Why: the shared path's two parts are each near their own roofline (H200, Hq=32/Hkv=8, B=1024
-P=4K S=64: the prefix kernel 113 us at ~600 TFLOP/s, the suffix kernel 72 us at ~3.7 TB/s,
-``bench/results/logs/session9_kernel_profile_misses_h200.json``) but run one after the other,
-while the floor is the larger of the two (103 us).  Running them in different CTAs of one
-launch (:mod:`pallas_kernels.shared_decode_mgpu`) or as concurrent launches overlapped little:
-an SM that holds a suffix task waits on memory with its tensor cores idle.  Here each step of a
-CTA's pipeline brings one prefix tile (shared by the CTA's two compute warpgroups) and one
-suffix tile for one of the warpgroups (they take turns); the suffix tile belongs to one
-sequence of the warpgroup's 64 rows and counts only for that sequence's ``G`` rows (the others
-are masked), so the suffix costs ``64 / G`` times its useful tensor-core work and no merge of
+P=4K S=64: the prefix kernel 113 us at ~600 TFLOP/s, the suffix kernel 72 us at ~3.7 TB/s) but
+run one after the other, while the floor is the larger of the two (103 us).  An SM that holds
+a suffix-only task waits on memory with its tensor cores idle; here each step of a CTA's
+pipeline brings one prefix tile (shared by the CTA's two compute warpgroups) and one suffix
+tile for one of the warpgroups (they take turns); the suffix tile belongs to one sequence of
+the warpgroup's 64 rows and counts only for that sequence's ``G`` rows (the others are
+masked), so the suffix costs ``64 / G`` times its useful tensor-core work and no merge of
 prefix and suffix states is needed at all: the state a CTA writes is the final attention of its
-rows when the prefix is not split.
+rows when the prefix is not split.  With short suffixes and prefixes of 1K-4K keys that costs
+less than the second launch it saves (0.74-0.97x the two-launch time on an H200); with long
+prefixes or suffixes the extra tensor-core work does not.
 
 Scope (static, :func:`joint_supported`): decoding (one query per sequence), one prefix shared
 by every sequence (all see ``p_len`` keys), 16-bit inputs, ``head_dim`` 64 or 128,
@@ -36,49 +36,25 @@ prefix tile ``t`` (while ``t < T``; with ``schedule_barrier`` the two warpgroups
 the tensor cores, the ping-pong schedule of :mod:`pallas_kernels.prefix_attention_mgpu`,
 warpgroup 0 taking its closing turn right after tile ``T - 1``), then, for warpgroup ``t % 2``
 only, its suffix tile ``u = t // 2`` (sequence ``u // (S / block_s)`` of the split's, tile
-``u % (S / block_s)``).  Tiles
-past a sequence's length, and steps past a part's end, repeat the last fetched tile (no new
-load) and are skipped or masked; ``V`` rows past a suffix length are zeroed in shared memory
-before ``P V`` so that whatever the cache holds there (NaN included) never reaches the output.
-Keys of the prefix past ``p_len`` are masked in the scores only: they must be finite (as for
+``u % (S / block_s)``).  Tiles past a sequence's length, and steps past a part's end, repeat
+the last fetched tile (no new load) and are skipped or masked; ``V`` rows past a suffix length
+are zeroed in shared memory before ``P V`` so that whatever the cache holds there (NaN
+included) never reaches the output.  Keys of the prefix past ``p_len`` are masked in the
+scores only: they must be finite (as for
 :func:`pallas_kernels.prefix_attention_mgpu.prefix_partials_mgpu`).
 
-Pipeline specs: prefix ``K``, ``V`` tiles of ``block_kv`` keys (both warpgroups) and suffix
-``K``, ``V`` tiles of ``block_s`` keys, which go to the warpgroups in turn (step ``t`` to
-warpgroup ``t % 2``).  Shared memory (:func:`joint_tiles`): at ``D = 128`` two stages of
-``(2 * 128 + 2 * 64) * D`` bf16 plus the queries take 229,376 of Hopper's 232,448 bytes per
-CTA, the barriers and alignment 2,664 more (measured from the lowering); this fits only because
-the LSE is stored from registers straight to global memory instead of through a 512-byte
-shared buffer (session 13, with that buffer, had to use 64-key prefix tiles).  Mosaic GPU's
-layout inference fails for tiles under 64 keys.
+Shared memory (:func:`joint_tiles`): at ``D = 128`` two stages of ``(2 * 128 + 2 * 64) * D``
+bf16 plus the queries take 229,376 bytes, the barriers and alignment 2,664 more (measured from
+the lowering); this fits Hopper's 232,448 bytes per CTA only because the LSE is stored from
+registers straight to global memory.  Mosaic GPU's layout inference fails for tiles under 64
+keys.
 
-Measured, H200, whole shared path against the default path (one process, interleaved loops):
-* session 13, 64-key prefix tiles, ping-pong turns (``bench/results/logs/
-  session13_probe_joint13_h200.jsonl``): 1.03-1.41x the default's time at 7 Hq=32 points;
-* session 14, 128-key prefix tiles (``session14_probe_joint14{a,b,c,d,e}_h200.jsonl``): with
-  the turns 0.89-1.11x at 9 points (the better of the default splits and 2); without them
-  (``schedule_barrier=False``: a warpgroup's suffix step then does not hold the other at its
-  next turn) and with ``prefix_attention.joint_splits``: 0.84x at Hq=32/Hkv=8 B=256 P=4K S=64,
-  0.94x at B=1024 P=4K S=64, 0.84x / 0.92x at Hq=8/Hkv=1 B=1024 P=4K S=64 / S=256, 0.74-0.97x
-  at six points with P=1K-2K; but 1.02-1.10x at P=16K and at Hq=32 B=256 P=4K S=128.
-  ``MGPU_MERGE = "auto"`` takes it in the measured regions (``prefix_attention.JOINT_REGIONS``).
-What bounds it: the suffix steps, one sequence's ``G`` rows of 64 per product, add tensor-core
-and softmax work (``64 / G`` times the useful work) on top of a prefix pass already near the
-matmul rate, and a step can only start when both its prefix and suffix tiles have landed (two
-stages fit).  Session 15 measured the second part alone (``bench/results/logs/
-session15_probe_bound15_h200.jsonl``, timing-only variants, H200): with the suffix tiles loaded
-but no suffix compute, Hq=32/Hkv=8 B=1024 P=4K S=64 took 157.6 us (the real kernel 200.0 us, the
-prefix kernel alone 131.9 us), Hq=8/Hkv=1 B=1024 S=64 41.2 us (47.6, 38.0), Hq=32 B=256 S=64
-46.2 us (56.3, 41.2), Hq=8 B=1024 S=256 61.7 us (72.8, 39.7).  So a cheaper suffix product (the
-"swap AB" form ``S^T = K Q^T``) could recover at most the difference to the first number.
-Nor is that load cost HBM latency: asking for each suffix tile in L2 2, 4 or 8 steps ahead
-(``plgpu.async_prefetch``; commit 02b4628, reverted) took 0.98-1.04x the time without it at the
-five P=4K points, 1.01-1.08x in the load-only variant (``session15_probe_prefetch15_h200.jsonl``).
+Interpret mode runs Mosaic GPU's CPU interpreter (with ``_cpu_check``: ``K`` pre-transposed in
+memory, ``P`` staged through shared memory).
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -87,47 +63,47 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels import shared_decode_mgpu as sd
+from pallas_kernels._common import LOG2E
 from pallas_kernels.prefix_attention_mgpu import plgpu
 
 __all__ = ["joint_supported", "joint_decode_mgpu", "joint_tiles"]
 
-_LOG2E = math.log2(math.e)
-SMEM_BYTES = 232448  # shared memory per CTA on Hopper
 
 
-def joint_tiles(head_dim: int, itemsize: int = 2, steps: int = 2) -> tuple[int, int]:
+def joint_tiles(head_dim: int, smem_bytes: int, itemsize: int = 2, steps: int = 2) -> tuple[int, int]:
     """``(block_kv, block_s)``: prefix and suffix tile keys, the largest in {128, 64} (prefix
-    first) whose ``steps``-stage pipeline fits in shared memory (Mosaic GPU's layout inference
+    first) whose ``steps``-stage pipeline fits in ``smem_bytes`` of shared memory per CTA
+    (232,448 on Hopper; Mosaic GPU's layout inference
     needs tiles of at least 64 keys).  ``(128, 64)`` at ``D = 128``, ``(128, 128)`` at 64."""
     q_bytes = 2 * 64 * head_dim * itemsize
     for bkv, bs in ((128, 128), (128, 64), (64, 64)):
         stage = 2 * (bkv + bs) * head_dim * itemsize
-        if steps * stage + q_bytes + 3072 <= SMEM_BYTES:  # (+ barriers, alignment: 2664 B measured)
+        if steps * stage + q_bytes + 3072 <= smem_bytes:  # (+ barriers, alignment: 2664 B measured)
             return bkv, bs
     return 64, 64
 
 
 def joint_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
-                    head_dim: int, dtype, block_s: int | None = None) -> str | None:
-    """``None`` when :func:`joint_decode_mgpu` handles these static shapes, else the reason: the
-    one-launch kernel's conditions (:func:`pallas_kernels.shared_decode_mgpu.fused_supported`,
-    the same row layout and suffix tiles) with this kernel's suffix tile (:func:`joint_tiles`)."""
-    bs = joint_tiles(head_dim)[1] if block_s is None else block_s
+                    head_dim: int, dtype, block_s: int) -> str | None:
+    """``None`` when :func:`joint_decode_mgpu` handles these static shapes with suffix tiles of
+    ``block_s`` keys (:func:`joint_tiles`), else the reason: the one-launch kernel's conditions
+    (:func:`pallas_kernels.shared_decode_mgpu.fused_supported`, the same row layout and suffix
+    tiles)."""
     return sd.fused_supported(batch=batch, heads_q=heads_q, heads_kv=heads_kv,
                               prefix_len=prefix_len, suffix_cap=suffix_cap, head_dim=head_dim,
-                              dtype=dtype, block_s=bs)
+                              dtype=dtype, block_s=block_s)
 
 
 def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, scale: float,
-                      group: int, num_splits: int | None = None, block_kv: int | None = None,
-                      block_s: int | None = None, steps: int = 2, schedule_barrier: bool = True,
+                      group: int, block_kv: int, block_s: int, num_splits: int = 1,
+                      steps: int = 2, schedule_barrier: bool = True,
                       interpret: bool = False, _cpu_check: bool = False):
     """Attention of every row over the prefix keys ``[0, p_len)`` and its own sequence's suffix
     keys ``[0, s_len[b])``, in one pass; see the module docstring for layouts and scope.
 
-    Returns ``(o [splits, Hkv, M, D], lse [splits, Hkv, M])``.  ``num_splits``: prefix splits
-    (None: :func:`prefix_attention_mgpu.choose_splits` over the ``Hkv * M / 128`` CTAs).
-    ``block_kv`` / ``block_s``: prefix / suffix tile keys (None: :func:`joint_tiles`).
+    Returns ``(o [splits, Hkv, M, D], lse [splits, Hkv, M])``.  ``num_splits``: prefix splits.
+    ``block_kv`` / ``block_s``: prefix / suffix tile keys (:func:`joint_tiles` gives the
+    largest that fit).
     ``interpret`` runs Mosaic GPU's CPU interpreter and needs ``_cpu_check`` (tests only).
 
     Raises ``ValueError`` for shapes outside the scope or splits that do not divide the prefix
@@ -138,9 +114,8 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
     b, s_cap = sk_bshd.shape[:2]
     dtype = q_hmd.dtype
     pm.check_decode_operands(q_hmd, pk_phd, pv_phd, sk_bshd, sv_bshd, group)
-    t_kv, t_s = joint_tiles(d, jnp.dtype(dtype).itemsize, steps)
-    block_kv = t_kv if block_kv is None else int(block_kv)
-    bs = t_s if block_s is None else int(block_s)
+    block_kv = int(block_kv)
+    bs = int(block_s)
     why = joint_supported(batch=b, heads_q=hkv * group, heads_kv=hkv, prefix_len=p,
                           suffix_cap=s_cap, head_dim=d, dtype=dtype, block_s=bs)
     if why is not None:
@@ -153,8 +128,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
         sk_bshd = jnp.transpose(sk_bshd, (0, 2, 3, 1))  # [B, Hkv, D, S]
     m_blocks = m // 128
     n_tiles = p // block_kv
-    splits = (pm.choose_splits(p // 128, hkv * m_blocks) if num_splits is None
-              else int(num_splits))
+    splits = int(num_splits)
     if splits < 1 or n_tiles % splits:
         raise ValueError(f"num_splits={splits} must divide the {n_tiles} prefix tiles")
     t_pre = n_tiles // splits                      # prefix tiles per split
@@ -164,7 +138,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
     t_suf = 2 * n_seq * s_tiles                    # suffix steps: the warpgroups alternate
     n_steps = max(t_pre, t_suf)
     stages = max(1, min(steps, n_steps))
-    scale_log2 = float(scale) * _LOG2E
+    scale_log2 = float(scale) * LOG2E
 
     def kernel(plen_ref, slen_ref, q_ref, pk_ref, pv_ref, sk_ref, sv_ref, o_ref, lse_ref,
                q_smem2, q_barriers, sched_barrier, *maybe_p):
@@ -264,6 +238,6 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
                          if _cpu_check else ()),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": pm._gpu_interpret_params()} if interpret else {}),
+        **({"interpret": pm.gpu_interpret_params()} if interpret else {}),
     )(jnp.asarray(p_len, jnp.int32).reshape(1), jnp.asarray(s_len, jnp.int32).reshape(b), q_hmd,
       pk_phd, pv_phd, sk_bshd, sv_bshd)

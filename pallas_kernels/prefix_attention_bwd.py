@@ -39,7 +39,6 @@ pure-JAX computation of the same gradients.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +46,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["prefix_grads", "prefix_grads_reference", "choose_row_splits"]
+from pallas_kernels._common import LOG2E as _LOG2E
 
-_LOG2E = math.log2(math.e)
-SMS = 132  # streaming multiprocessors of an H100 / H200
+__all__ = ["prefix_grads", "prefix_grads_reference", "prefix_grad_grid"]
+
 
 
 def _cdiv(a, b):
@@ -61,14 +60,6 @@ def _dot(a, b, fp32: bool, trans_b: bool = False):
     dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
     prec = lax.Precision.HIGHEST if fp32 else None
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
-
-
-def choose_row_splits(programs: int, row_blocks: int, sms: int = SMS) -> int:
-    """Row splits of the dK/dV kernel: enough programs for about two per SM, at most one per
-    row block and at most 16."""
-    if programs >= 2 * sms:
-        return 1
-    return max(1, min(-(-2 * sms // max(programs, 1)), row_blocks, 16))
 
 
 # ----------------------------------------------------------------------------- dq
@@ -183,10 +174,23 @@ def _pow2_block(block: int, n: int) -> int:
     return max(16, min(int(block), 1 << max(0, int(n) - 1).bit_length()))
 
 
+def prefix_grad_grid(rows: int, prefix_len: int, *, block_q: int = 64, block_k: int = 64,
+                     dkv_block_q: int = 64, dkv_block_k: int = 64) -> tuple[int, int, int, int]:
+    """Static grid of :func:`prefix_grads` for ``rows = B * Tq`` rows and a prefix of
+    ``prefix_len`` keys: ``(dq_row_blocks, dq_key_tiles, dkv_key_blocks, dkv_row_blocks)`` (the
+    dQ kernel runs ``dq_row_blocks * Hq`` programs per key split over ``dq_key_tiles`` tiles;
+    the dK/dV kernel ``dkv_key_blocks * G * Hkv`` per row split over ``dkv_row_blocks``)."""
+    bq, bqk = _pow2_block(block_q, rows), _pow2_block(dkv_block_q, rows)
+    bk, bkk = _pow2_block(block_k, prefix_len), _pow2_block(dkv_block_k, prefix_len)
+    rp = -(-rows // max(bq, bqk)) * max(bq, bqk)
+    pp = -(-prefix_len // max(bk, bkk)) * max(bk, bkk)
+    return rp // bq, pp // bk, pp // bkk, rp // bqk
+
+
 def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, prefix_lengths,
                  *, scale: float, interpret: bool = False, block_q: int = 64, block_k: int = 64,
-                 dkv_block_q: int = 64, dkv_block_k: int = 64, row_splits: int | None = None,
-                 key_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                 dkv_block_q: int = 64, dkv_block_k: int = 64, row_splits: int = 1,
+                 key_splits: int = 1, num_warps: int = 4, num_stages: int = 2,
                  dkv_num_warps: int | None = None, dkv_num_stages: int | None = None):
     """Gradients of the prefix part of shared-prefix attention (see the module docstring).
 
@@ -194,7 +198,8 @@ def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, p
     ``prefix_k/v [G, P, Hkv, D]``, ``seq_to_prefix [B]``, ``lim [B, Tq]``,
     ``prefix_lengths [G]`` (int32).  Returns ``(dq, dk, dv)``.  ``row_splits``: splits of each
     group's rows across dK/dV programs; ``key_splits``: splits of the key tiles across dQ
-    programs (float32 partials, summed by XLA); None: :func:`choose_row_splits` for either.
+    programs (float32 partials, summed by XLA); :func:`prefix_grad_grid` gives the program
+    counts they multiply.
     """
     b, tq, hq, d = q.shape
     g, p, hkv, _ = prefix_k.shape
@@ -243,7 +248,7 @@ def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, p
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
     nq = rp // bq
-    ks = choose_row_splits(nq * hq, pp // bk) if key_splits is None else int(key_splits)
+    ks = int(key_splits)
     if ks < 1:
         raise ValueError(f"key_splits must be >= 1, got {ks}")
     row = lambda i, h, c: (i,)  # noqa: E731
@@ -272,7 +277,7 @@ def prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim, p
 
     nk = pp // bkk
     n_rb = rp // bqk
-    rs = choose_row_splits(nk * g * hkv, n_rb) if row_splits is None else int(row_splits)
+    rs = int(row_splits)
     if rs < 1:
         raise ValueError(f"row_splits must be >= 1, got {rs}")
     q5 = q_r.reshape(rp, hkv, group, d)

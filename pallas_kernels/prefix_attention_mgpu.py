@@ -1,93 +1,65 @@
 """Inter-sequence batched prefix attention through Pallas Mosaic GPU (Hopper: TMA, wgmma,
-warp specialisation): the compute-bound part of the shared path, the default prefix backend on
-Hopper where it applies (see ``prefix_attention.PREFIX_BACKEND``).
+warp specialisation): the compute-bound part of the shared path when decoding with one prefix.
 
-Measured on an H200 (jax 0.11.2), Hq=32/Hkv=8, D=128: 443 / 549 / 536 TFLOP/s at B=256 P=4K /
-B=512 P=8K / B=1024 P=4K (Nsight Compute device time, ``bench/results/kernel_profile_h200.json``),
-against 150-330 for the Triton prefix kernel (``bench/results/shared_breakdown_h200.json``); the
-ping-pong schedule barrier is worth 4-8% of the whole shared path at the three points; over the
-session-6 grid (``bench/results/shared_prefix_h200.json``) the shared path with it ran 1.03-2.53x
-(median 1.42x) the speed of the Triton backend at the 51 grid points where ``auto`` uses it; its
-GPU tests (``tests/test_prefix_attention_mgpu.py -m gpu``) pass.
-Session 9 moved the softmax to the fused multiply-add form (the running max kept in scaled
-base-2 units, ``p = exp2(s * c - m)``) and builds the length mask only on a tile that holds a
-masked key (a uniform branch, :func:`masked_softmax_step`): the kernel alone went from 389-563
-to 429-620 TFLOP/s (1.06-1.12x faster at the six grid shapes probed, one run; measured matmul
-rate 664 TFLOP/s; ``bench/results/logs/session9_probe_softmax_h200.json``).  A third pipeline
-stage did not fit at D=128 with the LSE staged in shared memory (232544 of 232448 bytes); since
-session 18 ``max_concurrent_steps=3`` (or ``PIPELINE_STAGES = 3``) stores the LSE from registers
-instead, as the one-pass kernel does, and fits.  It is exact (CPU interpreter; GPU tests at 3
-stages; bit-identical outputs to 2 stages) but not faster: on an H200 (session 19,
-``bench/results/logs/session19_probe_stages_h200.jsonl``) the kernel alone took 1.01-1.05x the
-time of 2 stages and the whole shared path 0.99-1.02x at five target points, so the default
-stays 2.
-``persistent_ctas=n`` (session 20) launches ``n`` CTAs that loop over the tasks (round robin,
-one set of pipeline buffers), so the kernel holds at most ``n`` SMs and a kernel beside it can
-have the rest.  It is exact (GPU test: bit-equal to one CTA per task; CPU interpreter test:
-the reference) but not dispatched: as a space split of the shared path (prefix on ``n`` SMs, the suffix kernel
-beside it under ``CONCURRENT_COMPILER_OPTIONS``) it took 1.02-1.39x the default's time at five
-target points on an H100 (``bench/results/logs/session20_probe_persist_h100.jsonl``): the
-prefix is tensor-core bound, so its time grows as ``132 / n`` (B=512 P=8K: 0.128 / 0.155 /
-0.182 ms at 132 / 112 / 96 CTAs), while at most about a third of the suffix ran beside it.
-The CPU tests lower it for CUDA and run it in Mosaic GPU's CPU interpreter against the
-reference, except two operand forms that interpreter lacks (``_cpu_check=True`` swaps them: K
-pre-transposed in memory for ``Q K^T``; ``P`` staged through shared memory and ``P V`` into a
-fresh accumulator instead of in place).  Selection: ``pallas_kernels.prefix_attention.PREFIX_BACKEND``
-(environment variable ``JPA_PREFIX_BACKEND``): ``"auto"`` (default) uses it on a Hopper GPU
-wherever it applies, ``"mgpu"`` forces it where it applies (also in interpret mode),
-``"triton"`` never uses it.
+Why: the prefix matmul dominates the shared path at large batch (B=1024, P=16K: ~0.86 ms of
+~1.0 ms on an H200).  On an H200 (jax 0.11.2), Hq=32/Hkv=8, D=128, this kernel runs at 429-620
+TFLOP/s (Nsight Compute device time) against 150-330 for the Triton-lowered prefix kernel
+(:mod:`pallas_kernels.prefix_attention`); the ping-pong schedule barrier is worth 4-8% of the
+whole shared path at B=256 P=4K, B=512 P=8K and B=1024 P=4K.
 
-Why: the Triton-lowered prefix kernel (``prefix_attention.prefix_partials``) reaches 200-320
-TFLOP/s on an H200, and the prefix matmul dominates the shared path at large batch (B=1024,
-P=16K: ~0.86 ms of ~1.0 ms); Mosaic GPU kernels reach ~600 TFLOP/s on this GPU
-(``../shared/GPU_NOTES.md``).
-
-Scope (static conditions, checked): one prefix shared by all rows, every row sees the same
-number of keys ``length`` (true for decoding, ``Tq == 1``), 16-bit inputs, ``head_dim`` 64 or
-128, ``P % block_kv == 0``, rows ``M % (2 * block_q) == 0``.
+Scope (static conditions, :func:`mgpu_supported`): one prefix shared by all rows, every row
+sees the same number of keys ``length`` (true for decoding, ``Tq == 1``), 16-bit inputs,
+``head_dim`` 64 or 128, ``P % block_kv == 0``, rows ``M % (2 * block_q) == 0``.
 
 Layouts: ``q [Hkv, M, D]`` (rows of kv head ``h``), ``k/v [P, Hkv, D]``, ``length [1]`` int32
 (keys ``>= length`` are masked; dynamic, read in the kernel; the masked keys' values must be
 finite: the last tile is read whole and its masked scores give weight 0, and 0 times a NaN or
-an infinity in ``v`` is NaN -- the Triton kernels do not load masked keys).  Outputs the same partial states
-as ``prefix_partials`` except that ``o [splits, Hkv, M, D]`` (normalised) is in q's 16-bit
-dtype (written through the queries' shared-memory buffer: a float32 staging buffer does not
-fit next to the K/V pipeline), and ``lse [splits, Hkv, M]`` float32, natural log, ``-inf``
-(and ``o = 0``) where a split sees no key.
+an infinity in ``v`` is NaN -- the Triton kernels do not load masked keys).  Outputs the same
+partial states as ``prefix_partials`` except that ``o [splits, Hkv, M, D]`` (normalised) is in
+q's 16-bit dtype (written through the queries' shared-memory buffer: a float32 staging buffer
+does not fit next to the K/V pipeline), and ``lse [splits, Hkv, M]`` float32, natural log,
+``-inf`` (and ``o = 0``) where a split sees no key.
 
 Kernel: grid ``(Hkv, M / (2 * block_q), splits)``; three warpgroups per CTA: two compute
 warpgroups of ``block_q`` rows each and one memory warpgroup streaming the split's K/V tiles
 through shared memory (``emit_pipeline_warp_specialized``).  Per tile: ``S = Q K^T`` (wgmma,
-float32 accumulator), online softmax in base 2 with the scale folded in, ``O += P V`` (wgmma
-with ``P`` from registers).  A two-arrival barrier makes the compute warpgroups alternate, so
-one's matrix products overlap the other's softmax (FlashAttention-3's ping-pong schedule).
+float32 accumulator), online softmax in base 2 with the scale folded in (``p = exp2(s * c -
+m)``, one fused multiply-add per score; the length mask is built only on a tile that holds a
+masked key), ``O += P V`` (wgmma with ``P`` from registers).  A two-arrival barrier makes the
+compute warpgroups alternate, so one's matrix products overlap the other's softmax
+(FlashAttention-3's ping-pong schedule).  Two pipeline stages by default: at D = 128 a third
+fits only with the LSE stored from registers (``max_concurrent_steps=3``), exact but not faster
+(1.01-1.05x the kernel time on an H200).  ``persistent_ctas=n`` launches ``n`` CTAs that loop
+over the tasks (round robin), so the kernel holds at most ``n`` SMs.
+
+Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter; it lacks two operand
+forms, which ``_cpu_check=True`` swaps (K pre-transposed in memory for ``Q K^T``; ``P`` staged
+through shared memory and ``P V`` into a fresh accumulator instead of in place).
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._common import LN2, LOG2E
+
 try:  # Mosaic GPU is part of jax; guarded so that an unusual build still imports this package
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["prefix_partials_mgpu", "mgpu_supported", "choose_splits", "mgpu_device_ok"]
+__all__ = ["prefix_partials_mgpu", "mgpu_supported", "gpu_interpret_params", "head_refs"]
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-SMS = 132  # streaming multiprocessors of an H100 / H200
 # K/V pipeline stages (``max_concurrent_steps``) when the caller does not say; at D = 128 a
 # third stage fits only with the LSE stored from registers (see ``prefix_partials_mgpu``).
 PIPELINE_STAGES = 2
 
 
-def _gpu_interpret_params():
+def gpu_interpret_params():
     """Mosaic GPU's own interpreter (simulated shared memory, warpgroups, barriers, TMA, wgmma)
     on the CPU; a JAX-internal class (jax >= 0.10), so looked up lazily."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
@@ -110,10 +82,6 @@ def mgpu_supported(*, rows: int, prefix_len: int, head_dim: int, dtype, block_q:
     return None
 
 
-FEW_CTAS = 48  # below this many (kv head, 128-row block) CTAs, split to about one wave
-LONG_TILES = 128  # from this many key tiles (a 16K prefix), at most 2 splits with >= FEW_CTAS
-
-
 def check_decode_operands(q_hmd, pk_phd, pv_phd, sk_bshd, sv_bshd, group: int, *,
                           prefix: bool = True) -> None:
     """Shape checks shared by the one-launch decode kernels: ``q_hmd [Hkv, M, D]`` rows a
@@ -132,60 +100,15 @@ def check_decode_operands(q_hmd, pk_phd, pv_phd, sk_bshd, sv_bshd, group: int, *
                          f"{sk_bshd.shape} and {sv_bshd.shape}")
 
 
-def choose_splits(n_tiles: int, ctas: int, sms: int = SMS) -> int:
-    """Splits of the prefix for ``ctas`` (kv head, 128-row block) CTAs (a divisor of the
-    ``n_tiles`` key tiles):
-
-    * 1 when the CTAs already fill most of one wave (``ctas >= 3/4 * sms``);
-    * with at least ``FEW_CTAS`` CTAs, the largest divisor up to 4 (up to 2 from ``LONG_TILES``
-      key tiles on) that keeps ``ctas * splits`` within two waves (one CTA per SM);
-    * with fewer, the largest divisor up to 16 that keeps ``ctas * splits`` within one wave and
-      at least 2 tiles per split (the pipeline depth).
-
-    Measured on an H200, the whole shared path: at 64 CTAs (Hq=32/Hkv=8 B=256 P=4K, Hq=8/Hkv=1
-    B=1024 P=4K) 4 splits were fastest, 2 within 10% and 1 split 37% slower, 8 splits 13-19%
-    slower; at 128 and 256 CTAs 1 split was fastest (``bench/results/shared_breakdown_h200.json``).
-    At 16 CTAs (Hq=8/Hkv=1 B=256, Hq=32/Hkv=8 B=64) 8 splits were fastest at all six points
-    measured, 1.0-1.6x faster than 4 and 1.1-1.2x faster than 16; at 4 CTAs (Hq=8/Hkv=1 B=64
-    P=16K) 16 splits were fastest (``bench/results/logs/session6_probe_mgpu_splits_h200.json``).
-    Session 9 (after the softmax change, ``bench/results/logs/session9_probe_splits9_h200.json``,
-    one run, whole path): at 64 CTAs and a 16K prefix 2 splits took 0.95-0.97x the time of 4
-    (Hq=32/Hkv=8 B=256 S=64 and S=256, Hq=8/Hkv=1 B=1024 S=256; session 8 had 0.97-0.98 at the
-    first two); at a 4K prefix the two were mixed (0.97x at Hq=32 B=256 S=64, 1.02x at Hq=8
-    B=1024 S=64), so 4 stays there.
-    """
-    if 4 * ctas >= 3 * sms:
-        return 1
-    few = ctas < FEW_CTAS
-    max_splits, limit = (16, sms) if few else (2 if n_tiles >= LONG_TILES else 4, 2 * sms)
-    best = 1
-    for s in range(1, min(n_tiles, max_splits) + 1):
-        if n_tiles % s == 0 and ctas * s <= limit and (not few or s == 1 or n_tiles // s >= 2):
-            best = s
-    return best
-
-
-def mgpu_device_ok() -> bool:
-    """Whether the default device is a Hopper GPU (compute capability 9.x: wgmma and TMA as used
-    here exist only there)."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:  # pragma: no cover
-        return False
-    if dev.platform != "gpu":
-        return False
-    cc = str(getattr(dev, "compute_capability", ""))
-    return cc.split(".")[0] == "9"
-
-
 def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, length: jax.Array, *,
-                         scale: float, num_splits: int | None = None, block_q: int = 64,
+                         scale: float, num_splits: int = 1, block_q: int = 64,
                          block_kv: int = 128, max_concurrent_steps: int | None = None,
                          schedule_barrier: bool = True, out_rows: int | None = None,
                          persistent_ctas: int | None = None, interpret: bool = False,
                          _cpu_check: bool = False):
     """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
 
+    ``num_splits`` (a divisor of the ``P / block_kv`` key tiles): prefix splits, one CTA each.
     Returns ``(o, lse)``: ``o [splits, Hkv, M, D]`` in q's dtype (normalised) and
     ``lse [splits, Hkv, M]`` float32; see the module docstring for the layouts and the
     conditions (:func:`mgpu_supported`).  ``interpret`` runs Mosaic GPU's CPU interpreter and
@@ -221,7 +144,7 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
         k_phd = jnp.transpose(k_phd, (1, 2, 0))  # [Hkv, D, P]
     n_tiles = p // block_kv
     m_blocks = m // (2 * block_q)
-    splits = choose_splits(n_tiles, hkv * m_blocks) if num_splits is None else int(num_splits)
+    splits = int(num_splits)
     if n_tiles % splits:
         raise ValueError(f"num_splits={splits} must divide the {n_tiles} key tiles")
     tiles_per_split = n_tiles // splits
@@ -230,7 +153,7 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     # The LSE goes through a [2, block_q] shared buffer and TMA with up to 2 stages; with more it
     # is stored from registers (the 512 bytes are what a third stage lacks at D = 128).
     lse_in_smem = steps <= 2
-    scale_log2 = float(scale) * _LOG2E
+    scale_log2 = float(scale) * LOG2E
 
     n_tasks = hkv * m_blocks * splits
     if persistent_ctas is not None and not 1 <= int(persistent_ctas) <= n_tasks:
@@ -252,7 +175,7 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
         allocs = prefix_pipeline(None, None, first_tile=0, tiles_per_split=tiles_per_split,
                                  steps=steps, d=d, block_kv=block_kv,
                                  cpu_check=_cpu_check).get_allocations(
-                                     *_head_refs(k_ref, v_ref, 0, _cpu_check))
+                                     *head_refs(k_ref, v_ref, 0, _cpu_check))
 
         def scope(**pipeline_allocs):
             @plgpu.nd_loop((n_tasks,), collective_axes="c")
@@ -279,14 +202,15 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
                       + ((plgpu.SMEM((2, block_q, block_kv), dtype),) if _cpu_check else ()),
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": _gpu_interpret_params()} if interpret else {}),
+        **({"interpret": gpu_interpret_params()} if interpret else {}),
     )(jnp.asarray(length, jnp.int32).reshape(1), q_hmd, k_phd, v_phd)
     return o, lse
 
 
 # ----------------------------------------------------------------------------- kernel pieces
-# Shared by this module's kernel and the one-launch prefix + suffix kernel
-# (``shared_decode_mgpu``); all run inside a Mosaic GPU kernel with warpgroup semantics.
+# Shared by this module's kernel and the one-launch kernels (``shared_decode_mgpu``,
+# ``joint_decode_mgpu``, ``split_decode_mgpu``); all run inside a Mosaic GPU kernel with
+# warpgroup semantics.
 
 def take_turn(sched_barrier, enabled: bool):
     """Both compute warpgroups arrive on the two-arrival ``sched_barrier``, then wait (the
@@ -375,16 +299,14 @@ def wg_accumulate_pv(acc, p16, v_smem, p_smem, *, cpu_check: bool):
 
 
 def prefix_tile_step(carry, *, q_smem, k_smem, v_smem, p_smem, k_consumed, v_consumed, first_key,
-                     n_keys, turn, schedule_barrier: bool, scale_log2: float, cpu_check: bool,
-                     v_ready=None):
+                     n_keys, turn, schedule_barrier: bool, scale_log2: float, cpu_check: bool):
     """One prefix key tile for one compute warpgroup, as every kernel here runs it: ``S = Q K^T``
     (``turn`` between issuing and reading it), ``k_consumed`` arrived on, the online softmax
     with keys ``>= n_keys`` masked (``first_key()`` gives the tile's first key), then (after the
-    ping-pong ``turn`` when ``schedule_barrier``; after waiting on ``v_ready`` when given)
+    ping-pong ``turn`` when ``schedule_barrier``)
     ``O += P V`` and ``v_consumed`` arrived on.  ``q_smem [rows, D]``, ``k_smem/v_smem
     [keys, D]`` (``k_smem [D, keys]`` with ``cpu_check``); ``carry = (acc, m, l)`` as
-    :func:`softmax_step`.  Used by the prefix kernel and the one-pass and decoupled one-launch
-    kernels (the last waits on ``v_ready`` itself: it runs its own pipeline).  Returns the new
+    :func:`softmax_step`.  Used by the prefix kernel and the one-pass kernel.  Returns the new
     carry."""
     rows, keys = q_smem.shape[0], k_smem.shape[-1] if cpu_check else k_smem.shape[0]
     s = wg_scores(q_smem, k_smem, shape=(rows, keys), cpu_check=cpu_check, after_issue=turn)
@@ -396,8 +318,6 @@ def prefix_tile_step(carry, *, q_smem, k_smem, v_smem, p_smem, k_consumed, v_con
     if schedule_barrier:  # softmax done: wait for the tensor cores' turn
         acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         turn()
-    if v_ready is not None:
-        plgpu.barrier_wait(v_ready)
     acc = wg_accumulate_pv(acc, p16, v_smem, p_smem, cpu_check=cpu_check)
     plgpu.barrier_arrive(v_consumed)
     return acc, m_new, l_i
@@ -426,7 +346,7 @@ def wg_compute_context(*, q_src, q_smem, q_barrier, lse_smem, o_dst, lse_dst, bl
         has = l_i > 0.0
         l_safe = jnp.where(has, l_i, 1.0)
         q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, (block_q, d), [0])).astype(dtype)
-        lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+        lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
         if lse_smem is None:
             lse_dst[...] = lse
         else:
@@ -486,10 +406,10 @@ def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_sme
     pipeline = prefix_pipeline(tile_body, compute_context, first_tile=first_tile,
                                tiles_per_split=tiles_per_split, steps=steps, d=d,
                                block_kv=block_kv, cpu_check=cpu_check)
-    pipeline(*_head_refs(k_ref, v_ref, h, cpu_check), allocations=allocations)
+    pipeline(*head_refs(k_ref, v_ref, h, cpu_check), allocations=allocations)
 
 
-def _head_refs(k_ref, v_ref, h, cpu_check: bool):
+def head_refs(k_ref, v_ref, h, cpu_check: bool):
     """kv head ``h``'s ``K`` and ``V`` refs as the prefix pipeline reads them."""
     return (k_ref.at[h] if cpu_check else k_ref.at[:, h, :]), v_ref.at[:, h, :]
 

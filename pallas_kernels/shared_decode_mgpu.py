@@ -5,9 +5,9 @@ different SMs instead of one launch after the other.
 
 Why: with two launches the shared path costs about ``t_prefix + t_suffix`` (H200, Hq=32/Hkv=8,
 B=256 P=4K S=128: 39 us + 48 us under Nsight Compute), while its floor is
-``max(bytes / bandwidth, flops / matmul rate)``; running the two launches concurrently through
-CUDA graphs gained only 1-6% because the prefix kernel's CTAs fill every SM
-(``bench/results/logs/session6_probe_concurrent_h200.json``).
+``max(bytes / bandwidth, flops / matmul rate)``.  Interleaving the two kinds of tasks in one
+grid lets the suffix tasks stream while the prefix tasks compute; on an H200 the whole path
+took 0.86x the two-launch time at Hq=32/Hkv=8 B=256 P=4K S=128.
 
 Scope (static, checked by :func:`fused_supported`): decoding (one query per sequence), one
 prefix shared by every sequence (all see the same ``p_len`` keys), 16-bit inputs, ``head_dim``
@@ -21,10 +21,11 @@ Outputs: ``o_pre [splits, Hkv, M, D]`` / ``lse_pre [splits, Hkv, M]`` as
 :func:`prefix_attention_mgpu.prefix_partials_mgpu`, and ``o_suf [suffix_splits, Hkv, M, D]`` /
 ``lse_suf`` the same for the suffix keys (normalised, q's dtype; LSE float32, natural log,
 ``-inf`` and ``o = 0`` where nothing was seen).  The caller merges the partial sets (one small
-XLA fusion, ``prefix_attention._merge_row_parts``).
+XLA fusion).
 
-Kernel: one grid axis of tasks, prefix and suffix tasks interleaved (``order``); every CTA
-has two compute warpgroups of 64 rows and one memory warpgroup (TMA pipeline):
+Kernel: one grid axis of tasks, suffix and prefix tasks alternating while both last
+(:func:`task_order`); every CTA has two compute warpgroups of 64 rows and one memory
+warpgroup (TMA pipeline):
 
 * prefix task ``(h, 128-row block, split)``: ``prefix_attention_mgpu.prefix_task`` (both
   warpgroups share each 128-key tile; ping-pong schedule);
@@ -38,20 +39,12 @@ has two compute warpgroups of 64 rows and one memory warpgroup (TMA pipeline):
   the room.  Tiles wholly past a sequence's length are not fetched again (the index map
   repeats its last tile, which is then masked) and the ``V`` rows past the length are zeroed
   in shared memory before ``P V``, so whatever the cache holds there (even NaN) never reaches
-  the output.  ``suffix_mode="alternate"``: both warpgroups on the same 64 rows, taking the
-  steps in turn (one ``K``/``V`` tile per step, up to 5 stages at D=128 instead of 2); each
-  writes its own partial state.  Measured no faster (the suffix steps are latency-bound), so
-  ``"rows"`` is the default.
+  the output.
 
-Measured (H200, ``bench/results/logs/session7_*``): alone, the suffix tasks stream B=256 S=128
-Hq=32/Hkv=8 (134 MB) in 46 us over 128 CTAs (2.9 TB/s), 63 us over 64; the unsplit prefix
-tasks (64 CTAs of 32 tiles) take 69 us, 2 splits 39 us.  Together, 73-80 us: the suffix CTAs
-hold their SMs while they wait on memory, so the overlap is partial; with the prefix unsplit
-the launch is bound by the prefix CTAs' length.
+Interpret mode runs Mosaic GPU's CPU interpreter (with ``_cpu_check``), which cannot trace two
+pipelines in one kernel: there the prefix and the suffix tasks run as two launches.
 """
 from __future__ import annotations
-
-import math
 
 import functools
 
@@ -61,14 +54,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import prefix_attention_mgpu as pm
+from pallas_kernels._common import LOG2E
 from pallas_kernels.prefix_attention_mgpu import plgpu
 
 __all__ = ["fused_supported", "shared_decode_partials_mgpu", "task_order", "suffix_step",
            "last_tile"]
 
-_LOG2E = math.log2(math.e)
-ORDERS = ("interleave", "suffix_first", "prefix_first")
-SUFFIX_MODES = ("alternate", "rows")
 
 
 def fused_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
@@ -86,16 +77,9 @@ def fused_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int,
     return None
 
 
-def task_order(t, n_pre: int, n_suf: int, order: str):
-    """Map grid index ``t`` to ``(is_suffix, index among its kind)``.  ``"interleave"``:
-    alternate suffix / prefix tasks while both last (a suffix task first), then the rest;
-    ``"suffix_first"`` / ``"prefix_first"``: one kind after the other."""
-    if order == "suffix_first":
-        return t < n_suf, jnp.where(t < n_suf, t, t - n_suf)
-    if order == "prefix_first":
-        return t >= n_pre, jnp.where(t >= n_pre, t - n_pre, t)
-    if order != "interleave":
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+def task_order(t, n_pre: int, n_suf: int):
+    """Map grid index ``t`` to ``(is_suffix, index among its kind)``: suffix and prefix tasks
+    alternate while both last (a suffix task first), then the rest."""
     c = min(n_pre, n_suf)
     mixed = t < 2 * c
     is_suf = jnp.where(mixed, t % 2 == 0, n_suf > n_pre)
@@ -142,24 +126,18 @@ def suffix_step(*, q_smem, k_smem, v_smem, k_done, v_done, carry, seq, n, key0, 
 
 def _suffix_task(*, h, mb, ss, q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem2, lse_smem2,
                  q_barriers, p_smem2, batch, group, block_s, tiles_per_split, steps, scale_log2,
-                 cpu_check, mode):
+                 cpu_check):
     """One suffix CTA of kv head ``h`` over the suffix tiles ``[ss * tiles_per_split,
-    +tiles_per_split)`` of its sequences; see the module docstring.
-
-    ``mode="rows"``: rows ``[mb * 128, +128)``, 64 per warpgroup; each pipeline step brings a
-    ``K``/``V`` tile for each warpgroup (4 TMA boxes); state written to split ``ss``.
-    ``mode="alternate"``: rows ``[mb * 64, +64)`` in both warpgroups, which take the steps in
-    turn (one ``K``/``V`` tile per step, so twice the stages fit in shared memory and one
-    warpgroup's compute overlaps the other's); warpgroup ``w`` writes its partial state to split
-    ``2 * ss + w``."""
+    +tiles_per_split)`` of its sequences (see the module docstring): rows ``[mb * 128, +128)``,
+    64 per warpgroup; each pipeline step brings a ``K``/``V`` tile for each warpgroup (4 TMA
+    boxes); state written to split ``ss``."""
     wg = lax.axis_index("wg")
     d = q_ref.shape[-1]
     dtype = q_ref.dtype
-    alternate = mode == "alternate"
     seqs = 64 // group                                    # sequences per 64 rows
     first_tile = ss * tiles_per_split
-    r0 = mb * 64 if alternate else mb * 128 + wg * 64
-    split = 2 * ss + wg if alternate else ss
+    r0 = mb * 128 + wg * 64
+    split = ss
     compute_context = pm.wg_compute_context(
         q_src=q_ref.at[h, pl.ds(r0, 64)], q_smem=q_smem2.at[wg], q_barrier=q_barriers.at[wg],
         lse_smem=lse_smem2.at[wg], o_dst=o_ref.at[split, h, pl.ds(r0, 64)],
@@ -171,8 +149,7 @@ def _suffix_task(*, h, mb, ss, q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_s
     def seq_tile(t, w):
         """(local sequence, clamped sequence, its valid keys, nominal tile) of step ``t``."""
         i, j = t // tiles_per_split, t % tiles_per_split
-        b, n = _suffix_lengths(len_ref, (mb * seqs if alternate else mb * 2 * seqs + w * seqs) + i,
-                               batch)
+        b, n = _suffix_lengths(len_ref, mb * 2 * seqs + w * seqs + i, batch)
         return i, b, n, first_tile + j
 
     def spec(w, transposed):
@@ -183,63 +160,45 @@ def _suffix_task(*, h, mb, ss, q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_s
         shape = (None, d, block_s) if transposed else (None, block_s, d)
         return plgpu.BlockSpec(block_shape=shape, index_map=index_map)
 
-    if alternate:
-        def tile_body(indices, k_smem, v_smem, k_done, v_done, carry):
-            t = indices[0]
-            i, _, n, tile = seq_tile(t, 0)
+    def tile_body(indices, k0, k1, v0, v1, k0_done, k1_done, v0_done, v1_done, carry):
+        t = indices[0]
 
-            def skip():                                   # the other warpgroup's step
-                plgpu.barrier_arrive(k_done)
-                plgpu.barrier_arrive(v_done)
-                return carry
-            return lax.cond(t % 2 == wg, lambda: step(
-                q_smem=q_smem2.at[wg], k_smem=k_smem, v_smem=v_smem, k_done=k_done,
-                v_done=v_done, carry=carry, seq=i, n=n, key0=tile * block_s, p_smem=p_smem), skip)
-        in_specs = [spec(0, cpu_check), spec(0, False)]
-    else:
-        def tile_body(indices, k0, k1, v0, v1, k0_done, k1_done, v0_done, v1_done, carry):
-            t = indices[0]
+        @pl.when(wg == 0)                             # the other warpgroup's tiles
+        def _():
+            plgpu.barrier_arrive(k1_done)
+            plgpu.barrier_arrive(v1_done)
 
-            @pl.when(wg == 0)                             # the other warpgroup's tiles
-            def _():
-                plgpu.barrier_arrive(k1_done)
-                plgpu.barrier_arrive(v1_done)
-
-            @pl.when(wg == 1)
-            def _():
-                plgpu.barrier_arrive(k0_done)
-                plgpu.barrier_arrive(v0_done)
-            i, _, n, tile = seq_tile(t, wg)
-            kw = dict(q_smem=q_smem2.at[wg], carry=carry, seq=i, n=n, key0=tile * block_s,
-                      p_smem=p_smem)
-            return lax.cond(wg == 0,
-                            lambda: step(k_smem=k0, v_smem=v0, k_done=k0_done, v_done=v0_done, **kw),
-                            lambda: step(k_smem=k1, v_smem=v1, k_done=k1_done, v_done=v1_done, **kw))
-        in_specs = [spec(0, cpu_check), spec(1, cpu_check), spec(0, False), spec(1, False)]
+        @pl.when(wg == 1)
+        def _():
+            plgpu.barrier_arrive(k0_done)
+            plgpu.barrier_arrive(v0_done)
+        i, _, n, tile = seq_tile(t, wg)
+        kw = dict(q_smem=q_smem2.at[wg], carry=carry, seq=i, n=n, key0=tile * block_s,
+                  p_smem=p_smem)
+        return lax.cond(wg == 0,
+                        lambda: step(k_smem=k0, v_smem=v0, k_done=k0_done, v_done=v0_done, **kw),
+                        lambda: step(k_smem=k1, v_smem=v1, k_done=k1_done, v_done=v1_done, **kw))
+    in_specs = [spec(0, cpu_check), spec(1, cpu_check), spec(0, False), spec(1, False)]
 
     pipeline = pm.wg_pipeline(tile_body, n_steps=seqs * tiles_per_split, steps=steps,
                               compute_context=compute_context, in_specs=in_specs)
     kh = k_ref.at[:, h] if cpu_check else k_ref.at[:, :, h, :]
     vh = v_ref.at[:, :, h, :]
-    pipeline(*((kh, vh) if alternate else (kh, kh, vh, vh)))
+    pipeline(kh, kh, vh, vh)
 
 
 def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, scale,
-                                group: int, num_splits: int | None = None, suffix_splits: int = 1,
-                                block_s: int = 64, order: str = "interleave",
-                                prefix_steps: int = 2, suffix_steps: int = 2,
-                                schedule_barrier: bool = True, suffix_mode: str = "rows",
-                                tasks=("prefix", "suffix"),
+                                group: int, num_splits: int = 1, suffix_splits: int = 1,
+                                block_s: int = 64, prefix_steps: int = 2, suffix_steps: int = 2,
+                                schedule_barrier: bool = True, tasks=("prefix", "suffix"),
                                 interpret: bool = False, _cpu_check: bool = False):
     """Prefix partials and suffix states of every row in one Mosaic GPU launch.
 
     ``q_hmd [Hkv, M, D]`` (row ``b * group + j``), ``pk/pv [P, Hkv, D]``, ``p_len`` int32 scalar
     (prefix keys ``>= p_len`` masked), ``sk/sv [B, S, Hkv, D]``, ``s_len [B]`` int32.
-    Returns ``(o_pre [splits, Hkv, M, D], lse_pre [splits, Hkv, M], o_suf [n, Hkv, M, D],
-    lse_suf [n, Hkv, M])`` (module docstring) with ``n = 2 * suffix_splits`` for
-    ``suffix_mode="alternate"`` (each warpgroup's partial state) and ``suffix_splits`` for
-    ``"rows"``.  ``num_splits``: prefix splits (None: ``prefix_attention_mgpu.choose_splits``
-    over the prefix CTAs alone).  ``suffix_steps``: pipeline stages of the suffix tasks.
+    Returns ``(o_pre [splits, Hkv, M, D], lse_pre [splits, Hkv, M], o_suf [suffix_splits, Hkv,
+    M, D], lse_suf [suffix_splits, Hkv, M])`` (module docstring).  ``num_splits``: prefix
+    splits.  ``suffix_steps``: pipeline stages of the suffix tasks.
     ``tasks``: run only the ``"prefix"`` or the ``"suffix"`` tasks (the other outputs are left
     unwritten; for timing the two parts apart).  ``interpret`` runs Mosaic GPU's CPU
     interpreter and needs ``_cpu_check`` (tests only).
@@ -256,34 +215,29 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
                           suffix_cap=s_cap, head_dim=d, dtype=dtype, block_s=block_s)
     if why is not None:
         raise ValueError(f"shared_decode_partials_mgpu cannot run these shapes: {why}")
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    if suffix_mode not in SUFFIX_MODES:
-        raise ValueError(f"suffix_mode must be one of {SUFFIX_MODES}, got {suffix_mode!r}")
-    alternate = suffix_mode == "alternate"
     pk_phd, pv_phd, sk_bshd, sv_bshd = (x.astype(dtype) for x in (pk_phd, pv_phd, sk_bshd, sv_bshd))
     if _cpu_check:  # CPU-interpreter check only: its wgmma cannot read a transposed ref
         pk_phd = jnp.transpose(pk_phd, (1, 2, 0))       # [Hkv, D, P]
         sk_bshd = jnp.transpose(sk_bshd, (0, 2, 3, 1))  # [B, Hkv, D, S]
     m_blocks = m // 128
     n_tiles = p // 128
-    splits = pm.choose_splits(n_tiles, hkv * m_blocks) if num_splits is None else int(num_splits)
+    splits = int(num_splits)
     s_tiles = s_cap // block_s
     if n_tiles % splits or s_tiles % suffix_splits:
         raise ValueError(f"num_splits={splits} must divide the {n_tiles} prefix tiles and "
                          f"suffix_splits={suffix_splits} the {s_tiles} suffix tiles")
     n_pre = hkv * m_blocks * splits
-    suf_blocks = m // 64 if alternate else m_blocks
+    suf_blocks = m_blocks
     n_suf = hkv * suf_blocks * suffix_splits
-    n_suf_out = 2 * suffix_splits if alternate else suffix_splits
+    n_suf_out = suffix_splits
     pre_cfg = dict(tiles_per_split=n_tiles // splits,
                    steps=max(1, min(prefix_steps, n_tiles // splits)), block_q=64, block_kv=128,
-                   scale_log2=float(scale) * _LOG2E, schedule_barrier=schedule_barrier,
+                   scale_log2=float(scale) * LOG2E, schedule_barrier=schedule_barrier,
                    cpu_check=_cpu_check)
     suf_cfg = dict(batch=b, group=group, block_s=block_s,
                    tiles_per_split=s_tiles // suffix_splits,
                    steps=max(1, min(suffix_steps, (64 // group) * (s_tiles // suffix_splits))),
-                   scale_log2=float(scale) * _LOG2E, cpu_check=_cpu_check, mode=suffix_mode)
+                   scale_log2=float(scale) * LOG2E, cpu_check=_cpu_check)
 
     def launch(kinds):
         n_p = n_pre if "prefix" in kinds else 0
@@ -293,7 +247,7 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
                    lse_pre_ref, o_suf_ref, lse_suf_ref, q_smem2, lse_smem2, q_barriers,
                    sched_barrier, *maybe_p):
             p_pre, p_suf = maybe_p if _cpu_check else (None, None)
-            is_suf, idx = task_order(lax.axis_index("t"), n_p, n_s, order)
+            is_suf, idx = task_order(lax.axis_index("t"), n_p, n_s)
             common = dict(q_ref=q_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers)
 
             def prefix():
@@ -330,7 +284,7 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
                              if _cpu_check else ()),
             compiler_params=plgpu.CompilerParams(
                 approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-            **({"interpret": pm._gpu_interpret_params()} if interpret else {}),
+            **({"interpret": pm.gpu_interpret_params()} if interpret else {}),
         )(jnp.asarray(p_len, jnp.int32).reshape(1), jnp.asarray(s_len, jnp.int32).reshape(b), q_hmd,
           pk_phd, pv_phd, sk_bshd, sv_bshd)
 
@@ -338,9 +292,9 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
         raise ValueError(f"tasks must name 'prefix' and/or 'suffix', got {tasks!r}")
     if not interpret or len(set(tasks)) == 1:
         return launch(tuple(tasks))
-    # Mosaic GPU's CPU interpreter (jax 0.10-0.11) cannot trace two pipelines in one kernel
-    # (it leaks a tracer): interpret mode launches the same prefix and suffix tasks as two
-    # kernels.  The interleaving itself is ``task_order``, tested on its own.
+    # Mosaic GPU's CPU interpreter cannot trace two pipelines in one kernel (it leaks a tracer):
+    # interpret mode launches the same prefix and suffix tasks as two kernels.  The
+    # interleaving itself is ``task_order``, tested on its own.
     o_pre, lse_pre, _, _ = launch(("prefix",))
     _, _, o_suf, lse_suf = launch(("suffix",))
     return o_pre, lse_pre, o_suf, lse_suf

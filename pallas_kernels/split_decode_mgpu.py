@@ -1,60 +1,44 @@
-"""Shared-prefix decode attention with the SMs split by role in ONE launch (Pallas Mosaic GPU;
-dispatched by the shared path only where it was measured to pay: see "Status").
+"""Shared-prefix decode attention with the SMs split by role in ONE launch (Pallas Mosaic GPU).
 
 For decoding (one query per sequence, one prefix shared by all ``B`` sequences, GQA group
 ``G = Hq / Hkv``) the shared path has a tensor-core-bound part (every sequence's queries against
 the prefix, batched: ``prefix_attention_mgpu``) and an HBM-bound part (each sequence against its
-own suffix).  The default path runs them one after the other, so at the points where the two
-take about as long its time is near their sum.  This kernel runs them *at the same time on
-different SMs*: its first ``prefix_ctas`` CTAs are persistent prefix workers (the prefix
-kernel's task -- two ping-pong compute warpgroups and a memory warpgroup -- looped over
-``Hkv x row blocks x splits`` tasks, round robin), the other ``stream_ctas`` CTAs stream the
-suffixes (three compute warpgroups, each a worker over ``(row block, kv head)`` tasks with the
-swapped products of ``suffix_stream_mgpu``).  Session 21 measured that split as two launches
-run concurrently by XLA (0.85-0.88x the default at Hq=32 B=512 P=8K S=128 on an H100, but only
-under ``CONCURRENT_COMPILER_OPTIONS``); one launch needs no scheduling help.
+own suffix).  Run one after the other, where the two take about as long the time is near their
+sum.  This kernel runs them *at the same time on different SMs*: its first ``prefix_ctas`` CTAs
+are persistent prefix workers (the prefix kernel's task -- two ping-pong compute warpgroups and
+a memory warpgroup -- looped over ``Hkv x row blocks x splits`` tasks, round robin), the other
+``stream_ctas`` CTAs stream the suffixes (three compute warpgroups, each a worker over
+``(row block, kv head)`` tasks with the swapped products of :mod:`suffix_stream_mgpu`).  Each
+stream CTA moves only about 55-65 GB/s (its workers are bound by their steps' latency), so the
+split pays where the suffix is a modest share of the work: on an H200, Hq=32/Hkv=8, 0.91x the
+two-launch time at B=512 P=8K S=128 and 0.88x at B=1024 P=16K S=256.
 
 Both roles need three warpgroups, so one kernel holds them with no register conflict: the
 prefix role keeps its 232/232/40 register split (set by its pipeline), and the stream role, which
 has no memory warpgroup, has its workers issue their own TMA loads: after a step's products a
-worker refills the slot it just consumed with the step ``stages`` ahead (so, as with a memory
-warpgroup fed by "free" barriers, ``stages - 1`` steps are in flight during each step's math).
-Each role allocates its shared memory in its own scope (the larger, the stream's, sets the
-kernel's footprint).  The stream workers' cross-warp reductions use separate scratch (nested
-collective padding allocations, ``suffix_stream_mgpu``'s ``separate_scratch``).
+worker refills the slot it just consumed with the step ``stages`` ahead (so ``stages - 1`` steps
+are in flight during each step's math).  Each role allocates its shared memory in its own scope
+(the larger, the stream's, sets the kernel's footprint).  The stream workers' cross-warp
+reductions use separate scratch (nested collective padding allocations).
 
 Layouts: ``q_hmd [Hkv, M, D]`` (row ``b * G + j`` is query head ``h * G + j`` of sequence
-``b``; ``M`` a multiple of 128 with zero rows past ``B G``: ``prefix_attention._rows_128``),
-prefix ``k/v [P, Hkv, D]`` (``P`` a multiple of 128), ``p_len [1]`` int32 (dynamic; keys past
-it masked, their values must be finite), suffix ``k/v [B, S, Hkv, D]`` (``S`` a multiple of 64),
+``b``; ``M`` a multiple of 128 with zero rows past ``B G``: ``_common.rows_128``), prefix
+``k/v [P, Hkv, D]`` (``P`` a multiple of 128), ``p_len [1]`` int32 (dynamic; keys past it
+masked, their values must be finite), suffix ``k/v [B, S, Hkv, D]`` (``S`` a multiple of 64),
 ``s_len [B]`` int32 (dynamic, in ``[0, S]``; NaN past it never reaches the output).  Returns the
-two sets of partial states in the row layout of ``prefix_attention._merge_row_parts``: prefix
-``(o [splits, Hkv, M, D], lse [splits, Hkv, M])`` and suffix ``(o [1, Hkv, B G, D], lse [1, Hkv,
-B G])``; :func:`split_decode_mgpu` merges them (one XLA fusion).  ``interpret=True`` runs Mosaic
+two sets of partial states in the row layout ``(o [n, Hkv, >= B G, D], lse [n, Hkv, >= B G])``:
+prefix ``(o [splits, Hkv, M, D], lse [splits, Hkv, M])`` and suffix ``(o [1, Hkv, B G, D], lse
+[1, Hkv, B G])``, for the caller to merge (one XLA fusion).  ``interpret=True`` runs Mosaic
 GPU's CPU interpreter (with the operand forms it has: ``K^T``, ``Q^T`` and ``V^T`` in memory,
-``P`` staged through shared memory).  Reference: :func:`jax_prefix_attn.reference.attention`
-over each sequence's prefix and suffix (the tests use float64 NumPy).
+``P`` staged through shared memory).
 
 Static arguments: every shape, ``group``, ``prefix_ctas``, ``stream_ctas``, ``num_splits``,
 ``stages``, ``stream_stages``, ``schedule_barrier``, ``scale``; one compile per combination.
 
 Code order matters: the stream role is traced *before* the prefix role.  The prefix role
-changes the per-thread register limit (setmaxnreg); with its code first, the launch took the
-sum of the two roles' times (session 22, H200: 0.345 ms where each alone took 0.149-0.160 ms),
-which fits ptxas compiling the code after it for the lowest limit.
-
-Status (session 22, H200, ``bench/results/logs/session22_*``): exact (interpreter and GPU tests
-against float64); dispatched by the shared path where measured to pay
-(``prefix_attention.SPLIT_REGIONS``, CTAs from :func:`plan_roles`): Hq=32/Hkv=8 B=512 P=8K S=128
-0.1765 ms, 0.91x the previous default (1.60x the floor); B=1024 P=16K S=256 0.879x; B=1024 P=4K
-S=64-256 0.95-0.97x; out of sample 0.72-1.005x at five shapes.  Slower at B=256 (0.99-1.22x) and
-at G=8 (1.06-1.39x): each stream CTA moves only about 55-65 GB/s (its workers are bound by their
-steps' latency), so the stream needs many SMs when the suffix is a large share.  Session 23
-(``docs/performance.md``, ``bench/results/logs/session23_*``): an L2-prefetch front, 128-key
-steps and one K/V pipeline across a prefix CTA's tasks were each measured no faster and
-removed; Nsight Compute puts the stream step's stalls on its cross-warp column max (31% of
-samples), scalar geometry (21%) and wgmma waits (18%), with DRAM at a third of its peak; and the
-two roles slow each other by about a fifth when they run together.
+changes the per-thread register limit (setmaxnreg); with its code first the launch took the sum
+of the two roles' times on an H200 (0.345 ms where each alone took 0.149-0.160 ms), which fits
+ptxas compiling the code after it for the lowest limit.
 """
 from __future__ import annotations
 
@@ -67,27 +51,25 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels import suffix_stream_mgpu as ss
+from pallas_kernels._common import LOG2E
 from pallas_kernels.prefix_attention_mgpu import plgpu
 
-__all__ = ["split_decode_partials_mgpu", "split_decode_mgpu", "split_supported", "plan_roles",
-           "STREAM_WGS"]
+__all__ = ["split_decode_partials_mgpu", "split_supported", "stream_smem_limit", "STREAM_WGS"]
 
 STREAM_WGS = 3          # stream workers per CTA (the prefix role's three warpgroups)
-_SMEM_LIMIT = 232448    # Hopper's per-CTA shared memory (bytes)
-# plan_roles's time model (fit on the H200, session 22: ``bench/results/logs/session22_*``):
-PLAN_SM_FLOPS = 5.5e14 / pm.SMS  # the prefix role's FLOP/s per CTA (the whole kernel's 550 TF/s)
-PLAN_TASK_S = 2.5e-6             # + per prefix task (pipeline fill, q load, output)
-PLAN_STREAM_BPS = 5.5e10         # suffix K/V bytes/s per stream CTA (latency-bound)
 
 
-def _stream_smem_limit(wgs: int = STREAM_WGS) -> int:
-    return _SMEM_LIMIT - 1024 - max(2, wgs) * ss._red_bytes(wgs)
+def stream_smem_limit(smem_bytes: int, wgs: int = STREAM_WGS) -> int:
+    """Bytes of the stream role's buffers that fit in ``smem_bytes`` of shared memory per CTA,
+    less the workers' reduction scratch and room for barriers."""
+    return smem_bytes - 1024 - max(2, wgs) * ss.red_bytes(wgs)
 
 
 def split_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
-                    head_dim: int, dtype) -> str | None:
+                    head_dim: int, dtype, smem_bytes: int) -> str | None:
     """``None`` when :func:`split_decode_partials_mgpu` handles these static shapes (rows padded
-    to 128 as ``prefix_attention._rows_128`` does), else the reason."""
+    to 128 as ``_common.rows_128`` does) within ``smem_bytes`` of shared memory per CTA, else the
+    reason."""
     if heads_kv < 1 or heads_q % heads_kv:
         return f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}"
     g = heads_q // heads_kv
@@ -99,64 +81,25 @@ def split_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int,
         return why
     cols = ss.cols_for(g)
     per_task = cols // g * (suffix_cap // ss.BLOCK_S)
-    if ss._smem_bytes(1, ss._n_q(1, per_task), cols, head_dim, jnp.dtype(dtype).itemsize,
-                      STREAM_WGS) > _stream_smem_limit():
+    if ss.stream_smem_bytes(1, ss.n_q_buffers(1, per_task), cols, head_dim,
+                            jnp.dtype(dtype).itemsize, STREAM_WGS) > stream_smem_limit(smem_bytes):
         return "the stream role's buffers do not fit in shared memory"
     return None
 
 
-def plan_roles(batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
-               head_dim: int, itemsize: int = 2, sms: int = pm.SMS) -> tuple[int, int, int]:
-    """``(prefix_ctas, num_splits, stream_ctas)`` for these static shapes: the split of the
-    ``sms`` SMs that a two-term time model finds fastest.  For prefix splits ``c`` in (1, 2, 4,
-    8) dividing the 128-key tiles, and each number of rounds ``r`` of its ``T`` tasks (the
-    fewest CTAs for it, ``n = ceil(T / r)``): ``max(r * (task flops / PLAN_SM_FLOPS +
-    PLAN_TASK_S), suffix bytes / (m * PLAN_STREAM_BPS))`` with ``m = sms - n`` (at most the
-    suffix tasks).  At the six H200 points of session 22 where the one launch was timed in
-    several settings it picks the fastest measured (or within 1%)."""
-    g = heads_q // heads_kv
-    m_blocks = -(-batch * g // 128)
-    n_tiles = prefix_len // 128
-    cols = ss.cols_for(g)
-    s_tasks = -(-batch * g // cols) * heads_kv
-    s_bytes = 2 * batch * suffix_cap * heads_kv * head_dim * itemsize
-    best = None
-    for splits in (1, 2, 4, 8):
-        if n_tiles % splits:
-            continue
-        tasks = heads_kv * m_blocks * splits
-        t_task = 4.0 * 128 * (prefix_len // splits) * head_dim / PLAN_SM_FLOPS + PLAN_TASK_S
-        for rounds in range(1, tasks + 1):
-            n = -(-tasks // rounds)
-            if n > sms - 1:
-                continue
-            m = min(sms - n, s_tasks)
-            t = max(rounds * t_task, s_bytes / (m * PLAN_STREAM_BPS))
-            if best is None or t < best[0] * (1 - 1e-9):
-                best = (t, n, splits, m)
-            if n == 1:
-                break
-    assert best is not None, (batch, heads_q, heads_kv, prefix_len)
-    return best[1], best[2], best[3]
-
-
 def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *,
                                scale: float, group: int, prefix_ctas: int, stream_ctas: int,
-                               num_splits: int | None = None, stages: int | None = None,
+                               num_splits: int, smem_bytes: int, stages: int | None = None,
                                stream_stages: int | None = None, schedule_barrier: bool = True,
-                               stream_wgs: int = STREAM_WGS, interpret: bool = False,
-                               _debug: str = ""):
+                               stream_wgs: int = STREAM_WGS, interpret: bool = False):
     """The prefix and suffix partial states of every row in one launch of
     ``prefix_ctas + stream_ctas`` CTAs (see the module docstring for layouts and outputs).
 
-    ``num_splits``: prefix splits (None: ``prefix_attention_mgpu.choose_splits`` for
-    ``prefix_ctas`` SMs).  ``stages``: the prefix pipeline's stages (None: the prefix kernel's
-    default).  ``stream_stages``: steps in flight per stream worker (None: the most, up to 4,
-    that fit).  ``stream_wgs``: stream workers per CTA, 3 (default) or 2 (the third warpgroup
-    then idles in the stream CTAs; more stages fit; measured slower).  ``_debug`` (timing probes
-    only, outputs left unwritten): ``"noprefix"`` / ``"nostream"`` make that role's CTAs return
-    at once, to time the other alone; ``"streamfirst"`` puts the stream role on the first CTAs;
-    ``"prefixcodefirst"`` traces the prefix role's code before the stream role's.
+    ``num_splits``: prefix splits (a divisor of the 128-key prefix tiles).  ``smem_bytes``:
+    shared memory per CTA (232,448 on Hopper).  ``stages``: the prefix pipeline's stages (None:
+    the prefix kernel's default).  ``stream_stages``: steps in flight per stream worker (None:
+    the most, up to 4, that fit).  ``stream_wgs``: stream workers per CTA, 3 (default) or 2
+    (the third warpgroup then idles in the stream CTAs; more stages fit).
 
     Raises ``ValueError`` for shapes either role cannot run or out-of-range counts."""
     hkv, m, d = q_hmd.shape
@@ -189,8 +132,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     # ---- prefix role: the prefix kernel's tasks, round robin over the first n_pre CTAs
     n_tiles = p // block_kv
     m_blocks = m // (2 * block_q)
-    splits = pm.choose_splits(n_tiles, hkv * m_blocks, sms=n_pre) if num_splits is None \
-        else int(num_splits)
+    splits = int(num_splits)
     if splits < 1 or n_tiles % splits:
         raise ValueError(f"num_splits={splits} must divide the {n_tiles} prefix key tiles")
     tiles_per_split = n_tiles // splits
@@ -211,20 +153,21 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     per_task = spt * s_tiles
     n_steps = s_rounds * per_task
     isz = jnp.dtype(dtype).itemsize
-    red = ss._red_bytes(wgs)
-    smem_limit = _stream_smem_limit(wgs)
+    red = ss.red_bytes(wgs)
+    smem_limit = stream_smem_limit(smem_bytes, wgs)
 
     def fits(st):
-        return ss._smem_bytes(st, ss._n_q(st, per_task), cols, d, isz, wgs, bs) <= smem_limit
+        return ss.stream_smem_bytes(st, ss.n_q_buffers(st, per_task), cols, d, isz, wgs,
+                                    bs) <= smem_limit
     if stream_stages is None:
         stream_stages = max([st for st in (1, 2, 3, 4) if fits(st)], default=0)
     st = int(stream_stages)
     if not 1 <= st <= 4 or not fits(st):
         raise ValueError(f"stream_stages={stream_stages} must be in [1, 4] and fit in shared memory")
-    n_q = ss._n_q(st, per_task)
+    n_q = ss.n_q_buffers(st, per_task)
 
     cpu = bool(interpret)
-    scale_log2 = float(scale) * ss._LOG2E
+    scale_log2 = float(scale) * LOG2E
     geo = ss.StreamGeometry(b=b, s_cap=s_cap, hkv=hkv, d=d, cols=cols, spt=spt, s_tiles=s_tiles,
                             per_task=per_task, workers=workers, n_blk=n_blk, bs=bs,
                             log2_g=g.bit_length() - 1, scale_log2=scale_log2, dtype=dtype,
@@ -242,9 +185,8 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                lse_pre_ref, o_st_ref, lse_st_ref):
         c = lax.axis_index("c")
         wg = lax.axis_index("wg")
-        stream_first = "streamfirst" in _debug   # (probe: the stream role on the first CTAs)
-        cp = c - n_str if stream_first else c    # index among the prefix CTAs
-        is_pre = c >= n_str if stream_first else c < n_pre
+        cp = c                                   # index among the prefix CTAs
+        is_pre = c < n_pre
 
         # -------------------------------------------------------------- prefix CTAs
         def prefix_role():
@@ -261,7 +203,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                 allocs = pm.prefix_pipeline(
                     None, None, first_tile=0, tiles_per_split=tiles_per_split, steps=steps, d=d,
                     block_kv=block_kv, cpu_check=cpu).get_allocations(
-                        *pm._head_refs(pk_ref, pv_ref, 0, cpu))
+                        *pm.head_refs(pk_ref, pv_ref, 0, cpu))
 
                 def scope(**pipeline_allocs):
                     def one_round(r, carry):
@@ -284,7 +226,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
 
         # -------------------------------------------------------------- stream CTAs
         def stream_role():
-            cs = c if stream_first else c - n_pre
+            cs = c - n_pre
 
             def read_len(seq):
                 return jnp.where(seq < b, slen_ref[jnp.minimum(seq, b - 1)], 0)
@@ -380,14 +322,10 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
 
         # The stream role's code comes first in program order: the prefix role changes the
         # per-thread register limit (setmaxnreg: 232 for its compute warpgroups, 40 for its
-        # memory warpgroup), and code after it was measured 2x slower (session 22: ptxas
-        # appears to compile what follows for the lowest limit).
-        roles = [(jnp.logical_not(is_pre), stream_role, "nostream"), (is_pre, prefix_role, "noprefix")]
-        if "prefixcodefirst" in _debug:   # (probe: the order measured slow)
-            roles.reverse()
-        for cond, role, off in roles:
-            if off not in _debug:
-                pl.when(cond)(role)
+        # memory warpgroup), and code after it ran 2x slower (ptxas appears to compile what
+        # follows for the lowest limit).
+        pl.when(jnp.logical_not(is_pre))(stream_role)
+        pl.when(is_pre)(prefix_role)
 
     n_out = s_rounds * workers
     o_pre, lse_pre, o_t, lse_t = plgpu.kernel(
@@ -402,7 +340,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                   jax.ShapeDtypeStruct((n_out, cols), jnp.float32)),
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=red,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": pm._gpu_interpret_params()} if interpret else {}),
+        **({"interpret": pm.gpu_interpret_params()} if interpret else {}),
     )(jnp.asarray(p_len, jnp.int32).reshape(1), s_len, q_hmd, qs, pk_phd, pv_phd, sk_bshd,
       sv_bshd)
     # suffix task i = block i // Hkv of kv head i % Hkv -> the row layout [1, Hkv, B * G(, D)]
@@ -410,24 +348,3 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     o = jnp.transpose(o, (1, 0, 3, 2)).reshape(hkv, n_blk * cols, d)[None, :, :b * g]
     lse = jnp.swapaxes(lse_t[:s_tasks].reshape(n_blk, hkv, cols), 0, 1).reshape(hkv, n_blk * cols)
     return (o_pre, lse_pre), (o, lse[None, :, :b * g])
-
-
-def split_decode_mgpu(q_bhd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, scale=None,
-                      return_lse: bool = False, **kw):
-    """Decode attention of ``q_bhd [B, Hq, D]`` over one shared prefix ``pk/pv [P, Hkv, D]``
-    (``p_len`` keys) and each sequence's suffix ``sk/sv [B, S, Hkv, D]`` (``s_len [B]`` keys),
-    through :func:`split_decode_partials_mgpu` (``**kw``: its static options) and one XLA merge.
-    Returns ``out [B, Hq, D]`` in q's dtype (and ``lse [B, Hq]`` float32 natural log)."""
-    from pallas_kernels import prefix_attention as pa   # noqa: PLC0415 (imports this package)
-    b, hq, d = q_bhd.shape
-    hkv = pk_phd.shape[1]
-    if hq % hkv:
-        raise ValueError(f"heads_q={hq} must be a multiple of heads_kv={hkv}")
-    g = hq // hkv
-    scale = d ** -0.5 if scale is None else float(scale)
-    qm, _ = pa._rows_128(q_bhd[:, None], hkv, g)
-    (o_pre, l_pre), (o_s, l_s) = split_decode_partials_mgpu(
-        qm, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, scale=scale, group=g, **kw)
-    out, lse = pa._merge_row_parts([(o_pre, l_pre, g), (o_s, l_s, g)], b=b, tq=1, hq=hq, r=g,
-                                   dtype=q_bhd.dtype, inv=None)
-    return (out[:, 0], lse[:, 0]) if return_lse else out[:, 0]

@@ -4,16 +4,16 @@ Launch 2 of the shared path when decoding (``Tq == 1``) with one program per (kv
 sequence): the program attends its sequence's suffix keys, merges the prefix partial states
 computed by launch 1 in its epilogue, and writes the final output and LSE.  With a pool span
 (the prefix) and key splits (grid ``(Hkv, B, splits)``, float32 partial states per split) it is
-also the flat path's decode kernel (:func:`pallas_kernels.decode_attention.flat_forward`) and
-the shared path's split suffix on the Mosaic GPU backend.
+also the flat path's own-layout decode kernel and the suffix pass beside the Mosaic GPU prefix
+kernel.
 
 Unlike the general row-layout kernel (:func:`pallas_kernels.decode_attention.ragged_attention`),
 which takes queries as ``[Hkv, M, D]`` rows padded to 16 per sequence and writes outputs in
 that layout, this kernel reads ``q`` and writes ``out``/``lse`` where they live,
 ``[B * Hq, D]`` (row ``b * Hq + h * G + j`` is query head ``h * G + j`` of sequence ``b``,
 ``G = Hq / Hkv``): the 16-row tile of a program starts at its group's first head, rows ``>= G``
-of the tile are masked on load and store.  Measured on an H200 (``bench/kernel_profile.py``,
-B=1024, Hq=32, Hkv=8), the padded layout cost two extra XLA passes (a pad of ``q`` to 16 rows
+of the tile are masked on load and store.  On an H200 (``bench/kernel_profile.py``, B=1024,
+Hq=32, Hkv=8) the padded layout costs two extra XLA passes (a pad of ``q`` to 16 rows
 per sequence, 22 us, and a transpose of the output, 7 us) and 4x the query and output traffic
 inside the kernel.
 
@@ -24,7 +24,6 @@ padding rows at the end.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +31,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.decode_attention import (attend_pool, finish_state, merge_tile_states, next_pow2,
-                                             online_update, split_chunk)
+from pallas_kernels.decode_attention import supported as _da_supported
+from pallas_kernels._common import (LOG2E, attend_pool, finish_state, merge_tile_states,
+                                    next_pow2, online_update, split_chunk)
 
-__all__ = ["suffix_decode_merge", "suffix_rows"]
+__all__ = ["suffix_decode_merge", "suffix_rows", "supported"]
 
-_LOG2E = math.log2(math.e)
+
+def supported(*, head_dim: int, dtype) -> str | None:
+    """``None`` when :func:`suffix_decode_merge` takes ``head_dim`` and ``dtype``, else the reason
+    (the conditions of :func:`pallas_kernels.decode_attention.supported`)."""
+    return _da_supported(head_dim=head_dim, dtype=dtype)
+
 
 
 def suffix_rows(hq: int, hkv: int) -> int:
@@ -91,8 +96,8 @@ def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, 
         s0 = sp * span_chunk
         n_span = jnp.clip(jnp.max(sn_ref[...]) - s0, 0, span_chunk)
         # (the start is always read from memory: with a start known to the compiler, e.g. 0,
-        # Triton built a loop that ran 1.1-1.65x slower at Hq=32 B=64-256 P=4K-16K S=64-128 on
-        # an H200, bench/results/logs/session12_probe_span12_h200.jsonl)
+        # Triton builds a loop that ran 1.1-1.65x slower on an H200 at Hq=32 B=64-256
+        # P=4K-16K S=64-128)
         carry = _attend_span(q, kp_ref, vp_ref, h, jnp.max(st_ref[...]) + s0, n_span,
                              carry, block_k=block_k, scale_log2=scale_log2, precision=precision)
     n = jnp.max(len_ref[...])  # keys of this sequence's suffix
@@ -189,7 +194,7 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
     kernel = functools.partial(
         _kernel, hq=hq, grp=grp, rows=rows, strides=tuple(int(s[2]) for s in sources),
         has_pos=tuple(s[3] is not None for s in sources), has_span=span is not None,
-        block_k=block_k, seq_len=s_len, scale_log2=float(scale) * _LOG2E, precision=precision,
+        block_k=block_k, seq_len=s_len, scale_log2=float(scale) * LOG2E, precision=precision,
         out_dtype=q_bhd.dtype, splits=splits, span_chunk=span_chunk, suffix_chunk=suffix_chunk)
     whole = lambda x: pl.BlockSpec(x.shape, lambda h, i, s, n=x.ndim: (0,) * n)  # noqa: E731
     one = pl.BlockSpec((1,), lambda h, i, s: (i,))

@@ -25,7 +25,6 @@ XLA reduction).  Static: shapes, ``scale``, tiles, ``key_splits``.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +32,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.prefix_attention_bwd import choose_row_splits
+from pallas_kernels._common import LOG2E as _LOG2E
+from pallas_kernels.flash_attention import flash_attention_bwd
+from pallas_kernels.prefix_attention_bwd import prefix_grads_reference
 
 __all__ = ["suffix_grads", "suffix_part_grads", "suffix_grads_reference", "suffix_grads_supported",
-           "MAX_ROWS"]
+           "suffix_grad_tiles", "MAX_ROWS"]
 
-_LOG2E = math.log2(math.e)
 MAX_ROWS = 128  # Tq * G rows per (sequence, kv head) in one tile; more: the flash backward
 
 
@@ -47,6 +47,13 @@ def suffix_grads_supported(tq: int, heads_q: int, heads_kv: int, head_dim: int) 
     ``head_dim`` a power of two >= 16)."""
     return (tq * (heads_q // heads_kv) <= MAX_ROWS and head_dim >= 16
             and not head_dim & (head_dim - 1))
+
+
+def suffix_grad_tiles(suffix_len: int, block_k: int = 64) -> int:
+    """Key tiles of :func:`suffix_grads` per (sequence, kv head) program, the most key splits
+    it takes."""
+    bk = max(16, min(int(block_k), 1 << max(0, suffix_len - 1).bit_length()))
+    return -(-suffix_len // bk)
 
 
 def _dot(a, b, fp32: bool, dims):
@@ -103,7 +110,7 @@ def _kernel(lim_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk
 
 
 def suffix_grads(q, d_out, lse, delta, suffix_k, suffix_v, lim, *, scale: float,
-                 interpret: bool = False, block_k: int = 64, key_splits: int | None = None,
+                 interpret: bool = False, block_k: int = 64, key_splits: int = 1,
                  num_warps: int = 4, num_stages: int = 2):
     """``(dq, dk, dv)`` of the suffix part (see the module docstring)."""
     b, tq, hq, d = q.shape
@@ -119,7 +126,7 @@ def suffix_grads(q, d_out, lse, delta, suffix_k, suffix_v, lim, *, scale: float,
     bk = max(16, min(int(block_k), 1 << max(0, s - 1).bit_length()))
     sp = -(-s // bk) * bk
     n_tiles = sp // bk
-    ks = choose_row_splits(b * hkv, n_tiles) if key_splits is None else int(key_splits)
+    ks = min(int(key_splits), n_tiles)
     if ks < 1:
         raise ValueError(f"key_splits must be >= 1, got {ks}")
 
@@ -164,26 +171,26 @@ def suffix_grads(q, d_out, lse, delta, suffix_k, suffix_v, lim, *, scale: float,
 
 
 def suffix_part_grads(q, d_out, lse, delta, suffix_k, suffix_v, suffix_lengths, *, scale: float,
-                      interpret: bool = False):
+                      interpret: bool = False, key_splits: int = 1):
     """Gradients of the suffix part of a merged attention whose queries are the last ``Tq``
     positions of each suffix (bottom-right causal: query ``i`` sees keys ``j < clip(sl - Tq + i
     + 1, 0, sl)``): :func:`suffix_grads` when its rows fit one tile, else the flash backward
-    (:func:`pallas_kernels.flash_attention.flash_attention_bwd`, causal, aligned to ``sl``)."""
+    (:func:`pallas_kernels.flash_attention.flash_attention_bwd`, causal, aligned to ``sl``).
+    ``key_splits``: splits of :func:`suffix_grads`' key tiles across programs (at most
+    :func:`suffix_grad_tiles`)."""
     _, tq, hq, d = q.shape
     sl = jnp.asarray(suffix_lengths, jnp.int32)
     if suffix_grads_supported(tq, hq, suffix_k.shape[2], d):
         i = jnp.arange(tq, dtype=jnp.int32)[None, :]
         lim = jnp.clip(sl[:, None] - tq + i + 1, 0, sl[:, None])
         return suffix_grads(q, d_out, lse, delta, suffix_k, suffix_v, lim, scale=scale,
-                            interpret=interpret)
-    from pallas_kernels.flash_attention import flash_attention_bwd  # noqa: PLC0415
+                            interpret=interpret, key_splits=key_splits)
     return flash_attention_bwd(q, suffix_k, suffix_v, d_out, lse, delta, causal=True,
                                kv_lengths=sl, sm_scale=scale, interpret=interpret)
 
 
 def suffix_grads_reference(q, d_out, lse, delta, suffix_k, suffix_v, lim, *, scale: float):
     """Dense pure-JAX :func:`suffix_grads` (float32, ``precision=HIGHEST``)."""
-    from pallas_kernels.prefix_attention_bwd import prefix_grads_reference  # noqa: PLC0415
     b = q.shape[0]
     # each sequence its own "prefix group": the same gradients
     return prefix_grads_reference(q, d_out, lse, delta, suffix_k, suffix_v,

@@ -12,7 +12,7 @@ Item table ``items [W, 9]`` int32, columns
 * ``"flatten"`` (DeFT-Flatten): the item reads ``ntiles`` consecutive chunks
   ``chunk, chunk + 1, ...``, each a window of ``block_kv`` pool tokens at
   ``chunk_start[chunk]`` with per-token visibility data ``tok[chunk] [3, block_kv]`` =
-  ``(tin, tout, pos)`` (padding tokens have ``tin = 2**30``).
+  ``(tin, tout, pos)`` (padding tokens have ``tin = NEVER = 2**30``).
 * ``"node"`` (one node / one sequence suffix per item): the item loops over ``ntiles``
   tiles starting at pool token ``kv_start``, which is the node's offset ``off0``; token at
   node offset ``o`` is valid iff ``off0 + t * C <= o < min(off0 + (t + 1) * C, length)`` and
@@ -40,11 +40,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["tree_partials", "KV_START", "NTILES", "ROW_START", "TIN", "TOUT", "POS0", "LENGTH", "OFF0",
-           "CHUNK"]
+__all__ = ["tree_partials", "ITEM_FIELDS", "NEVER", "KV_START", "NTILES", "ROW_START", "TIN", "TOUT", "POS0",
+           "LENGTH", "OFF0", "CHUNK"]
 
-KV_START, NTILES, ROW_START, TIN, TOUT, POS0, LENGTH, OFF0, CHUNK = range(9)
-_NEVER = 1 << 30  # tin of a token nobody sees (jax_prefix_attn.tree.NEVER)
+# Columns of an item table ``items [W, 9]`` (int32).
+ITEM_FIELDS = ("kv_start", "ntiles", "row_start", "tin", "tout", "pos0", "length", "off0", "chunk")
+KV_START, NTILES, ROW_START, TIN, TOUT, POS0, LENGTH, OFF0, CHUNK = range(len(ITEM_FIELDS))
+NEVER = 1 << 30  # ``tin`` of a token nobody sees (padding tokens of a chunk, padding items)
 
 
 def _dot(a, b, fp32: bool, trans_b: bool = False):
@@ -87,7 +89,7 @@ def _kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o
             t_tin = tok_ref[chunk, 0, :][None, :]
             t_tout = tok_ref[chunk, 1, :][None, :]
             t_pos = tok_ref[chunk, 2, :][None, :]
-            v_ok = (tok_ref[chunk, 0, :] != _NEVER)[:, None]  # [C, 1] tokens of this chunk
+            v_ok = (tok_ref[chunk, 0, :] != NEVER)[:, None]  # [C, 1] tokens of this chunk
         else:
             start = jnp.minimum(kv_start + t * c, n_pool - c)
         k = k_ref[pl.ds(start, c), h, :]                       # [C, D]

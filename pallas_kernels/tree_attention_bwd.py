@@ -38,8 +38,8 @@ Returns ``dq [R, Hkv, group, D]`` float32 in the original row order (``b * Tq + 
 column blocks, ``scale``; the tree itself is dynamic data (trees whose metadata buckets agree
 share one compilation).
 
-Tilings (H100, ``bench/results/logs/session17_probe_tree_bwd_h100.jsonl``, four trees, each
-kernel timed alone): 32-column steps were the fastest of 32/64/128 for both kernels, with 4
+Tilings (on an H100, four trees of ``bench/tree_attention_grad.py``, each kernel timed
+alone): 32-column steps were the fastest of 32/64/128 for both kernels, with 4
 warps for dK/dV (8 warps: 1.3-1.4x the time, except 0.8x with Hq=8/Hkv=1) and 8 for dQ (4
 warps: 1.2-1.3x).
 
@@ -57,12 +57,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tree_attention import CHUNK, NTILES, ROW_START
+from pallas_kernels.tree_attention import CHUNK, NEVER, NTILES, ROW_START
 
 __all__ = ["tree_grads", "tree_grads_reference", "chunk_item_ranges"]
 
 _LOG2E = math.log2(math.e)
-_NEVER = 1 << 30  # tin of a token nobody sees (jax_prefix_attn.tree.NEVER)
 
 
 def _dot(a, b, fp32: bool, trans_b: bool = False):
@@ -75,12 +74,12 @@ def chunk_item_ranges(items_w9, n_chunks: int):
     """For each chunk ``c < n_chunks``: ``(first, count, tile)`` int32 ``[NC]``: the items that
     read it are ``first .. first + count - 1`` (one per row block of its chunk group), and it is
     their ``tile``-th chunk.  ``count = 0`` for padding chunks.  Relies on the flatten schedule's
-    layout (``jax_prefix_attn.tree``, checked by the tests): items sorted by their first chunk,
-    one chunk group's items consecutive with rows ``row_start + i * block_rows``, padding items
-    (``ntiles = 0``) last, and an item's chunks adjacent windows of the pool (``chunk_start`` of
-    its ``t``-th chunk = the first's ``+ t * block_kv``)."""
+    layout (checked by the tests): items sorted by their first chunk, one chunk group's items
+    consecutive with rows ``row_start + i * block_rows``, padding items (``ntiles = 0``) last,
+    and an item's chunks adjacent windows of the pool (``chunk_start`` of its ``t``-th chunk =
+    the first's ``+ t * block_kv``)."""
     ntiles = items_w9[:, NTILES]
-    big = jnp.int32(_NEVER)
+    big = jnp.int32(NEVER)
     first_chunk = jnp.where(ntiles > 0, items_w9[:, CHUNK], big)                   # [W] sorted
     c = jnp.arange(n_chunks, dtype=jnp.int32)
     # (``compare_all``: one fused comparison of every chunk with every item, no loop; the
@@ -109,7 +108,7 @@ def _dkv_kernel(first_ref, count_ref, items_ref, tok_ref, cs_ref, key_ref, lim_r
     t_tin = tok_ref[c, 0, pl.ds(j0, bk)][:, None]                 # [bk, 1]
     t_tout = tok_ref[c, 1, pl.ds(j0, bk)][:, None]
     t_pos = tok_ref[c, 2, pl.ds(j0, bk)][:, None]
-    ok = t_tin != _NEVER
+    ok = t_tin != NEVER
     k = k_ref[pl.ds(start, bk), h, :]
     v = v_ref[pl.ds(start, bk), h, :]
     k = jnp.where(ok, k, jnp.zeros_like(k))                       # not this chunk's tokens:
@@ -172,7 +171,7 @@ def _dq_kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, do_ref, lse_
             t_tin = tok_ref[chunk, 0, pl.ds(j0, bk)]
             t_tout = tok_ref[chunk, 1, pl.ds(j0, bk)][None, :]
             t_pos = tok_ref[chunk, 2, pl.ds(j0, bk)][None, :]
-            ok = (t_tin != _NEVER)[:, None]                        # [bk, 1]
+            ok = (t_tin != NEVER)[:, None]                        # [bk, 1]
             k = k_ref[pl.ds(start, bk), h, :]
             v = v_ref[pl.ds(start, bk), h, :]
             k = jnp.where(ok, k, jnp.zeros_like(k))
@@ -199,7 +198,7 @@ def _chunks_to_pool(dkv_c, tok_c3c, chunk_start_c, n: int, disjoint: bool):
     several nodes' spans share gets the sum of their gradients."""
     nc, hkv, c, d = dkv_c.shape
     pos = chunk_start_c[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]       # [NC, C]
-    pos = jnp.where(tok_c3c[:, 0, :] != _NEVER, pos, n).reshape(-1)
+    pos = jnp.where(tok_c3c[:, 0, :] != NEVER, pos, n).reshape(-1)
     flat = jnp.transpose(dkv_c, (0, 2, 1, 3)).reshape(nc * c, hkv, d)
     if not disjoint:
         acc = jnp.zeros((n, hkv, d), jnp.float32).at[pos].add(flat.astype(jnp.float32), mode="drop")
@@ -318,8 +317,8 @@ def tree_grads_reference(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, tok_c3c,
     nc, _, c = tok_c3c.shape
     hi = lax.Precision.HIGHEST
     pos = chunk_start_c[:, None].astype(jnp.int32) + jnp.arange(c, dtype=jnp.int32)[None, :]
-    pos = jnp.where(tok_c3c[:, 0, :] != _NEVER, pos, n).reshape(-1)
-    tin = jnp.full((n,), _NEVER, jnp.int32).at[pos].set(tok_c3c[:, 0, :].reshape(-1), mode="drop")
+    pos = jnp.where(tok_c3c[:, 0, :] != NEVER, pos, n).reshape(-1)
+    tin = jnp.full((n,), NEVER, jnp.int32).at[pos].set(tok_c3c[:, 0, :].reshape(-1), mode="drop")
     tout = jnp.zeros((n,), jnp.int32).at[pos].set(tok_c3c[:, 1, :].reshape(-1), mode="drop")
     tpos = jnp.zeros((n,), jnp.int32).at[pos].set(tok_c3c[:, 2, :].reshape(-1), mode="drop")
     key = row_key_m[None, :, None]

@@ -321,7 +321,7 @@ def test_e2e_index_separates_layer_counts_of_one_part():
 
 def test_shared_prefix_bench_smoke(tmp_path):
     """``bench/shared_prefix.py --smoke`` (every kernel in interpret mode, tiny shapes): the
-    probe, the small-GQA set (a prefix that is no multiple of any tile, as the issue's 4000) and
+    probe, the small-GQA set (a prefix of 4000, no multiple of any tile) and
     the grid are measured; the probe and small-GQA points with every column, each column's
     output checked against ours and ours against the reference; a ``--resume`` run keeps them."""
     out = str(tmp_path / "sp.json")

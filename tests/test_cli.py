@@ -5,13 +5,18 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
 from models import cli
-from models.gguf import write_llama_gguf
-from test_gguf import tiny_config, tiny_state_dict
-from test_tokenizer import tiny_tokenizer_meta
+from models.config import LlamaConfig
+from models.gguf import load_gguf, write_llama_gguf
+from models.llama import Llama
+from models.tokenizer import Tokenizer
+from models.weights import params_from_hf_state_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,14 +51,6 @@ def _records(path):
 
 def _naive_greedy(model_path, prompt_ids, steps):
     """Greedy continuation by full recomputation (no cache), through the model's forward."""
-    import jax
-    import jax.numpy as jnp
-
-    from models.config import LlamaConfig
-    from models.gguf import load_gguf
-    from models.llama import Llama
-    from models.weights import params_from_hf_state_dict
-
     hf, sd = load_gguf(model_path)
     config = LlamaConfig.from_hf_config(hf)
     params = params_from_hf_state_dict(config, sd, jnp.float32)
@@ -80,8 +77,6 @@ def test_tiny_model_sampling_jsonl_and_seed(tiny_model, tmp_path, capsys):
     assert rc == 0, err
     recs = _records(out1)
     assert len(recs) == 3 and [r["sample"] for r in recs] == [0, 1, 2]
-    from models.tokenizer import Tokenizer
-
     tok = Tokenizer.from_gguf(tiny_model)
     for r in recs:
         assert r["prompt"] == "the cat sat on" and r["question"] is None
@@ -111,8 +106,6 @@ def test_tiny_model_greedy_questions_shared_equals_flat_equals_naive(tiny_model,
     recs = outs["shared"]
     assert [r["question"] for r in recs] == ["why is the sky blue"] * 2 + ["what is a cat"] * 2
     assert recs[0]["prompt"] == "Answer:\nQ: why is the sky blue\nA:"
-    from models.tokenizer import Tokenizer
-
     tok = Tokenizer.from_gguf(tiny_model)
     for r in recs[::2]:
         want = _naive_greedy(tiny_model, tok.encode(r["prompt"]), 5)
@@ -132,10 +125,8 @@ def test_tiny_model_chat_and_printed_output(tiny_model, tmp_path, capsys):
 
 
 def test_ctrl_c_keeps_finished_tokens(tiny_model, tmp_path, capsys, monkeypatch):
-    import importlib
-
-    gen = importlib.import_module("models.generate")
-    real = gen.generate_stream
+    """A KeyboardInterrupt raised by the token stream (as Ctrl-C would) after two steps."""
+    real = cli.generate_stream
 
     def interrupted(*a, **k):
         for i, toks in enumerate(real(*a, **k)):
@@ -143,7 +134,7 @@ def test_ctrl_c_keeps_finished_tokens(tiny_model, tmp_path, capsys, monkeypatch)
                 raise KeyboardInterrupt
             yield toks
 
-    monkeypatch.setattr(gen, "generate_stream", interrupted)
+    monkeypatch.setattr(cli, "generate_stream", interrupted)
     o = tmp_path / "o.jsonl"
     rc, _, err = _run(SAMPLE_ARGV(tiny_model) + ["-o", o], capsys)  # shapes compiled by the first test
     assert rc == 130 and "interrupted" in err
@@ -243,10 +234,7 @@ def test_default_model_answers_paris(tmp_path, capsys):
 def test_hf_directory_model_gives_the_same_completions(tiny_model, tmp_path, capsys):
     """`--model DIR` (config.json + model.safetensors + tokenizer.json) of the same weights and
     tokenizer as the tiny GGUF: identical greedy completions."""
-    from safetensors.numpy import save_file
-
-    from models.gguf import load_gguf
-    from models.tokenizer import Tokenizer
+    from safetensors.numpy import save_file  # noqa: PLC0415
 
     hf_cfg, state = load_gguf(tiny_model)
     d = tmp_path / "hfdir"

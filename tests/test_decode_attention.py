@@ -3,7 +3,11 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.decode_attention import Source, flat_forward, merge_partials, ragged_attention
+from pallas_kernels._common import merge_partial_list, merge_partials, pad_rows, row_meta, seq_rows
+from pallas_kernels.decode_attention import Source, ragged_attention
+from jax_prefix_attn import plan_shared_prefix, shared_prefix_attention
+from jax_prefix_attn.device import H100_SXM
+from helpers import forced_plan
 from conftest import rel_err
 
 
@@ -104,13 +108,11 @@ def test_fused_merge_epilogue_with_incoming_partials():
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_flat_forward_tq4_gqa(num_splits):
     from test_shared_prefix import check, make_case, oracle
-    from jax_prefix_attn.shared_prefix import row_limits
     args, kw, meta = make_case(11, b=3, tq=4, hq=8, hkv=2, d=16, g=2, p=40, s=24,
                                suffix_lengths=[0, 24, 5])
-    q, pk, pv, sk, sv = args
-    lim_p, lim_s = row_limits(4, kw["prefix_lengths"][kw["seq_to_prefix"]], kw["suffix_lengths"])
-    out, lse = flat_forward(q, pk, pv, sk, sv, kw["seq_to_prefix"], lim_p, lim_s, scale=0.25,
-                            interpret=True, block_k=16, num_splits=num_splits)
+    plan = forced_plan(args[0], args[1], args[3], "flat_rows", block_k=16, num_splits=num_splits)
+    out, lse = shared_prefix_attention(*args, **kw, sm_scale=0.25, return_lse=True, plan=plan,
+                                       interpret=True)
     check(out, lse, oracle(args, kw, meta), jnp.float32)
 
 
@@ -118,45 +120,39 @@ def test_flat_forward_tq4_gqa(num_splits):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("hq,hkv,g", [(8, 2, 2), (8, 1, 0), (6, 6, 3)])
 def test_flat_forward_decode_layouts(layout, num_splits, hq, hkv, g):
-    """Decoding (Tq=1) on the flat path in both layouts and by the rule: one prefix or ragged
-    groups, suffix lengths 0 and S_max, key splits that leave some chunks empty; against the
-    reference over the explicit concatenation."""
+    """Decoding (Tq=1) on the flat path in both layouts and by the planner's rule: one prefix or
+    ragged groups, suffix lengths 0 and S_max, key splits that leave some chunks empty; against
+    the reference over the explicit concatenation."""
     from test_shared_prefix import check, make_case, oracle
-    from jax_prefix_attn.shared_prefix import row_limits
     args, kw, meta = make_case(12 + hq + g, b=4, tq=1, hq=hq, hkv=hkv, d=16, g=g, p=70, s=40,
                                suffix_lengths=[0, 40, 5, 17])
     q, pk, pv, sk, sv = args
-    s2p = kw.get("seq_to_prefix", jnp.zeros((4,), jnp.int32))
-    plen = kw.get("prefix_lengths", jnp.full((pk.shape[0] if pk.ndim == 4 else 1,), 70, jnp.int32))
-    pk4, pv4 = (pk, pv) if pk.ndim == 4 else (pk[None], pv[None])
-    lim_p, lim_s = row_limits(1, plen[s2p], kw["suffix_lengths"])
-    out, lse = flat_forward(q, pk4, pv4, sk, sv, s2p, lim_p, lim_s, scale=0.25,
-                            interpret=True, block_k=16, num_splits=num_splits, layout=layout)
+    if layout == "auto":
+        plan = plan_shared_prefix(
+            batch=4, tq=1, heads_q=hq, heads_kv=hkv, head_dim=16, groups=max(g, 1), prefix_len=70,
+            suffix_len=40, dtype=q.dtype, impl="flat", device=H100_SXM, interpret=True)
+    elif layout == "own":
+        plan = forced_plan(q, pk, sk, "flat_own", num_splits=num_splits)
+    else:
+        plan = forced_plan(q, pk, sk, "flat_rows", block_k=16, num_splits=num_splits)
+    out, lse = shared_prefix_attention(*args, **kw, sm_scale=0.25, return_lse=True, plan=plan,
+                                       interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3]
     check(out, lse, oracle(args, kw, meta), jnp.float32)
 
 
-def test_flat_decode_layout_and_tiling_rules(monkeypatch):
-    import pallas_kernels.decode_attention as da
-    assert da.flat_decode_layout(80, 256) == "own"            # B=16 Hq=8: 16 x 5 splits
-    assert da.flat_decode_layout(384, 5462) == "rows"         # Hq=32 B=16 P=16K: 3 splits
-    assert da.flat_decode_layout(512, 8192) == "own"          # 64-key tiles
-    assert da.flat_decode_tiling(80)["block_k"] == 128
-    assert da.flat_decode_tiling(512)["block_k"] == 64
-    assert da.flat_decode_tiling(8192) == dict(block_k=32, num_warps=2, num_stages=3)
-    monkeypatch.setattr(da, "FLAT_DECODE_LAYOUT", "own")
-    assert da.flat_decode_layout(384, 5462) == "own"
-    monkeypatch.setattr(da, "FLAT_DECODE_TILING", dict(block_k=16, num_warps=1, num_stages=1))
-    assert da.flat_decode_tiling(8192)["block_k"] == 16
-
-
-def test_flat_forward_rejects_unknown_layout():
-    q = jnp.ones((1, 1, 2, 16))
-    kv = jnp.ones((1, 32, 1, 16))
-    lim = jnp.ones((1, 1), jnp.int32)
-    with pytest.raises(ValueError, match="layout must be one of"):
-        flat_forward(q, kv, kv, kv, kv, None, lim, lim, scale=0.25, interpret=True,
-                     layout="paged")
+def test_flat_decode_layout_and_tiling_rules():
+    def flat(b, hq, hkv, p, s):
+        return plan_shared_prefix(batch=b, tq=1, heads_q=hq, heads_kv=hkv, head_dim=128,
+                                  groups=1, prefix_len=p, suffix_len=s, dtype=jnp.bfloat16,
+                                  impl="flat", device=H100_SXM).chunks[0].leaf
+    own = flat(16, 8, 1, 1024, 128)                          # 16 x 5 splits
+    assert own.path == "flat_own" and own.num_splits == 5 and own.tiling.block_k == 128
+    assert flat(16, 32, 8, 16384, 256).path == "flat_rows"   # 3 splits of a 16K prefix
+    wide = flat(64, 32, 8, 8192, 128)                        # 512 programs: 64-key tiles
+    assert wide.path == "flat_own" and wide.tiling.block_k == 64
+    many = flat(1024, 32, 8, 4096, 128)
+    assert (many.tiling.block_k, many.tiling.num_warps, many.tiling.num_stages) == (32, 2, 3)
 
 
 @pytest.mark.parametrize("num_splits,two_phase", [(1, True), (2, True), (2, False)])
@@ -182,7 +178,6 @@ def test_row_metadata_constants_and_broadcasts():
     """``seq_rows``: a NumPy constant for static per-sequence values (no device work), a broadcast
     otherwise; ``row_meta`` with one position equals it (and the general form)."""
     import jax
-    from pallas_kernels.decode_attention import pad_rows, row_meta, seq_rows
     idx = np.array([3, 0, 2], np.int32)
     out = seq_rows(idx, 4)
     assert isinstance(out, np.ndarray) and out.dtype == np.int32
@@ -202,11 +197,9 @@ def test_row_metadata_constants_and_broadcasts():
 
 
 @pytest.mark.parametrize("unroll", [32, 0])
-def test_merge_partial_list_matches_float64(monkeypatch, unroll):
+def test_merge_partial_list_matches_float64(unroll):
     """The merge of partial states, as one elementwise expression over the parts and (``unroll``
     0) as the stacked reduction, against float64 NumPy; empty parts and all-empty rows included."""
-    import pallas_kernels.decode_attention as da
-    monkeypatch.setattr(da, "UNROLL_MERGE", unroll)
     rng = np.random.default_rng(7)
     n, hkv, m, d = 5, 2, 6, 8
     o = rng.standard_normal((n, hkv, m, d)).astype(np.float32)
@@ -214,9 +207,9 @@ def test_merge_partial_list_matches_float64(monkeypatch, unroll):
     lse[1, 0, 2] = -np.inf
     lse[:, 1, 4] = -np.inf          # a row no part saw
     o[1, 0, 2] = np.nan             # an empty part's output must not leak (0 * NaN)
-    mo, ml = da.merge_partial_list([jnp.asarray(o[i]).astype(jnp.bfloat16) if i == 3 else
-                                    jnp.asarray(o[i]) for i in range(n)],
-                                   [jnp.asarray(lse[i]) for i in range(n)])
+    mo, ml = merge_partial_list([jnp.asarray(o[i]).astype(jnp.bfloat16) if i == 3 else
+                                 jnp.asarray(o[i]) for i in range(n)],
+                                [jnp.asarray(lse[i]) for i in range(n)], unroll=unroll)
     o64, l64 = o.astype(np.float64), lse.astype(np.float64)
     o64[3] = np.asarray(jnp.asarray(o[3]).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
     mx = np.max(l64, axis=0)
@@ -228,5 +221,6 @@ def test_merge_partial_list_matches_float64(monkeypatch, unroll):
     exp_l = np.where(tot > 0, mx + np.log(np.where(tot > 0, tot, 1)), -np.inf)
     assert np.all(np.isfinite(np.asarray(mo)))
     _check(mo, ml, exp_o, exp_l, 1e-5)
-    so, sl = da.merge_partials(jnp.asarray(np.nan_to_num(o64).astype(np.float32)), jnp.asarray(lse))
+    so, sl = merge_partials(jnp.asarray(np.nan_to_num(o64).astype(np.float32)), jnp.asarray(lse),
+                            unroll=unroll)
     _check(so, sl, exp_o, exp_l, 1e-5)

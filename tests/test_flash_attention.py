@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jax_prefix_attn import attention, merge_two, reference
-from pallas_kernels.flash_attention import FlashConfig, flash_attention
+from pallas_kernels.flash_attention import FlashConfig, flash_attention, supported
 from tests.conftest import rel_err
 
 # Interpret-mode kernels are small programs with big loop nests: XLA:CPU's optimiser costs
@@ -100,7 +100,7 @@ def test_bf16_causal_gqa_d128_public_entry():
     q, k, v, w_out, w_lse = _inputs(3, 2, 48, 48, 4, 2, 128, jnp.bfloat16)
     lengths = jnp.asarray([48, 29], jnp.int32)
     fn = lambda q, k, v: attention(q, k, v, causal=True, kv_lengths=lengths,  # noqa: E731
-                                   impl="pallas_interpret")
+                                   impl="flash", interpret=True)
     _check(fn, q, k, v, w_out, w_lse, causal=True, kv_lengths=lengths, tol=2e-2)
 
 
@@ -174,7 +174,34 @@ def test_unsupported_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="impl"):
         attention(kf, kf, kf, impl="triton")
     with pytest.raises(ValueError, match="kv_lengths"):
-        attention(kf, kf, kf, kv_lengths=jnp.asarray([9]), impl="pallas_interpret")
+        attention(kf, kf, kf, kv_lengths=jnp.asarray([9]), impl="flash", interpret=True)
+    with pytest.raises(ValueError, match=r"impl='flash'.*head_dim.*320.*use impl='reference'"):
+        attention(q, q, q, impl="flash", interpret=True)
+    with pytest.raises(TypeError, match="interpret must be a bool"):
+        attention(kf, kf, kf, interpret="yes")
+
+
+def test_supported_predicate_and_auto_choice():
+    """``supported`` names what the kernel cannot run; ``impl="auto"`` takes the kernel on a GPU
+    where the shapes are supported, else the reference; ``interpret`` only says how a kernel
+    runs."""
+    assert supported((2, 5, 4, 64), (2, 9, 2, 64), jnp.bfloat16) is None
+    assert supported((2, 5, 4, 40), (2, 9, 2, 40), jnp.float32) is None  # padded to 64
+    assert "head_dim" in supported((2, 5, 4, 320), (2, 9, 2, 320), jnp.float32)
+    assert "dtype" in supported((2, 5, 4, 64), (2, 9, 2, 64), jnp.int32)
+    assert "seq_k=0" in supported((2, 5, 4, 64), (2, 0, 2, 64), jnp.float32)
+    assert "multiple" in supported((2, 5, 3, 64), (2, 9, 2, 64), jnp.float32)
+    q, k, v, _, _ = _inputs(2, 2, 5, 9, 4, 2, 64, jnp.float32)
+    kernel = attention(q, k, v, causal=True, impl="flash", interpret=True)
+    oracle = attention(q, k, v, causal=True, impl="reference")
+    assert rel_err(kernel[0], oracle[0]) < 1e-5
+    want = kernel if jax.default_backend() == "gpu" else oracle
+    for interpret in (False, True):
+        for a, b in zip(attention(q, k, v, causal=True, interpret=interpret), want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    q3, k3, v3, _, _ = _inputs(3, 1, 3, 4, 2, 1, 320, jnp.float32)
+    out, _ = attention(q3, k3, v3)  # unsupported head_dim: the reference runs, on any device
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(reference.attention(q3, k3, v3)[0]))
 
 
 # --------------------------------------------------------------------------- GPU (compiled)

@@ -17,6 +17,7 @@ from models.gguf import (  # noqa: E402
     unpermute_qk_rows,
     write_llama_gguf,
 )
+from helpers import tiny_config, tiny_state_dict  # noqa: E402
 
 QK_K = 256
 
@@ -170,7 +171,7 @@ def _reference_dequant(name, raw_rows):
     return np.asarray(out, dtype=np.float64)
 
 
-def test_supported_types_cover_the_issue_minimum():
+def test_supported_types_cover_the_common_llama_files():
     for t in ("Q4_0", "Q4_1", "Q8_0", "F16", "F32"):
         assert t in SUPPORTED_TENSOR_TYPES
 
@@ -280,35 +281,6 @@ def test_unpermute_matches_transformers():
 # ---------------------------------------------------------------------------------------------
 # tiny Llama files
 # ---------------------------------------------------------------------------------------------
-def tiny_config(**kw):
-    cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-               rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=False)
-    cfg.update(kw)
-    return cfg
-
-
-def tiny_state_dict(cfg, seed=0):
-    rng = np.random.default_rng(seed)
-    h, f, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    nq, nkv, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
-
-    def r(*s):
-        return (rng.standard_normal(s) * 0.1).astype(np.float32)
-
-    sd = {"model.embed_tokens.weight": r(v, h), "model.norm.weight": 1 + r(h)}
-    if not cfg["tie_word_embeddings"]:
-        sd["lm_head.weight"] = r(v, h)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        sd.update({p + "input_layernorm.weight": 1 + r(h), p + "post_attention_layernorm.weight": 1 + r(h),
-                   p + "self_attn.q_proj.weight": r(nq * d, h), p + "self_attn.k_proj.weight": r(nkv * d, h),
-                   p + "self_attn.v_proj.weight": r(nkv * d, h), p + "self_attn.o_proj.weight": r(h, nq * d),
-                   p + "mlp.gate_proj.weight": r(f, h), p + "mlp.up_proj.weight": r(f, h),
-                   p + "mlp.down_proj.weight": r(h, f)})
-    return sd
-
-
 def test_f32_round_trip_is_exact_and_config_matches(tmp_path):
     cfg = tiny_config()
     sd = tiny_state_dict(cfg)

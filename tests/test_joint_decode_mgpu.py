@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_attention import merge_partials
+from pallas_kernels._common import merge_partials
 from pallas_kernels.joint_decode_mgpu import joint_decode_mgpu, joint_supported, joint_tiles
 from test_shared_decode_mgpu import _case, _numpy_states
 

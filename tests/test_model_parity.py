@@ -15,7 +15,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from models import Llama, PromptBatch, load_hf_checkpoint, prefill_prefix_cache  # noqa: E402
-from models.generate import _jits  # noqa: E402
 from conftest import rel_err  # noqa: E402
 
 CONFIGS = {
@@ -70,7 +69,7 @@ def test_parity_with_transformers(name, tmp_path):
     # "flat" is checked on one config here (and on every generation test); "shared" on all
     for backend in (("shared", "flat") if name == "gqa" else ("shared",)):
         cap = max(SUFFIXES) + STEPS + (PREFIX if backend == "flat" else 0)
-        logits, cache = _jits(model)["prefill"](params, pc, toks, n, capacity=cap, backend=backend)
+        logits, cache = model.prefill_jit(params, pc, toks, n, capacity=cap, backend=backend)
         got = [np.asarray(logits)]
         for i in range(STEPS):
             logits, cache = model.decode_step_jit(params, cache, jnp.asarray(steps[:, i]))

@@ -1,8 +1,7 @@
 """Plain batches (no shared prefix) with stacked and list-of-layers parameters.
 
-Regression: ``generate(..., PromptBatch.plain(...), backend="flat")`` with stacked parameters
-used to fail inside ``jax.vmap`` on the empty prefix cache (no array to infer the layer count
-from).  Greedy tokens must equal a naive full-recompute greedy loop (``Llama.forward`` over the
+With stacked parameters a plain batch runs ``jax.vmap`` over an empty prefix cache (no array to
+infer the layer count from: it is passed explicitly).  Greedy tokens must equal a naive full-recompute greedy loop (``Llama.forward`` over the
 whole sequence at every step) for both backends and both layer layouts.
 """
 import jax
@@ -94,10 +93,9 @@ def test_tree_attention_option_matches_levels(setup, monkeypatch):
     pc = prefill_prefix_cache(tree_model, params, pb)
     assert pc.tree_nodes == ((13,), (5, 9))
     toks, n = pb.suffix_arrays()
-    from models.generate import _jits  # noqa: PLC0415
-    logits_t, cache_t = _jits(tree_model)["prefill"](params, pc, toks, n, capacity=8, backend="shared")
-    logits_l, cache_l = _jits(model)["prefill"](params, prefill_prefix_cache(model, params, pb), toks, n,
-                                                capacity=8, backend="shared")
+    logits_t, cache_t = tree_model.prefill_jit(params, pc, toks, n, capacity=8, backend="shared")
+    logits_l, cache_l = model.prefill_jit(params, prefill_prefix_cache(model, params, pb), toks, n,
+                                          capacity=8, backend="shared")
     assert np.isfinite(np.asarray(logits_t)).all()
     np.testing.assert_allclose(np.asarray(logits_t), np.asarray(logits_l), rtol=2e-5, atol=2e-5)
     for name in ("k", "v"):  # the continuations wrote the same keys/values

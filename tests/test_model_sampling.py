@@ -4,7 +4,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import sampling
 from models.sampling import SamplingConfig, filter_logits, sample_tokens, top_k_mask, top_p_mask
 
 
@@ -45,7 +44,7 @@ def test_top_p_mask(p):
 
 
 @pytest.mark.parametrize("p", [0.05, 0.9, 0.999])
-def test_top_p_mask_beyond_candidates(p, monkeypatch):
+def test_top_p_mask_beyond_candidates(p):
     """Flat rows whose nucleus holds more than the candidate set (bisection fallback) and, with
     few candidates, rows that mix both cases; integer-valued logits add ties at the threshold."""
     rng = np.random.default_rng(3)
@@ -53,8 +52,7 @@ def test_top_p_mask_beyond_candidates(p, monkeypatch):
     ties = rng.integers(-4, 3, size=(3, 3000)).astype(np.float32)           # many exact ties
     logits = np.concatenate([flat, ties])
     for cands in (256, 4):
-        monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", cands)
-        got = np.asarray(jax.jit(lambda x: top_p_mask(x, p))(jnp.asarray(logits)))
+        got = np.asarray(jax.jit(lambda x: top_p_mask(x, p, candidates=cands))(jnp.asarray(logits)))
         np.testing.assert_array_equal(got, _np_top_p_ties(logits, p), err_msg=f"candidates={cands}")
     assert got[:3].sum(-1).min() > 256 or p < 0.5
 

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import rel_err
 from pallas_kernels.flash_attention import flash_attention, flash_attention_bwd
-from pallas_kernels.prefix_attention_bwd import (choose_row_splits, prefix_grads,
+from jax_prefix_attn.planner import row_splits as choose_row_splits
+from pallas_kernels.prefix_attention_bwd import (prefix_grads,
                                                  prefix_grads_reference)
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -98,7 +99,7 @@ def test_prefix_grads_match_reference_interpret(b, tq, hq, hkv, d, g, p, dtype, 
         b + 10 * g + tq, b=b, tq=tq, hq=hq, hkv=hkv, d=d, g=g, p=p, dtype=dtype,
         plen=[p] * g if b == 8 else None)
     got = prefix_grads(q, do, lse, delta, pk, pv, s2p, lim, plen, scale=scale, interpret=True,
-                       row_splits=rs, key_splits=rs, block_q=16, block_k=16, dkv_block_q=16,
+                       row_splits=rs or 1, key_splits=rs or 1, block_q=16, block_k=16, dkv_block_q=16,
                        dkv_block_k=16)
     want = prefix_grads_reference(q, do, lse, delta, pk, pv, s2p, lim, plen, scale=scale)
     for name, a, w in zip(("dq", "dk", "dv"), got, want):
@@ -131,17 +132,17 @@ def test_prefix_grads_lower_for_cuda():
         q, do, lse, delta, pk, pv, s2p, lim, plen, scale = _case(tq, b=8, tq=tq, hq=8, hkv=2,
                                                                d=64, g=g, p=200,
                                                                dtype=jnp.bfloat16)
-        f = jax.jit(lambda *a: prefix_grads(*a, scale=scale, row_splits=rs, key_splits=rs))
+        f = jax.jit(lambda *a: prefix_grads(*a, scale=scale, row_splits=rs or 1, key_splits=rs or 1))
         text = f.trace(q, do, lse, delta, pk, pv, s2p, lim, plen).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "prefix_bwd_dq" in text and "prefix_bwd_dkv" in text
 
 
 def test_choose_row_splits():
-    assert choose_row_splits(300, 50) == 1
-    assert choose_row_splits(8, 100) == 16
-    assert choose_row_splits(8, 3) == 3
-    assert choose_row_splits(100, 50) == 3
+    assert choose_row_splits(300, 50, 132) == 1
+    assert choose_row_splits(8, 100, 132) == 16
+    assert choose_row_splits(8, 3, 132) == 3
+    assert choose_row_splits(100, 50, 132) == 3
 
 
 def test_prefix_grads_validation():

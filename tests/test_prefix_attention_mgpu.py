@@ -133,7 +133,7 @@ def test_shared_path_with_mgpu_backend_lowers_for_cuda(monkeypatch):
     (2, 128, 128, 768, 700, 1, True, None, 3),   # 3 stages: the LSE stored from registers
     (1, 256, 64, 768, 0, 2, True, 260, 3)])
 def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, stages):
-    from pallas_kernels.decode_attention import merge_partials
+    from pallas_kernels._common import merge_partials
     rng = np.random.default_rng(m + p + n)
     q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
@@ -163,7 +163,7 @@ def test_persistent_ctas_in_cpu_interpreter():
     """``persistent_ctas``: CTAs looping over the tasks through one set of pipeline buffers and
     barriers (6 tasks over 4 CTAs: two CTAs run two, with 3 pipeline stages) match the reference
     (the GPU test also checks them bit for bit against the grid form)."""
-    from pallas_kernels.decode_attention import merge_partials
+    from pallas_kernels._common import merge_partials
     hkv, m, d, p, n = 2, 128, 64, 1152, 1100
     q, k, v = _rand_operands(hkv, m, d, p, seed=7)
     o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=3, persistent_ctas=4,
@@ -243,7 +243,7 @@ def _reference_partials(q_hmd, k, v, n, scale):
     (8, 1024, 128, 16384, 16384, None, True, None)])  # 64 CTAs, 16K prefix: 2 splits (session 9)
 @pytest.mark.parametrize("stages", [2, 3])  # 3: the LSE stored from registers
 def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, stages):
-    from pallas_kernels.decode_attention import merge_partials
+    from pallas_kernels._common import merge_partials
     rng = np.random.default_rng(m + p)
     q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
@@ -269,7 +269,7 @@ def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, 
     (8, 1024, 128, 4096, 3000, 4, 100), (1, 512, 64, 8192, 8192, 16, 7)])
 def test_gpu_persistent_ctas(hkv, m, d, p, n, splits, ctas):
     """The persistent form on the GPU: against the reference, and equal to the grid form."""
-    from pallas_kernels.decode_attention import merge_partials
+    from pallas_kernels._common import merge_partials
     q, k, v = _rand_operands(hkv, m, d, p, seed=m + p)
     o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits,
                                   persistent_ctas=ctas)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels.prefix_attention as pa
-from pallas_kernels.decode_attention import merge_partials
+from pallas_kernels._common import merge_partials
 from pallas_kernels.shared_decode_mgpu import fused_supported, shared_decode_partials_mgpu, task_order
 
 

@@ -5,10 +5,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_prefix_attn import reference, shared_prefix_attention
+import dataclasses
+
+from jax_prefix_attn import plan_shared_prefix, reference, shared_prefix_attention
+from jax_prefix_attn.device import H100_SXM
+from jax_prefix_attn.executor import run_plan
+from jax_prefix_attn.leaf_plans import query_chunks
 from conftest import rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+# test names of the kernel paths in interpret mode -> shared_prefix_attention's arguments
+IMPL_KW = {"reference": dict(impl="reference"), "pallas_interpret": dict(impl="shared", interpret=True),
+           "flat_interpret": dict(impl="flat", interpret=True)}
 
 
 def make_case(seed, *, b=3, tq=1, hq=4, hkv=2, d=16, g=0, p=20, s=9, dtype=jnp.float32,
@@ -132,7 +140,8 @@ def _grad_check(impl, **case):
     w = jnp.asarray(np.random.default_rng(9).standard_normal(q.shape, np.float32))
 
     def ours(q, pk, pv, sk, sv):
-        out, lse = shared_prefix_attention(q, pk, pv, sk, sv, **kw, return_lse=True, impl=impl)
+        out, lse = shared_prefix_attention(q, pk, pv, sk, sv, **kw, return_lse=True,
+                                           **IMPL_KW[impl])
         return jnp.sum(out * w) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     # Oracle: reference.attention over the concatenation built with differentiable gathers.
@@ -195,6 +204,9 @@ def _base():
     (lambda a, k: k.__setitem__("sm_scale", -1.0), ValueError, "sm_scale"),
     (lambda a, k: k.__setitem__("impl", "fast"), ValueError, "impl"),
     (lambda a, k: k.__setitem__("return_lse", 1), TypeError, "return_lse"),
+    (lambda a, k: k.__setitem__("interpret", 1), TypeError, "interpret"),
+    (lambda a, k: k.__setitem__("impl", "pallas_interpret"), ValueError, "impl"),
+    (lambda a, k: k.__setitem__("plan", "shared"), TypeError, "plan"),
     (lambda a, k: a.__setitem__(0, a[0][0]), ValueError, "q"),
 ])
 def test_validation_errors(mutate, exc, match):
@@ -222,13 +234,12 @@ def test_seq_to_prefix_traced_is_accepted():
 def test_kernel_paths_interpret(impl, tq, hq, hkv, d, g, dtype):
     args, kw, meta = make_case(20 + tq, b=4, tq=tq, hq=hq, hkv=hkv, d=d, g=g, p=40, s=18,
                                dtype=dtype, suffix_lengths=[0, 18, 3, 9])
-    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl=impl)
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, **IMPL_KW[impl])
     assert out.dtype == dtype
     check(out, lse, oracle(args, kw, meta), dtype)
 
 
 def test_query_chunks_cover_tq():
-    from jax_prefix_attn.shared_prefix import query_chunks
     assert query_chunks(1, 8) == [(0, 1)]
     assert query_chunks(40, 4, max_rows=128) == [(0, 32), (32, 40)]
     assert query_chunks(3, 256, max_rows=128) == [(0, 1), (1, 2), (2, 3)]
@@ -240,36 +251,50 @@ def test_query_chunks_cover_tq():
 
 
 @pytest.mark.parametrize("impl", ["pallas_interpret", "flat_interpret"])
-def test_kernel_paths_chunk_long_query_blocks(impl, monkeypatch):
-    """Tq * group beyond one row tile (suffix prefill): queries run in chunks of positions."""
-    from jax_prefix_attn import shared_prefix as sp
-    monkeypatch.setattr(sp, "MAX_ROWS_PER_TILE", 16)  # Tq=7, group 4: chunks (0,4), (4,7)
-    args, kw, meta = make_case(77, b=3, tq=7, hq=8, hkv=2, d=16, g=2, p=24, s=20,
-                               suffix_lengths=[7, 20, 12])
-    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl=impl)
+def test_kernel_paths_chunk_long_query_blocks(impl):
+    """Tq * group beyond one row tile (suffix prefill): queries run in chunks of positions
+    (Tq=36, group 4: chunks (0, 32), (32, 36), each with its own tiling)."""
+    args, kw, meta = make_case(77, b=2, tq=36, hq=8, hkv=2, d=16, g=2, p=24, s=40,
+                               suffix_lengths=[36, 40])
+    plan = plan_shared_prefix(batch=2, tq=36, heads_q=8, heads_kv=2, head_dim=16, groups=2,
+                              prefix_len=24, suffix_len=40, dtype=jnp.float32,
+                              device=H100_SXM, interpret=True, **{"impl": IMPL_KW[impl]["impl"]})
+    assert [(c.start, c.stop) for c in plan.chunks] == [(0, 32), (32, 36)]
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, plan=plan, interpret=True)
     check(out, lse, oracle(args, kw, meta), jnp.float32)
 
 
 def test_kernel_forwards_reject_more_rows_than_a_tile():
-    from pallas_kernels.decode_attention import flat_forward
-    from pallas_kernels.prefix_attention import shared_prefix_forward
     args, kw, _ = make_case(5, b=2, tq=40, hq=8, hkv=2, d=16, p=24, s=48, suffix_lengths=[40, 48])
     q, pk, pv, sk, sv = args
-    lim = jnp.zeros((2, 40), jnp.int32)
-    for fwd in (shared_prefix_forward, flat_forward):
+    for impl in ("shared", "flat"):
+        plan = plan_shared_prefix(batch=2, tq=40, heads_q=8, heads_kv=2, head_dim=16, groups=1,
+                                  prefix_len=24, suffix_len=48, dtype=jnp.float32, impl=impl,
+                                  device=H100_SXM, interpret=True)
+        one_chunk = dataclasses.replace(plan, chunks=(dataclasses.replace(plan.chunks[0],
+                                                                          stop=40),))
         with pytest.raises(ValueError, match="query rows per sequence"):
-            fwd(q, pk[None], pv[None], sk, sv, jnp.zeros((2,), jnp.int32), lim, lim, scale=0.25,
-                interpret=True)
+            run_plan(one_chunk, q, pk[None], pv[None], sk, sv, jnp.zeros((2,), jnp.int32),
+                     jnp.full((1,), 24, jnp.int32), kw["suffix_lengths"], 0.25, True)
+
+
+def test_plan_for_other_shapes_is_rejected():
+    args, kw, _ = make_case(5, b=2, tq=1, hq=4, hkv=2, d=16, p=20, s=9)
+    plan = plan_shared_prefix(batch=3, tq=1, heads_q=4, heads_kv=2, head_dim=16, groups=1,
+                              prefix_len=20, suffix_len=9, dtype=jnp.float32, impl="shared",
+                              device=H100_SXM, interpret=True)
+    with pytest.raises(ValueError, match="plan was made for"):
+        shared_prefix_attention(*args, **kw, plan=plan, interpret=True)
 
 
 @pytest.mark.parametrize("impl", ["pallas_interpret", "flat_interpret"])
 def test_kernel_paths_128_rows_per_sequence_short_prefix(impl):
     """32 queries x G = 4 = 128 rows per sequence (one full row tile) with a prefix too short to
-    split: the prefix kernel's tiling once asserted that only large batches reach 128-row tiles
-    unsplit."""
+    split: the prefix kernel's tiling takes 128-row tiles unsplit
+    at a small batch too."""
     args, kw, meta = make_case(12, b=2, tq=33, hq=8, hkv=2, g=0, p=12, s=40,
                                suffix_lengths=[40, 20])
-    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl=impl)
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, **IMPL_KW[impl])
     check(out, lse, oracle(args, kw, meta), jnp.float32)
 
 
@@ -302,7 +327,7 @@ def test_kernel_path_second_order_gradients():
     def second(impl):
         def f(q, pk):
             out, lse = shared_prefix_attention(q, pk, *args[2:], **kw, return_lse=True,
-                                               impl=impl)
+                                               **IMPL_KW[impl])
             return jnp.sum(out ** 2) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
         def g(q, pk):
@@ -315,12 +340,16 @@ def test_kernel_path_second_order_gradients():
 
 
 def test_kernel_path_backward_runs_the_flash_kernels():
-    """The Pallas paths' backward is the kernels, not autodiff of the reference."""
-    import jax_prefix_attn.shared_prefix as sp
+    """The kernel paths' backward is the kernels, not autodiff of the reference (unless the
+    plan says ``backward="reference"``)."""
     args, kw, _ = make_case(3, b=2, tq=2, g=2, p=10, s=6)
+    shapes = dict(batch=2, tq=2, heads_q=4, heads_kv=2, head_dim=16, groups=2, prefix_len=10,
+                  suffix_len=6, dtype=jnp.float32, impl="shared", device=H100_SXM,
+                  interpret=True)
 
-    def loss(q, pk):
-        return jnp.sum(shared_prefix_attention(q, pk, *args[2:], **kw, impl="pallas_interpret"))
+    def loss(q, pk, plan=None):
+        return jnp.sum(shared_prefix_attention(q, pk, *args[2:], **kw, impl="shared",
+                                               interpret=True, plan=plan))
     text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(args[0], args[1]))
     for name in ("prefix_bwd_dq", "prefix_bwd_dkv", "suffix_bwd"):
         assert name in text, name
@@ -329,18 +358,14 @@ def test_kernel_path_backward_runs_the_flash_kernels():
     args2, kw2, _ = make_case(4, b=2, tq=33, hq=8, hkv=2, g=0, p=12, s=40,
                               suffix_lengths=[40, 35])
     text2 = str(jax.make_jaxpr(jax.grad(lambda q: jnp.sum(shared_prefix_attention(
-        q, *args2[1:], **kw2, impl="pallas_interpret"))))(args2[0]))
+        q, *args2[1:], **kw2, impl="shared", interpret=True))))(args2[0]))
     assert "flash_attention_bwd_dkv" in text2 and "suffix_bwd" not in text2
-    old = sp.BACKWARD
-    try:
-        sp.BACKWARD = "reference"
-        text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(args[0], args[1]))
-        assert "prefix_bwd_dq" not in text
-        sp.BACKWARD = "nope"
-        with pytest.raises(ValueError, match="BACKWARD"):
-            jax.grad(loss)(args[0], args[1])
-    finally:
-        sp.BACKWARD = old
+    ref_plan = plan_shared_prefix(**shapes, backward="reference")
+    text = str(jax.make_jaxpr(jax.grad(lambda q, pk: loss(q, pk, ref_plan), argnums=(0, 1)))(
+        args[0], args[1]))
+    assert "prefix_bwd_dq" not in text
+    with pytest.raises(ValueError, match="backward"):
+        plan_shared_prefix(**shapes, backward="nope")
 
 
 def test_kernel_paths_reject_unsupported_head_dim():
@@ -351,12 +376,11 @@ def test_kernel_paths_reject_unsupported_head_dim():
 
 
 def test_cost_model_prefers_shared_for_large_batches():
-    from jax_prefix_attn.cost_model import estimate
-    shapes = dict(tq=1, heads_q=32, heads_kv=8, head_dim=128, groups=1, suffix_len=128, itemsize=2)
-    big = estimate(batch=256, prefix_len=4096, **shapes)
-    assert big.choice == "shared" and big.flat_bytes > 10 * big.shared_bytes
+    shapes = dict(tq=1, heads_q=32, heads_kv=8, head_dim=128, groups=1, suffix_len=128,
+                  dtype=jnp.bfloat16, device=H100_SXM)
+    assert plan_shared_prefix(batch=256, prefix_len=4096, **shapes).impl == "shared"
     # One sequence: nothing to share, flat reads the same bytes in one launch.
-    assert estimate(batch=1, prefix_len=4096, **shapes).choice == "flat"
+    assert plan_shared_prefix(batch=1, prefix_len=4096, **shapes).impl == "flat"
 
 
 # --------------------------------------------------------------------------- GPU (compiled)
@@ -385,7 +409,7 @@ def test_gpu_parity(impl, tq, hq, hkv, d, g, dtype):
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8)])
 def test_gpu_long_suffix_prefill(impl, hq, hkv):
     """Hundreds of new tokens per sequence (a problem prefilled after a shared root): more rows
-    per sequence than one tile holds (CodeLlama-like MHA shapes failed here before chunking)."""
+    per sequence than one tile holds (CodeLlama-like MHA shapes): the queries run in chunks."""
     args, kw, meta = make_case(60, b=3, tq=300, hq=hq, hkv=hkv, d=128, g=0, p=700, s=420,
                                dtype=jnp.bfloat16, suffix_lengths=[300, 420, 333])
     out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, impl=impl))(*args)
@@ -428,20 +452,17 @@ def test_gpu_small_batch_splits():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["fused", "overlap"])
-def test_gpu_shared_variants_large_batch(variant):
-    from pallas_kernels import prefix_attention as pa
+@pytest.mark.parametrize("path", ["triton_two_launch", "triton_overlap"])
+def test_gpu_shared_variants_large_batch(path):
     b = 96
     sl = np.random.default_rng(5).integers(0, 257, size=b)
     sl[:2] = [0, 256]
     args, kw, meta = make_case(50, b=b, tq=1, hq=32, hkv=8, d=128, g=2, p=1500, s=256,
                                dtype=jnp.bfloat16, suffix_lengths=sl)
-    old, pa.VARIANT = pa.VARIANT, variant
-    try:
-        out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True,
-                                                              impl="shared"))(*args)
-    finally:
-        pa.VARIANT = old
+    plan = plan_shared_prefix(batch=b, tq=1, heads_q=32, heads_kv=8, head_dim=128, groups=2,
+                              prefix_len=1500, suffix_len=256, dtype=jnp.bfloat16, path=path)
+    out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True,
+                                                          plan=plan))(*args)
     check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
 
 
@@ -485,7 +506,7 @@ def test_nan_past_the_lengths_every_impl(impl):
 
     def run(a):
         def loss(*a):
-            out = shared_prefix_attention(*a, **kw, impl=impl)
+            out = shared_prefix_attention(*a, **kw, **IMPL_KW[impl])
             return jnp.sum(out.astype(jnp.float32) ** 2), out
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(*a)
     (_, o1), g1 = run(args)

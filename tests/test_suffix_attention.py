@@ -165,7 +165,7 @@ def _check_span(b, hq, hkv, d, s, dtype, bk, gpu, num_splits=1, one_span=False):
 
     ``num_splits > 1``: no incoming sources; the span's and the suffix's keys are split across
     programs and the float32 partial states merged afterwards (``merge_partials``)."""
-    from pallas_kernels.decode_attention import merge_partials
+    from pallas_kernels._common import merge_partials
     rng = np.random.default_rng(b * 7 + s)
     g = hq // hkv
     r = suffix_rows(hq, hkv)

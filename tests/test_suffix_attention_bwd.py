@@ -38,7 +38,7 @@ def _case(seed, b, tq, hq, hkv, d, s, dtype=jnp.float32):
 ])
 def test_suffix_grads_match_reference_interpret(b, tq, hq, hkv, d, s, dtype, ks):
     q, do, lse, delta, sk, sv, lim, _ = _case(b + tq, b, tq, hq, hkv, d, s, dtype)
-    got = suffix_grads(q, do, lse, delta, sk, sv, lim, scale=0.3, interpret=True, key_splits=ks,
+    got = suffix_grads(q, do, lse, delta, sk, sv, lim, scale=0.3, interpret=True, key_splits=ks or 1,
                        block_k=16)
     want = suffix_grads_reference(q, do, lse, delta, sk, sv, lim, scale=0.3)
     for name, a, w in zip(("dq", "dk", "dv"), got, want):
@@ -75,7 +75,7 @@ def test_suffix_grads_lower_for_cuda():
     """The Triton lowering (transposed products included) on the CPU."""
     q, do, lse, delta, sk, sv, lim, _ = _case(2, 4, 2, 8, 2, 64, 100, jnp.bfloat16)
     for ks in (1, 3):
-        f = jax.jit(lambda *a: suffix_grads(*a, lim, scale=0.125, key_splits=ks))
+        f = jax.jit(lambda *a: suffix_grads(*a, lim, scale=0.125, key_splits=ks or 1))
         text = f.trace(q, do, lse, delta, sk, sv).lower(lowering_platforms=("cuda",)).as_text()
         assert "suffix_bwd" in text
 

@@ -6,7 +6,8 @@ import pytest
 pytest.importorskip("tokenizers")
 
 from models.gguf import default_gguf_path, open_gguf  # noqa: E402
-from models.tokenizer import Tokenizer, TokenizerError, bytes_to_unicode, render_chat_template  # noqa: E402
+from models.tokenizer import Tokenizer, TokenizerError, render_chat_template  # noqa: E402
+from helpers import CHATML, tiny_tokenizer_meta  # noqa: E402
 
 SAMPLES = [
     "Hello world!",
@@ -18,21 +19,6 @@ SAMPLES = [
     "1234567890, year 2024, 3.5e-10, 1,000,000",
     "it's we'll they'RE I'd",
 ]
-
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def tiny_tokenizer_meta():
-    """GGUF tokenizer metadata of a tiny byte-level BPE: 3 control tokens, 256 bytes, 6 merges."""
-    byte_chars = [bytes_to_unicode()[b] for b in range(256)]
-    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "o n"]
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_chars + [m.replace(" ", "") for m in merges]
-    return {"model": "gpt2", "pre": "smollm", "tokens": tokens,
-            "token_types": [3, 3, 3] + [1] * (len(tokens) - 3), "merges": merges,
-            "bos_token_id": 1, "eos_token_id": 2, "padding_token_id": 0, "add_bos_token": False,
-            "chat_template": CHATML}
-
 
 def tiny_tokenizer():
     m = tiny_tokenizer_meta()

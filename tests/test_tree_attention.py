@@ -5,43 +5,13 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from jax_prefix_attn import PrefixTree, reference, tree_attention
-from jax_prefix_attn.tree import build_tree_metadata
-from jax_prefix_attn.tree_attention import _forward
-from test_tree import random_forest
-
-
-def make_inputs(tree, *, tq, hq, hkv, d, smax, seed, dtype=jnp.float32, extra_pool=7):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    b = tree.num_seqs
-    n = tree.pool_extent + extra_pool
-    q = jax.random.normal(ks[0], (b, tq, hq, d), dtype)
-    kp = jax.random.normal(ks[1], (n, hkv, d), dtype)
-    vp = jax.random.normal(ks[2], (n, hkv, d), dtype)
-    sk = jax.random.normal(ks[3], (b, smax, hkv, d), dtype)
-    sv = jax.random.normal(ks[4], (b, smax, hkv, d), dtype)
-    sl = jax.random.randint(ks[5], (b,), 0, smax + 1).astype(jnp.int32)
-    return q, kp, vp, sk, sv, sl
-
-
-def concat_oracle(tree, q, kp, vp, sk, sv, sl, sm_scale=None, lmax=None):
-    """Independent oracle: per sequence, numpy-concatenate path spans and suffix (host), pad to a
-    common length, then one ``reference.attention`` call with ``kv_lengths``."""
-    kp, vp, sk, sv, sl = (np.asarray(x, np.float32) for x in (kp, vp, sk, sv, sl))
-    ctx_k, ctx_v = [], []
-    for b in range(tree.num_seqs):
-        idx = tree.path_token_indices(b)
-        s = int(sl[b])
-        ctx_k.append(np.concatenate([kp[idx], sk[b, :s]], axis=0))
-        ctx_v.append(np.concatenate([vp[idx], sv[b, :s]], axis=0))
-    lens = np.array([c.shape[0] for c in ctx_k], np.int32)
-    lmax = max(1, int(lens.max())) if lmax is None else lmax
-    pad = lambda c: np.concatenate([c, np.zeros((lmax - c.shape[0],) + c.shape[1:], c.dtype)])  # noqa: E731
-    k = jnp.asarray(np.stack([pad(c) for c in ctx_k]))
-    v = jnp.asarray(np.stack([pad(c) for c in ctx_v]))
-    o, l = reference.attention(q.astype(jnp.float32), k, v, causal=True, kv_lengths=jnp.asarray(lens),
-                               sm_scale=sm_scale)
-    return o.astype(q.dtype), l
+from helpers import TREE_FORESTS as FORESTS
+from helpers import concat_oracle, poison_outside_tree, random_forest
+from helpers import tree_inputs as make_inputs
+from jax_prefix_attn import PrefixTree, build_tree_metadata, tree_attention
+from jax_prefix_attn.tree_attention import auto_path, use_shallow
+from jax_prefix_attn.tree_metadata import SHALLOW_MAX_TOKENS
+from jax_prefix_attn.tree_paths import shallow_attention, single_level_attention
 
 
 def run(tree, args, impl, **kw):
@@ -71,11 +41,11 @@ def test_parity_random_forests(seed, tq):
     tree = random_forest(rng, n_trees, depth, branch, max_len)
     args = make_inputs(tree, tq=tq, hq=4, hkv=2, d=16, smax=9, seed=seed)
     ref_out, ref_lse = concat_oracle(tree, *args)
-    impls = ("flatten", "levelwise") if seed in (1, 2) else ("flatten",)
+    impls = [("flatten", False), ("levelwise", False)] if seed in (1, 2) else [("flatten", False)]
     if tq == 1:  # the Pallas kernels in interpret mode: tree partials, then the decode suffix
-        impls += ("pallas_interpret",)  # kernel merging them in its epilogue
-    for impl in impls:
-        out, lse = run(tree, args, impl)
+        impls.append(("flatten", True))  # kernel merging them in its epilogue
+    for impl, interpret in impls:
+        out, lse = run(tree, args, impl, interpret=interpret)
         check_close(out, lse, ref_out, ref_lse, 1e-5)
 
 
@@ -94,29 +64,20 @@ def test_length_one_nodes_and_block_size_16():
         check_close(out, lse, ref_out, ref_lse, 1e-5)
 
 
-def poison(tree, kp, vp, sk, sv, sl):
-    """NaN everywhere no sequence may look: pool tokens outside spans, suffix beyond lengths."""
-    used = np.zeros(kp.shape[0], bool)
-    for s, n in zip(tree.starts, tree.lengths):
-        used[s:s + n] = True
-    smask = (jnp.arange(sk.shape[1])[None, :] < sl[:, None])[..., None, None]
-    return (jnp.where(used[:, None, None], kp, jnp.nan), jnp.where(used[:, None, None], vp, jnp.nan),
-            jnp.where(smask, sk, jnp.nan), jnp.where(smask, sv, jnp.nan)), used
-
-
 def test_pallas_interpret_kernels_flatten_and_node_mode_with_nan_poison():
     tree = PrefixTree(parents=[-1, 0, 0, 2, -1], starts=[40, 3, 90, 100, 130], lengths=[30, 5, 1, 20, 0],
                       leaf_of_seq=[1, 3, 3, 2, 4])
     q, kp, vp, sk, sv, sl = make_inputs(tree, tq=4, hq=4, hkv=2, d=16, smax=6, seed=11, extra_pool=9)
     ref_out, ref_lse = concat_oracle(tree, q, kp, vp, sk, sv, sl)
-    bad, _ = poison(tree, kp, vp, sk, sv, sl)
+    bad, _ = poison_outside_tree(tree, kp, vp, sk, sv, sl)
     meta16 = build_tree_metadata(tree, tq=4, group=2, pool_size=kp.shape[0], block_kv=16, chunks_per_item=2)
     out, lse = jax.jit(lambda m, q, kp, vp, sk, sv, sl: tree_attention(
-        q, m, kp, vp, sk, sv, suffix_lengths=sl, impl="pallas_interpret", return_lse=True))(meta16, q, *bad, sl)
+        q, m, kp, vp, sk, sv, suffix_lengths=sl, impl="flatten", interpret=True, return_lse=True))(meta16, q, *bad, sl)
     check_close(out, lse, ref_out, ref_lse, 1e-5)
     meta = build_tree_metadata(tree, tq=4, group=2, pool_size=kp.shape[0])
-    out, lse = jax.jit(lambda *a: _forward(*a, scale=0.25, schedule="levelwise", backend="interpret"))(
-        q, meta, *bad, sl)
+    out, lse = jax.jit(lambda m, q, kp, vp, sk, sv, sl: tree_attention(
+        q, m, kp, vp, sk, sv, suffix_lengths=sl, sm_scale=0.25, impl="levelwise", interpret=True,
+        return_lse=True))(meta, q, *bad, sl)
     check_close(out, lse, ref_out, ref_lse, 1e-5)
 
 
@@ -139,8 +100,7 @@ def test_single_level_forest_through_shared_prefix_path():
     q, kp, vp, sk, sv, sl = args
     meta = build_tree_metadata(tree, tq=2, group=2, pool_size=kp.shape[0])
     assert meta.single_level and meta.root_pad == 32
-    from jax_prefix_attn.tree_attention import _single_level
-    out, lse = jax.jit(lambda m, *a: _single_level(a[0], m, *a[1:], scale=0.25, impl="reference"))(
+    out, lse = jax.jit(lambda m, *a: single_level_attention(a[0], m, *a[1:], scale=0.25, shared_impl="reference"))(
         meta, q, kp, vp, sk, sv, sl)
     check_close(out, lse, ref_out, ref_lse, 1e-5)
 
@@ -257,7 +217,7 @@ def test_empty_rows_and_nan_poison_outside_spans():
     sl = jnp.array([2, 4, 0, 3], jnp.int32)
     ref_out, ref_lse = concat_oracle(tree, q, kp, vp, sk, sv, sl)
     assert not np.isfinite(ref_lse[2]).any()
-    (kp_bad, vp_bad, sk_bad, sv_bad), used = poison(tree, kp, vp, sk, sv, sl)
+    (kp_bad, vp_bad, sk_bad, sv_bad), used = poison_outside_tree(tree, kp, vp, sk, sv, sl)
 
     def f(q, kp, vp):
         o, l = tree_attention(q, tree, kp, vp, sk_bad, sv_bad, suffix_lengths=sl, impl="flatten", return_lse=True)
@@ -349,7 +309,7 @@ def test_gpu_nan_poison_outside_spans():
                       leaf_of_seq=[1, 1, 2, 0])
     q, kp, vp, sk, sv, sl = make_inputs(tree, tq=2, hq=4, hkv=2, d=64, smax=40, seed=4, extra_pool=50)
     ref_out, ref_lse = concat_oracle(tree, q, kp, vp, sk, sv, sl)
-    bad, _ = poison(tree, kp, vp, sk, sv, sl)
+    bad, _ = poison_outside_tree(tree, kp, vp, sk, sv, sl)
     for impl in ("flatten", "levelwise"):
         out, lse = run(tree, (q, *bad, sl), impl)
         check_close(out, lse, ref_out, ref_lse, 1e-5)
@@ -360,13 +320,11 @@ def test_shallow_path_in_interpret_mode(smax):
     """Speculative-style forest (two roots, single-token and short leaves, several sequences on
     some): roots through the shared-prefix path, path tokens below the roots gathered per sequence,
     the real suffix merged by the decode suffix kernel; against the concatenation oracle."""
-    from jax_prefix_attn.tree import SHALLOW_MAX_TOKENS
-    from jax_prefix_attn.tree_attention import _shallow, _use_shallow
     tree = PrefixTree.from_nested([[70] + [1] * 6 + [[2, 1, 3]], [40, 5, 1]], seqs_per_leaf=2)
     args = make_inputs(tree, tq=1, hq=4, hkv=2, d=16, smax=smax, seed=21)
     q, kp, vp, sk, sv, sl = args
     meta = build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0])
-    assert not meta.single_level and meta.shallow_pad == 16 and _use_shallow(meta, q)
+    assert not meta.single_level and meta.shallow_pad == 16 and use_shallow(meta, q)
     below = np.asarray(meta.shallow_len)
     assert below.max() == 5 and below.min() == 1        # [2, 1, 3]: a 2-token node with leaves 1 and 3
     for i in range(tree.num_seqs):                      # gathered indices are the path below the root
@@ -374,20 +332,13 @@ def test_shallow_path_in_interpret_mode(smax):
         np.testing.assert_array_equal(np.asarray(meta.shallow_idx)[i, :below[i]],
                                       tree.path_token_indices(i)[root_len:])
     ref_out, ref_lse = concat_oracle(tree, *args)
-    out, lse = jax.jit(lambda q, kp, vp, sk, sv, sl: _shallow(
+    out, lse = jax.jit(lambda q, kp, vp, sk, sv, sl: shallow_attention(
         q, jax.tree_util.tree_map(jnp.asarray, meta), kp, vp, sk, sv, sl, scale=16 ** -0.5,
-        impl="pallas_interpret", interpret=True))(*args)
+        shared_impl="shared", interpret=True))(*args)
     check_close(out, lse, ref_out, ref_lse, 1e-5)
     # not shallow: a path with more than SHALLOW_MAX_TOKENS tokens below its root
     deep = PrefixTree.from_nested([[30, [SHALLOW_MAX_TOKENS, 1], 2]])
     assert build_tree_metadata(deep, tq=1, group=2, pool_size=deep.pool_extent).shallow_pad == 0
-
-
-def test_root_bucket():
-    from jax_prefix_attn.tree import root_bucket
-    assert [root_bucket(n) for n in (1, 17, 1000, 1024)] == [16, 32, 1024, 1024]
-    assert root_bucket(1025) == 1152 and root_bucket(4000) == 4096 and root_bucket(5000) == 5120
-    assert all(root_bucket(n) % 128 == 0 and n <= root_bucket(n) <= 1.125 * n for n in range(1025, 20000, 97))
 
 
 HYBRID_FORESTS = [
@@ -424,16 +375,16 @@ def test_hybrid_schedule_in_interpret_mode_with_nan_poison(case, smax):
         assert tuple(np.asarray(meta.excl_span)[b]) == want
     assert meta.hybrid_root == (case != 2)
     ref_out, ref_lse = concat_oracle(tree, *args)
-    bad, _ = poison(tree, kp, vp, sk, sv, sl)
-    out, lse = run(tree, (q, *bad, sl), "hybrid_interpret")
+    bad, _ = poison_outside_tree(tree, kp, vp, sk, sv, sl)
+    out, lse = run(tree, (q, *bad, sl), "hybrid", interpret=True)
     check_close(out, lse, ref_out, ref_lse, 1e-5)
     if case == 0:  # gradients (custom_vjp: the flatten mirror) match the oracle's
-        def loss(impl):
+        def loss(impl, interpret=False):
             def f(q, kp, vp, sk, sv):
-                o = tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl)
+                o = tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl, interpret=interpret)
                 return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape)))
             return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q, kp, vp, sk, sv)
-        for g, r in zip(loss("hybrid_interpret"), loss("reference")):
+        for g, r in zip(loss("hybrid", True), loss("reference")):
             assert rel_err(g, r) < 1e-5
 
 
@@ -441,40 +392,25 @@ def test_hybrid_errors():
     tree = PrefixTree.from_nested([[10, 3, 4]])
     q, kp, vp, sk, sv, sl = make_inputs(tree, tq=2, hq=4, hkv=2, d=16, smax=3, seed=1)
     with pytest.raises(ValueError, match="seq_q == 1"):
-        tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl="hybrid_interpret")
-    if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="needs a GPU"):
-            tree_attention(q[:, :1], tree, kp, vp, sk, sv, suffix_lengths=sl, impl="hybrid")
-
-
-def test_hybrid_cost_model_choices():
-    """The hybrid schedule is preferred for tree-of-thought / APPS shapes, not when a few
-    sequences each stream a very long exclusive node (one program per sequence and kv head in
-    the suffix launch, where the flatten schedule splits it into chunks)."""
-    tot = PrefixTree.from_nested([[1500] + [[200] + [200] * 10 for _ in range(10)]])
-    apps = PrefixTree.from_nested([[2400, 500, 600, 700]], seqs_per_leaf=128)
-    long_leaves = PrefixTree.from_nested([[100, 50000, 50000]])
-    for tree, want in ((tot, True), (apps, True), (long_leaves, False)):
-        meta = build_tree_metadata(tree, tq=1, group=4, pool_size=tree.pool_extent, device=False)
-        assert meta.hybrid == want, tree
-    assert build_tree_metadata(tot, tq=2, group=4, pool_size=tot.pool_extent, device=False).excl_span is None
+        tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl="hybrid", interpret=True)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        tree_attention(q[:, :1], tree, kp, vp, sk, sv, suffix_lengths=sl, impl="hybrid", platform="cpu")
 
 
 @pytest.mark.parametrize("flash_fallback", [False, True])
-def test_shallow_path_gradients_interpret(flash_fallback, monkeypatch):
+def test_shallow_path_gradients_interpret(flash_fallback):
     """The shallow decode path (roots through shared-prefix attention, the rest merged by the
     decode suffix kernel) is differentiable: its suffix merge has a kernel backward (the suffix
     part with the merged statistics, the incoming state through the merge weights; the flash
-    backward when the rows exceed one tile), equal to the reference path's gradients."""
-    import importlib
-    ta = importlib.import_module("jax_prefix_attn.tree_attention")
-    if flash_fallback:
-        import pallas_kernels.suffix_attention_bwd as sab
-        monkeypatch.setattr(sab, "suffix_grads_supported", lambda *a: False)
+    backward when the rows exceed one tile: 256 query heads per kv head, whose roots then go
+    through the shared-prefix reference), equal to the reference path's gradients."""
+    from pallas_kernels.suffix_attention_bwd import suffix_grads_supported
+    hq, hkv = (256, 1) if flash_fallback else (4, 2)
+    assert suffix_grads_supported(1, hq, hkv, 16) != flash_fallback
     tree = PrefixTree.from_nested([[9, [4, 2, 3], 5], 6], seqs_per_leaf=2)
-    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=4, hkv=2, d=16, smax=5, seed=9)
+    q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=hq, hkv=hkv, d=16, smax=5, seed=9)
     sl = sl.at[0].set(0)  # a sequence without suffix keys
-    meta = build_tree_metadata(tree, tq=1, group=2, pool_size=kp.shape[0])
+    meta = build_tree_metadata(tree, tq=1, group=hq // hkv, pool_size=kp.shape[0])
     assert meta.shallow_pad > 0
     ks = jax.random.split(jax.random.PRNGKey(3), 2)
     w_o = jax.random.normal(ks[0], q.shape)
@@ -486,8 +422,9 @@ def test_shallow_path_gradients_interpret(flash_fallback, monkeypatch):
             return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * w_l)
         return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, kp, vp, sk, sv)
 
-    got = loss(lambda *a: ta._shallow(a[0], meta, *a[1:], sl, scale=0.25, impl="pallas_interpret",
-                                      interpret=True))
+    shared_impl = "reference" if flash_fallback else "shared"
+    got = loss(lambda *a: shallow_attention(a[0], meta, *a[1:], sl, scale=0.25, shared_impl=shared_impl,
+                                            interpret=True))
     want = loss(lambda *a: tree_attention(a[0], tree, *a[1:], suffix_lengths=sl, sm_scale=0.25,
                                           impl="reference", return_lse=True))
     for a, r in zip(got, want):
@@ -499,7 +436,6 @@ def test_shallow_path_gradients_interpret(flash_fallback, monkeypatch):
 def test_gpu_auto_gradients_shallow_tree():
     """On the GPU ``impl="auto"`` takes the shallow path for this decode step; its gradients (the
     suffix merge's kernel backward) match the reference path's."""
-    from jax_prefix_attn.tree_attention import auto_path
     tree = PrefixTree.from_nested([[300, [4, 2, 3], 5], 200], seqs_per_leaf=8)
     q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=32, hkv=8, d=128, smax=64, seed=4)
     meta = build_tree_metadata(tree, tq=1, group=4, pool_size=kp.shape[0])

@@ -2,22 +2,20 @@
 ``tree_attention`` through them: kernels vs their dense reference, the reference vs float64
 NumPy, end-to-end gradients vs the oracle's (autodiff of ``reference.attention`` over the
 gathered contexts), NaN poison, grad of grad, the Triton lowering for CUDA; GPU: compiled."""
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import rel_err
-from jax_prefix_attn import PrefixTree, tree_attention
-from jax_prefix_attn.tree import NEVER, build_tree_metadata
-from pallas_kernels.tree_attention import CHUNK, NTILES, ROW_START
+from helpers import TREE_FORESTS as FORESTS
+from helpers import poison_outside_tree, random_forest
+from helpers import tree_inputs as make_inputs
+from jax_prefix_attn import PrefixTree, build_tree_metadata, tree_attention
+from jax_prefix_attn.tree_layout import pad_pool, q_sorted, row_tables
+from jax_prefix_attn.tree_paths import schedule_forward
+from pallas_kernels.tree_attention import CHUNK, NEVER, NTILES, ROW_START
 from pallas_kernels.tree_attention_bwd import chunk_item_ranges, tree_grads, tree_grads_reference
-from test_tree import random_forest
-from test_tree_attention import FORESTS, make_inputs, poison
-
-ta = importlib.import_module("jax_prefix_attn.tree_attention")  # (the package exports a function of that name)
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -34,17 +32,17 @@ def _sorted_case(tree, *, tq, hq, hkv, d, seed, dtype=jnp.float32, block_kv=128,
                                chunks_per_item=chunks_per_item, max_block_m=max_block_m, device=False)
     meta = jax.tree_util.tree_map(jnp.asarray, meta)
     scale = 0.7 / np.sqrt(d)
-    out, lse = ta._forward(q, meta, kp, vp, sk, sk, sl, scale=scale, schedule="flatten", backend="mirror")
+    out, lse = schedule_forward(q, meta, kp, vp, sk, sk, sl, scale=scale, schedule="flatten", backend="mirror")
     ks = jax.random.split(jax.random.PRNGKey(seed + 100), 2)
     do = jax.random.normal(ks[0], q.shape, dtype)
     dl = jax.random.normal(ks[1], lse.shape, jnp.float32)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1) - dl
     g = hq // hkv
-    key, lim = ta._row_tables(meta, sl)
-    stat = lambda x: ta._q_sorted(x[..., None], meta, hkv)[..., 0]  # noqa: E731
+    key, lim = row_tables(meta, sl)
+    stat = lambda x: q_sorted(x[..., None], meta, hkv)[..., 0]  # noqa: E731
     sched = meta.flatten
-    kp, vp = ta._pad_pool(kp, vp, sched.block_kv)
-    args = (ta._q_sorted(q, meta, hkv), ta._q_sorted(do, meta, hkv), stat(lse), stat(delta), kp, vp)
+    kp, vp = pad_pool(kp, vp, sched.block_kv)
+    args = (q_sorted(q, meta, hkv), q_sorted(do, meta, hkv), stat(lse), stat(delta), kp, vp)
     tables = (sched.items, sched.tok, sched.chunk_start, sched.parts, jnp.repeat(key, g), jnp.repeat(lim, g))
     static = dict(group=g, block_rows=sched.block_rows, block_kv=sched.block_kv, sm_scale=scale)
     return args, tables, static, (q, kp, vp, do, dl, meta, scale)
@@ -223,7 +221,7 @@ def test_gradients_through_kernels_match_reference(seed, tq, hq, hkv, smax):
     tree = _tree(f"random{seed}", seed=11)
     inputs = make_inputs(tree, tq=tq, hq=hq, hkv=hkv, d=16, smax=smax, seed=seed)
     want = _grads(tree, inputs, "reference")
-    got = _grads(tree, inputs, "pallas_interpret")
+    got = _grads(tree, inputs, "flatten", interpret=True)
     _assert_grads_match(got, want)
 
 
@@ -238,7 +236,7 @@ def test_gradients_with_overlapping_spans():
         assert tree.spans_overlap
         inputs = make_inputs(tree, tq=2, hq=4, hkv=2, d=16, smax=5, seed=21)
         want = _grads(tree, inputs, "reference")
-        got = _grads(tree, inputs, "pallas_interpret")
+        got = _grads(tree, inputs, "flatten", interpret=True)
         _assert_grads_match(got, want)
 
 
@@ -272,10 +270,10 @@ def test_draft_token_tree_gradients_through_kernels():
     parents = jnp.asarray([-1, 0, 0, 1, -1])
     inputs = (q, kp, vp, sk, sv, sl)
     want = _grads(tree, inputs, "reference", draft_parents=parents)
-    got = _grads(tree, inputs, "pallas_interpret", draft_parents=parents)
+    got = _grads(tree, inputs, "flatten", interpret=True, draft_parents=parents)
     _assert_grads_match(got, want)
     f = lambda q, kp: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,  # noqa: E731
-                                             impl="pallas_interpret", draft_parents=parents))
+                                             impl="flatten", interpret=True, draft_parents=parents))
     assert "tree_grads_dkv" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(q, kp))
 
 
@@ -285,9 +283,9 @@ def test_gradients_with_nan_poison_and_empty_rows_interpret():
     tree = PrefixTree(parents=[-1, 0, -1], starts=[0, 3, 10], lengths=[0, 4, 0], leaf_of_seq=[1, 1, 2, 0])
     q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=2, hkv=1, d=16, smax=4, seed=4, extra_pool=20)
     sl = jnp.array([2, 4, 0, 3], jnp.int32)
-    (kb, vb, skb, svb), used = poison(tree, kp, vp, sk, sv, sl)
+    (kb, vb, skb, svb), used = poison_outside_tree(tree, kp, vp, sk, sv, sl)
     want = _grads(tree, (q, kp, vp, sk, sv, sl), "reference")
-    got = _grads(tree, (q, kb, vb, skb, svb, sl), "pallas_interpret")
+    got = _grads(tree, (q, kb, vb, skb, svb, sl), "flatten", interpret=True)
     for a, w in zip(got, want):
         a = np.asarray(a)
         assert np.isfinite(a[used] if a.shape[0] == kp.shape[0] else a).all()
@@ -296,40 +294,41 @@ def test_gradients_with_nan_poison_and_empty_rows_interpret():
         assert rel_err(np.asarray(got[i])[used], np.asarray(want[i])[used]) < 1e-5
 
 
-def test_kernel_backward_is_used_and_mirror_switch(monkeypatch):
+def test_kernel_backward_is_used_and_mirror_backward():
     tree = _tree("random1", seed=2)
     inputs = make_inputs(tree, tq=2, hq=4, hkv=2, d=16, smax=5, seed=8)
     q, kp, vp, sk, sv, sl = inputs
-    f = lambda q, kp: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,  # noqa: E731
-                                             impl="pallas_interpret"))
-    text = str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(q, kp))
+
+    def f(backward):
+        return lambda q, kp: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl="flatten",
+                                                    interpret=True, backward=backward))
+    text = str(jax.make_jaxpr(jax.grad(f("kernels"), argnums=(0, 1)))(q, kp))
     assert "tree_grads_dkv" in text and "tree_grads_dq" in text
-    kern = _grads(tree, inputs, "pallas_interpret")
-    monkeypatch.setattr(ta, "BACKWARD", "mirror")
-    text = str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(q, kp))
+    kern = _grads(tree, inputs, "flatten", interpret=True)
+    text = str(jax.make_jaxpr(jax.grad(f("mirror"), argnums=(0, 1)))(q, kp))
     assert "tree_grads_dkv" not in text
-    mirror = _grads(tree, inputs, "pallas_interpret")
+    mirror = _grads(tree, inputs, "flatten", interpret=True, backward="mirror")
     for a, w in zip(kern, mirror):
         assert rel_err(a, w) < 1e-5
-    monkeypatch.setattr(ta, "BACKWARD", "bogus")
-    with pytest.raises(ValueError, match="BACKWARD"):
-        _grads(tree, inputs, "pallas_interpret")
+    with pytest.raises(ValueError, match="backward"):
+        _grads(tree, inputs, "flatten", interpret=True, backward="bogus")
 
 
 def test_grad_of_grad_through_kernel_backward():
     tree = PrefixTree.from_nested([[9, [4, 2, 3], 5], 6], seqs_per_leaf=2)
     q, kp, vp, sk, sv, sl = make_inputs(tree, tq=2, hq=2, hkv=1, d=16, smax=4, seed=6)
 
-    def gg(impl):
+    def gg(impl, interpret=False):
         def inner(q, kp):
-            return jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl) ** 2)
+            return jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl,
+                                          interpret=interpret) ** 2)
 
         def outer(q, kp):
             gq, gk = jax.grad(inner, argnums=(0, 1))(q, kp)
             return jnp.sum(gq * q) + jnp.sum(jnp.sin(gk))
         return jax.jit(jax.grad(outer, argnums=(0, 1)))(q, kp)
 
-    for a, w in zip(gg("pallas_interpret"), gg("reference")):
+    for a, w in zip(gg("flatten", interpret=True), gg("reference")):
         assert rel_err(a, w) < 1e-5, rel_err(a, w)
 
 
@@ -385,16 +384,15 @@ def test_gpu_draft_tree_gradients():
         assert rel_err(a, w) < 2e-2, rel_err(a, w)
 
 
-def test_gpu_lowering_of_the_gradient_has_no_xla_loops(monkeypatch):
+def test_gpu_lowering_of_the_gradient_has_no_xla_loops():
     """The GPU program of a tree gradient (lowered for CUDA on the CPU) is the five Pallas kernels
     plus loop-free XLA glue: a ``while`` there (e.g. ``jnp.searchsorted``'s default binary
     search) would run as many small dependent device steps per call."""
     import re
-    monkeypatch.setattr(ta, "_on_gpu", lambda: True)
     tree = PrefixTree.from_nested([[400, 70, [90, 30, 50]]], seqs_per_leaf=4)
     q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=8, hkv=2, d=64, smax=60, seed=1, dtype=jnp.bfloat16)
     f = lambda q, kp, vp, sk, sv: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,  # noqa: E731
-                                                         impl="flatten").astype(jnp.float32))
+                                                         impl="flatten", platform="gpu").astype(jnp.float32))
     text = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4))).trace(q, kp, vp, sk, sv).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "tree_grads_dkv" in text and "tree_grads_dq" in text

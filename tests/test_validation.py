@@ -111,10 +111,10 @@ def test_merge_list_lse_shape_is_named():
 def test_empty_query_or_key_axes():
     """Kernels name what they cannot run (and point to the reference), which handles it: no
     query gives empty outputs, no key gives ``out = 0`` and ``lse = -inf``."""
-    with pytest.raises(ValueError, match=r"impl='pallas_interpret'.*seq_q=0.*use impl='reference'"):
-        jpa.attention(Q[:, :0], K, K, impl="pallas_interpret")
+    with pytest.raises(ValueError, match=r"impl=.flash..*seq_q=0.*use impl='reference'"):
+        jpa.attention(Q[:, :0], K, K, impl="flash", interpret=True)
     with pytest.raises(ValueError, match=r"seq_k=0"):
-        jpa.attention(Q, K[:, :0], K[:, :0], impl="pallas_interpret")
+        jpa.attention(Q, K[:, :0], K[:, :0], impl="flash", interpret=True)
     assert jpa.attention(Q[:, :0], K, K)[0].shape == (2, 0, 4, 8)
     out, lse = jpa.attention(Q, K[:, :0], K[:, :0])
     assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
@@ -124,7 +124,8 @@ def test_empty_query_or_key_axes():
     for q, s, lens in ((q16[:, :0], sk, sl), (q16[:0], sk[:0], sl[:0])):
         with pytest.raises(ValueError, match=r"q must hold at least one sequence and one query.*"
                                              r"use impl='reference'"):
-            jpa.shared_prefix_attention(q, pk, pk, s, s, suffix_lengths=lens, impl="pallas_interpret")
+            jpa.shared_prefix_attention(q, pk, pk, s, s, suffix_lengths=lens, impl="shared",
+                                        interpret=True)
         out = jpa.shared_prefix_attention(q, pk, pk, s, s, suffix_lengths=lens, impl="reference")
         assert out.shape == q.shape
 

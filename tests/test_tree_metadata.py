@@ -1,104 +1,14 @@
-"""PrefixTree construction, validation and device metadata (host-side; fast)."""
+"""Tree metadata: schedules, padding buckets, pytree behaviour and the cost model's choices
+(host-side; fast)."""
 import jax
 import numpy as np
 import pytest
 
-from jax_prefix_attn import PrefixTree
-from jax_prefix_attn.tree import (CHUNK, KV_START, NEVER, NTILES, ROW_START, TreeMetadata,
-                                  build_tree_metadata, schedule_cost)
-
-
-def random_forest(rng, n_trees, max_depth, max_branch, max_len, seqs_per_leaf=(1, 3)):
-    """Random forest as a parent list (nodes shuffled so parents may follow children)."""
-    parents, lengths = [], []
-
-    def grow(parent, depth):
-        me = len(parents)
-        parents.append(parent)
-        lengths.append(int(rng.integers(1, max_len + 1)))
-        if depth + 1 < max_depth:
-            for _ in range(int(rng.integers(0, max_branch + 1))):
-                grow(me, depth + 1)
-
-    for _ in range(n_trees):
-        grow(-1, 0)
-    n = len(parents)
-    perm = rng.permutation(n)                 # new index of old node i is inv[i]
-    inv = np.argsort(perm)
-    parents = [(-1 if parents[o] < 0 else int(inv[parents[o]])) for o in perm]
-    lengths = [lengths[o] for o in perm]
-    has_child = np.zeros(n, bool)
-    for p in parents:
-        if p >= 0:
-            has_child[p] = True
-    leaf_of_seq = []
-    for u in range(n):
-        if not has_child[u]:
-            leaf_of_seq += [u] * int(rng.integers(seqs_per_leaf[0], seqs_per_leaf[1] + 1))
-        elif rng.random() < 0.2:  # sequences may also hang from inner nodes
-            leaf_of_seq.append(u)
-    leaf_of_seq = list(rng.permutation(leaf_of_seq))
-    return PrefixTree.from_parents(parents, lengths, leaf_of_seq)
-
-
-def test_from_nested_layout_and_paths():
-    t = PrefixTree.from_nested([[10, [3, 1, 2], 4], 7], seqs_per_leaf=2)
-    # Depth-first layout: root(10) a(3) a1(1) a2(2) b(4) | root2(7)
-    assert t.parents == (-1, 0, 1, 1, 0, -1)
-    assert t.lengths == (10, 3, 1, 2, 4, 7)
-    assert t.starts == (0, 10, 13, 14, 16, 20)
-    assert t.leaf_of_seq == (2, 2, 3, 3, 4, 4, 5, 5)
-    assert t.path(2) == [0, 1, 3]
-    np.testing.assert_array_equal(t.path_token_indices(2), list(range(0, 13)) + [14, 15])
-    np.testing.assert_array_equal(t.info["seq_path_len"], [14, 14, 15, 15, 14, 14, 7, 7])
-    assert t.pool_extent == 27
-    assert hash(t) == hash(PrefixTree.from_nested([[10, [3, 1, 2], 4], 7], seqs_per_leaf=2))
-
-
-def test_from_parents_parent_after_child_and_explicit_starts():
-    # node 0's parent is node 2 (listed later): fine.
-    t = PrefixTree(parents=[2, 2, -1], starts=[100, 5, 0], lengths=[3, 4, 5], leaf_of_seq=[0, 1, 1])
-    assert t.path(0) == [2, 0]
-    np.testing.assert_array_equal(t.path_token_indices(0), [0, 1, 2, 3, 4, 100, 101, 102])
-    t2 = PrefixTree.from_parents([2, 2, -1], [3, 4, 5])
-    assert t2.starts == (5, 8, 0)            # depth-first: 2, 0, 1
-    assert sorted(t2.leaf_of_seq) == [0, 1]
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(parents=[1, 0], starts=[0, 1], lengths=[1, 1], leaf_of_seq=[0]), "cycle"),
-    (dict(parents=[1, 2, 0, -1], starts=[0] * 4, lengths=[1] * 4, leaf_of_seq=[3]), "cycle"),
-    (dict(parents=[0], starts=[0], lengths=[1], leaf_of_seq=[0]), "own parent"),
-    (dict(parents=[-1, 5], starts=[0, 1], lengths=[1, 1], leaf_of_seq=[1]), "missing parent"),
-    (dict(parents=[-1, -2], starts=[0, 1], lengths=[1, 1], leaf_of_seq=[1]), "missing parent"),
-    (dict(parents=[-1, 0, 0], starts=[0, 1, 2], lengths=[1, 1, 1], leaf_of_seq=[1]), "no sequence beneath"),
-    (dict(parents=[-1], starts=[0], lengths=[-1], leaf_of_seq=[0]), "lengths must be >= 0"),
-    (dict(parents=[-1], starts=[-3], lengths=[1], leaf_of_seq=[0]), "starts must be >= 0"),
-    (dict(parents=[-1], starts=[0], lengths=[1], leaf_of_seq=[]), "at least one sequence"),
-    (dict(parents=[-1], starts=[0], lengths=[1], leaf_of_seq=[1]), "not a node index"),
-    (dict(parents=[-1, 0], starts=[0], lengths=[1, 1], leaf_of_seq=[1]), "same length"),
-    (dict(parents=[], starts=[], lengths=[], leaf_of_seq=[0]), "at least one node"),
-    (dict(parents=[[-1]], starts=[0], lengths=[1], leaf_of_seq=[0]), "one-dimensional"),
-])
-def test_validation_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        PrefixTree(**kwargs)
-
-
-def test_type_errors_and_nested_errors():
-    with pytest.raises(TypeError, match="parents"):
-        PrefixTree(parents=[-1.5], starts=[0], lengths=[1], leaf_of_seq=[0])
-    with pytest.raises(ValueError, match="forest"):
-        PrefixTree.from_nested([])
-    with pytest.raises(ValueError, match=r"forest\[0\]\[1\]"):
-        PrefixTree.from_nested([[4, "x"]])
-    with pytest.raises(ValueError, match="seqs_per_leaf"):
-        PrefixTree.from_nested([3], seqs_per_leaf=0)
-    t = PrefixTree.from_nested([[4, 2]])
-    with pytest.raises(ValueError, match=r"span \[4, 6\) lies outside the pool"):
-        t.check_pool(5)
-    with pytest.raises(AttributeError):
-        t.parents = (0,)
+from helpers import random_forest
+from jax_prefix_attn import PrefixTree, TreeMetadata, build_tree_metadata
+from jax_prefix_attn.tree_cost import COST_MODEL, schedule_cost
+from jax_prefix_attn.tree_metadata import root_bucket
+from pallas_kernels.tree_attention import CHUNK, KV_START, LENGTH, NEVER, NTILES, OFF0, ROW_START, TIN, TOUT
 
 
 def _simulate_cover(tree: PrefixTree, meta: TreeMetadata, sched, tq: int, pool: int):
@@ -130,9 +40,9 @@ def _simulate_cover(tree: PrefixTree, meta: TreeMetadata, sched, tq: int, pool: 
                     if sched.mode == "flatten":
                         ok = tok[items[w, CHUNK] + t, 0, j] <= key < tok[items[w, CHUNK] + t, 1, j]
                     else:
-                        off = p - (items[w, KV_START] - items[w, 7])
-                        lo = items[w, 7] + t * c
-                        ok = (lo <= off < min(lo + c, items[w, 6])) and items[w, 3] <= key < items[w, 4]
+                        off = p - (items[w, KV_START] - items[w, OFF0])
+                        lo = items[w, OFF0] + t * c
+                        ok = (lo <= off < min(lo + c, items[w, LENGTH])) and items[w, TIN] <= key < items[w, TOUT]
                     if ok:
                         hits.append(p)
             if hits:
@@ -216,3 +126,44 @@ def test_build_metadata_argument_errors():
     with pytest.raises(TypeError, match="PrefixTree"):
         build_tree_metadata([0], tq=1, group=1, pool_size=9)
     assert np.asarray(build_tree_metadata(t, tq=1, group=1, pool_size=10).row_key).dtype == np.int32
+
+
+def test_build_metadata_hybrid_mid_options():
+    """``mid_tiling`` caps the hybrid schedule's tree-kernel tiles, ``mid_mode`` forces its mode."""
+    tot = PrefixTree.from_nested([[150] + [[40] + [20] * 4 for _ in range(4)]])
+    default = build_tree_metadata(tot, tq=1, group=4, pool_size=tot.pool_extent, device=False)
+    assert default.mid.block_kv == 64
+    wide = build_tree_metadata(tot, tq=1, group=4, pool_size=tot.pool_extent, mid_tiling=dict(block_kv=128),
+                               device=False)
+    assert wide.mid.block_kv == 128
+    for mode in ("node", "flatten"):
+        m = build_tree_metadata(tot, tq=1, group=4, pool_size=tot.pool_extent, mid_mode=mode, device=False)
+        assert m.mid.mode == mode
+    with pytest.raises(ValueError, match="mid_mode"):
+        build_tree_metadata(tot, tq=1, group=4, pool_size=tot.pool_extent, mid_mode="levels")
+    with pytest.raises(ValueError, match="mid_tiling"):
+        build_tree_metadata(tot, tq=1, group=4, pool_size=tot.pool_extent, mid_tiling=dict(block_rows=8))
+
+
+def test_cost_model_is_immutable():
+    with pytest.raises(TypeError):
+        COST_MODEL["num_sms"] = 114
+
+
+def test_root_bucket():
+    assert [root_bucket(n) for n in (1, 17, 1000, 1024)] == [16, 32, 1024, 1024]
+    assert root_bucket(1025) == 1152 and root_bucket(4000) == 4096 and root_bucket(5000) == 5120
+    assert all(root_bucket(n) % 128 == 0 and n <= root_bucket(n) <= 1.125 * n for n in range(1025, 20000, 97))
+
+
+def test_hybrid_cost_model_choices():
+    """The hybrid schedule is preferred for tree-of-thought / APPS shapes, not when a few
+    sequences each stream a very long exclusive node (one program per sequence and kv head in
+    the suffix launch, where the flatten schedule splits it into chunks)."""
+    tot = PrefixTree.from_nested([[1500] + [[200] + [200] * 10 for _ in range(10)]])
+    apps = PrefixTree.from_nested([[2400, 500, 600, 700]], seqs_per_leaf=128)
+    long_leaves = PrefixTree.from_nested([[100, 50000, 50000]])
+    for tree, want in ((tot, True), (apps, True), (long_leaves, False)):
+        meta = build_tree_metadata(tree, tq=1, group=4, pool_size=tree.pool_extent, device=False)
+        assert meta.hybrid == want, tree
+    assert build_tree_metadata(tot, tq=2, group=4, pool_size=tot.pool_extent, device=False).excl_span is None

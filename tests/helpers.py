@@ -1,0 +1,157 @@
+"""Helpers shared by several test files."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_prefix_attn import PrefixTree, reference
+from models.tokenizer import bytes_to_unicode
+
+
+# ------------------------------------------------------------------ tiny Llama files (models)
+def tiny_config(**kw):
+    cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+               rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=False)
+    cfg.update(kw)
+    return cfg
+
+
+def tiny_state_dict(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    h, f, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nq, nkv, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+
+    def r(*s):
+        return (rng.standard_normal(s) * 0.1).astype(np.float32)
+
+    sd = {"model.embed_tokens.weight": r(v, h), "model.norm.weight": 1 + r(h)}
+    if not cfg["tie_word_embeddings"]:
+        sd["lm_head.weight"] = r(v, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({p + "input_layernorm.weight": 1 + r(h), p + "post_attention_layernorm.weight": 1 + r(h),
+                   p + "self_attn.q_proj.weight": r(nq * d, h), p + "self_attn.k_proj.weight": r(nkv * d, h),
+                   p + "self_attn.v_proj.weight": r(nkv * d, h), p + "self_attn.o_proj.weight": r(h, nq * d),
+                   p + "mlp.gate_proj.weight": r(f, h), p + "mlp.up_proj.weight": r(f, h),
+                   p + "mlp.down_proj.weight": r(h, f)})
+    return sd
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def tiny_tokenizer_meta():
+    """GGUF tokenizer metadata of a tiny byte-level BPE: 3 control tokens, 256 bytes, 6 merges."""
+    byte_chars = [bytes_to_unicode()[b] for b in range(256)]
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "o n"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_chars + [m.replace(" ", "") for m in merges]
+    return {"model": "gpt2", "pre": "smollm", "tokens": tokens,
+            "token_types": [3, 3, 3] + [1] * (len(tokens) - 3), "merges": merges,
+            "bos_token_id": 1, "eos_token_id": 2, "padding_token_id": 0, "add_bos_token": False,
+            "chat_template": CHATML}
+
+
+# ------------------------------------------------------------------ tree attention
+# (n_trees, max_depth, max_branch, max_len): depth 1-4, branching 1-16, lengths 1-700.
+TREE_FORESTS = [(3, 1, 0, 700), (2, 2, 16, 30), (2, 3, 4, 200), (1, 4, 2, 90)]
+
+
+def random_forest(rng, n_trees, max_depth, max_branch, max_len, seqs_per_leaf=(1, 3)):
+    """Random ``PrefixTree`` forest from a parent list (nodes shuffled so parents may follow
+    children; some sequences hang from inner nodes)."""
+    parents, lengths = [], []
+
+    def grow(parent, depth):
+        me = len(parents)
+        parents.append(parent)
+        lengths.append(int(rng.integers(1, max_len + 1)))
+        if depth + 1 < max_depth:
+            for _ in range(int(rng.integers(0, max_branch + 1))):
+                grow(me, depth + 1)
+
+    for _ in range(n_trees):
+        grow(-1, 0)
+    n = len(parents)
+    perm = rng.permutation(n)                 # new index of old node i is inv[i]
+    inv = np.argsort(perm)
+    parents = [(-1 if parents[o] < 0 else int(inv[parents[o]])) for o in perm]
+    lengths = [lengths[o] for o in perm]
+    has_child = np.zeros(n, bool)
+    for p in parents:
+        if p >= 0:
+            has_child[p] = True
+    leaf_of_seq = []
+    for u in range(n):
+        if not has_child[u]:
+            leaf_of_seq += [u] * int(rng.integers(seqs_per_leaf[0], seqs_per_leaf[1] + 1))
+        elif rng.random() < 0.2:
+            leaf_of_seq.append(u)
+    leaf_of_seq = list(rng.permutation(leaf_of_seq))
+    return PrefixTree.from_parents(parents, lengths, leaf_of_seq)
+
+
+def tree_inputs(tree, *, tq, hq, hkv, d, smax, seed, dtype=None, extra_pool=7):
+    """Random ``(q, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths)`` for ``tree``."""
+    dtype = jnp.float32 if dtype is None else dtype
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    b = tree.num_seqs
+    n = tree.pool_extent + extra_pool
+    q = jax.random.normal(ks[0], (b, tq, hq, d), dtype)
+    kp = jax.random.normal(ks[1], (n, hkv, d), dtype)
+    vp = jax.random.normal(ks[2], (n, hkv, d), dtype)
+    sk = jax.random.normal(ks[3], (b, smax, hkv, d), dtype)
+    sv = jax.random.normal(ks[4], (b, smax, hkv, d), dtype)
+    sl = jax.random.randint(ks[5], (b,), 0, smax + 1).astype(jnp.int32)
+    return q, kp, vp, sk, sv, sl
+
+
+def concat_oracle(tree, q, kp, vp, sk, sv, sl, sm_scale=None, lmax=None):
+    """Independent oracle of tree attention: per sequence, numpy-concatenate path spans and suffix
+    (host), pad to a common length, then one ``reference.attention`` call with ``kv_lengths``."""
+    kp, vp, sk, sv, sl = (np.asarray(x, np.float32) for x in (kp, vp, sk, sv, sl))
+    ctx_k, ctx_v = [], []
+    for b in range(tree.num_seqs):
+        idx = tree.path_token_indices(b)
+        s = int(sl[b])
+        ctx_k.append(np.concatenate([kp[idx], sk[b, :s]], axis=0))
+        ctx_v.append(np.concatenate([vp[idx], sv[b, :s]], axis=0))
+    lens = np.array([c.shape[0] for c in ctx_k], np.int32)
+    lmax = max(1, int(lens.max())) if lmax is None else lmax
+    pad = lambda c: np.concatenate([c, np.zeros((lmax - c.shape[0],) + c.shape[1:], c.dtype)])  # noqa: E731
+    k = jnp.asarray(np.stack([pad(c) for c in ctx_k]))
+    v = jnp.asarray(np.stack([pad(c) for c in ctx_v]))
+    o, l = reference.attention(q.astype(jnp.float32), k, v, causal=True, kv_lengths=jnp.asarray(lens),
+                               sm_scale=sm_scale)
+    return o.astype(q.dtype), l
+
+
+def poison_outside_tree(tree, kp, vp, sk, sv, sl):
+    """NaN everywhere no sequence may look: pool tokens outside spans, suffix beyond lengths.
+    Returns ``((kp, vp, sk, sv), used [N] bool)``."""
+    used = np.zeros(kp.shape[0], bool)
+    for s, n in zip(tree.starts, tree.lengths):
+        used[s:s + n] = True
+    smask = (jnp.arange(sk.shape[1])[None, :] < sl[:, None])[..., None, None]
+    return (jnp.where(used[:, None, None], kp, jnp.nan), jnp.where(used[:, None, None], vp, jnp.nan),
+            jnp.where(smask, sk, jnp.nan), jnp.where(smask, sv, jnp.nan)), used
+
+
+# ------------------------------------------------------------------ shared-prefix plans
+def forced_plan(q, prefix_k, suffix_k, path, *, device=None, **leaf):
+    """A ``plan_shared_prefix`` plan forcing leaf ``path`` for these arrays (interpret mode,
+    planned as for an H100 SXM unless ``device``), each chunk's leaf fields replaced by
+    ``leaf`` (e.g. ``num_splits=3``, ``block_k=16``)."""
+    import dataclasses
+    from jax_prefix_attn import plan_shared_prefix
+    from jax_prefix_attn.device import H100_SXM
+    pk = prefix_k if prefix_k.ndim == 4 else prefix_k[None]
+    plan = plan_shared_prefix(batch=q.shape[0], tq=q.shape[1], heads_q=q.shape[2],
+                              heads_kv=pk.shape[2], head_dim=q.shape[3], groups=pk.shape[0],
+                              prefix_len=pk.shape[1], suffix_len=suffix_k.shape[1], dtype=q.dtype,
+                              path=path, device=device or H100_SXM, interpret=True)
+    if not leaf:
+        return plan
+    chunks = tuple(dataclasses.replace(c, leaf=dataclasses.replace(c.leaf, **leaf))
+                   for c in plan.chunks)
+    return dataclasses.replace(plan, chunks=chunks)
