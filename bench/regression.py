@@ -84,17 +84,17 @@ def worker(points, paths):
         sl = jnp.full((b,), s, jnp.int32)
         cols = [("auto", None)] + [(f"path:{x}", x) for x in paths]
         for name, path in cols:
-            kw = {}
-            if path is not None:
-                kw["plan"] = jpa.plan_shared_prefix(
-                    batch=b, tq=1, heads_q=hq, heads_kv=hkv, head_dim=d, groups=1, prefix_len=p,
-                    suffix_len=s, dtype=dt, path=path)
-
-            def f(q, pk, pv, sk, sv, sl, kw=kw):
-                return jpa.shared_prefix_attention(q[:, None], pk, pv, sk, sv, suffix_lengths=sl,
-                                                   impl="auto", **kw)[:, 0]
             rec = dict(point=[hq, hkv, d, b, p, s], col=name)
             try:
+                kw = {}
+                if path is not None:
+                    kw["plan"] = jpa.plan_shared_prefix(
+                        batch=b, tq=1, heads_q=hq, heads_kv=hkv, head_dim=d, groups=1,
+                        prefix_len=p, suffix_len=s, dtype=dt, path=path)
+
+                def f(q, pk, pv, sk, sv, sl, kw=kw):
+                    return jpa.shared_prefix_attention(q[:, None], pk, pv, sk, sv,
+                                                       suffix_lengths=sl, impl="auto", **kw)[:, 0]
                 rec["ms"] = _loop_time(f, q, (pk, pv, sk, sv, sl)) * 1e3
             except Exception as e:  # noqa: BLE001 (a forced path may not apply: recorded)
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -157,6 +157,9 @@ def main():
             doc["runs"] += recs
             print(f"rep {rep} {side}: {len(recs)} measurements in {time.time() - t0:.0f} s",
                   flush=True)
+            if args.out:  # what is measured so far survives a cut-off run
+                with open(args.out, "w") as f:
+                    json.dump(doc, f, indent=1)
     rows = {}
     for r in doc["runs"]:
         if "ms" in r:
