@@ -124,6 +124,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", help="root of the baseline checkout")
     ap.add_argument("--baseline-commit", help="commit of the baseline (when it is not a git tree)")
+    ap.add_argument("--current-commit", help="commit of this checkout (when it is not a git tree)")
     ap.add_argument("--out", help="JSON output path")
     ap.add_argument("--reps", type=int, default=2, help="processes per side (alternating)")
     ap.add_argument("--paths", default="", help="comma-separated forced leaves of this checkout")
@@ -142,7 +143,8 @@ def main():
     path_points = json.loads(args.path_points) if args.path_points else points
     dev = jax.devices()[0]
     doc = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
-               python=platform.python_version(), commit=_git_commit(here),
+               python=platform.python_version(),
+               commit=args.current_commit or _git_commit(here),
                baseline=args.baseline, baseline_commit=args.baseline_commit or _git_commit(
                    args.baseline), method=__doc__.split("\n\n")[2].replace("\n", " "),
                runs=[])
