@@ -10,6 +10,9 @@
   bf16 weights; ``--layers`` keeps the first ``N`` layers of the preset's shape).
 * :func:`random_params` -- random bf16 parameters in the unrolled (list) layer layout, the
   decoder's fast GPU path (see ``bench/decode_step.py``).
+* :func:`measure_plan` -- one script's run: open its store, measure its planned points (or
+  list them with ``--list``).
+* :func:`finish_args` -- smoke and full defaults of unset arguments, the memory limit.
 * :func:`add_common_args` -- ``--out``, ``--smoke``, ``--quick``, ``--part``, ``--budget-min``,
   ``--mem-limit-gb``, ``--force``.
 """
@@ -30,8 +33,8 @@ from bench.timing import device_info, gpu_slug, is_oom  # noqa: F401 (is_oom re-
 from models.config import LlamaConfig
 from models.weights import init_params, unstack_layers
 
-__all__ = ["ResultStore", "add_common_args", "default_out_path", "free_memory", "is_oom", "memory_limit_bytes",
-           "model_config", "random_params", "smoke_config", "Budget"]
+__all__ = ["ResultStore", "add_common_args", "default_out_path", "finish_args", "free_memory", "is_oom", "measure_plan",
+           "memory_limit_bytes", "oom_reason", "model_config", "random_params", "smoke_config", "Budget"]
 
 SCHEMA_VERSION = 1
 
@@ -114,6 +117,14 @@ def memory_limit_bytes(override_gb: float | None = None) -> int | None:
     return stats.get("bytes_limit")
 
 
+def oom_reason(need: int, limit: int | None, what: str = "") -> str | None:
+    """Why a point is predicted not to fit: ``need`` bytes (of ``what``) over ``limit`` (None:
+    no limit known); None when it fits."""
+    if limit is None or need <= limit:
+        return None
+    return f"needs ~{need / 2**30:.1f} GiB{f' ({what})' if what else ''}, limit {limit / 2**30:.1f} GiB"
+
+
 def free_memory() -> None:
     """Collect garbage so device buffers of a failed point are released before the next one
     (XLA's allocator keeps working after a RESOURCE_EXHAUSTED error once they are dropped)."""
@@ -149,6 +160,16 @@ def add_common_args(ap, parts: Iterable[str]) -> None:
     ap.add_argument("--force", action="store_true",
                     help="append to a result file written on another device / with other fixed settings")
     ap.add_argument("--list", action="store_true", help="print the planned points and exit")
+
+
+def finish_args(args, defaults: dict, smoke: dict) -> None:
+    """Complete a script's parsed ``args``: with ``--smoke`` every unset (falsy) argument named in
+    ``smoke`` takes that value, then every one still unset in ``defaults``; ``args.mem_limit``
+    is the memory limit in bytes (:func:`memory_limit_bytes` of ``--mem-limit-gb``)."""
+    for table in ((smoke, defaults) if args.smoke else (defaults,)):
+        for name, value in table.items():
+            setattr(args, name, getattr(args, name) or value)
+    args.mem_limit = memory_limit_bytes(args.mem_limit_gb)
 
 
 class Budget:
@@ -236,6 +257,29 @@ def open_store(args, name: str, key_fields: tuple[str, ...], fixed: dict) -> tup
     store = ResultStore(out, name, key_fields, fixed, settings, force=args.force)
     store.note("memory_limit_bytes", args.mem_limit)
     return out, store
+
+
+def measure_plan(args, name: str, key_fields: tuple[str, ...], fixed: dict, plan: list[dict],
+                 make_bench: Callable, *, budget: Budget | None = None, title: str | None = None,
+                 after: Callable | None = None) -> dict:
+    """The run of an end-to-end benchmark script: open its result store (:func:`open_store`;
+    ``fixed``: the settings every invocation must share), build its benchmark
+    (``make_bench(args)``, an object with ``measure(point)`` and ``predict_oom(point)``), measure
+    the points of ``plan`` not yet stored (:func:`run_points`) within ``budget`` (default
+    ``--budget-min``), then ``after(store, bench, counts)`` (which may return more counts).
+    With ``--list``: only print the planned points with their predicted out-of-memory reasons.
+    Returns ``{"out": path, "counts": counts}`` (``--list``: :func:`list_predicted_oom`'s)."""
+    if args.list:   # with --mem-limit-gb: which points are predicted not to fit
+        return list_predicted_oom(plan, make_bench(args).predict_oom)
+    out, store = open_store(args, name, key_fields, fixed)
+    bench = make_bench(args)
+    print(f"{name}: {title or f'{len(plan)} planned points'} -> {out}", flush=True)
+    counts = run_points(store, plan, bench.measure, budget or Budget(args.budget_min),
+                        predict_oom=bench.predict_oom)
+    if after is not None:
+        counts = after(store, bench, counts) or counts
+    print(counts, flush=True)
+    return {"out": out, "counts": counts}
 
 
 def report_targets(store: "ResultStore", targets_fn: Callable[[dict], dict]) -> None:

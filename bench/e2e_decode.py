@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 
 import jax_prefix_attn  # noqa: E402
 from bench import e2e_common as ec  # noqa: E402
+from bench.plots import e2e_targets  # noqa: E402
 from models.kv_cache import KVCache, PrefixCache, empty_prefix_cache  # noqa: E402
 from models.llama import Llama  # noqa: E402
 
@@ -139,11 +140,7 @@ class Bench:
         return ec.param_bytes(cfg, jnp.dtype(self.dtype).itemsize) + held * per_tok + act + (256 << 20)
 
     def predict_oom(self, point) -> str | None:
-        limit = self.args.mem_limit
-        need = self.predicted_bytes(point)
-        if limit is not None and need > limit:
-            return f"needs ~{need / 2**30:.1f} GiB (weights + KV cache + logits), limit {limit / 2**30:.1f} GiB"
-        return None
+        return ec.oom_reason(self.predicted_bytes(point), self.args.mem_limit, "weights + KV cache + logits")
 
     # -- one point --------------------------------------------------------------------------
     def normal(self, key, i: int, shape) -> jax.Array:
@@ -273,13 +270,8 @@ def parse_args(argv=None):
     ap.add_argument("--prefixes", type=int, nargs="*", default=None, help="override the prefix lengths")
     ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS)
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.layers = args.layers or 1
-        args.probe_layers = args.probe_layers or 1
-        args.gen_tokens = args.gen_tokens or 8
-    args.layers = args.layers or 16
-    args.probe_layers = args.probe_layers or 4
-    args.gen_tokens = args.gen_tokens or 128
+    ec.finish_args(args, dict(layers=16, probe_layers=4, gen_tokens=128),
+                   smoke=dict(layers=1, probe_layers=1, gen_tokens=8))
     if args.gen_tokens < 2:
         ap.error("--gen-tokens must be >= 2 (decode-only time is t(k) - t(1))")
     return args
@@ -287,24 +279,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    args.mem_limit = ec.memory_limit_bytes(args.mem_limit_gb)
-    plan = plan_points(args)
-    if args.list:   # with --mem-limit-gb: which points are predicted not to fit
-        return ec.list_predicted_oom(plan, Bench(args).predict_oom)
     fixed = {"gen_tokens": args.gen_tokens, "smoke": args.smoke,
              "dtype": "float32" if args.smoke else "bfloat16",
              "models": {m: ec.MODELS[m][0] for m in sorted(set(PART_MODELS.values()))},
              "definition": "tokens_per_s = batch * (k - 1) / (t(k) - t(1)); t(n) = one call of n greedy decode "
                            "steps (Hydragen D.1: time for k tokens minus time for 1); prefill excluded",
              "none_backend": "attention product skipped (functionally wrong): upper bound, independent of prefix"}
-    out, store = ec.open_store(args, NAME, KEY_FIELDS, fixed)
-    bench = Bench(args)
-    print(f"{NAME}: {len(plan)} planned points -> {out}", flush=True)
-    counts = ec.run_points(store, plan, bench.measure, ec.Budget(args.budget_min), predict_oom=bench.predict_oom)
-    print(counts, flush=True)
-    from bench.plots import e2e_targets  # noqa: PLC0415
-    ec.report_targets(store, e2e_targets)
-    return {"out": out, "counts": counts}
+    return ec.measure_plan(args, NAME, KEY_FIELDS, fixed, plan_points(args), Bench,
+                           after=lambda store, bench, counts: ec.report_targets(store, e2e_targets))
 
 
 if __name__ == "__main__":

@@ -94,11 +94,7 @@ class Bench:
         return ec.param_bytes(cfg, isz) + (a.doc_tokens + held) * per_tok + act + (256 << 20)
 
     def predict_oom(self, point) -> str | None:
-        limit = self.args.mem_limit
-        need = self.predicted_bytes(point)
-        if limit is not None and need > limit:
-            return f"needs ~{need / 2**30:.1f} GiB (weights + KV cache), limit {limit / 2**30:.1f} GiB"
-        return None
+        return ec.oom_reason(self.predicted_bytes(point), self.args.mem_limit, "weights + KV cache")
 
     def measure(self, point) -> dict:
         self.load()
@@ -145,39 +141,24 @@ def parse_args(argv=None):
     ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS)
     args = ap.parse_args(argv)
     if args.smoke:
-        args.layers = args.layers or 1
-        args.doc_tokens = args.doc_tokens or 48
-        args.questions = args.questions or [2, 4]
-        args.q_len = args.q_len or [3, 5]
-        args.answer_tokens = args.answer_tokens or 3
         args.reps = min(args.reps, 2)
-    args.layers = args.layers or 16
-    args.doc_tokens = args.doc_tokens or 19947
-    args.questions = args.questions or ([64, 256, 1024] if args.quick else list(FULL_QUESTIONS))
-    args.q_len = args.q_len or [16, 24]
-    args.answer_tokens = args.answer_tokens or 32
+    ec.finish_args(args, dict(layers=16, doc_tokens=19947, q_len=[16, 24], answer_tokens=32,
+                              questions=[64, 256, 1024] if args.quick else list(FULL_QUESTIONS)),
+                   smoke=dict(layers=1, doc_tokens=48, questions=[2, 4], q_len=[3, 5], answer_tokens=3))
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    args.mem_limit = ec.memory_limit_bytes(args.mem_limit_gb)
-    plan = plan_points(args)
-    if args.list:   # with --mem-limit-gb: which points are predicted not to fit
-        return ec.list_predicted_oom(plan, Bench(args).predict_oom)
     fixed = {"doc_tokens": args.doc_tokens, "question_len_range": list(args.q_len),
              "answer_tokens": args.answer_tokens, "smoke": args.smoke,
              "dtype": "float32" if args.smoke else "bfloat16", "model": ec.MODELS[MODEL][0],
              "definition": "time_s = one generate() call with the prefilled document cache: question prefill + "
                            "answer decoding (document prefill excluded, as in Hydragen Figure 5)"}
-    out, store = ec.open_store(args, NAME, KEY_FIELDS, fixed)
-    bench = Bench(args)
-    print(f"{NAME}: {len(plan)} planned points -> {out}", flush=True)
-    counts = ec.run_points(store, plan, bench.measure, ec.Budget(args.budget_min), predict_oom=bench.predict_oom)
-    if bench.model is not None:
-        store.note("doc_prefill_s_excluded", bench.doc_prefill_s)
-    print(counts, flush=True)
-    return {"out": out, "counts": counts}
+    def after(store, bench, counts):
+        if bench.model is not None:
+            store.note("doc_prefill_s_excluded", bench.doc_prefill_s)
+    return ec.measure_plan(args, NAME, KEY_FIELDS, fixed, plan_points(args), Bench, after=after)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ alternating processes (baseline, current, baseline, current, ...), so that clock
 hit both sides alike.  Each process imports only its own checkout.  Optionally it also times
 forced leaves of this checkout's planner (``--paths``), e.g. to decide whether a leaf still pays.
 
-Timing: ``n`` dependent calls in one jitted ``fori_loop`` whose body is one CUDA graph
-(``xla_gpu_graph_min_graph_size=1``, as inside a model's decode step), each output perturbing the
-next query; median of 3 timed calls divided by ``n``; the per-process result for a point is the
-median over its ``--reps`` processes.
+Timing: ``bench.timing.loop_time`` of this checkout for both sides: ``n`` dependent calls in one
+jitted ``fori_loop`` whose body is one CUDA graph (``bench.timing.GRAPH_ALWAYS``, as inside a
+model's decode step), each output perturbing the next query; median of 3 timed calls divided by
+``n``; the per-process result for a point is the median over its ``--reps`` processes.
 
 Usage (GPU machine)::
 
@@ -18,6 +18,7 @@ Usage (GPU machine)::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -36,35 +37,17 @@ POINTS = (
     (8, 1, 128, 256, 1024, 64), (8, 1, 128, 256, 4096, 64), (8, 1, 128, 1024, 4096, 256),
     (8, 1, 128, 1024, 16384, 1024), (8, 1, 128, 8, 4000, 256),
 )
-LOOP_COUNTS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-def _loop_time(fn, q, rest, target_s=0.03, reps=3):
-    import functools
-
-    import jax
-
-    @functools.partial(jax.jit, static_argnums=(1,),
-                       compiler_options={"xla_gpu_graph_min_graph_size": 1})
-    def run(q, n, *rest):
-        def body(_, q):
-            return (q + fn(q, *rest).astype(q.dtype) * 1e-3).astype(q.dtype)
-        return jax.lax.fori_loop(0, n, body, q)
-
-    n0 = LOOP_COUNTS[0]
-    jax.block_until_ready(run(q, n0, *rest))
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(q, n0, *rest))
-    want = target_s / max((time.perf_counter() - t0) / n0, 1e-6)
-    n = max([c for c in LOOP_COUNTS if c <= want], default=n0)
-    if n != n0:
-        jax.block_until_ready(run(q, n, *rest))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(q, n, *rest))
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
+def _timing():
+    """This checkout's ``bench/timing.py``, loaded from its file: the workers of both sides time
+    with the same code (a worker imports the library and ``bench`` of its own checkout, whose
+    timing helpers may differ)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "timing.py")
+    spec = importlib.util.spec_from_file_location("regression_timing", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def worker(points, paths):
@@ -73,14 +56,12 @@ def worker(points, paths):
     import jax.numpy as jnp
 
     import jax_prefix_attn as jpa
+    timing = _timing()
+    dt = jnp.bfloat16
     for hq, hkv, d, b, p, s in points:
-        ks = jax.random.split(jax.random.PRNGKey(0), 5)
-        dt = jnp.bfloat16
-        q = jax.random.normal(ks[0], (b, hq, d), dt)
-        pk = jax.random.normal(ks[1], (p, hkv, d), dt)
-        pv = jax.random.normal(ks[2], (p, hkv, d), dt)
-        sk = jax.random.normal(ks[3], (b, s, hkv, d), dt)
-        sv = jax.random.normal(ks[4], (b, s, hkv, d), dt)
+        shapes = ((b, hq, d), (p, hkv, d), (p, hkv, d), (b, s, hkv, d), (b, s, hkv, d))
+        q, pk, pv, sk, sv = (jax.random.normal(k, shape, dt) for k, shape in
+                             zip(jax.random.split(jax.random.PRNGKey(0), 5), shapes))
         sl = jnp.full((b,), s, jnp.int32)
         cols = [("auto", None)] + [(f"path:{x}", x) for x in paths]
         for name, path in cols:
@@ -95,7 +76,8 @@ def worker(points, paths):
                 def f(q, pk, pv, sk, sv, sl, kw=kw):
                     return jpa.shared_prefix_attention(q[:, None], pk, pv, sk, sv,
                                                        suffix_lengths=sl, impl="auto", **kw)[:, 0]
-                rec["ms"] = _loop_time(f, q, (pk, pv, sk, sv, sl)) * 1e3
+                rec["ms"] = timing.loop_time(f, q, (pk, pv, sk, sv, sl),
+                                             compiler_options=timing.GRAPH_ALWAYS) * 1e3
             except Exception as e:  # noqa: BLE001 (a forced path may not apply: recorded)
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             print(json.dumps(rec), flush=True)

@@ -2,49 +2,52 @@
 
 Columns, all measured in one run (bf16, Tq = 1, every suffix full):
 
-* ``shared``: ours (``impl="shared"``, default prefix backend): on a Hopper GPU at these
-  points the Mosaic GPU prefix kernel (``pallas_kernels/prefix_attention_mgpu.py``) + the
-  suffix kernel with fused merge; with the Triton prefix backend (``shared_triton``, and every
-  result recorded before 2026-11-22's third session) the Triton prefix kernel + suffix kernel
-  (2 launches) or, below 2048 (sequence, kv head) pairs, one launch of interleaved prefix and
-  suffix programs + XLA merge (``shared_variant``); ``shared_fused`` / ``shared_overlap``
-  force one Triton variant, ``shared_mgpu`` / ``shared_triton`` one backend (``--cols``);
-* ``flat``: ours, one ragged split-KV decode launch reading the prefix through
-  ``seq_to_prefix`` for every sequence (no copy: "flat over shared storage"; since session 11
-  in the queries' own layout where ``decode_attention.flat_decode_layout`` says so);
+* ``shared``: ours, ``impl="shared"``: the shared family's leaf the planner picks for the point
+  on this GPU (recorded as ``shared_path``; ``docs/dispatch.md``): on a Hopper GPU the Mosaic GPU
+  prefix kernel with the suffix kernel or a one-launch / joint / role-split leaf, elsewhere the
+  Triton prefix kernel + suffix kernel (2 launches) or, below 2048 (sequence, kv head) pairs, one
+  launch of interleaved prefix and suffix programs + XLA merge;
+* ``path_<leaf>`` (``--cols``, e.g. ``path_triton_overlap``): ours with that leaf forced
+  (``plan_shared_prefix(..., path=leaf)``); a leaf that cannot run a point records the reason;
+* ``flat``: ours, ``impl="flat"``: one ragged split-KV decode launch reading the prefix through
+  ``seq_to_prefix`` for every sequence (no copy: "flat over shared storage"), in the queries'
+  own layout or the row layout as the planner decides (``flat_path``);
 * ``flat_gqa``: JAX's ``pallas.ops.gpu.decode_attention.gqa`` over materialised
   per-sequence KV ``[B, P + S, Hkv, D]`` (built outside the timed region);
 * ``composed``: the Hydragen decomposition from JAX's deprecated ops:
   ``attention.mha`` on the prefix (all sequences' query heads as rows) +
   ``decode_attention.gqa`` on the suffixes + an XLA merge;
-* ``auto``: ours with ``impl="auto"``: the cost model's pick among ``shared``/``flat`` from
-  static shapes.  It runs exactly the chosen path's code, so by default its time is recorded as
-  that path's measured time (``auto_ms_source``) instead of compiling the same kernels again
-  (``--measure-auto`` times it separately);
+* ``auto``: ours with ``impl="auto"``: the planner's pick between the two families by its cost
+  model from static shapes (``auto_choice``, its leaf ``auto_path``).  It runs exactly the chosen
+  family's plan, so by default its time is recorded as that column's measured time
+  (``auto_ms_source``) instead of compiling the same kernels again (``--measure-auto`` times it
+  separately);
 * ``flat_materialised``: our flat kernel over materialised per-sequence KV (each sequence its
   own prefix copy, so no L2 reuse): the decode kernel's bandwidth, at a few points;
 * ``floor``: ``max(bytes / copy bandwidth, flops / bf16 matmul rate)`` with bytes = the prefix
   once + every suffix + q and out, flops = ``4 * B * Hq * (P + S) * D``; both rates measured here
   (``floor_read_ms``: the same with the read-only bandwidth of an XLA reduction).
 
-Timing: each function runs ``n`` times inside one jitted ``fori_loop`` whose iterations depend
-on each other (the output perturbs the next query), median of 3 such calls divided by ``n``;
-``n`` is a compile-time constant from session 5 on (``bench.timing.loop_time``: a traced trip
-count had added 14-20 us of host synchronisation to every call); from session 12 on every
-column's loop is compiled with ``bench.timing.GRAPH_ALWAYS`` (the loop body one CUDA graph, as
-inside a model's decode step; XLA's default graphs only bodies of at least 5 kernels and
-launched paths with fewer kernel by kernel).
-Point sets: the three probe points of the issue (Hq=32/Hkv=8, suffix 128); the issue's small-GQA
-case (``SMALL_GQA``: Hq=8/Hkv=1, batch 8, prefix 4000, suffixes 64/256/1024; records marked
-``small_gqa``), where the auto path must not lose to plain decoding; then the grid.
+Timing (``bench.timing.loop_time``): each function runs ``n`` times inside one jitted
+``fori_loop`` whose iterations depend on each other (the output perturbs the next query), median
+of 3 such calls divided by ``n``.  ``n`` is a compile-time constant (a traced trip count costs a
+host synchronisation per iteration), and every column's loop is compiled with
+``bench.timing.GRAPH_ALWAYS`` (the loop body one CUDA graph, as inside a model's decode step;
+XLA's default graphs only bodies of at least 5 kernels and launches paths with fewer kernels one
+by one).
+Point sets: the three probe points (Hq=32/Hkv=8, suffix 128); the small-GQA case (``SMALL_GQA``:
+Hq=8/Hkv=1, batch 8, prefix 4000, suffixes 64/256/1024; records marked ``small_gqa``), where the
+auto path must not lose to plain decoding; then the grid.
 Points that do not fit in memory are recorded as ``"X"``; points not reached within the time
 budget as ``"skipped"``.  Each finished point is appended to the JSON as it completes.
+``--smoke``: tiny shapes, every kernel in Pallas interpret mode (CPU), planned as on an H100 SXM.
 
 Usage: ``python bench/shared_prefix.py --out results.json [--quick] [--tune] [--budget-s 420]``
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -59,19 +62,24 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import (GRAPH_ALWAYS, device_info, gpu_slug, is_oom, loop_time,  # noqa: E402
-                          measure_copy_bandwidth, measure_matmul_rate)
-from jax_prefix_attn import shared_prefix_attention  # noqa: E402
-from jax_prefix_attn.cost_model import choose_path  # noqa: E402
-from jax_prefix_attn.shared_prefix import row_limits  # noqa: E402
+                          measure_copy_bandwidth, measure_matmul_rate, time_fn)
+from jax_prefix_attn import leaf_plans  # noqa: E402
+from jax_prefix_attn import device_info as jpa_device_info  # noqa: E402
+from jax_prefix_attn import plan_shared_prefix, shared_prefix_attention  # noqa: E402
+from jax_prefix_attn.device import H100_SXM  # noqa: E402
+from jax_prefix_attn.reference import row_limits  # noqa: E402
+from pallas_kernels._common import next_pow2, q_rows_layout, row_meta, rows_from_q, seq_rows  # noqa: E402
+from pallas_kernels.decode_attention import Source, ragged_attention  # noqa: E402
+from pallas_kernels.prefix_attention import prefix_partials  # noqa: E402
 
 HEADS = [(32, 8, 128), (8, 1, 128)]
 BATCH = [16, 64, 256, 1024]
 PREFIX = [1024, 4096, 16384]
 SUFFIX = [64, 256, 1024]
 PROBES = [(256, 4096, 128), (512, 8192, 128), (1024, 4096, 128)]
-# The issue's small-GQA case, where a three-launch cascade loses to plain decoding in other
-# libraries (8 query heads, 1 kv head, batch 8, prefix 4000: not a multiple of any tile), at
-# three suffix lengths; records carry ``small_gqa: true`` and stay out of the heat map.
+# The small-GQA case, where a three-launch cascade loses to plain decoding in other libraries
+# (8 query heads, 1 kv head, batch 8, prefix 4000: not a multiple of any tile), at three suffix
+# lengths; records carry ``small_gqa: true`` and stay out of the heat map.
 SMALL_GQA_HEADS = (8, 1, 128)
 SMALL_GQA = [(8, 4000, 64), (8, 4000, 256), (8, 4000, 1024)]
 COLS = ["shared", "flat", "flat_gqa", "composed", "auto", "flat_materialised"]
@@ -84,7 +92,6 @@ READ_BW = [0.0]    # read-only bandwidth (bytes/s) measured in this run, for the
 
 def measure_read_bandwidth(nbytes: int) -> float:
     """Bytes/s of an XLA read-only reduction (sum) over ``nbytes`` of bf16."""
-    from bench.timing import time_fn
     x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
     t = time_fn(f, [(x,)], warmup=3, iters=20, stat="min")
@@ -92,26 +99,47 @@ def measure_read_bandwidth(nbytes: int) -> float:
     return nbytes / t
 
 
+def plan_device():
+    """The device the plans are made for: this GPU, or (``--smoke``, interpret mode on the CPU)
+    an H100 SXM, so that the planner takes the GPU's decisions."""
+    return H100_SXM if INTERPRET else jpa_device_info()
+
+
+def plan_for(b, p, s, hq, hkv, d, *, impl="auto", path=None, groups=1):
+    """The planner's plan of a decode point (Tq = 1, bf16, ``groups`` prefixes of ``p`` keys)."""
+    return plan_shared_prefix(batch=b, tq=1, heads_q=hq, heads_kv=hkv, head_dim=d, groups=groups,
+                              prefix_len=p, suffix_len=s, dtype=jnp.bfloat16, impl=impl,
+                              path=path, device=plan_device(), interpret=INTERPRET)
+
+
+def prefix_rows(q, hkv, p, block_m):
+    """The prefix kernel's operands as the two-launch leaf builds them for one prefix of ``p``
+    keys: query rows ``[Hkv, M_pad, D]`` (``R2`` rows per sequence + the ``R16`` rows the suffix
+    pass reads past the last one, padded to ``block_m``; the padding rows, zero queries, see
+    the prefix like the last real row), row groups and row limits ``[M_pad]``; and ``M``."""
+    b, hq, _ = q.shape
+    r, r16 = q_rows_layout(1, hq, hkv)
+    r2 = next_pow2(r)
+    m = b * r2
+    m_pad = -(-(m + r16) // block_m) * block_m
+    qp = jnp.pad(rows_from_q(q[:, None], hkv, r2), ((0, 0), (0, m_pad - m), (0, 0)))
+    return qp, jnp.zeros((m_pad,), jnp.int32), jnp.full((m_pad,), p, jnp.int32), m
+
+
 def tune_large_m(doc):
-    """Pick the prefix kernel's tiling for unsplit (large-M) prefixes on this GPU."""
-    from pallas_kernels import prefix_attention as pa
-    from pallas_kernels.decode_attention import q_rows_layout, row_meta, rows_from_q
+    """Sweep the prefix kernel's tiling for unsplit (large-M) prefixes on this GPU; records the
+    sweep, the fastest setting and the library's ``leaf_plans.LARGE_M_TILING`` (which it does not
+    change: a faster setting is adopted by editing that table)."""
     b, p, hq, hkv, d = 1024, 4096, 32, 8, 128
     q, pk, pv, _, _, _ = make_inputs(b, p, 64, hkv, hq, d)
-    r, r16 = q_rows_layout(1, hq, hkv)
-    r2 = pa.next_pow2(r)
-    m = b * r2
-    m_pad = -(-(m + r16) // 128) * 128
-    qp = jnp.pad(rows_from_q(q[:, None], hkv, r2), ((0, 0), (0, m_pad - m), (0, 0)))
-    grp = jnp.zeros((m_pad,), jnp.int32)
-    lim = jnp.pad(jnp.full((m,), p, jnp.int32), (0, m_pad - m))
+    qp, grp, lim, m = prefix_rows(q, hkv, p, 128)
     res = []
     for bk, nw, ns in [(64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 4, 2)]:
         cfg = dict(block_m=128, block_k=bk, num_splits=1, num_warps=nw, num_stages=ns,
                    two_phase=True)
 
         def f(qp, pk, pv, grp, lim, cfg=cfg):
-            o, _ = pa.prefix_partials(qp, pk[None], pv[None], grp, lim, scale=0.088, **cfg)
+            o, _ = prefix_partials(qp, pk[None], pv[None], grp, lim, scale=0.088, **cfg)
             return o[0].astype(qp.dtype)
         try:
             t = loop_time(f, qp, (pk, pv, grp, lim), target_s=0.02)
@@ -123,29 +151,19 @@ def tune_large_m(doc):
     ok = [x for x in res if "ms" in x]
     if ok:
         best = min(ok, key=lambda x: x["ms"])
-        pa.LARGE_M_TILING = dict(block_k=best["block_k"], num_warps=best["num_warps"],
-                                 num_stages=best["num_stages"])
+        doc["large_m_tiling_fastest"] = {k: best[k] for k in ("block_k", "num_warps", "num_stages")}
     doc["large_m_tiling_sweep"] = res
-    doc["large_m_tiling"] = pa.LARGE_M_TILING
+    doc["large_m_tiling"] = dict(leaf_plans.LARGE_M_TILING)
 
-
-# ----------------------------------------------------------------------------- timing
 
 # ----------------------------------------------------------------------------- columns
 
-def ours(impl, variant=None, backend=None):
-    from pallas_kernels import prefix_attention as pa
-    if INTERPRET:
-        impl = {"shared": "pallas_interpret", "flat": "flat_interpret"}.get(impl, impl)
-
+def ours(plan):
+    """Our ``shared_prefix_attention`` of a decode point run by ``plan``: ``q [B, Hq, D]`` ->
+    ``out [B, Hq, D]``."""
     def f(q, pk, pv, sk, sv, sl):
-        old, old_b = pa.VARIANT, pa.PREFIX_BACKEND
-        pa.VARIANT = variant or old
-        pa.PREFIX_BACKEND = backend or old_b
-        try:
-            out = shared_prefix_attention(q[:, None], pk, pv, sk, sv, suffix_lengths=sl, impl=impl)
-        finally:
-            pa.VARIANT, pa.PREFIX_BACKEND = old, old_b
+        out = shared_prefix_attention(q[:, None], pk, pv, sk, sv, suffix_lengths=sl, plan=plan,
+                                      interpret=INTERPRET)
         return out[:, 0]
     return f
 
@@ -208,28 +226,25 @@ def floor_s(b, p, s, hq, hkv, d, bw, mma, itemsize=2):
 
 
 def make_inputs(b, p, s, hkv, hq, d, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-    dt = jnp.bfloat16
-    q = jax.random.normal(ks[0], (b, hq, d), dt)
-    pk = jax.random.normal(ks[1], (p, hkv, d), dt)
-    pv = jax.random.normal(ks[2], (p, hkv, d), dt)
-    sk = jax.random.normal(ks[3], (b, s, hkv, d), dt)
-    sv = jax.random.normal(ks[4], (b, s, hkv, d), dt)
-    sl = jnp.full((b,), s, jnp.int32)
-    return q, pk, pv, sk, sv, sl
+    """``q [B, Hq, D]``, one prefix ``pk/pv [P, Hkv, D]``, suffixes ``sk/sv [B, S, Hkv, D]``
+    (bf16, standard normal) and full suffix lengths ``[B]``."""
+    shapes = ((b, hq, d), (p, hkv, d), (p, hkv, d), (b, s, hkv, d), (b, s, hkv, d))
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q, pk, pv, sk, sv = (jax.random.normal(k, shape, jnp.bfloat16) for k, shape in zip(keys, shapes))
+    return q, pk, pv, sk, sv, jnp.full((b,), s, jnp.int32)
+
+
+def _maxdiff(a, b):
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
 def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=False):
     rec = dict(batch=b, prefix=p, suffix=s, heads_q=hq, heads_kv=hkv, head_dim=d)
     fl, nbytes, flops = floor_s(b, p, s, hq, hkv, d, bw, mma)
     rec.update(floor_ms=fl * 1e3, bytes=nbytes, flops=flops)
-    from pallas_kernels.prefix_attention import choose_variant
-    from pallas_kernels.decode_attention import next_pow2
-    rec["shared_variant"] = choose_variant(b, hkv, next_pow2(hq // hkv))
-    from pallas_kernels import prefix_attention as pa
-    rec["prefix_backend"] = pa.PREFIX_BACKEND
-    rec["auto_choice"] = choose_path(batch=b, tq=1, heads_q=hq, heads_kv=hkv, head_dim=d,
-                                     groups=1, prefix_len=p, suffix_len=s, itemsize=2)
+    plans = {impl: plan_for(b, p, s, hq, hkv, d, impl=impl) for impl in ("shared", "flat", "auto")}
+    rec["shared_path"], rec["flat_path"] = plans["shared"].path, plans["flat"].path
+    rec["auto_choice"], rec["auto_path"] = plans["auto"].impl, plans["auto"].path
     try:
         q, pk, pv, sk, sv, sl = make_inputs(b, p, s, hkv, hq, d)
     except Exception as e:  # noqa: BLE001
@@ -238,46 +253,44 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
         raise
     ref = None
     for c in cols:
-        if c == "shared" and "shared_" + rec["shared_variant"] in cols:
-            rec["shared_ms"] = rec.get("shared_" + rec["shared_variant"] + "_ms", "not measured")
-            rec["shared_ms_source"] = "shared_" + rec["shared_variant"] + " (same code path)"
+        forced = f"path_{rec['shared_path']}"
+        if c == "shared" and isinstance(rec.get(forced + "_ms"), float):
+            rec["shared_ms"] = rec[forced + "_ms"]
+            rec["shared_ms_source"] = forced + " (same plan)"
             continue
         if c == "flat_materialised" and (b, p) not in MATERIALISED_AT:
             continue
         if c == "auto" and not measure_auto:
             rec["auto_ms"] = rec.get(rec["auto_choice"] + "_ms", "not measured")
-            rec["auto_ms_source"] = rec["auto_choice"] + " (same code path)"
+            rec["auto_ms_source"] = rec["auto_choice"] + " (same plan)"
             continue
         try:
             if c == "flat_materialised":
                 pk_b = jnp.broadcast_to(pk[None], (b,) + pk.shape) + 0  # a real copy per sequence
                 pv_b = jnp.broadcast_to(pv[None], (b,) + pv.shape) + 0
                 s2p = jnp.arange(b, dtype=jnp.int32)
+                plan_m = plan_for(b, p, s, hq, hkv, d, impl="flat", groups=b)
 
                 def fm(q, pk_b, pv_b, sk, sv, sl, s2p):
                     out = shared_prefix_attention(q[:, None], pk_b, pv_b, sk, sv, suffix_lengths=sl,
-                                                  seq_to_prefix=s2p,
-                                                  impl="flat_interpret" if INTERPRET else "flat")
+                                                  seq_to_prefix=s2p, plan=plan_m,
+                                                  interpret=INTERPRET)
                     return out[:, 0]
                 t = loop_time(fm, q, (pk_b, pv_b, sk, sv, sl, s2p), compiler_options=GRAPH_ALWAYS)
                 del pk_b, pv_b
-            elif c in ("shared", "shared_fused", "shared_overlap", "shared_mgpu", "shared_triton", "flat",
-                       "auto"):
-                if c in ("shared_mgpu", "shared_triton"):
-                    f = ours("shared", backend=c.split("_")[1])
-                else:
-                    f = ours("shared", c.split("_")[1]) if c.startswith("shared_") else ours(c)
+            elif c in plans or c.startswith("path_"):
+                plan = plans[c] if c in plans else plan_for(b, p, s, hq, hkv, d, path=c[5:])
+                f = ours(plan)
                 t = loop_time(f, q, (pk, pv, sk, sv, sl), compiler_options=GRAPH_ALWAYS)
                 if check:
                     out = jax.jit(f)(q, pk, pv, sk, sv, sl)
                     if ref is None:
                         ref = out
                         # independent check of the first column against the pure-JAX reference
-                        r_out = jax.jit(ours("reference"))(q, pk, pv, sk, sv, sl)
-                        rec["maxdiff_vs_reference"] = float(jnp.max(jnp.abs(
-                            out.astype(jnp.float32) - r_out.astype(jnp.float32))))
-                    rec[c + "_maxdiff_vs_shared"] = float(jnp.max(jnp.abs(
-                        out.astype(jnp.float32) - ref.astype(jnp.float32))))
+                        r_out = jax.jit(ours(plan_for(b, p, s, hq, hkv, d, impl="reference")))(
+                            q, pk, pv, sk, sv, sl)
+                        rec["maxdiff_vs_reference"] = _maxdiff(out, r_out)
+                    rec[c + "_maxdiff_vs_shared"] = _maxdiff(out, ref)
             elif c == "flat_gqa":
                 # A length that is no multiple of gqa's 64-key blocks (P = 4000 at the small-GQA
                 # points) is padded with zeros to a multiple of 16 x 64 keys, so that the keys
@@ -291,14 +304,16 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
                 lens = jnp.full((b,), p + s, jnp.int32)
                 t = loop_time(flat_gqa, q, (k_full, v_full, lens), compiler_options=GRAPH_ALWAYS)
                 if check and ref is not None:
-                    rec[c + "_maxdiff_vs_shared"] = float(jnp.max(jnp.abs(jax.jit(flat_gqa)(
-                        q, k_full, v_full, lens).astype(jnp.float32) - ref.astype(jnp.float32))))
+                    rec[c + "_maxdiff_vs_shared"] = _maxdiff(jax.jit(flat_gqa)(q, k_full, v_full, lens),
+                                                             ref)
                 del k_full, v_full
             elif c == "composed":
                 t = loop_time(composed, q, (pk, pv, sk, sv, sl), compiler_options=GRAPH_ALWAYS)
                 if check and ref is not None:
-                    rec[c + "_maxdiff_vs_shared"] = float(jnp.max(jnp.abs(jax.jit(composed)(
-                        q, pk, pv, sk, sv, sl).astype(jnp.float32) - ref.astype(jnp.float32))))
+                    rec[c + "_maxdiff_vs_shared"] = _maxdiff(jax.jit(composed)(q, pk, pv, sk, sv, sl),
+                                                             ref)
+            else:
+                raise ValueError(f"unknown column {c!r}")
             rec[c + "_ms"] = t * 1e3
         except Exception as e:  # noqa: BLE001
             if is_oom(e):
@@ -310,98 +325,79 @@ def run_point(b, p, s, hq, hkv, d, bw, mma, cols=COLS, check=True, measure_auto=
     sh = rec.get("shared_ms")
     if isinstance(sh, float):
         rec["shared_over_floor"] = sh / rec["floor_ms"]
-        for c in ("shared_fused", "shared_overlap", "shared_mgpu", "shared_triton", "flat", "flat_gqa", "composed", "auto"):
-            if isinstance(rec.get(c + "_ms"), float):
+        for c in cols:
+            if c != "shared" and isinstance(rec.get(c + "_ms"), float):
                 rec[f"{c}_over_shared"] = rec[c + "_ms"] / sh
-    if isinstance(rec.get("flat_ms"), float):
-        flat_bytes = b * (p + s) * 2 * hkv * d * 2 + 2 * b * hq * d * 2
-        rec["flat_bw_frac_of_copy"] = flat_bytes / (rec["flat_ms"] * 1e-3) / bw
+    flat_bytes = b * (p + s) * 2 * hkv * d * 2 + 2 * b * hq * d * 2
+    for c in ("flat", "flat_gqa", "flat_materialised"):
+        if isinstance(rec.get(c + "_ms"), float):
+            rec[c + "_bw_frac_of_copy"] = flat_bytes / (rec[c + "_ms"] * 1e-3) / bw
     if isinstance(rec.get("flat_materialised_ms"), float):
-        flat_bytes = b * (p + s) * 2 * hkv * d * 2 + 2 * b * hq * d * 2
-        rec["flat_materialised_bw_frac_of_copy"] = flat_bytes / (rec["flat_materialised_ms"] * 1e-3) / bw
         rec["flat_materialised_bw_frac_of_read"] = flat_bytes / (rec["flat_materialised_ms"] * 1e-3) / READ_BW[0]
     if READ_BW[0]:
         rec["floor_read_ms"] = floor_s(b, p, s, hq, hkv, d, READ_BW[0], mma)[0] * 1e3
-    if isinstance(rec.get("flat_gqa_ms"), float):
-        flat_bytes = b * (p + s) * 2 * hkv * d * 2 + 2 * b * hq * d * 2
-        rec["flat_gqa_bw_frac_of_copy"] = flat_bytes / (rec["flat_gqa_ms"] * 1e-3) / bw
     return rec
 
 
 # ----------------------------------------------------------------------------- tuning
 
 def tune(bw, mma, out):
-    """Time the prefix and suffix kernels alone for a few tilings at two probe shapes."""
-    from pallas_kernels import prefix_attention as pa
-    from pallas_kernels.decode_attention import (Source, q_rows_layout, ragged_attention,
-                                                 row_meta, rows_from_q)
+    """Time the prefix kernel and the suffix kernel alone, and the flat path (row layout), for
+    a few tilings at two points."""
     res = []
     for (b, p, s, hq, hkv) in [(256, 4096, 128, 32, 8), (64, 4096, 256, 8, 1)]:
         d = 128
         q, pk, pv, sk, sv, sl = make_inputs(b, p, s, hkv, hq, d)
-        q4 = q[:, None]
         r, r16 = q_rows_layout(1, hq, hkv)
-        r2 = pa.next_pow2(r)
-        lim_p, lim_s = row_limits(1, jnp.full((b,), p, jnp.int32), sl)
-        base = pa.prefix_config(b, r, hkv, p)
+        r2 = next_pow2(r)
+        _, lim_s = row_limits(1, jnp.full((b,), p, jnp.int32), sl)
+        base = dataclasses.asdict(leaf_plans.prefix_tiling(b, r, hkv, p, 2 * plan_device().sm_count))
         for bm in (64, 128):
             for bk in (32, 64, 128):
                 for nw, ns in ((4, 2), (8, 2), (8, 3)):
-                    if True:
-                        cfg = dict(base, block_m=max(bm, r2), block_k=bk, num_warps=nw, num_stages=ns)
-                        m = b * r2
-                        m_pad = -(-(m + r16) // cfg["block_m"]) * cfg["block_m"]
-                        qp = jnp.pad(rows_from_q(q4, hkv, r2), ((0, 0), (0, m_pad - m), (0, 0)))
-                        grp = jnp.zeros((m_pad,), jnp.int32)
-                        lim = jnp.pad(row_meta(lim_p, hq // hkv, r2), (0, m_pad - m))
+                    cfg = dict(base, block_m=max(bm, r2), block_k=bk, num_warps=nw, num_stages=ns)
+                    qp, grp, lim, m = prefix_rows(q, hkv, p, cfg["block_m"])
 
-                        def f(qp, pk, pv, grp, lim, cfg=cfg):
-                            o, l = pa.prefix_partials(qp, pk[None], pv[None], grp, lim,
-                                                      scale=0.088, **cfg)
-                            return o[0, :, :qp.shape[1]].astype(qp.dtype)
-                        try:
-                            t = loop_time(f, qp, (pk, pv, grp, lim), target_s=0.02)
-                            fl = 4.0 * m * hkv * p * d
-                            res.append(dict(kind="prefix", batch=b, prefix=p, heads_q=hq, **cfg,
-                                            ms=t * 1e3, tflops=fl / t / 1e12))
-                        except Exception as e:  # noqa: BLE001
-                            res.append(dict(kind="prefix", batch=b, **cfg, error=str(e)[:200]))
-                        print(res[-1], flush=True)
+                    def f(qp, pk, pv, grp, lim, cfg=cfg):
+                        o, _ = prefix_partials(qp, pk[None], pv[None], grp, lim, scale=0.088, **cfg)
+                        return o[0, :, :qp.shape[1]].astype(qp.dtype)
+                    try:
+                        t = loop_time(f, qp, (pk, pv, grp, lim), target_s=0.02)
+                        fl = 4.0 * m * hkv * p * d
+                        res.append(dict(kind="prefix", batch=b, prefix=p, heads_q=hq, **cfg,
+                                        ms=t * 1e3, tflops=fl / t / 1e12))
+                    except Exception as e:  # noqa: BLE001
+                        res.append(dict(kind="prefix", batch=b, **cfg, error=str(e)[:200]))
+                    print(res[-1], flush=True)
+        qs = rows_from_q(q[:, None], hkv, r16)
+        idx = seq_rows(np.arange(b, dtype=np.int32), r16)
+        lim = row_meta(lim_s, hq // hkv, r16)
         for bk in (32, 64, 128):
             for ns in (2, 3):
-                for nw in (4,):
-                    qs = rows_from_q(q4, hkv, r16)
-                    idx = row_meta(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, 1)),
-                                   hq // hkv, r16, pad_value=jnp.arange(b, dtype=jnp.int32))
-                    lim = row_meta(lim_s, hq // hkv, r16)
-
-                    def g(qs, sk, sv, idx, lim, bk=bk, ns=ns, nw=nw):
-                        o, l = ragged_attention(qs, [Source(sk, sv, idx, lim)], scale=0.088,
-                                                block_m=r16, block_k=bk, finalize=True,
-                                                num_warps=nw, num_stages=ns)
-                        return o
-                    try:
-                        t = loop_time(g, qs, (sk, sv, idx, lim), target_s=0.02)
-                        nb = b * s * 2 * hkv * d * 2
-                        res.append(dict(kind="suffix", batch=b, suffix=s, block_k=bk, num_stages=ns,
-                                        num_warps=nw, ms=t * 1e3, bw_frac=nb / t / bw))
-                    except Exception as e:  # noqa: BLE001
-                        res.append(dict(kind="suffix", batch=b, block_k=bk, error=str(e)[:200]))
-                    print(res[-1], flush=True)
-        # flat kernel tiling
+                def g(qs, sk, sv, idx, lim, bk=bk, ns=ns):
+                    o, _ = ragged_attention(qs, [Source(sk, sv, idx, lim)], scale=0.088,
+                                            block_m=r16, block_k=bk, finalize=True, num_warps=4,
+                                            num_stages=ns)
+                    return o
+                try:
+                    t = loop_time(g, qs, (sk, sv, idx, lim), target_s=0.02)
+                    nb = b * s * 2 * hkv * d * 2
+                    res.append(dict(kind="suffix", batch=b, suffix=s, block_k=bk, num_stages=ns,
+                                    num_warps=4, ms=t * 1e3, bw_frac=nb / t / bw))
+                except Exception as e:  # noqa: BLE001
+                    res.append(dict(kind="suffix", batch=b, block_k=bk, error=str(e)[:200]))
+                print(res[-1], flush=True)
+        # the flat path in the row layout, its leaf's tiling replaced in the plan
+        flat = plan_for(b, p, s, hq, hkv, d, path="flat_rows")
         for bk in (64, 128):
             for ns in (2, 3):
                 for nw in (4, 8):
-                    from pallas_kernels.decode_attention import flat_forward
-
-                    def h(q, pk, pv, sk, sv, sl, bk=bk, ns=ns, nw=nw):
-                        lp, ls = row_limits(1, jnp.full((b,), p, jnp.int32), sl)
-                        o, _ = flat_forward(q[:, None], pk[None], pv[None], sk, sv,
-                                            jnp.zeros((b,), jnp.int32), lp, ls, scale=0.088,
-                                            block_k=bk, num_warps=nw, num_stages=ns)
-                        return o[:, 0]
+                    leaf = dataclasses.replace(flat.chunks[0].leaf, block_k=bk, num_warps=nw,
+                                               num_stages=ns)
+                    plan = dataclasses.replace(flat, chunks=(dataclasses.replace(flat.chunks[0],
+                                                                                 leaf=leaf),))
                     try:
-                        t = loop_time(h, q, (pk, pv, sk, sv, sl), target_s=0.02)
+                        t = loop_time(ours(plan), q, (pk, pv, sk, sv, sl), target_s=0.02)
                         nb = b * (p + s) * 2 * hkv * d * 2
                         res.append(dict(kind="flat", batch=b, prefix=p, suffix=s, block_k=bk,
                                         num_stages=ns, num_warps=nw, ms=t * 1e3, bw_frac=nb / t / bw))
@@ -450,83 +446,6 @@ def heatmap(results, path):
     fig.savefig(path, dpi=110)
 
 
-# ----------------------------------------------------------------------------- merging runs
-
-def _ratios(rec):
-    """(Re)compute the derived ratios of one point from its measured columns."""
-    b, p, s, hq, hkv, d = (rec[k] for k in ("batch", "prefix", "suffix", "heads_q", "heads_kv",
-                                            "head_dim"))
-    sh = rec.get("shared_ms")
-    for k in [k for k in rec if k.endswith("_over_shared") or k == "shared_over_floor"]:
-        del rec[k]
-    if isinstance(sh, float):
-        rec["shared_over_floor"] = sh / rec["floor_ms"]
-        if isinstance(rec.get("floor_read_ms"), float):
-            rec["shared_over_floor_read"] = sh / rec["floor_read_ms"]
-        for c in ("shared_fused", "shared_overlap", "flat", "flat_gqa", "composed", "auto",
-                  "flat_materialised"):
-            if isinstance(rec.get(c + "_ms"), float):
-                rec[f"{c}_over_shared"] = rec[c + "_ms"] / sh
-    a, fl = rec.get("auto_ms"), rec.get("flat_ms")
-    if all(isinstance(x, float) for x in (a, sh, fl)):
-        rec["auto_over_best"] = a / min(sh, fl)
-
-
-def merge_runs(paths, out):
-    """Assemble the final results from benchmark runs of successive code states.
-
-    The shipped code uses the two-phase key loop and the large-M tiling only where the prefix
-    kernel runs unsplit 128-row blocks (``large_m_layout``): those points are taken from the
-    run that measured that code (the last file), every other point from the run that measured
-    the single-phase kernels (the first file, which timed both shared variants, so ``shared``
-    there is the variant :func:`choose_variant` now picks).  Every column of a point comes from
-    one run; ``auto`` is re-derived with the current cost model from that run's times.
-    """
-    from pallas_kernels.decode_attention import large_m_layout, next_pow2
-    from pallas_kernels.prefix_attention import choose_variant
-    docs = [json.load(open(pth)) for pth in paths]
-    keyf = lambda r: (r["heads_q"], r["heads_kv"], r["batch"], r["prefix"], r["suffix"],  # noqa: E731
-                      bool(r.get("probe")))
-    idx = [{keyf(r): r for r in dd["results"]} for dd in docs]
-    final = dict(info=docs[-1]["info"], columns=COLS, notes=__doc__ + "\n" + merge_runs.__doc__,
-                 runs=[dict(file=os.path.basename(pth), copy_bw_Bps=dd["copy_bw_Bps"],
-                            matmul_flops=dd["matmul_flops"], read_bw_Bps=dd.get("read_bw_Bps"),
-                            large_m_tiling=dd.get("large_m_tiling"),
-                            large_m_tiling_sweep=dd.get("large_m_tiling_sweep"))
-                       for pth, dd in zip(paths, docs)], results=[])
-    worst = None
-    for r_last in docs[-1]["results"]:
-        k = keyf(r_last)
-        hq, hkv, b, p, s, probe = k
-        src = len(docs) - 1 if large_m_layout(b, hq // hkv, hkv) else 0
-        rec = dict(idx[src].get(k) or {"batch": b, "prefix": p, "suffix": s, "heads_q": hq,
-                                          "heads_kv": hkv, "head_dim": r_last["head_dim"],
-                                          "probe": probe, "status": "not measured"})
-        rec["source_run"] = os.path.basename(paths[src])
-        if "status" in rec:
-            final["results"].append(rec)
-            continue
-        v = choose_variant(b, hkv, next_pow2(hq // hkv))
-        rec["shared_variant"] = v
-        if isinstance(rec.get(f"shared_{v}_ms"), (float, str)) and f"shared_{v}_ms" in rec:
-            rec["shared_ms"] = rec[f"shared_{v}_ms"]
-            rec["shared_ms_source"] = f"shared_{v} (same code path)"
-        rec["auto_choice"] = choose_path(batch=b, tq=1, heads_q=hq, heads_kv=hkv,
-                                         head_dim=rec["head_dim"], groups=1, prefix_len=p,
-                                         suffix_len=s, itemsize=2)
-        rec["auto_ms"] = rec.get(rec["auto_choice"] + "_ms")
-        rec["auto_ms_source"] = rec["auto_choice"] + " (same code path)"
-        _ratios(rec)
-        if "auto_over_best" in rec:
-            worst = rec["auto_over_best"] if worst is None else max(worst, rec["auto_over_best"])
-        final["results"].append(rec)
-    final["auto_worst_over_best"] = worst
-    with open(out, "w") as fh:
-        json.dump(final, fh, indent=1)
-    summarize(final)
-    heatmap(final["results"], os.path.splitext(out)[0] + ".png")
-
-
 def summarize(doc):
     print("\nprobe points (Hq=32 Hkv=8 D=128 suffix 128):")
     for r in doc["results"]:
@@ -535,12 +454,12 @@ def summarize(doc):
                                ("flat", "flat_gqa", "composed", "auto") if c + "_over_shared" in r)
             read = (f"; {r['shared_ms'] / r['floor_read_ms']:.2f}x read-bw floor"
                     if isinstance(r.get("floor_read_ms"), float) else "")
-            src = f" [{r['source_run']}]" if r.get("source_run") else ""
-            print(f"  B={r['batch']} P={r['prefix']}: shared {r['shared_ms']:.3f} ms, floor "
-                  f"{r['floor_ms']:.3f} ms ({r['shared_over_floor']:.2f}x floor{read}), {ratios}{src}")
+            print(f"  B={r['batch']} P={r['prefix']}: shared ({r.get('shared_path')}) "
+                  f"{r['shared_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "
+                  f"({r['shared_over_floor']:.2f}x floor{read}), {ratios}")
     small = [r for r in doc["results"] if r.get("small_gqa") and isinstance(r.get("auto_ms"), float)]
     if small:
-        print("small GQA points (the issue's cascade case: must not lose to plain decoding):")
+        print("small GQA points (where a cascade must not lose to plain decoding):")
     for r in small:
         cols = ", ".join(f"{c} {r[c + '_ms'] * 1e3:.1f} us" for c in
                          ("shared", "flat", "flat_gqa", "composed", "auto")
@@ -565,9 +484,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--measure-auto", action="store_true")
     ap.add_argument("--tune-large-m", action="store_true")
-    ap.add_argument("--merge", nargs="+", default=None,
-                    help="assemble --out from earlier result files (no GPU work)")
-    ap.add_argument("--cols", default=",".join(COLS))
+    ap.add_argument("--cols", default=",".join(COLS),
+                    help="comma-separated columns; path_<leaf> forces a leaf of the planner")
     ap.add_argument("--resume", action="store_true",
                     help="keep the points already measured in --out, measure the rest (each record "
                          "carries the rates of the run that measured it)")
@@ -582,9 +500,6 @@ def main():
         HEADS, BATCH, PREFIX, SUFFIX, PROBES = [(4, 2, 16)], [2], [128], [64], [(2, 128, 64)]
         SMALL_GQA_HEADS, SMALL_GQA = (4, 1, 16), [(3, 100, 64)]
     t_start = time.time()
-    if args.merge:
-        merge_runs(args.merge, args.out)
-        return
     out = args.out or f"bench/results/shared_prefix_{gpu_slug()}.json"
     bw = measure_copy_bandwidth(1 << 24 if args.smoke else 2 << 30)
     mma = measure_matmul_rate(256 if args.smoke else 8192)
@@ -613,7 +528,7 @@ def main():
     if args.resume and os.path.exists(out):
         with open(out) as fh:
             old = json.load(fh)
-        for k, v in old.items():  # notes added to the file by hand (e.g. "session7_note")
+        for k, v in old.items():  # notes added to the file by hand (keys ending in "_note")
             if k.endswith("_note"):
                 doc[k] = v
         doc["earlier_runs"] = old.get("earlier_runs", []) + [

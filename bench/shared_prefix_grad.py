@@ -2,13 +2,12 @@
 memory of ``jax.grad`` of ``sum(w * shared_prefix_attention(...))`` with respect to ``q`` and all
 four K/V arrays, for
 
-* ``kernels``: the shared path's forward, backward through the flash backward kernels
-  (``jax_prefix_attn.shared_prefix.BACKWARD = "kernels"``, the default:
-  ``pallas_kernels.prefix_attention_bwd`` for the prefix part with the rows of all sequences
-  batched, ``flash_attention_bwd`` for the suffix part, both with the merged statistics);
+* ``kernels``: the shared path's forward, backward through the flash backward kernels (the
+  plan's ``backward="kernels"``, the default: ``pallas_kernels.prefix_attention_bwd`` for the
+  prefix part with the rows of all sequences batched, ``pallas_kernels.suffix_attention_bwd``
+  for the suffix part, both with the merged statistics);
 * ``refbwd``: the same forward, backward by autodiff of the pure-JAX reference decomposition
-  (``BACKWARD = "reference"``, what the library did before; it materialises ``[B, Tq, Hq, P]``
-  probabilities);
+  (the plan's ``backward="reference"``; it materialises ``[B, Tq, Hq, P]`` probabilities);
 * ``concat_flash``: our flash attention (``jax_prefix_attn.attention``'s kernel,
   ``pallas_kernels.flash_attention``) over the explicitly concatenated per-sequence KV
   (``[B, P + S, Hkv, D]``: the prefixes are full here, so a broadcast or gather of the prefix
@@ -39,6 +38,8 @@ import numpy as np  # noqa: E402
 
 from bench.grad_common import compare_grads, kernel_ratios, measure_columns, print_row  # noqa: E402
 from bench.timing import device_info, gpu_slug, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+from jax_prefix_attn import plan_shared_prefix, shared_prefix_attention  # noqa: E402
+from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 
 # (B, Tq, P, S, Hq, Hkv, D, G)
 POINTS = [
@@ -69,18 +70,23 @@ def make_inputs(b, tq, p, s, hq, hkv, d, g, seed=0, dtype=jnp.bfloat16):
 
 
 def grad_fn(col, meta, args):
-    """The compiled ``jit(grad)`` of the loss for one column (traced and compiled here, while
-    ``BACKWARD`` is set: it is read when the backward pass is traced)."""
-    import jax_prefix_attn.shared_prefix as sp
-    from jax_prefix_attn import shared_prefix_attention
-    from pallas_kernels.flash_attention import flash_attention
+    """The compiled ``jit(grad)`` of the loss for one column (``kernels`` / ``refbwd``: the
+    shared family's plan with that backward)."""
     sl, s2p, plen, w = meta["sl"], meta["s2p"], meta["plen"], meta["w"]
-    impl = "pallas_interpret" if INTERPRET else "shared"
 
     if col in ("kernels", "refbwd"):
+        q, pk = args[0], args[1]
+        b, tq, hq, d = q.shape
+        g, p, hkv, _ = pk.shape
+        plan = plan_shared_prefix(batch=b, tq=tq, heads_q=hq, heads_kv=hkv, head_dim=d, groups=g,
+                                  prefix_len=p, suffix_len=args[3].shape[1], dtype=q.dtype,
+                                  impl="shared", interpret=INTERPRET,
+                                  backward="reference" if col == "refbwd" else "kernels")
+
         def loss(q, pk, pv, sk, sv):
             out = shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=sl,
-                                          prefix_lengths=plen, seq_to_prefix=s2p, impl=impl)
+                                          prefix_lengths=plen, seq_to_prefix=s2p, plan=plan,
+                                          interpret=INTERPRET)
             return jnp.sum(out.astype(jnp.float32) * w)
     else:
         def loss(q, pk, pv, sk, sv):
@@ -93,12 +99,7 @@ def grad_fn(col, meta, args):
             out, _ = flash_attention(q, concat(pk, sk), concat(pv, sv), causal=True,
                                      kv_lengths=p + sl, interpret=INTERPRET)
             return jnp.sum(out.astype(jnp.float32) * w)
-    old = sp.BACKWARD
-    sp.BACKWARD = "reference" if col == "refbwd" else "kernels"
-    try:
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
-    finally:
-        sp.BACKWARD = old
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
 
 
 def floor_s(b, tq, p, s, hq, hkv, d, sl_mean, bw, mma, itemsize=2, g=1):

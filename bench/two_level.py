@@ -47,6 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import e2e_common as ec  # noqa: E402
+from bench.plots import two_level_targets  # noqa: E402
 from models.generate import PromptBatch, generate  # noqa: E402
 from models.llama import Llama  # noqa: E402
 
@@ -100,10 +101,7 @@ class Bench:
         return lim is None or self.predicted_bytes(method, p) <= lim
 
     def predict_oom(self, point) -> str | None:
-        if not self.fits(point["method"], point["problems"]):
-            need = self.predicted_bytes(point["method"], point["problems"])
-            return f"needs ~{need / 2**30:.1f} GiB, limit {self.args.mem_limit / 2**30:.1f} GiB"
-        return None
+        return ec.oom_reason(self.predicted_bytes(point["method"], point["problems"]), self.args.mem_limit)
 
     def measure(self, point) -> dict:
         self.load()
@@ -164,21 +162,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.quick and args.part == "all":   # quick: the equal-batch pair only
         args.part = "equal"
-    if args.smoke:
-        args.layers = args.layers or 1
-        args.root_tokens = args.root_tokens or 24
-        args.problem_len = args.problem_len or [6, 12]
-        args.samples = args.samples or 2
-        args.gen_tokens = args.gen_tokens or 3
-        args.equal_problems = args.equal_problems or 1
-        args.large_problems = args.large_problems or 2
-        args.max_problems = args.max_problems or 2
-    args.layers = args.layers or 16
-    args.root_tokens = args.root_tokens or 2400
-    args.problem_len = args.problem_len or [300, 800]
-    args.samples = args.samples or 128
-    args.gen_tokens = args.gen_tokens or 512
-    args.max_problems = args.max_problems or 8
+    ec.finish_args(args, dict(layers=16, root_tokens=2400, problem_len=[300, 800], samples=128,
+                              gen_tokens=512, max_problems=8),
+                   smoke=dict(layers=1, root_tokens=24, problem_len=[6, 12], samples=2, gen_tokens=3,
+                              equal_problems=1, large_problems=2, max_problems=2))
     if args.gen_tokens < 2:
         ap.error("--gen-tokens must be >= 2")
     for name in ("equal_problems", "large_problems"):
@@ -190,7 +177,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    args.mem_limit = ec.memory_limit_bytes(args.mem_limit_gb)
     bench = Bench(args)
     p_eq, p_large = choose_problems(bench)
     base = {"model": MODEL, "layers": args.layers}
@@ -207,24 +193,24 @@ def main(argv=None) -> dict:
              "model": ec.MODELS[MODEL][0],
              "definition": "total_s = one generate() call (prefill of root + problems + gen_tokens of decoding); "
                            "decode_s = total_s - t(1 token); per problem = / problems per batch"}
-    out, store = ec.open_store(args, NAME, KEY_FIELDS, fixed)
-    store.note("p_equal_p_large", [p_eq, p_large])
     budget = ec.Budget(args.budget_min)
-    print(f"{NAME}: equal batch {p_eq} x {args.samples}, larger tree batch <= {p_large} x {args.samples} -> {out}",
-          flush=True)
-    counts = ec.run_points(store, plan, bench.measure, budget, predict_oom=bench.predict_oom)
-    if args.part in ("all", "large"):
-        for pt in large:   # the largest tree batch that fits (out-of-memory: try the next smaller one)
-            c = ec.run_points(store, [pt], bench.measure, budget, predict_oom=bench.predict_oom)
-            counts = {k: counts[k] + c[k] for k in counts}
-            rec = store.done(pt)
-            if rec is not None and rec["status"] == "ok":
-                break
-    store.note("counts", counts)
-    print(counts, flush=True)
-    from bench.plots import two_level_targets  # noqa: PLC0415
-    ec.report_targets(store, two_level_targets)
-    return {"out": out, "counts": counts, "p_equal": p_eq, "p_large": p_large}
+
+    def after(store, bench, counts):
+        store.note("p_equal_p_large", [p_eq, p_large])
+        if args.part in ("all", "large"):
+            for pt in large:   # the largest tree batch that fits (out-of-memory: the next smaller one)
+                c = ec.run_points(store, [pt], bench.measure, budget, predict_oom=bench.predict_oom)
+                counts = {k: counts[k] + c[k] for k in counts}
+                rec = store.done(pt)
+                if rec is not None and rec["status"] == "ok":
+                    break
+        store.note("counts", counts)
+        ec.report_targets(store, two_level_targets)
+        return counts
+    title = f"equal batch {p_eq} x {args.samples}, larger tree batch <= {p_large} x {args.samples}"
+    res = ec.measure_plan(args, NAME, KEY_FIELDS, fixed, plan, lambda _: bench, budget=budget,
+                          title=title, after=after)
+    return dict(res, p_equal=p_eq, p_large=p_large)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,20 @@ def check_array(name: str, x: Any, ndim: int | tuple[int, ...], *, floating: boo
         raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
 
 
+def check_kv(name_k: str, k: Any, name_v: str, v: Any, ndim: int | tuple[int, ...], *,
+             layout: str, dtype: Any, dtype_of: str) -> None:
+    """Check keys ``k`` and values ``v``: floating arrays of rank ``ndim`` (``layout``) of the same
+    shape, both of ``dtype`` (the dtype of the argument named ``dtype_of``)."""
+    check_array(name_k, k, ndim, layout=layout)
+    check_array(name_v, v, ndim, layout=layout)
+    if k.shape != v.shape:
+        raise ValueError(f"{name_k} and {name_v} must have the same shape, got {name_k} "
+                         f"{tuple(k.shape)} and {name_v} {tuple(v.shape)}")
+    for name, x in ((name_k, k), (name_v, v)):
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have {dtype_of}'s dtype {dtype}, got {x.dtype}")
+
+
 def check_lengths(name: str, lengths: Any, batch: int, max_len: int) -> None:
     """Check a per-sequence length vector ``[batch]``; values are checked when concrete."""
     if not hasattr(lengths, "shape"):

@@ -11,6 +11,8 @@ Canonical inputs (as validated by :func:`jax_prefix_attn.shared_prefix_attention
 """
 from __future__ import annotations
 
+import types
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,8 +33,9 @@ from pallas_kernels.suffix_attention import suffix_decode_merge
 
 __all__ = ["run_plan", "decode_prefix_partials"]
 
-_MGPU = {MgpuTwoLaunch: xm.mgpu_two_launch, MgpuOneLaunch: xm.mgpu_one_launch,
-         MgpuJoint: xm.mgpu_joint, MgpuSplit: xm.mgpu_split}
+_MGPU = types.MappingProxyType({MgpuTwoLaunch: xm.mgpu_two_launch,
+                               MgpuOneLaunch: xm.mgpu_one_launch, MgpuJoint: xm.mgpu_joint,
+                               MgpuSplit: xm.mgpu_split})
 
 
 def run_plan(plan: SharedPrefixPlan, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,

@@ -8,6 +8,8 @@ whole-path times against the leaf the region replaces, on an H200 unless named o
 """
 from __future__ import annotations
 
+import types
+
 import jax.numpy as jnp
 
 from jax_prefix_attn.device import DeviceInfo
@@ -28,7 +30,7 @@ ROW_SUFFIX = SuffixTiling(block_k=64, num_warps=4, num_stages=3)      # row-layo
 # Triton prefix kernel: 128 x 64 tiles, 4 warps, 2 stages (~205 TFLOP/s at B=256 P=4K Hq=32
 # split 4 ways); with enough rows to run unsplit, 64-key tiles, 8 warps, 3 stages and the
 # two-phase key loop (322 TFLOP/s at B=1024 P=4K Hq=32 against 299 with 64/4/2).
-LARGE_M_TILING = dict(block_k=64, num_warps=8, num_stages=3)
+LARGE_M_TILING = types.MappingProxyType(dict(block_k=64, num_warps=8, num_stages=3))
 # Flat own-layout tiling by program count (kv heads x sequences x key splits): few programs
 # stream best with 128-key tiles and 4 warps, about 2-8 per SM with 64-key tiles, beyond that
 # small CTAs (32 keys, 2 warps, 3 stages; B=1024 Hq=32 P=4K: 0.87x the row layout's time).

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax_prefix_attn._validation import check_bool, check_qkv
 from jax_prefix_attn.merge import merge_attention_states
 
-__all__ = ["attention", "attention_mask", "row_limits", "part_attention",
+__all__ = ["attention", "attention_mask", "row_limits", "masked_softmax", "part_attention",
            "reference_shared_prefix"]
 
 
@@ -106,6 +106,23 @@ def row_limits(tq: int, prefix_len_b: jax.Array, suffix_len_b: jax.Array):
 
 # ----------------------------------------------------------------------------- reference
 
+def masked_softmax(scores, mask):
+    """Softmax of float32 ``scores [..., K]`` over the keys where ``mask`` (broadcastable to
+    ``scores``) holds, by the conventions above: a row that sees no key gets ``p = 0`` and
+    ``lse = -inf``, with finite gradients (the row maximum is a constant of the gradient).
+
+    Returns ``(p [..., K]`` normalised, ``lse [..., 1])``, both float32.
+    """
+    s = jnp.where(mask, scores, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    has = l > 0
+    l_safe = jnp.where(has, l, 1.0)
+    return p / l_safe, jnp.where(has, m + jnp.log(l_safe), -jnp.inf)
+
+
 def part_attention(q_bthd, k_nshd, v_nshd, kv_index_b, limit_bt, scale):
     """Attention of each sequence's queries over keys ``k_nshd[kv_index_b[b], :limit_bt[b, i]]``.
 
@@ -134,18 +151,12 @@ def part_attention(q_bthd, k_nshd, v_nshd, kv_index_b, limit_bt, scale):
         sc = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=hi)
     sc = sc * scale
     mask = (j[None, None, :] < limit_bt[:, :, None])[:, None, None]
-    sc = jnp.where(mask, sc, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(sc, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    pr = jnp.where(mask, jnp.exp(sc - m), 0.0)
-    l = jnp.sum(pr, axis=-1, keepdims=True)
-    has = l > 0
-    l_safe = jnp.where(has, l, 1.0)
+    pr, lse = masked_softmax(sc, mask)
     if n == 1:
-        o = jnp.einsum("bhgqk,khd->bqhgd", pr / l_safe, v[0], precision=hi)
+        o = jnp.einsum("bhgqk,khd->bqhgd", pr, v[0], precision=hi)
     else:
-        o = jnp.einsum("bhgqk,bkhd->bqhgd", pr / l_safe, v, precision=hi)
-    lse = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)[..., 0]  # [B, Hkv, G, Tq]
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", pr, v, precision=hi)
+    lse = lse[..., 0]                                                  # [B, Hkv, G, Tq]
     return o.reshape(b, tq, hq, d), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, tq, hq)
 
 

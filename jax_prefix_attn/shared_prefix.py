@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_prefix_attn._validation import (is_concrete, check_array, check_bool, check_gqa,
-                                         check_impl, check_lengths, check_sm_scale)
+from jax_prefix_attn._validation import (check_array, check_bool, check_gqa, check_impl, check_kv,
+                                         check_lengths, check_sm_scale, is_concrete)
 from jax_prefix_attn.executor import run_plan
 from jax_prefix_attn.planner import IMPLS, plan_shared_prefix, shared_prefix_supported
 from jax_prefix_attn.plans import SharedPrefixPlan, Shapes
@@ -89,20 +89,11 @@ def _validate(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     check_array("q", q, 4, layout="[batch, seq_q, heads_q, head_dim]")
-    check_array("prefix_k", prefix_k, (3, 4), layout="[P, heads_kv, head_dim] or [G, P, heads_kv, head_dim]")
-    check_array("prefix_v", prefix_v, (3, 4), layout="[P, heads_kv, head_dim] or [G, P, heads_kv, head_dim]")
-    check_array("suffix_k", suffix_k, 4, layout="[batch, S_max, heads_kv, head_dim]")
-    check_array("suffix_v", suffix_v, 4, layout="[batch, S_max, heads_kv, head_dim]")
-    if prefix_k.shape != prefix_v.shape:
-        raise ValueError(f"prefix_k and prefix_v must have the same shape, got prefix_k "
-                         f"{tuple(prefix_k.shape)} and prefix_v {tuple(prefix_v.shape)}")
-    if suffix_k.shape != suffix_v.shape:
-        raise ValueError(f"suffix_k and suffix_v must have the same shape, got suffix_k "
-                         f"{tuple(suffix_k.shape)} and suffix_v {tuple(suffix_v.shape)}")
-    for name, x in (("prefix_k", prefix_k), ("prefix_v", prefix_v), ("suffix_k", suffix_k),
-                    ("suffix_v", suffix_v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    check_kv("prefix_k", prefix_k, "prefix_v", prefix_v, (3, 4),
+             layout="[P, heads_kv, head_dim] or [G, P, heads_kv, head_dim]", dtype=q.dtype,
+             dtype_of="q")
+    check_kv("suffix_k", suffix_k, "suffix_v", suffix_v, 4,
+             layout="[batch, S_max, heads_kv, head_dim]", dtype=q.dtype, dtype_of="q")
     b, tq, hq, d = q.shape
     single = prefix_k.ndim == 3
     if single:

@@ -51,7 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_prefix_attn._validation import check_array, check_bool, check_gqa, check_impl, check_lengths, check_sm_scale
+from jax_prefix_attn._validation import (check_array, check_bool, check_gqa, check_impl, check_kv, check_lengths,
+                                         check_sm_scale)
 from jax_prefix_attn.device import device_info
 from jax_prefix_attn.prefix_tree import PrefixTree
 from jax_prefix_attn.tree_drafts import check_draft_parents
@@ -85,19 +86,11 @@ def _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_sc
     if platform not in (None,) + PLATFORMS:
         raise ValueError(f"platform must be None or one of {PLATFORMS}, got {platform!r}")
     check_array("q", q, 4, layout="[batch, seq_q, heads_q, head_dim]")
-    check_array("k_pool", k_pool, 3, layout="[pool_tokens, heads_kv, head_dim]")
-    check_array("v_pool", v_pool, 3, layout="[pool_tokens, heads_kv, head_dim]")
-    check_array("suffix_k", suffix_k, 4, layout="[batch, suffix_len, heads_kv, head_dim]")
-    check_array("suffix_v", suffix_v, 4, layout="[batch, suffix_len, heads_kv, head_dim]")
-    if k_pool.shape != v_pool.shape:
-        raise ValueError(f"k_pool and v_pool must have the same shape, got {tuple(k_pool.shape)} and "
-                         f"{tuple(v_pool.shape)}")
-    if suffix_k.shape != suffix_v.shape:
-        raise ValueError(f"suffix_k and suffix_v must have the same shape, got {tuple(suffix_k.shape)} and "
-                         f"{tuple(suffix_v.shape)}")
-    for name, x in (("k_pool", k_pool), ("v_pool", v_pool), ("suffix_k", suffix_k), ("suffix_v", suffix_v)):
-        if x.dtype != k_pool.dtype:
-            raise TypeError(f"{name} must have dtype {k_pool.dtype} like k_pool, got {x.dtype}")
+    check_array("k_pool", k_pool, 3, layout="[pool_tokens, heads_kv, head_dim]")  # (its dtype: the KV dtype)
+    check_kv("k_pool", k_pool, "v_pool", v_pool, 3, layout="[pool_tokens, heads_kv, head_dim]",
+             dtype=k_pool.dtype, dtype_of="k_pool")
+    check_kv("suffix_k", suffix_k, "suffix_v", suffix_v, 4, layout="[batch, suffix_len, heads_kv, head_dim]",
+             dtype=k_pool.dtype, dtype_of="k_pool")
     b, tq, hq, d = q.shape
     if k_pool.shape[2] != d or suffix_k.shape[3] != d:
         raise ValueError(f"head_dim must agree: q has {d}, k_pool {k_pool.shape[2]}, suffix_k {suffix_k.shape[3]}")

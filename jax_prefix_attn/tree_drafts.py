@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn._validation import check_array, is_concrete
+from jax_prefix_attn.reference import masked_softmax
 
 __all__ = ["check_draft_parents", "draft_ancestors", "masked_attention", "draft_suffix_partials"]
 
@@ -57,7 +58,8 @@ def draft_ancestors(draft_parents_bt, tq: int):
 
 def masked_attention(q_bthd, k_bshd, v_bshd, mask_bts, scale: float):
     """Exact attention with an explicit visibility mask ``[B, Tq, S]`` (float32 math, reference rules:
-    ``lse=-inf``, ``out=0`` where nothing is visible)."""
+    ``lse=-inf``, ``out=0`` where nothing is visible, :func:`jax_prefix_attn.reference.masked_softmax`).
+    Returns ``(o [B, Tq, Hkv, G, D] float32, lse [B, Tq, Hkv, G] float32)``."""
     b, tq, hq, d = q_bthd.shape
     hkv = k_bshd.shape[2]
     g = hq // hkv
@@ -67,16 +69,9 @@ def masked_attention(q_bthd, k_bshd, v_bshd, mask_bts, scale: float):
     kf = jnp.where(jnp.any(mask_bts, axis=1)[:, :, None, None], k_bshd.astype(jnp.float32), 0.0)
     vf = jnp.where(jnp.any(mask_bts, axis=1)[:, :, None, None], v_bshd.astype(jnp.float32), 0.0)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf, precision=hi) * scale
-    s = jnp.where(vis, s, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(vis, jnp.exp(s - m), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    has = l > 0
-    l_safe = jnp.where(has, l, 1.0)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / l_safe, vf, precision=hi)      # [B, Tq, Hkv, G, D]
-    lse = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)[..., 0]           # [B, Hkv, G, Tq]
-    return o, jnp.transpose(lse, (0, 3, 1, 2))
+    p, lse = masked_softmax(s, vis)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, vf, precision=hi)              # [B, Tq, Hkv, G, D]
+    return o, jnp.transpose(lse[..., 0], (0, 3, 1, 2))                     # lse [B, Tq, Hkv, G]
 
 
 def draft_suffix_partials(q, suffix_k, suffix_v, suffix_lengths, draft_anc, scale: float):

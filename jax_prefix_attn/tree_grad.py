@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_prefix_attn.planner import suffix_grad_key_splits
 from jax_prefix_attn.tree_drafts import draft_ancestors, draft_suffix_partials
 from jax_prefix_attn.tree_layout import pad_pool, part_cotangents, q_sorted, row_tables
 from jax_prefix_attn.tree_metadata import TreeMetadata
@@ -75,8 +76,9 @@ def kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suff
         dq_x, dks, dvs = vjp((d_o.astype(o_s.dtype), d_l))
         dq = dq + dq_x.astype(f32)
     elif suffix_k.shape[1] > 0:
-        dq_x, dks, dvs = suffix_part_grads(q, d_out, lse, delta, suffix_k, suffix_v, suffix_lengths,
-                                           scale=scale, interpret=interpret)
+        dq_x, dks, dvs = suffix_part_grads(
+            q, d_out, lse, delta, suffix_k, suffix_v, suffix_lengths, scale=scale,
+            interpret=interpret, key_splits=suffix_grad_key_splits(b, hkv, suffix_k.shape[1]))
         dq = dq + dq_x.astype(f32)
     else:
         dks, dvs = jnp.zeros_like(suffix_k), jnp.zeros_like(suffix_v)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_prefix_attn.planner import suffix_grad_key_splits
 from jax_prefix_attn.tree_layout import part_cotangents
 from pallas_kernels.suffix_attention import suffix_decode_merge, suffix_rows
 from pallas_kernels.suffix_attention_bwd import suffix_part_grads
@@ -74,8 +75,10 @@ def _suffix_merge_bwd(scale, interpret, res, cts):
     d_o = d_o.reshape(o.shape).astype(o.dtype)
     d_l = d_l.reshape(lse.shape)
     delta = jnp.sum(dout * out.astype(f32), axis=-1) - dlo
-    dq, dk, dv = suffix_part_grads(q, dout.astype(q.dtype), lse_out, delta, suffix_k, suffix_v,
-                                   suffix_lengths, scale=scale, interpret=interpret)
+    dq, dk, dv = suffix_part_grads(
+        q, dout.astype(q.dtype), lse_out, delta, suffix_k, suffix_v, suffix_lengths, scale=scale,
+        interpret=interpret,
+        key_splits=suffix_grad_key_splits(b, suffix_k.shape[2], suffix_k.shape[1]))
     f0 = np.zeros(np.shape(suffix_lengths), jax.dtypes.float0)
     return dq, d_o, d_l.astype(lse.dtype), dk, dv, f0
 

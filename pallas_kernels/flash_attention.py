@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import LN2, LOG2E, next_pow2
 
 __all__ = ["flash_attention", "flash_attention_bwd", "FlashConfig", "SUPPORTED_HEAD_DIMS",
-           "SUPPORTED_DTYPES", "default_config", "supported"]
+           "SUPPORTED_DTYPES", "default_config", "supported", "load_row_block"]
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -279,6 +279,17 @@ def _dq_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
+def load_row_block(q_ref, do_ref, lse_ref, delta_ref, start, bq: int, head):
+    """Rows ``[start, start + bq)`` of query head ``head`` as a dK/dV kernel reads them from
+    ``q_ref/do_ref [rows, heads, D]`` and ``lse_ref/delta_ref [heads, rows]``: ``(q, do [bq, D],
+    lse2 [bq]`` (the log-sum-exp in base 2, for ``exp2``), ``delta [bq])``."""
+    q = q_ref[pl.ds(start, bq), head, :]
+    do = do_ref[pl.ds(start, bq), head, :]
+    lse2 = lse_ref[head, pl.ds(start, bq)] * LOG2E
+    delta = delta_ref[head, pl.ds(start, bq)]
+    return q, do, lse2, delta
+
+
 def _dkv_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
                 st: _Static, nq: int, bq: int, bk: int):
     """One (key block, batch, kv head): loops over the group's q heads and query blocks.
@@ -297,10 +308,7 @@ def _dkv_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref
     def body(qb, carry, g, masked: bool):
         dk, dv = carry
         start = pl.multiple_of(qb * bq, bq)
-        q = q_ref[pl.ds(start, bq), g, :]
-        do = do_ref[pl.ds(start, bq), g, :]
-        lse2 = lse_ref[g, pl.ds(start, bq)] * LOG2E
-        delta = delta_ref[g, pl.ds(start, bq)]
+        q, do, lse2, delta = load_row_block(q_ref, do_ref, lse_ref, delta_ref, start, bq, g)
         s_t = _dot(k, q, st, trans_b=True)  # [bk, bq] unscaled
         if masked:
             rows = start + lax.broadcasted_iota(jnp.int32, (1, bq), 1)

@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import LOG2E as _LOG2E
+from pallas_kernels.flash_attention import load_row_block
 
 __all__ = ["prefix_grads", "prefix_grads_reference", "prefix_grad_grid"]
 
@@ -144,10 +145,7 @@ def _dkv_kernel(start_ref, end_ref, plen_ref, grp_ref, lim_ref, q_ref, k_ref, v_
     def body(rb, carry, gg):
         dk, dv = carry
         start = pl.multiple_of(rb * bq, bq)
-        q = q_ref[pl.ds(start, bq), gg, :]
-        do = do_ref[pl.ds(start, bq), gg, :]
-        lse2 = lse_ref[gg, pl.ds(start, bq)] * _LOG2E
-        delta = delta_ref[gg, pl.ds(start, bq)]
+        q, do, lse2, delta = load_row_block(q_ref, do_ref, lse_ref, delta_ref, start, bq, gg)
         lim_r = jnp.where(grp_ref[pl.ds(start, bq)] == g, lim_ref[pl.ds(start, bq)], 0)
         vis = cols < lim_r[None, :]
         s_t = _dot(k, q, fp32, trans_b=True)                  # [bk, bq]

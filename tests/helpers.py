@@ -2,8 +2,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jax_prefix_attn import PrefixTree, reference
+from pallas_kernels._common import merge_partials
 from models.tokenizer import bytes_to_unicode
 
 
@@ -138,10 +140,10 @@ def poison_outside_tree(tree, kp, vp, sk, sv, sl):
 
 
 # ------------------------------------------------------------------ shared-prefix plans
-def forced_plan(q, prefix_k, suffix_k, path, *, device=None, **leaf):
-    """A ``plan_shared_prefix`` plan forcing leaf ``path`` for these arrays (interpret mode,
-    planned as for an H100 SXM unless ``device``), each chunk's leaf fields replaced by
-    ``leaf`` (e.g. ``num_splits=3``, ``block_k=16``)."""
+def forced_plan(q, prefix_k, suffix_k, path, *, device=None, interpret=True, **leaf):
+    """A ``plan_shared_prefix`` plan forcing leaf ``path`` for these arrays (interpret mode
+    unless ``interpret=False``, planned as for an H100 SXM unless ``device``), each chunk's leaf
+    fields replaced by ``leaf`` (e.g. ``num_splits=3``, ``block_k=16``)."""
     import dataclasses
     from jax_prefix_attn import plan_shared_prefix
     from jax_prefix_attn.device import H100_SXM
@@ -149,9 +151,95 @@ def forced_plan(q, prefix_k, suffix_k, path, *, device=None, **leaf):
     plan = plan_shared_prefix(batch=q.shape[0], tq=q.shape[1], heads_q=q.shape[2],
                               heads_kv=pk.shape[2], head_dim=q.shape[3], groups=pk.shape[0],
                               prefix_len=pk.shape[1], suffix_len=suffix_k.shape[1], dtype=q.dtype,
-                              path=path, device=device or H100_SXM, interpret=True)
+                              path=path, device=device or H100_SXM, interpret=interpret)
     if not leaf:
         return plan
     chunks = tuple(dataclasses.replace(c, leaf=dataclasses.replace(c.leaf, **leaf))
                    for c in plan.chunks)
     return dataclasses.replace(plan, chunks=chunks)
+
+
+# ------------------------------------------------------------------ Mosaic GPU kernels
+def lower_for_cuda(fn, *avals):
+    """The text of ``jax.jit(fn)`` traced on ``avals`` and lowered for CUDA on any host (API,
+    Mosaic GPU layout inference and shared-memory budgets are checked; no PTX is compiled).
+    Skips the test where this jaxlib cannot lower for CUDA."""
+    try:
+        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        if "platform" in msg.lower() and "cuda" in msg.lower() and "unknown" in msg.lower():
+            pytest.skip(f"this jaxlib cannot lower for CUDA: {msg[:200]}")
+        raise
+
+
+def decode_rows_case(seed, b, hq, hkv, d, p, s, nan_tail=True):
+    """Random bf16 decode operands in the Mosaic GPU kernels' row layout: ``(q_hmd [Hkv, M, D],
+    pk [P, Hkv, D], pv, sk [B, S, Hkv, D], sv, sl [B])``; row ``b * G + j`` of ``q_hmd[h]`` is
+    query head ``h * G + j`` of sequence ``b``, ``M = B * G`` rounded up to 128 with zero
+    padding rows; ``sl`` NumPy suffix lengths with 0 (first) and ``S`` (last) included; with
+    ``nan_tail`` the suffix caches hold NaN past each length."""
+    g = hq // hkv
+    rng = np.random.default_rng(seed)
+    m = -(-b * g // 128) * 128
+    q = rng.standard_normal((hkv, m, d)).astype(np.float32)
+    q[:, b * g:] = 0.0                                   # padding rows
+    pk, pv = (rng.standard_normal((p, hkv, d)).astype(np.float32) for _ in range(2))
+    sk, sv = (rng.standard_normal((b, s, hkv, d)).astype(np.float32) for _ in range(2))
+    sl = rng.integers(0, s + 1, size=b)
+    sl[0], sl[-1] = 0, s
+    if nan_tail:
+        for i in range(b):
+            sk[i, sl[i]:] = np.nan
+            sv[i, sl[i]:] = np.nan
+    as16 = lambda x: jnp.asarray(x, jnp.bfloat16)        # noqa: E731
+    return as16(q), as16(pk), as16(pv), as16(sk), as16(sv), sl
+
+
+def decode_row_states(q, pk, pv, p_len, sk, sv, sl, group, scale):
+    """float64 NumPy states of each real row of ``q [Hkv, >= B G, D]`` (row layout of
+    :func:`decode_rows_case`): ``{"pre": (o [Hkv, B G, D], lse [Hkv, B G]), "suf": ...}`` over
+    the prefix keys ``[0, p_len)`` and over its own sequence's suffix keys ``[0, sl[b])``
+    (``o = 0``, ``lse = -inf`` where there is none)."""
+    q, pk, pv, sk, sv = (np.asarray(x, np.float64) for x in (q, pk, pv, sk, sv))
+    hkv, _, d = q.shape
+    b = sk.shape[0]
+
+    def state(qr, keys, vals):                  # qr [r, D], keys/vals [n, D]
+        if len(keys) == 0:
+            return np.zeros((len(qr), d)), np.full(len(qr), -np.inf)
+        sc = qr @ keys.T * scale
+        mx = sc.max(axis=1, keepdims=True)
+        w = np.exp(sc - mx)
+        return w @ vals / w.sum(axis=1, keepdims=True), mx[:, 0] + np.log(w.sum(axis=1))
+    out = {}
+    for name in ("pre", "suf"):
+        o = np.zeros((hkv, b * group, d))
+        lse = np.full((hkv, b * group), -np.inf)
+        for h in range(hkv):
+            if name == "pre":
+                o[h], lse[h] = state(q[h, :b * group], pk[:p_len, h], pv[:p_len, h])
+                continue
+            for i in range(b):
+                rows = slice(i * group, (i + 1) * group)
+                o[h, rows], lse[h, rows] = state(q[h, rows], sk[i, :sl[i], h], sv[i, :sl[i], h])
+        out[name] = (o, lse)
+    return out
+
+
+def check_row_states(got, want, b, group, names=("pre", "suf")):
+    """Kernel partial states ``got = [(o [n, Hkv, >= B G, D], lse [n, Hkv, >= B G]), ...]``
+    (each merged over its ``n`` sets) against :func:`decode_row_states`' ``want[name]``: no
+    NaN, ``-inf`` exactly where no key was seen (with ``o = 0``), bf16 tolerances."""
+    for (o, lse), name in zip(got, names):
+        o, lse = merge_partials(o.astype(jnp.float32), lse)
+        o, lse = np.asarray(o)[:, :b * group], np.asarray(lse)[:, :b * group]
+        wo, wl = want[name]
+        assert not np.isnan(o).any() and not np.isnan(lse).any(), name
+        fin = np.isfinite(wl)
+        assert (np.isfinite(lse) == fin).all(), name
+        assert (o[~fin] == 0).all(), name
+        if fin.any():
+            rel = np.linalg.norm(o - wo) / np.linalg.norm(wo)
+            assert rel < 2e-2, (name, rel)
+        np.testing.assert_allclose(lse[fin], wl[fin], atol=2e-2, rtol=1e-3, err_msg=name)

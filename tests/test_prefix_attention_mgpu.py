@@ -1,4 +1,5 @@
-"""Mosaic GPU prefix kernel (experimental opt-in backend of the shared path).
+"""Mosaic GPU prefix kernel (``pallas_kernels.prefix_attention_mgpu``) and the planner's Mosaic
+GPU region and prefix splits.
 
 CPU: (1) the kernel and the shared path using it are traced and lowered for CUDA (API,
 layout-inference and shared-memory-budget errors; no PTX is compiled); (2) the kernel runs in
@@ -6,28 +7,35 @@ Mosaic GPU's CPU interpreter (simulated warpgroups, barriers, TMA copies, wgmma)
 reference, with the forms that interpreter lacks replaced (``_cpu_check=True``: K pre-transposed
 in memory instead of a transposed shared-memory view for ``Q K^T``; ``P`` staged through shared
 memory instead of registers and ``P V`` into a fresh accumulator instead of in place): the
-pipeline, split offsets, masking, online softmax, LSE and output layout are the GPU code's.
-GPU (marker ``gpu``): parity of the real kernel with the pure-JAX reference.
+pipeline, split offsets, masking, online softmax, LSE and output layout are the GPU code's;
+(3) the ``mgpu_two_launch`` leaf (forced by a plan) against the concatenation oracle.
+GPU (marker ``gpu``): parity of the real kernel and the leaf with the pure-JAX reference.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import prefix_attention as pa
-from pallas_kernels.prefix_attention_mgpu import choose_splits, mgpu_supported, prefix_partials_mgpu
+from helpers import forced_plan, lower_for_cuda
+from jax_prefix_attn import DeviceInfo, device_info, plan_shared_prefix, shared_prefix_attention
+from jax_prefix_attn.device import H100_PCIE, H100_SXM
+from jax_prefix_attn.leaf_plans import choose_splits, mosaic_region, suffix_splits
+from jax_prefix_attn.plans import Shapes
+from pallas_kernels._common import merge_partials
+from pallas_kernels.prefix_attention_mgpu import mgpu_supported, prefix_partials_mgpu
+from test_shared_prefix import check, make_case, oracle
 
 S = jax.ShapeDtypeStruct
+A100 = DeviceInfo("gpu", "NVIDIA A100-SXM4-80GB", 108, 166912, "8.0")
 
 
-def _lower_for_cuda(fn, *avals):
-    try:
-        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
-    except Exception as e:  # noqa: BLE001
-        msg = str(e)
-        if "platform" in msg.lower() and "cuda" in msg.lower() and "unknown" in msg.lower():
-            pytest.skip(f"this jaxlib cannot lower for CUDA: {msg[:200]}")
-        raise
+def _shapes(b, hq, hkv, p, s=128, d=128, tq=1, groups=1, dtype="bfloat16"):
+    return Shapes(b, tq, hq, hkv, d, groups, p, s, dtype)
+
+
+def _plan(b, hq, hkv, p, s, d=128, dtype=jnp.bfloat16, device=H100_SXM, **kw):
+    return plan_shared_prefix(batch=b, tq=1, heads_q=hq, heads_kv=hkv, head_dim=d, groups=1,
+                              prefix_len=p, suffix_len=s, dtype=dtype, device=device, **kw)
 
 
 def test_supported_shapes_and_splits():
@@ -36,94 +44,110 @@ def test_supported_shapes_and_splits():
     assert "dtype" in mgpu_supported(rows=1152, prefix_len=4096, head_dim=128, dtype=jnp.float32)
     assert "multiple" in mgpu_supported(rows=1152, prefix_len=4000, head_dim=128, dtype=jnp.bfloat16)
     assert "rows" in mgpu_supported(rows=100, prefix_len=4096, head_dim=128, dtype=jnp.bfloat16)
-    assert choose_splits(32, 8 * 8) == 4          # 64 CTAs -> 4 splits of 8 tiles (256 CTAs)
-    assert choose_splits(32, 8 * 9) == 2          # 72 CTAs: 4 splits would pass two waves
-    assert choose_splits(64, 8 * 16) == 1         # 128 CTAs: one wave already
-    assert choose_splits(32, 8 * 32) == 1
-    assert choose_splits(128, 8 * 8) == 2         # 16K prefix: at most 2 splits (measured)
-    assert choose_splits(64, 8 * 8) == 4          # 8K prefix: still 4
-    assert choose_splits(128, 16) == 8            # fewer than FEW_CTAS: unchanged
-    assert choose_splits(30, 48) == 3             # largest divisor of the tile count up to 4
-    assert choose_splits(7, 48) == 1              # 7 tiles: no divisor in 2..4
-    assert choose_splits(2, 48) == 2
+    sms = H100_SXM.sm_count                          # 132
+    assert choose_splits(32, 8 * 8, sms) == 4        # 64 CTAs -> 4 splits of 8 tiles (256 CTAs)
+    assert choose_splits(32, 8 * 9, sms) == 2        # 72 CTAs: 4 splits would pass two waves
+    assert choose_splits(64, 8 * 16, sms) == 1       # 128 CTAs: one wave already
+    assert choose_splits(32, 8 * 32, sms) == 1
+    assert choose_splits(128, 8 * 8, sms) == 2       # 16K prefix: at most 2 splits
+    assert choose_splits(64, 8 * 8, sms) == 4        # 8K prefix: still 4
+    assert choose_splits(128, 16, sms) == 8          # fewer than FEW_CTAS: unchanged
+    assert choose_splits(30, 48, sms) == 3           # largest divisor of the tile count up to 4
+    assert choose_splits(7, 48, sms) == 1            # 7 tiles: no divisor in 2..4
+    assert choose_splits(2, 48, sms) == 2
     # fewer than FEW_CTAS CTAs: up to 16 splits within one wave, >= 2 tiles per split
-    assert choose_splits(32, 16) == 8             # 16 CTAs -> 128
-    assert choose_splits(128, 4) == 16            # 4 CTAs -> 64
-    assert choose_splits(128, 16) == 8
-    assert choose_splits(8, 16) == 4              # 2 tiles per split
-    assert choose_splits(2, 8) == 1               # one tile per split would starve the pipeline
-    assert choose_splits(30, 1) == 15
+    assert choose_splits(32, 16, sms) == 8           # 16 CTAs -> 128
+    assert choose_splits(128, 4, sms) == 16          # 4 CTAs -> 64
+    assert choose_splits(8, 16, sms) == 4            # 2 tiles per split
+    assert choose_splits(2, 8, sms) == 1             # one tile per split would starve the pipeline
+    assert choose_splits(30, 1, sms) == 15
+    # an H100 PCIe (114 SMs): 64 CTAs x 4 splits would pass two waves there, 2 fit
+    assert choose_splits(32, 8 * 8, H100_PCIE.sm_count) == 2
+    assert choose_splits(32, 16, H100_PCIE.sm_count) == 4     # 16 x 8 > 114
+    for n_tiles, ctas in [(32, 64), (32, 16), (128, 4), (30, 1), (7, 48)]:
+        c = choose_splits(n_tiles, ctas, H100_PCIE.sm_count)
+        assert n_tiles % c == 0 and (c == 1 or ctas * c <= 2 * H100_PCIE.sm_count)
     with pytest.raises(ValueError, match="head_dim"):
         prefix_partials_mgpu(jnp.zeros((1, 128, 96), jnp.bfloat16), jnp.zeros((128, 1, 96), jnp.bfloat16),
                              jnp.zeros((128, 1, 96), jnp.bfloat16), 128, scale=0.1)
     with pytest.raises(ValueError, match="out_rows=100"):
         prefix_partials_mgpu(jnp.ones((1, 128, 64), jnp.bfloat16), jnp.ones((128, 1, 64), jnp.bfloat16),
                              jnp.ones((128, 1, 64), jnp.bfloat16), 128, scale=0.1, out_rows=100)
+    with pytest.raises(ValueError, match="num_splits=3"):
+        prefix_partials_mgpu(jnp.ones((1, 128, 64), jnp.bfloat16), jnp.ones((256, 1, 64), jnp.bfloat16),
+                             jnp.ones((256, 1, 64), jnp.bfloat16), 256, scale=0.1, num_splits=3)
 
 
-def test_decode_plan_and_cost_model_with_mgpu(monkeypatch):
-    """The static plan of the decode path on a (pretended) Hopper GPU, and the cost model using it."""
-    from pallas_kernels import prefix_attention_mgpu as pm
-    from jax_prefix_attn.cost_model import estimate
-    monkeypatch.setattr(pm, "mgpu_device_ok", lambda: True)
-    plan = pa.mgpu_decode_splits
-    assert plan(256, 8, 1, 4096, 128, 2) == 8        # 16 CTAs -> 8 splits
-    assert plan(64, 8, 1, 16384, 128, 2) == 16       # 4 CTAs -> 16 splits
-    assert plan(256, 32, 8, 4096, 128, 2) == 4       # 64 CTAs -> 4 splits
-    assert plan(1024, 32, 8, 4096, 128, 2) == 1      # 256 CTAs
-    assert plan(64, 8, 1, 1024, 128, 2) is None      # 4 CTAs x 4 splits: too few
-    assert plan(16, 32, 8, 4096, 128, 2) is None     # half the 128-row block is padding
-    assert plan(256, 32, 8, 4096, 128, 4) is None    # float32
-    assert plan(256, 32, 8, 4000, 128, 2) is None    # prefix not a multiple of 128
-    assert plan(256, 32, 8, 4096, 128, 2, num_splits=2) == 2
-    assert pa.default_suffix_splits(256, 8, 128) == 1 and pa.default_suffix_splits(64, 1, 1024) == 5
-    kw = dict(tq=1, heads_kv=1, heads_q=8, head_dim=128, groups=1, itemsize=2)
-    # measured on an H200: shared 0.048 ms vs flat 0.327 ms (B=256, P=16K, S=64)
-    assert estimate(batch=256, prefix_len=16384, suffix_len=64, **kw).choice == "shared"
-    monkeypatch.setattr(pm, "mgpu_device_ok", lambda: False)
-    assert plan(256, 8, 1, 4096, 128, 2) is None     # not Hopper: the Triton kernels
+def test_decode_plan_and_cost_model_with_mgpu():
+    """The planner's Mosaic GPU decode plan on a Hopper part (the prefix kernel's splits where
+    the Mosaic GPU region holds, else ``None``: the Triton kernels), suffix splits, and the cost
+    model's choice of family there."""
+    def mgpu_splits(b, hq, hkv, p, d=128, dtype="bfloat16", device=H100_SXM):
+        if not mosaic_region(_shapes(b, hq, hkv, p, d=d, dtype=dtype), device, interpret=False):
+            return None
+        plan = _plan(b, hq, hkv, p, 128, d=d, path="mgpu_two_launch", device=device)
+        return plan.chunks[0].leaf.num_splits
+    assert mgpu_splits(256, 8, 1, 4096) == 8        # 16 CTAs -> 8 splits
+    assert mgpu_splits(64, 8, 1, 16384) == 16       # 4 CTAs -> 16 splits
+    assert mgpu_splits(256, 32, 8, 4096) == 4       # 64 CTAs -> 4 splits
+    assert mgpu_splits(1024, 32, 8, 4096) == 1      # 256 CTAs
+    assert mgpu_splits(64, 8, 1, 1024) is None      # 4 CTAs x 4 splits: too few
+    assert mgpu_splits(16, 32, 8, 4096) is None     # half the 128-row block is padding
+    assert mgpu_splits(256, 32, 8, 4096, dtype="float32") is None
+    assert mgpu_splits(256, 32, 8, 4000) is None    # prefix not a multiple of 128
+    assert mgpu_splits(256, 32, 8, 4096, device=H100_PCIE) == 2   # 64 x 4 > 2 x 114
+    sxm = lambda b, hkv, s: suffix_splits(_shapes(b, 8 * hkv, hkv, 4096, s), H100_SXM)  # noqa: E731
+    assert sxm(256, 8, 128) == 1 and sxm(64, 1, 1024) == 5    # 264 programs: two per SM
+    assert suffix_splits(_shapes(64, 8, 1, 4096, 1024), H100_PCIE) == 4   # 228 programs
+    # on an H200 the shared family took 0.048 ms, the flat 0.327 ms (B=256, P=16K, S=64)
+    assert _plan(256, 8, 1, 16384, 64).impl == "shared"
+    assert mgpu_splits(256, 8, 1, 4096, device=A100) is None          # not Hopper
+    assert _plan(256, 8, 1, 4096, 128, impl="shared", device=A100).path.startswith("triton")
 
 
-def test_backend_selection(monkeypatch):
-    from pallas_kernels import prefix_attention_mgpu as pm
-    monkeypatch.setattr(pa, "PREFIX_BACKEND", "auto")
-    assert pa._use_mgpu(1, 1, interpret=False) == pm.mgpu_device_ok()
-    assert not pa._use_mgpu(1, 1, interpret=True)      # interpret mode: Triton kernels unless forced
-    assert not pa._use_mgpu(2, 1, interpret=False)     # several prefixes
-    assert not pa._use_mgpu(1, 4, interpret=False)     # Tq > 1
-    assert not pa._use_mgpu(1, 1, interpret=False, ctas=pa.MGPU_MIN_CTAS - 1)  # too few CTAs
-    assert pa._use_mgpu(1, 1, interpret=False, ctas=pa.MGPU_MIN_CTAS) == pm.mgpu_device_ok()
-    assert not pa._use_mgpu(1, 1, interpret=False, ctas=128, real_rows=0.5)   # mostly padding
-    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
-    assert pa._use_mgpu(1, 1, interpret=True)
-    assert pa._use_mgpu(1, 1, interpret=True, ctas=1)  # forced: no row threshold
-    monkeypatch.setattr(pa, "PREFIX_BACKEND", "triton")
-    assert not pa._use_mgpu(1, 1, interpret=False)
-    monkeypatch.setattr(pa, "PREFIX_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="JPA_PREFIX_BACKEND.*'cuda'"):
-        pa._use_mgpu(1, 1, interpret=False)
+def test_mosaic_gpu_region():
+    """Where the planner takes a Mosaic GPU leaf: decoding with one prefix on a Hopper GPU, not
+    in interpret mode, with enough CTAs after splitting and enough real rows; a plan may force
+    the leaf wherever the kernel runs (in interpret mode too, at any CTA count)."""
+    s = _shapes(256, 32, 8, 4096)
+    assert mosaic_region(s, H100_SXM, interpret=False)
+    assert not mosaic_region(s, H100_SXM, interpret=True)    # interpret mode: only when forced
+    assert not mosaic_region(_shapes(256, 32, 8, 4096, groups=2), H100_SXM, False)
+    assert not mosaic_region(_shapes(256, 32, 8, 4096, tq=4), H100_SXM, False)
+    assert not mosaic_region(s, A100, False)                 # not Hopper
+    assert mosaic_region(_shapes(256, 8, 1, 4096), H100_SXM, False)      # 16 CTAs x 8 splits
+    assert not mosaic_region(_shapes(64, 8, 1, 1024), H100_SXM, False)   # 4 CTAs x 4: too few
+    assert not mosaic_region(_shapes(16, 32, 8, 4096), H100_SXM, False)  # 64 of 128 rows real
+    assert mosaic_region(_shapes(96, 32, 8, 4096), H100_SXM, False)      # 384 of 384
+    plan = _plan(1, 8, 1, 256, 128, d=64, path="mgpu_two_launch", interpret=True)
+    assert plan.path == "mgpu_two_launch"                    # forced: no CTA threshold
+    with pytest.raises(ValueError, match="path must be one of"):
+        _plan(256, 32, 8, 4096, 128, path="cuda")
+    with pytest.raises(ValueError, match="compute capability"):
+        _plan(256, 32, 8, 4096, 128, path="mgpu_two_launch", device=A100)
     if jax.default_backend() == "cpu":
-        assert not pm.mgpu_device_ok()
+        assert not device_info().mosaic_gpu_ok
 
 
 @pytest.mark.parametrize("hkv,m,d,p", [(8, 1152, 128, 4096), (1, 128, 64, 256)])
 def test_kernel_lowers_for_cuda(hkv, m, d, p):
-    txt = _lower_for_cuda(lambda q, k, v, n: prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5),
-                          S((hkv, m, d), jnp.bfloat16), S((p, hkv, d), jnp.bfloat16),
-                          S((p, hkv, d), jnp.bfloat16), S((1,), jnp.int32))
+    splits = choose_splits(p // 128, hkv * m // 128, H100_SXM.sm_count)
+    txt = lower_for_cuda(lambda q, k, v, n: prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5,
+                                                                 num_splits=splits),
+                         S((hkv, m, d), jnp.bfloat16), S((p, hkv, d), jnp.bfloat16),
+                         S((p, hkv, d), jnp.bfloat16), S((1,), jnp.int32))
     assert "mosaic_gpu" in txt
 
 
-def test_shared_path_with_mgpu_backend_lowers_for_cuda(monkeypatch):
-    from jax_prefix_attn import shared_prefix_attention
-    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
+def test_shared_path_with_mgpu_backend_lowers_for_cuda():
     b, p, s, hq, hkv, d = 64, 1024, 128, 32, 8, 128
+    plan = _plan(b, hq, hkv, p, s, d=d, path="mgpu_two_launch")
 
     def f(q, pk, pv, sk, sv, sl):
-        return shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=sl, impl="shared")
-    txt = _lower_for_cuda(f, S((b, 1, hq, d), jnp.bfloat16), S((p, hkv, d), jnp.bfloat16),
-                          S((p, hkv, d), jnp.bfloat16), S((b, s, hkv, d), jnp.bfloat16),
-                          S((b, s, hkv, d), jnp.bfloat16), S((b,), jnp.int32))
+        return shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=sl, plan=plan)
+    txt = lower_for_cuda(f, S((b, 1, hq, d), jnp.bfloat16), S((p, hkv, d), jnp.bfloat16),
+                         S((p, hkv, d), jnp.bfloat16), S((b, s, hkv, d), jnp.bfloat16),
+                         S((b, s, hkv, d), jnp.bfloat16), S((b,), jnp.int32))
     assert "mosaic_gpu" in txt and "triton" in txt   # Mosaic prefix kernel + Triton suffix kernel
 
 
@@ -133,7 +157,6 @@ def test_shared_path_with_mgpu_backend_lowers_for_cuda(monkeypatch):
     (2, 128, 128, 768, 700, 1, True, None, 3),   # 3 stages: the LSE stored from registers
     (1, 256, 64, 768, 0, 2, True, 260, 3)])
 def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, stages):
-    from pallas_kernels._common import merge_partials
     rng = np.random.default_rng(m + p + n)
     q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
@@ -163,7 +186,6 @@ def test_persistent_ctas_in_cpu_interpreter():
     """``persistent_ctas``: CTAs looping over the tasks through one set of pipeline buffers and
     barriers (6 tasks over 4 CTAs: two CTAs run two, with 3 pipeline stages) match the reference
     (the GPU test also checks them bit for bit against the grid form)."""
-    from pallas_kernels._common import merge_partials
     hkv, m, d, p, n = 2, 128, 64, 1152, 1100
     q, k, v = _rand_operands(hkv, m, d, p, seed=7)
     o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=3, persistent_ctas=4,
@@ -180,7 +202,7 @@ def test_persistent_ctas_validation_and_lowering():
     for bad in (0, 5):   # 1 kv head x 1 row block x 4 splits = 4 tasks
         with pytest.raises(ValueError, match=f"persistent_ctas={bad} must be in \\[1, 4\\]"):
             prefix_partials_mgpu(q, k, v, 512, scale=0.125, num_splits=4, persistent_ctas=bad)
-    txt = _lower_for_cuda(
+    txt = lower_for_cuda(
         lambda q, k, v, n: prefix_partials_mgpu(q, k, v, n, scale=0.125, num_splits=4,
                                                 persistent_ctas=100),
         S((8, 1024, 128), jnp.bfloat16), S((4096, 8, 128), jnp.bfloat16),
@@ -188,38 +210,29 @@ def test_persistent_ctas_validation_and_lowering():
     assert "mosaic_gpu" in txt
 
 
-@pytest.mark.parametrize("merge", ["epilogue", "independent"])
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [(3, 8, 2, 64, 256, 20),
                                            (32, 8, 2, 64, 128, 9)])  # 128 rows: unwritten tail rows read
-def test_shared_path_with_mgpu_backend_in_cpu_interpreter(monkeypatch, b, hq, hkv, d, p, s, merge):
-    """The whole shared path (Mosaic prefix partials in 16-bit, padding of the rows, merge in the
-    Triton suffix kernel's epilogue or, ``independent``, in XLA after two independent launches)
-    against the concatenation oracle, on the CPU."""
-    from jax_prefix_attn import shared_prefix_attention
-    from test_shared_prefix import check, make_case, oracle
-    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
-    monkeypatch.setattr(pa, "MGPU_MERGE", merge)
+def test_shared_path_with_mgpu_backend_in_cpu_interpreter(b, hq, hkv, d, p, s):
+    """The ``mgpu_two_launch`` leaf (Mosaic prefix partials in 16-bit, padding of the rows, the
+    suffix kernel in the queries' own layout launched independently, one XLA merge) against the
+    concatenation oracle, on the CPU."""
     args, kw, meta = make_case(7, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=jnp.bfloat16,
                                suffix_lengths=[0, s] + [7] * (b - 2))
-    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl="pallas_interpret")
+    plan = forced_plan(args[0], args[1], args[3], "mgpu_two_launch")
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, plan=plan, interpret=True)
     check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("layout", ["own", "rows"])
-def test_shared_path_mgpu_split_suffix_layouts(monkeypatch, layout):
+def test_shared_path_mgpu_split_suffix():
     """Few (sequence, kv head) programs and a long suffix: the suffix keys are split (3 chunks
-    here), in the queries' own layout merged in XLA with the prefix partials (``own``) or in
-    the padded row layout (``rows``); both against the concatenation oracle."""
-    from jax_prefix_attn import shared_prefix_attention
-    from test_shared_prefix import check, make_case, oracle
-    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
-    monkeypatch.setattr(pa, "MGPU_MERGE", "independent")
-    monkeypatch.setattr(pa, "SPLIT_SUFFIX_LAYOUT", layout)
+    here) in the queries' own layout and merged in XLA with the prefix partials; against the
+    concatenation oracle."""
     b, hkv, s = 3, 2, 300
-    assert pa.mgpu_suffix_splits(b, hkv, s) == 3
     args, kw, meta = make_case(8, b=b, tq=1, hq=8, hkv=hkv, d=64, g=0, p=128, s=s,
                                dtype=jnp.bfloat16, suffix_lengths=[0, s, 131])
-    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, impl="pallas_interpret")
+    plan = forced_plan(args[0], args[1], args[3], "mgpu_two_launch")
+    assert plan.chunks[0].leaf.suffix_splits == 3
+    out, lse = shared_prefix_attention(*args, **kw, return_lse=True, plan=plan, interpret=True)
     check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
 
 
@@ -240,10 +253,12 @@ def _reference_partials(q_hmd, k, v, n, scale):
     (1, 128, 64, 512, 512, 1, True, None), (2, 384, 128, 1024, 0, 2, True, None),
     (8, 1024, 128, 4096, 3000, None, False, 1036), (1, 256, 64, 1024, 1024, 2, False, None),
     (1, 512, 128, 16384, 16000, 16, True, None), (8, 256, 128, 4096, 4000, 8, True, 268),
-    (8, 1024, 128, 16384, 16384, None, True, None)])  # 64 CTAs, 16K prefix: 2 splits (session 9)
+    (8, 1024, 128, 16384, 16384, None, True, None)])  # 64 CTAs, 16K prefix: 2 splits
 @pytest.mark.parametrize("stages", [2, 3])  # 3: the LSE stored from registers
 def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, stages):
-    from pallas_kernels._common import merge_partials
+    """(``splits=None``: the planner's prefix splits for these CTAs on this GPU)"""
+    if splits is None:
+        splits = choose_splits(p // 128, hkv * m // 128, device_info().sm_count)
     rng = np.random.default_rng(m + p)
     q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((p, hkv, d), np.float32), jnp.bfloat16)
@@ -269,7 +284,6 @@ def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, 
     (8, 1024, 128, 4096, 3000, 4, 100), (1, 512, 64, 8192, 8192, 16, 7)])
 def test_gpu_persistent_ctas(hkv, m, d, p, n, splits, ctas):
     """The persistent form on the GPU: against the reference, and equal to the grid form."""
-    from pallas_kernels._common import merge_partials
     q, k, v = _rand_operands(hkv, m, d, p, seed=m + p)
     o, lse = prefix_partials_mgpu(q, k, v, n, scale=d ** -0.5, num_splits=splits,
                                   persistent_ctas=ctas)
@@ -283,18 +297,16 @@ def test_gpu_persistent_ctas(hkv, m, d, p, n, splits, ctas):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", ["epilogue", "independent"])
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [(24, 32, 8, 128, 1024, 300), (256, 8, 1, 128, 4096, 64),
                                            (16, 8, 8, 64, 512, 100),
                                            (256, 8, 1, 128, 2048, 300)])  # unsplit suffix at 256
-def test_gpu_shared_path_with_mgpu_backend(monkeypatch, b, hq, hkv, d, p, s, merge):
-    from jax_prefix_attn import shared_prefix_attention
-    from test_shared_prefix import check, make_case, oracle
-    monkeypatch.setattr(pa, "PREFIX_BACKEND", "mgpu")
-    monkeypatch.setattr(pa, "MGPU_MERGE", merge)
+def test_gpu_shared_path_with_mgpu_backend(b, hq, hkv, d, p, s):
+    """The ``mgpu_two_launch`` leaf, planned for this GPU, compiled, against the oracle."""
     sl = np.random.default_rng(b).integers(0, s + 1, size=b)
     sl[:2] = [0, s]
     args, kw, meta = make_case(90 + b, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=jnp.bfloat16,
                                suffix_lengths=sl)
-    out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, impl="shared"))(*args)
+    plan = forced_plan(args[0], args[1], args[3], "mgpu_two_launch", device=device_info(),
+                       interpret=False)
+    out, lse = jax.jit(lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, plan=plan))(*args)
     check(out, lse, oracle(args, kw, meta), jnp.bfloat16)
