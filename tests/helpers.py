@@ -1,10 +1,13 @@
 """Helpers shared by several test files."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_prefix_attn import PrefixTree, reference
+from jax_prefix_attn import PrefixTree, plan_shared_prefix, reference
+from jax_prefix_attn.device import H100_SXM
 from pallas_kernels._common import merge_partials
 from models.tokenizer import bytes_to_unicode
 
@@ -144,9 +147,6 @@ def forced_plan(q, prefix_k, suffix_k, path, *, device=None, interpret=True, **l
     """A ``plan_shared_prefix`` plan forcing leaf ``path`` for these arrays (interpret mode
     unless ``interpret=False``, planned as for an H100 SXM unless ``device``), each chunk's leaf
     fields replaced by ``leaf`` (e.g. ``num_splits=3``, ``block_k=16``)."""
-    import dataclasses
-    from jax_prefix_attn import plan_shared_prefix
-    from jax_prefix_attn.device import H100_SXM
     pk = prefix_k if prefix_k.ndim == 4 else prefix_k[None]
     plan = plan_shared_prefix(batch=q.shape[0], tq=q.shape[1], heads_q=q.shape[2],
                               heads_kv=pk.shape[2], head_dim=q.shape[3], groups=pk.shape[0],
@@ -243,3 +243,118 @@ def check_row_states(got, want, b, group, names=("pre", "suf")):
             rel = np.linalg.norm(o - wo) / np.linalg.norm(wo)
             assert rel < 2e-2, (name, rel)
         np.testing.assert_allclose(lse[fin], wl[fin], atol=2e-2, rtol=1e-3, err_msg=name)
+
+
+# ---------------------------------------------------------------- numerics and shared-prefix cases
+
+def rel_err(x, ref):
+    """Relative error ||x - ref|| / ||ref|| in float64."""
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+def make_case(seed, *, b=3, tq=1, hq=4, hkv=2, d=16, g=0, p=20, s=9, dtype=jnp.float32,
+              suffix_lengths=None, prefix_lengths=None):
+    """Random inputs; ``g = 0`` means one prefix given as ``[P, Hkv, D]``."""
+    rng = np.random.default_rng(seed)
+    gg = max(g, 1)
+
+    def rnd(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+    q = rnd(b, tq, hq, d)
+    pk, pv = rnd(gg, p, hkv, d), rnd(gg, p, hkv, d)
+    sk, sv = rnd(b, s, hkv, d), rnd(b, s, hkv, d)
+    if suffix_lengths is None:
+        suffix_lengths = rng.integers(0, s + 1, size=b)
+    kw = dict(suffix_lengths=jnp.asarray(suffix_lengths, jnp.int32))
+    if g == 0:
+        pk, pv = pk[0], pv[0]
+        plen = np.full((1,), p)
+        s2p = np.zeros((b,), np.int64)
+    else:
+        plen = (rng.integers(0, p + 1, size=g) if prefix_lengths is None
+                else np.asarray(prefix_lengths))
+        s2p = rng.integers(0, g, size=b)
+        kw.update(prefix_lengths=jnp.asarray(plen, jnp.int32),
+                  seq_to_prefix=jnp.asarray(s2p, jnp.int32))
+    return (q, pk, pv, sk, sv), kw, (plen, s2p)
+
+
+def oracle(args, kw, meta):
+    """reference.attention over the explicit per-sequence concatenation (built in numpy)."""
+    q, pk, pv, sk, sv = args
+    plen, s2p = meta
+    pk4 = np.asarray(pk, np.float32).reshape((-1,) + pk.shape[-3:])
+    pv4 = np.asarray(pv, np.float32).reshape((-1,) + pv.shape[-3:])
+    b, s = sk.shape[:2]
+    p = pk4.shape[1]
+    sl = np.asarray(kw["suffix_lengths"])
+    kc = np.random.default_rng(0).normal(size=(b, p + s) + pk4.shape[2:]).astype(np.float32)
+    vc = np.random.default_rng(1).normal(size=(b, p + s) + pk4.shape[2:]).astype(np.float32)
+    lens = np.zeros((b,), np.int32)
+    for i in range(b):
+        L0 = int(plen[s2p[i]])
+        kc[i, :L0] = pk4[s2p[i], :L0]
+        vc[i, :L0] = pv4[s2p[i], :L0]
+        kc[i, L0:L0 + sl[i]] = np.asarray(sk[i, :sl[i]], np.float32)
+        vc[i, L0:L0 + sl[i]] = np.asarray(sv[i, :sl[i]], np.float32)
+        lens[i] = L0 + sl[i]
+    return ref_attention_jit(q.astype(jnp.float32), jnp.asarray(kc), jnp.asarray(vc),
+                          jnp.asarray(lens))
+
+
+@jax.jit
+def ref_attention_jit(q, k, v, lens):
+    return reference.attention(q, k, v, causal=True, kv_lengths=lens)
+
+
+def check(out, lse, ref, dtype):
+    ro, rl = ref
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    assert rel_err(out, ro) < TOL[dtype], rel_err(out, ro)
+    fin = np.isfinite(np.asarray(rl))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    atol = 1e-4 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rl)[fin], rtol=atol, atol=atol)
+    np.testing.assert_array_equal(out[~fin], 0.0)
+
+
+def rows_oracle(q_hmd, sources, scale):
+    """numpy: row r of head h attends to keys [:lim[r]] of entry idx[r] of every source."""
+    q = np.asarray(q_hmd, np.float64)
+    hkv, m, d = q.shape
+    o = np.zeros((hkv, m, d))
+    lse = np.full((hkv, m), -np.inf)
+    for h in range(hkv):
+        for r in range(m):
+            ks, vs = [], []
+            for k, v, idx, lim in sources:
+                ks.append(np.asarray(k, np.float64)[idx[r], :lim[r], h])
+                vs.append(np.asarray(v, np.float64)[idx[r], :lim[r], h])
+            kk, vv = np.concatenate(ks), np.concatenate(vs)
+            if len(kk) == 0:
+                continue
+            s = kk @ q[h, r] * scale
+            mx = s.max()
+            p = np.exp(s - mx)
+            o[h, r] = p @ vv / p.sum()
+            lse[h, r] = mx + np.log(p.sum())
+    return o, lse
+
+
+def kv_pool(rng, n, s, hkv, d, dtype):
+    return (jnp.asarray(rng.standard_normal((n, s, hkv, d), np.float32)).astype(dtype),
+            jnp.asarray(rng.standard_normal((n, s, hkv, d), np.float32)).astype(dtype))
+
+
+def check_rows(o, lse, ro, rl, tol):
+    o = np.asarray(o, np.float32)
+    assert np.isfinite(o).all()
+    assert rel_err(o, ro) < tol, rel_err(o, ro)
+    fin = np.isfinite(rl)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], rl[fin], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(o[~fin], 0.0)

@@ -15,7 +15,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from models import Llama, PromptBatch, load_hf_checkpoint, prefill_prefix_cache  # noqa: E402
-from conftest import rel_err  # noqa: E402
+from helpers import rel_err  # noqa: E402
 
 CONFIGS = {
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2),

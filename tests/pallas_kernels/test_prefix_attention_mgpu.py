@@ -23,7 +23,7 @@ from jax_prefix_attn.leaf_plans import choose_splits, mosaic_region, suffix_spli
 from jax_prefix_attn.plans import Shapes
 from pallas_kernels._common import merge_partials
 from pallas_kernels.prefix_attention_mgpu import mgpu_supported, prefix_partials_mgpu
-from test_shared_prefix import check, make_case, oracle
+from helpers import check, make_case, oracle
 
 S = jax.ShapeDtypeStruct
 A100 = DeviceInfo("gpu", "NVIDIA A100-SXM4-80GB", 108, 166912, "8.0")

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from helpers import rel_err
 from helpers import TREE_FORESTS as FORESTS
 from helpers import concat_oracle, poison_outside_tree, random_forest
 from helpers import tree_inputs as make_inputs

@@ -11,79 +11,11 @@ from jax_prefix_attn import plan_shared_prefix, reference, shared_prefix_attenti
 from jax_prefix_attn.device import H100_SXM
 from jax_prefix_attn.executor import run_plan
 from jax_prefix_attn.leaf_plans import query_chunks
-from conftest import rel_err
+from helpers import TOL, check, make_case, oracle, rel_err
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # test names of the kernel paths in interpret mode -> shared_prefix_attention's arguments
 IMPL_KW = {"reference": dict(impl="reference"), "pallas_interpret": dict(impl="shared", interpret=True),
            "flat_interpret": dict(impl="flat", interpret=True)}
-
-
-def make_case(seed, *, b=3, tq=1, hq=4, hkv=2, d=16, g=0, p=20, s=9, dtype=jnp.float32,
-              suffix_lengths=None, prefix_lengths=None):
-    """Random inputs; ``g = 0`` means one prefix given as ``[P, Hkv, D]``."""
-    rng = np.random.default_rng(seed)
-    gg = max(g, 1)
-
-    def rnd(*shape):
-        return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
-    q = rnd(b, tq, hq, d)
-    pk, pv = rnd(gg, p, hkv, d), rnd(gg, p, hkv, d)
-    sk, sv = rnd(b, s, hkv, d), rnd(b, s, hkv, d)
-    if suffix_lengths is None:
-        suffix_lengths = rng.integers(0, s + 1, size=b)
-    kw = dict(suffix_lengths=jnp.asarray(suffix_lengths, jnp.int32))
-    if g == 0:
-        pk, pv = pk[0], pv[0]
-        plen = np.full((1,), p)
-        s2p = np.zeros((b,), np.int64)
-    else:
-        plen = (rng.integers(0, p + 1, size=g) if prefix_lengths is None
-                else np.asarray(prefix_lengths))
-        s2p = rng.integers(0, g, size=b)
-        kw.update(prefix_lengths=jnp.asarray(plen, jnp.int32),
-                  seq_to_prefix=jnp.asarray(s2p, jnp.int32))
-    return (q, pk, pv, sk, sv), kw, (plen, s2p)
-
-
-def oracle(args, kw, meta):
-    """reference.attention over the explicit per-sequence concatenation (built in numpy)."""
-    q, pk, pv, sk, sv = args
-    plen, s2p = meta
-    pk4 = np.asarray(pk, np.float32).reshape((-1,) + pk.shape[-3:])
-    pv4 = np.asarray(pv, np.float32).reshape((-1,) + pv.shape[-3:])
-    b, s = sk.shape[:2]
-    p = pk4.shape[1]
-    sl = np.asarray(kw["suffix_lengths"])
-    kc = np.random.default_rng(0).normal(size=(b, p + s) + pk4.shape[2:]).astype(np.float32)
-    vc = np.random.default_rng(1).normal(size=(b, p + s) + pk4.shape[2:]).astype(np.float32)
-    lens = np.zeros((b,), np.int32)
-    for i in range(b):
-        L0 = int(plen[s2p[i]])
-        kc[i, :L0] = pk4[s2p[i], :L0]
-        vc[i, :L0] = pv4[s2p[i], :L0]
-        kc[i, L0:L0 + sl[i]] = np.asarray(sk[i, :sl[i]], np.float32)
-        vc[i, L0:L0 + sl[i]] = np.asarray(sv[i, :sl[i]], np.float32)
-        lens[i] = L0 + sl[i]
-    return _ref_attention(q.astype(jnp.float32), jnp.asarray(kc), jnp.asarray(vc),
-                          jnp.asarray(lens))
-
-
-@jax.jit
-def _ref_attention(q, k, v, lens):
-    return reference.attention(q, k, v, causal=True, kv_lengths=lens)
-
-
-def check(out, lse, ref, dtype):
-    ro, rl = ref
-    out = np.asarray(out, np.float32)
-    assert np.isfinite(out).all()
-    assert rel_err(out, ro) < TOL[dtype], rel_err(out, ro)
-    fin = np.isfinite(np.asarray(rl))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-    atol = 1e-4 if dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rl)[fin], rtol=atol, atol=atol)
-    np.testing.assert_array_equal(out[~fin], 0.0)
 
 
 # --------------------------------------------------------------------------- reference path

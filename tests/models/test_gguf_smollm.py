@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from helpers import rel_err
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

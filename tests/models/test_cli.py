@@ -18,7 +18,7 @@ from models.llama import Llama
 from models.tokenizer import Tokenizer
 from models.weights import params_from_hf_state_dict
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

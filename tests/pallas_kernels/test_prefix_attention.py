@@ -10,14 +10,14 @@ from jax_prefix_attn.leaf_plans import prefix_tiling
 from jax_prefix_attn.plans import PrefixTiling, SuffixTiling
 from pallas_kernels.prefix_attention import prefix_partials
 from helpers import forced_plan
-from test_decode_attention import _check, _pool, rows_oracle
+from helpers import check, check_rows, kv_pool, make_case, oracle, rows_oracle
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_prefix_partials_grouped_rows_across_blocks(num_splits):
     rng = np.random.default_rng(num_splits)
     hkv, m, d, g = 2, 64, 16, 3
-    k, v = _pool(rng, g, 72, hkv, d, jnp.float32)
+    k, v = kv_pool(rng, g, 72, hkv, d, jnp.float32)
     # Rows sorted by group; group boundaries fall inside 32-row blocks; group 1 is empty of rows.
     grp = np.array([0] * 20 + [2] * 44, np.int32)
     lim = rng.integers(0, 73, size=m).astype(np.int32)
@@ -29,7 +29,7 @@ def test_prefix_partials_grouped_rows_across_blocks(num_splits):
     assert o.shape == (num_splits, hkv, m, d)
     o, lse = merge_partials(o, lse)
     ro, rl = rows_oracle(q, [(k, v, grp, lim)], 0.2)
-    _check(o, lse, ro, rl, 1e-5)
+    check_rows(o, lse, ro, rl, 1e-5)
 
 
 def test_prefix_config_fills_gpu_and_splits_small_batches():
@@ -53,7 +53,7 @@ def _leaf_fields(path, suffix_splits):
     (1, 8, 1, 3, 1, "fused"), (4, 4, 2, 0, 2, "fused"), (4, 8, 2, 3, 1, "overlap"),
     (1, 8, 1, 3, 2, "overlap"), (4, 4, 2, 0, 3, "overlap")])
 def test_shared_forward_forced_splits(tq, hq, hkv, g, suffix_splits, variant):
-    from test_shared_prefix import check, make_case, oracle
+    from helpers import check, make_case, oracle
     args, kw, meta = make_case(12 + tq, b=5, tq=tq, hq=hq, hkv=hkv, d=16, g=g, p=48, s=20,
                                suffix_lengths=[0, 20, 2, 7, 1])
     path = "triton_two_launch" if variant == "fused" else "triton_overlap"
@@ -70,7 +70,7 @@ def test_decode_one_prefix_length_given(hq, hkv, variant, suffix_splits):
     take the one prefix length as it is (no per-row metadata arrays; the overlap kernel
     broadcasts the one prefix length and each sequence's suffix length to its rows) and match
     the oracle."""
-    from test_shared_prefix import check, make_case, oracle
+    from helpers import check, make_case, oracle
     args, kw, meta = make_case(31 + hq, b=5, tq=1, hq=hq, hkv=hkv, d=16, g=1, p=48, s=20,
                                suffix_lengths=[0, 20, 2, 7, 1], prefix_lengths=[37])
     q, pk, pv, sk, sv = args

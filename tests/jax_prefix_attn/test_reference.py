@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax_prefix_attn import reference
-from conftest import rel_err
+from helpers import rel_err
 
 
 def numpy_attention(q, k, v, causal, lengths, scale):

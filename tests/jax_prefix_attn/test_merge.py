@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jax_prefix_attn import merge_attention_states, merge_two, reference
-from conftest import rel_err
+from helpers import rel_err
 
 
 def _randn(seed, shape, dtype=jnp.float32):

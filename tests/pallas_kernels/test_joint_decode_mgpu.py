@@ -20,7 +20,7 @@ from jax_prefix_attn.leaf_plans import choose_splits, joint_region
 from jax_prefix_attn.plans import Shapes
 from pallas_kernels._common import merge_partials
 from pallas_kernels.joint_decode_mgpu import joint_decode_mgpu, joint_supported, joint_tiles
-from test_shared_prefix import check, make_case, oracle
+from helpers import check, make_case, oracle
 
 HOPPER_SMEM = H100_SXM.smem_per_block     # 232,448 bytes per CTA
 

@@ -11,7 +11,7 @@ import pytest
 
 from jax_prefix_attn import attention, merge_two, reference
 from pallas_kernels.flash_attention import FlashConfig, flash_attention, supported
-from tests.conftest import rel_err
+from helpers import rel_err
 
 # Interpret-mode kernels are small programs with big loop nests: XLA:CPU's optimiser costs
 # far more than running them, so CPU tests compile with it turned down (5x faster).

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from helpers import rel_err
 from pallas_kernels.suffix_attention_bwd import (MAX_ROWS, suffix_grads, suffix_grads_reference,
                                                  suffix_grads_supported)
 

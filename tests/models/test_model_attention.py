@@ -8,7 +8,7 @@ import pytest
 
 from jax_prefix_attn import reference
 from models.attention import cache_attention, flat_decode_attention
-from conftest import rel_err
+from helpers import rel_err
 
 
 def _qkv(seed, b, t, s, hq, hkv, d):

@@ -7,46 +7,7 @@ from pallas_kernels._common import merge_partial_list, merge_partials, pad_rows,
 from pallas_kernels.decode_attention import Source, ragged_attention
 from jax_prefix_attn import plan_shared_prefix, shared_prefix_attention
 from jax_prefix_attn.device import H100_SXM
-from helpers import forced_plan
-from conftest import rel_err
-
-
-def rows_oracle(q_hmd, sources, scale):
-    """numpy: row r of head h attends to keys [:lim[r]] of entry idx[r] of every source."""
-    q = np.asarray(q_hmd, np.float64)
-    hkv, m, d = q.shape
-    o = np.zeros((hkv, m, d))
-    lse = np.full((hkv, m), -np.inf)
-    for h in range(hkv):
-        for r in range(m):
-            ks, vs = [], []
-            for k, v, idx, lim in sources:
-                ks.append(np.asarray(k, np.float64)[idx[r], :lim[r], h])
-                vs.append(np.asarray(v, np.float64)[idx[r], :lim[r], h])
-            kk, vv = np.concatenate(ks), np.concatenate(vs)
-            if len(kk) == 0:
-                continue
-            s = kk @ q[h, r] * scale
-            mx = s.max()
-            p = np.exp(s - mx)
-            o[h, r] = p @ vv / p.sum()
-            lse[h, r] = mx + np.log(p.sum())
-    return o, lse
-
-
-def _pool(rng, n, s, hkv, d, dtype):
-    return (jnp.asarray(rng.standard_normal((n, s, hkv, d), np.float32)).astype(dtype),
-            jnp.asarray(rng.standard_normal((n, s, hkv, d), np.float32)).astype(dtype))
-
-
-def _check(o, lse, ro, rl, tol):
-    o = np.asarray(o, np.float32)
-    assert np.isfinite(o).all()
-    assert rel_err(o, ro) < tol, rel_err(o, ro)
-    fin = np.isfinite(rl)
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-    np.testing.assert_allclose(np.asarray(lse)[fin], rl[fin], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(o[~fin], 0.0)
+from helpers import check, check_rows, forced_plan, kv_pool, make_case, oracle, rel_err, rows_oracle
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -54,8 +15,8 @@ def _check(o, lse, ro, rl, tol):
 def test_two_sources_mixed_entries_and_splits(num_splits, dtype):
     rng = np.random.default_rng(num_splits)
     hkv, m, d, block_m = 2, 32, 16, 16
-    k1, v1 = _pool(rng, 3, 50, hkv, d, dtype)   # S % block_k != 0: masked loads
-    k2, v2 = _pool(rng, 4, 64, hkv, d, dtype)
+    k1, v1 = kv_pool(rng, 3, 50, hkv, d, dtype)   # S % block_k != 0: masked loads
+    k2, v2 = kv_pool(rng, 4, 64, hkv, d, dtype)
     # Rows of one block read different pool entries (several groups in a block).
     idx1 = rng.integers(0, 3, size=m).astype(np.int32)
     idx2 = np.sort(rng.integers(0, 4, size=m)).astype(np.int32)
@@ -75,13 +36,13 @@ def test_two_sources_mixed_entries_and_splits(num_splits, dtype):
         assert po.shape == (num_splits, hkv, m, d) and po.dtype == jnp.float32
         o, lse = merge_partials(po, pl_)
     ro, rl = rows_oracle(q, [(k1, v1, idx1, lim1), (k2, v2, idx2, lim2)], 0.3)
-    _check(o, lse, ro, rl, 1e-5 if dtype == jnp.float32 else 2e-2)
+    check_rows(o, lse, ro, rl, 1e-5 if dtype == jnp.float32 else 2e-2)
 
 
 def test_fused_merge_epilogue_with_incoming_partials():
     rng = np.random.default_rng(7)
     hkv, m, d, block_m, n_in, stride = 2, 32, 16, 16, 2, 8
-    k, v = _pool(rng, 2, 40, hkv, d, jnp.float32)
+    k, v = kv_pool(rng, 2, 40, hkv, d, jnp.float32)
     idx = np.repeat(np.arange(2), 16).astype(np.int32)
     lim = rng.integers(0, 41, size=m).astype(np.int32)
     lim[0] = 0
@@ -102,12 +63,11 @@ def test_fused_merge_epilogue_with_incoming_partials():
     parts_o = np.stack([ro] + [o_in[i][:, rows_in] for i in range(n_in)])
     parts_l = np.stack([rl] + [lse_in[i][:, rows_in] for i in range(n_in)])
     eo, el = merge_partials(jnp.asarray(parts_o, jnp.float32), jnp.asarray(parts_l, jnp.float32))
-    _check(o, lse, np.asarray(eo), np.asarray(el), 1e-5)
+    check_rows(o, lse, np.asarray(eo), np.asarray(el), 1e-5)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_flat_forward_tq4_gqa(num_splits):
-    from test_shared_prefix import check, make_case, oracle
     args, kw, meta = make_case(11, b=3, tq=4, hq=8, hkv=2, d=16, g=2, p=40, s=24,
                                suffix_lengths=[0, 24, 5])
     plan = forced_plan(args[0], args[1], args[3], "flat_rows", block_k=16, num_splits=num_splits)
@@ -123,7 +83,6 @@ def test_flat_forward_decode_layouts(layout, num_splits, hq, hkv, g):
     """Decoding (Tq=1) on the flat path in both layouts and by the planner's rule: one prefix or
     ragged groups, suffix lengths 0 and S_max, key splits that leave some chunks empty; against
     the reference over the explicit concatenation."""
-    from test_shared_prefix import check, make_case, oracle
     args, kw, meta = make_case(12 + hq + g, b=4, tq=1, hq=hq, hkv=hkv, d=16, g=g, p=70, s=40,
                                suffix_lengths=[0, 40, 5, 17])
     q, pk, pv, sk, sv = args
@@ -161,7 +120,7 @@ def test_unmasked_full_tiles_then_masked_tail(num_splits, two_phase):
     row sees without masks, then the ragged tail with masks."""
     rng = np.random.default_rng(30 + num_splits)
     hkv, m, d, block_m = 2, 32, 16, 16
-    k, v = _pool(rng, 2, 80, hkv, d, jnp.float32)
+    k, v = kv_pool(rng, 2, 80, hkv, d, jnp.float32)
     idx = np.repeat(np.arange(2), 16).astype(np.int32)
     lim = rng.integers(37, 81, size=m).astype(np.int32)
     lim[16:] = 80
@@ -171,7 +130,7 @@ def test_unmasked_full_tiles_then_masked_tail(num_splits, two_phase):
                                finalize=False, interpret=True, two_phase=two_phase)
     o, lse = merge_partials(po, pl_)
     ro, rl = rows_oracle(q, [(k, v, idx, lim)], 0.3)
-    _check(o, lse, ro, rl, 1e-5)
+    check_rows(o, lse, ro, rl, 1e-5)
 
 
 def test_row_metadata_constants_and_broadcasts():
@@ -220,7 +179,7 @@ def test_merge_partial_list_matches_float64(unroll):
                      / np.where(tot > 0, tot, 1)[..., None], 0.0)
     exp_l = np.where(tot > 0, mx + np.log(np.where(tot > 0, tot, 1)), -np.inf)
     assert np.all(np.isfinite(np.asarray(mo)))
-    _check(mo, ml, exp_o, exp_l, 1e-5)
+    check_rows(mo, ml, exp_o, exp_l, 1e-5)
     so, sl = merge_partials(jnp.asarray(np.nan_to_num(o64).astype(np.float32)), jnp.asarray(lse),
                             unroll=unroll)
-    _check(so, sl, exp_o, exp_l, 1e-5)
+    check_rows(so, sl, exp_o, exp_l, 1e-5)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from helpers import rel_err
 from pallas_kernels.flash_attention import flash_attention, flash_attention_bwd
 from jax_prefix_attn.planner import row_splits as choose_row_splits
 from pallas_kernels.prefix_attention_bwd import (prefix_grads,

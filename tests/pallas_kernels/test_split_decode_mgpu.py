@@ -21,7 +21,7 @@ from jax_prefix_attn.plans import Shapes
 from pallas_kernels import split_decode_mgpu as sd
 from pallas_kernels import suffix_stream_mgpu as ss
 from pallas_kernels._common import merge_row_parts, rows_128
-from test_shared_prefix import check, make_case, oracle
+from helpers import check, make_case, oracle
 
 S = jax.ShapeDtypeStruct
 BF = jnp.bfloat16

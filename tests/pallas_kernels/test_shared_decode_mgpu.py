@@ -18,7 +18,7 @@ from jax_prefix_attn.device import H100_PCIE, H100_SXM
 from jax_prefix_attn.leaf_plans import one_launch_region
 from jax_prefix_attn.plans import Shapes
 from pallas_kernels.shared_decode_mgpu import fused_supported, shared_decode_partials_mgpu, task_order
-from test_shared_prefix import check, make_case, oracle
+from helpers import check, make_case, oracle
 
 
 @pytest.mark.parametrize("n_pre,n_suf", [(7, 3), (3, 7), (4, 4), (5, 0), (0, 2)])
