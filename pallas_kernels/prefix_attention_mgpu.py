@@ -100,6 +100,17 @@ def check_decode_operands(q_hmd, pk_phd, pv_phd, sk_bshd, sv_bshd, group: int, *
                          f"{sk_bshd.shape} and {sv_bshd.shape}")
 
 
+def decode_operands(pk_phd, pv_phd, sk_bshd, sv_bshd, dtype, *, cpu_check: bool):
+    """The one-launch decode kernels' K/V operands in ``dtype``; for Mosaic GPU's CPU
+    interpreter (``cpu_check``), whose wgmma cannot read a transposed ref, the keys transposed
+    to ``pk [Hkv, D, P]`` and ``sk [B, Hkv, D, S]``."""
+    pk_phd, pv_phd, sk_bshd, sv_bshd = (x.astype(dtype) for x in (pk_phd, pv_phd, sk_bshd, sv_bshd))
+    if cpu_check:
+        pk_phd = jnp.transpose(pk_phd, (1, 2, 0))
+        sk_bshd = jnp.transpose(sk_bshd, (0, 2, 3, 1))
+    return pk_phd, pv_phd, sk_bshd, sv_bshd
+
+
 def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, length: jax.Array, *,
                          scale: float, num_splits: int = 1, block_q: int = 64,
                          block_kv: int = 128, max_concurrent_steps: int | None = None,

@@ -215,10 +215,8 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
                           suffix_cap=s_cap, head_dim=d, dtype=dtype, block_s=block_s)
     if why is not None:
         raise ValueError(f"shared_decode_partials_mgpu cannot run these shapes: {why}")
-    pk_phd, pv_phd, sk_bshd, sv_bshd = (x.astype(dtype) for x in (pk_phd, pv_phd, sk_bshd, sv_bshd))
-    if _cpu_check:  # CPU-interpreter check only: its wgmma cannot read a transposed ref
-        pk_phd = jnp.transpose(pk_phd, (1, 2, 0))       # [Hkv, D, P]
-        sk_bshd = jnp.transpose(sk_bshd, (0, 2, 3, 1))  # [B, Hkv, D, S]
+    pk_phd, pv_phd, sk_bshd, sv_bshd = pm.decode_operands(pk_phd, pv_phd, sk_bshd, sv_bshd, dtype,
+                                                          cpu_check=_cpu_check)
     m_blocks = m // 128
     n_tiles = p // 128
     splits = int(num_splits)
