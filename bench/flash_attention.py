@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import device_info, time_fn  # noqa: E402
-from pallas_kernels.flash_attention import FlashConfig, default_config, flash_attention  # noqa: E402
+from pallas_kernels.flash_attention import FlashConfig, KernelTiles, default_config, flash_attention  # noqa: E402
 
 SHAPES = [dict(b=4, t=4096, h=32, d=128), dict(b=1, t=16384, h=32, d=128)]
 
@@ -131,12 +131,10 @@ def sweep(d, iters, log):
         return t, dict(fwd_bwd_ms=t * 1e3, tflops=3.5 * flops / t / 1e12)
 
     for part in ("fwd", "dkv", "dq"):
-        prefix = "" if part == "fwd" else part + "_"
         best_t, best_cfg = None, best
         results[part] = []
         for bq, bk, w, s in cands[part]:
-            cfg = dataclasses.replace(best, **{f"{prefix}block_q": bq, f"{prefix}block_k": bk,
-                                               f"{prefix}num_warps": w, f"{prefix}num_stages": s})
+            cfg = dataclasses.replace(best, **{part: KernelTiles(bq, bk, w, s)})
             rec = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
             try:
                 t, info = time_cfg(part, cfg)

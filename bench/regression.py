@@ -112,6 +112,8 @@ def main():
     ap.add_argument("--paths", default="", help="comma-separated forced leaves of this checkout")
     ap.add_argument("--path-points", default="", help="JSON list of points for --paths "
                     "(default: all points)")
+    ap.add_argument("--only", default="", help="JSON list of (Hq, Hkv, D, B, P, S) points to time "
+                    "instead of the built-in ones")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--points", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -121,7 +123,7 @@ def main():
         return
     import jax
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    points = [list(x) for x in POINTS]
+    points = [list(x) for x in (json.loads(args.only) if args.only else POINTS)]
     path_points = json.loads(args.path_points) if args.path_points else points
     dev = jax.devices()[0]
     doc = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["LOG2E", "LN2", "next_pow2", "cdiv", "split_chunk", "online_update", "attend_pool",
+__all__ = ["LOG2E", "LN2", "next_pow2", "cdiv", "partial_state_types", "split_chunk", "online_update", "attend_pool",
            "finish_state", "merge_tile_states", "merge_partial_list", "merge_partials",
            "merge_stacked", "MAX_ROWS_PER_TILE", "q_rows_layout", "check_rows_per_tile",
            "rows_from_q", "seq_rows", "pad_rows", "row_meta", "rows_to_out", "rows_128",
@@ -43,6 +43,13 @@ def next_pow2(x: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def partial_state_types(parts: int, hkv: int, rows: int, d: int, dtype) -> tuple:
+    """Output types of a kernel writing ``parts`` partial attention states per kv head:
+    ``(out [parts, hkv, rows, d] dtype, lse [parts, hkv, rows] float32)``."""
+    return (jax.ShapeDtypeStruct((parts, hkv, rows, d), dtype),
+            jax.ShapeDtypeStruct((parts, hkv, rows), jnp.float32))
 
 
 def split_chunk(n: int, splits: int, block_k: int) -> int:

@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import LN2, LOG2E, next_pow2
 
-__all__ = ["flash_attention", "flash_attention_bwd", "FlashConfig", "SUPPORTED_HEAD_DIMS",
+__all__ = ["flash_attention", "flash_attention_bwd", "FlashConfig", "KernelTiles", "SUPPORTED_HEAD_DIMS",
            "SUPPORTED_DTYPES", "default_config", "supported", "load_row_block"]
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -55,36 +55,41 @@ _MIN_BLOCK = 16  # Triton dot operands need >= 16 rows / cols.
 
 
 @dataclasses.dataclass(frozen=True)
-class FlashConfig:
-    """Tile sizes and launch parameters (all powers of two for the blocks).
-
-    ``block_q/block_k``: forward tiles; ``dq_block_q/dq_block_k``: the dq kernel;
-    ``dkv_block_q/dkv_block_k``: the dk/dv kernel.  Blocks are clamped to the (padded)
-    sequence lengths at call time.
-    """
-    block_q: int = 128
-    block_k: int = 64
+class KernelTiles:
+    """Tiling of one kernel: a ``block_q x block_k`` tile per step (powers of two >= 16, clamped
+    to the padded sequence lengths at call time) and its Triton launch parameters."""
+    block_q: int
+    block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    dq_block_q: int = 128
-    dq_block_k: int = 32
-    dq_num_warps: int = 4
-    dq_num_stages: int = 3
-    dkv_block_q: int = 32
-    dkv_block_k: int = 128
-    dkv_num_warps: int = 4
-    dkv_num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Tilings of the three kernels: ``fwd`` (forward), ``dq`` (the dQ kernel) and ``dkv`` (the
+    dK/dV kernel)."""
+    fwd: KernelTiles = KernelTiles(128, 64)
+    dq: KernelTiles = KernelTiles(128, 32)
+    dkv: KernelTiles = KernelTiles(32, 128)
+
+    def kernels(self) -> dict:
+        """``{"fwd": ..., "dq": ..., "dkv": ...}``."""
+        return {"fwd": self.fwd, "dq": self.dq, "dkv": self.dkv}
+
+
+def _tiles(table: tuple) -> FlashConfig:
+    return FlashConfig(*(KernelTiles(*row) for row in table))
 
 
 # Per-(head_dim, dtype itemsize) defaults; 16-bit ones tuned on an H200 with
 # `bench/flash_attention.py --sweep` (causal, B=4, T=4096, H*D=4096).
 _DEFAULTS = types.MappingProxyType({
-    (64, 2): FlashConfig(128, 64, 4, 3, 128, 64, 8, 3, 32, 128, 4, 3),
-    (128, 2): FlashConfig(128, 128, 8, 3, 128, 64, 8, 3, 32, 64, 4, 3),
-    (256, 2): FlashConfig(128, 64, 8, 2, 128, 32, 8, 2, 64, 64, 8, 2),
-    (64, 4): FlashConfig(64, 64, 4, 2, 64, 32, 4, 2, 32, 64, 4, 2),
-    (128, 4): FlashConfig(64, 32, 4, 2, 64, 32, 4, 2, 32, 64, 4, 2),
-    (256, 4): FlashConfig(32, 32, 4, 2, 32, 16, 4, 2, 16, 32, 4, 2),
+    (64, 2): _tiles(((128, 64, 4, 3), (128, 64, 8, 3), (32, 128, 4, 3))),
+    (128, 2): _tiles(((128, 128, 8, 3), (128, 64, 8, 3), (32, 64, 4, 3))),
+    (256, 2): _tiles(((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2))),
+    (64, 4): _tiles(((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))),
+    (128, 4): _tiles(((64, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))),
+    (256, 4): _tiles(((32, 32, 4, 2), (32, 16, 4, 2), (16, 32, 4, 2))),
 })
 
 
@@ -125,6 +130,31 @@ def _cdiv(a, b):
     return lax.div(a + b - 1, b)
 
 
+def _visible_keys(rows, start, bk: int, length, diag, causal: bool):
+    """``[bq, bk]`` mask of the keys ``start + [0, bk)`` that query rows ``rows [bq, 1]`` see:
+    below the valid ``length`` and, when causal, at most ``row + diag``."""
+    cols = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    vis = cols < length
+    if causal:
+        vis = vis & (cols <= rows + diag)
+    return vis
+
+
+def _key_block_range(qi, bq: int, bk: int, length, diag, causal: bool):
+    """Key blocks of query block ``qi``: ``[0, n_full)`` are seen whole by every row (no mask),
+    ``[n_full, n_end)`` need the mask, blocks from ``n_end`` are seen by no row."""
+    if causal:
+        first_row = qi * bq
+        full_end = jnp.minimum(length, first_row + diag + 1)          # keys seen by every row
+        any_end = jnp.minimum(length, first_row + bq - 1 + diag + 1)  # keys seen by some row
+    else:
+        full_end = length
+        any_end = length
+    n_end = _cdiv(jnp.maximum(any_end, 0), bk)
+    n_full = jnp.minimum(jnp.maximum(full_end, 0) // bk, n_end)
+    return n_full, n_end
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -150,10 +180,7 @@ def _fwd_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, nq
         # about 10% more forward time on an H200).
         s = _dot(q, k, st, trans_b=True) * scale2  # [bq, bk]
         if masked:
-            cols = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            vis = cols < length
-            if st.causal:
-                vis = vis & (cols <= rows + diag)
+            vis = _visible_keys(rows, start, bk, length, diag, st.causal)
             s = jnp.where(vis, s, -jnp.inf)
             # keys past the length may hold anything (NaN too): 0 * NaN in p @ v would reach
             # the row, so their values are zeroed (the scores are already masked above)
@@ -170,15 +197,7 @@ def _fwd_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, nq
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, st)
         return acc, m_new, l
 
-    if st.causal:
-        first_row = qi * bq
-        full_end = jnp.minimum(length, first_row + diag + 1)       # keys seen by every row
-        any_end = jnp.minimum(length, first_row + bq - 1 + diag + 1)  # keys seen by some row
-    else:
-        full_end = length
-        any_end = length
-    n_end = _cdiv(jnp.maximum(any_end, 0), bk)
-    n_full = jnp.minimum(jnp.maximum(full_end, 0) // bk, n_end)
+    n_full, n_end = _key_block_range(qi, bq, bk, length, diag, st.causal)
 
     d = q_ref.shape[-1]
     carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
@@ -195,7 +214,7 @@ def _fwd_call(q, k, v, lengths, st: _Static):
     """Aligned shapes: ``q [B, Tqp, Hq, D]``, ``k/v [B, Tkp, Hkv, D]`` -> ``out, lse [B, Hq, Tqp]``."""
     b, tqp, hq, d = q.shape
     tkp = k.shape[1]
-    bq, bk = st.cfg.block_q, st.cfg.block_k
+    bq, bk = st.cfg.fwd.block_q, st.cfg.fwd.block_k
     nq = tqp // bq
     g = st.group
     if st.causal:
@@ -220,7 +239,7 @@ def _fwd_call(q, k, v, lengths, st: _Static):
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, tqp), jnp.float32)],
-        compiler_params=_params(st, st.cfg.num_warps, st.cfg.num_stages),
+        compiler_params=_params(st, st.cfg.fwd.num_warps, st.cfg.fwd.num_stages),
         interpret=st.interpret,
         name="flash_attention_fwd",
     )(lengths, q, k, v)
@@ -250,10 +269,7 @@ def _dq_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
         v = v_ref[pl.ds(start, bk), :]
         s = _dot(q, k, st, trans_b=True)
         if masked:
-            cols = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            vis = cols < length
-            if st.causal:
-                vis = vis & (cols <= rows + diag)
+            vis = _visible_keys(rows, start, bk, length, diag, st.causal)
             s = jnp.where(vis, s, -jnp.inf)
         p = jnp.exp2(s * scale2 - lse2[:, None])
         dp = _dot(do, v, st, trans_b=True)
@@ -264,15 +280,7 @@ def _dq_kernel(len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
             k = jnp.where(keys < length, k, jnp.zeros_like(k))
         return dq + _dot(ds.astype(k.dtype), k, st)
 
-    if st.causal:
-        first_row = qi * bq
-        full_end = jnp.minimum(length, first_row + diag + 1)
-        any_end = jnp.minimum(length, first_row + bq - 1 + diag + 1)
-    else:
-        full_end = length
-        any_end = length
-    n_end = _cdiv(jnp.maximum(any_end, 0), bk)
-    n_full = jnp.minimum(jnp.maximum(full_end, 0) // bk, n_end)
+    n_full, n_end = _key_block_range(qi, bq, bk, length, diag, st.causal)
     dq = jnp.zeros(q.shape, jnp.float32)
     dq = lax.fori_loop(0, n_full, functools.partial(body, masked=False), dq)
     dq = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), dq)
@@ -358,7 +366,7 @@ def _bwd_call(q, k, v, lengths, do, lse_bhq, delta_bhq, st: _Static):
     cfg = st.cfg
     lse_bwd = jnp.where(jnp.isneginf(lse_bhq), jnp.inf, lse_bhq)  # empty rows: p = 0
 
-    bq, bk = cfg.dq_block_q, cfg.dq_block_k
+    bq, bk = cfg.dq.block_q, cfg.dq.block_k
     nq = tqp // bq
     qmap = ((lambda i, bb, h: (bb, nq - 1 - i, h, 0)) if st.causal
             else (lambda i, bb, h: (bb, i, h, 0)))
@@ -379,12 +387,12 @@ def _bwd_call(q, k, v, lengths, do, lse_bhq, delta_bhq, st: _Static):
         ],
         out_specs=pl.BlockSpec((None, bq, None, d), qmap),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_params(st, cfg.dq_num_warps, cfg.dq_num_stages),
+        compiler_params=_params(st, cfg.dq.num_warps, cfg.dq.num_stages),
         interpret=st.interpret,
         name="flash_attention_bwd_dq",
     )(lengths, q, k, v, do, lse_bwd, delta_bhq)
 
-    bq, bk = cfg.dkv_block_q, cfg.dkv_block_k
+    bq, bk = cfg.dkv.block_q, cfg.dkv.block_k
     nq, nk = tqp // bq, tkp // bk
     q5 = q.reshape(b, tqp, hkv, g, d)
     do5 = do.reshape(b, tqp, hkv, g, d)
@@ -400,7 +408,7 @@ def _bwd_call(q, k, v, lengths, do, lse_bhq, delta_bhq, st: _Static):
                   rspec, rspec],
         out_specs=[kspec, kspec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_params(st, cfg.dkv_num_warps, cfg.dkv_num_stages),
+        compiler_params=_params(st, cfg.dkv.num_warps, cfg.dkv.num_stages),
         interpret=st.interpret,
         name="flash_attention_bwd_dkv",
     )(lengths, q5, k, v, do5, lse4, delta4)
@@ -509,19 +517,19 @@ def _prepare(q, k, v, *, causal, kv_lengths, sm_scale, interpret, block_q=None, 
 
     cfg = config if config is not None else default_config(d_pad, q.dtype)
     if block_q is not None or block_k is not None:
-        cfg = dataclasses.replace(cfg, block_q=block_q or cfg.block_q, block_k=block_k or cfg.block_k)
-    for name in ("block_q", "block_k", "dq_block_q", "dq_block_k", "dkv_block_q", "dkv_block_k"):
-        val = getattr(cfg, name)
-        if val < _MIN_BLOCK or val & (val - 1):
-            raise ValueError(f"{name} must be a power of two >= {_MIN_BLOCK}, got {val}")
-    cfg = dataclasses.replace(
-        cfg,
-        block_q=_clamp_block(cfg.block_q, tq), dq_block_q=_clamp_block(cfg.dq_block_q, tq),
-        dkv_block_q=_clamp_block(cfg.dkv_block_q, tq),
-        block_k=_clamp_block(cfg.block_k, tk), dq_block_k=_clamp_block(cfg.dq_block_k, tk),
-        dkv_block_k=_clamp_block(cfg.dkv_block_k, tk))
-    tqp = _round_up(tq, max(cfg.block_q, cfg.dq_block_q, cfg.dkv_block_q))
-    tkp = _round_up(tk, max(cfg.block_k, cfg.dq_block_k, cfg.dkv_block_k))
+        cfg = dataclasses.replace(cfg, fwd=dataclasses.replace(
+            cfg.fwd, block_q=block_q or cfg.fwd.block_q, block_k=block_k or cfg.fwd.block_k))
+    for part, tiles in cfg.kernels().items():
+        for name in ("block_q", "block_k"):
+            val = getattr(tiles, name)
+            if val < _MIN_BLOCK or val & (val - 1):
+                raise ValueError(f"config.{part}.{name} must be a power of two >= {_MIN_BLOCK}, "
+                                 f"got {val}")
+    cfg = FlashConfig(**{part: dataclasses.replace(tiles, block_q=_clamp_block(tiles.block_q, tq),
+                                                   block_k=_clamp_block(tiles.block_k, tk))
+                         for part, tiles in cfg.kernels().items()})
+    tqp = _round_up(tq, max(t.block_q for t in cfg.kernels().values()))
+    tkp = _round_up(tk, max(t.block_k for t in cfg.kernels().values()))
 
     if kv_lengths is None:
         lengths = jnp.full((b,), tk, jnp.int32)

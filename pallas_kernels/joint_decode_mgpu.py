@@ -63,7 +63,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels import shared_decode_mgpu as sd
-from pallas_kernels._common import LOG2E
+from pallas_kernels._common import LOG2E, partial_state_types
 from pallas_kernels.prefix_attention_mgpu import plgpu
 
 __all__ = ["joint_supported", "joint_decode_mgpu", "joint_tiles"]
@@ -227,8 +227,7 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
         grid_names=("h", "m", "s"),
         num_threads=3,
         thread_name="wg",
-        out_type=(jax.ShapeDtypeStruct((splits, hkv, m, d), dtype),
-                  jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32)),
+        out_type=partial_state_types(splits, hkv, m, d, dtype),
         scratch_types=(plgpu.SMEM((2, 64, d), dtype),
                        plgpu.Barrier(num_barriers=2),
                        plgpu.Barrier(num_arrivals=2))

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LN2, LOG2E
+from pallas_kernels._common import LN2, LOG2E, partial_state_types
 
 try:  # Mosaic GPU is part of jax; guarded so that an unusual build still imports this package
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -204,8 +204,7 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
         grid_names=names,
         num_threads=3,
         thread_name="wg",
-        out_type=(jax.ShapeDtypeStruct((splits, hkv, m_out, d), dtype),
-                  jax.ShapeDtypeStruct((splits, hkv, m_out), jnp.float32)),
+        out_type=partial_state_types(splits, hkv, m_out, d, dtype),
         scratch_types=(plgpu.SMEM((2, block_q, d), dtype),)
                       + ((plgpu.SMEM((2, block_q), jnp.float32),) if lse_in_smem else ())
                       + (plgpu.Barrier(num_barriers=2),

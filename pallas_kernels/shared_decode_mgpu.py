@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import prefix_attention_mgpu as pm
-from pallas_kernels._common import LOG2E
+from pallas_kernels._common import LOG2E, partial_state_types
 from pallas_kernels.prefix_attention_mgpu import plgpu
 
 __all__ = ["fused_supported", "shared_decode_partials_mgpu", "task_order", "suffix_step",
@@ -270,10 +270,8 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
             grid_names=("t",),
             num_threads=3,
             thread_name="wg",
-            out_type=(jax.ShapeDtypeStruct((splits, hkv, m, d), dtype),
-                      jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32),
-                      jax.ShapeDtypeStruct((n_suf_out, hkv, m, d), dtype),
-                      jax.ShapeDtypeStruct((n_suf_out, hkv, m), jnp.float32)),
+            out_type=(partial_state_types(splits, hkv, m, d, dtype)
+                      + partial_state_types(n_suf_out, hkv, m, d, dtype)),
             scratch_types=(plgpu.SMEM((2, 64, d), dtype),
                            plgpu.SMEM((2, 64), jnp.float32),
                            plgpu.Barrier(num_barriers=2),

@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels import suffix_stream_mgpu as ss
-from pallas_kernels._common import LOG2E
+from pallas_kernels._common import LOG2E, partial_state_types
 from pallas_kernels.prefix_attention_mgpu import plgpu
 
 __all__ = ["split_decode_partials_mgpu", "split_supported", "stream_smem_limit", "STREAM_WGS"]
@@ -334,8 +334,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
         grid_names=("c",),
         num_threads=3,
         thread_name="wg",
-        out_type=(jax.ShapeDtypeStruct((splits, hkv, m, d), dtype),
-                  jax.ShapeDtypeStruct((splits, hkv, m), jnp.float32),
+        out_type=(*partial_state_types(splits, hkv, m, d, dtype),
                   jax.ShapeDtypeStruct((n_out, d, cols), dtype),
                   jax.ShapeDtypeStruct((n_out, cols), jnp.float32)),
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=red,

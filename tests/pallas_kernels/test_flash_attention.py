@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 
 from jax_prefix_attn import attention, merge_two, reference
-from pallas_kernels.flash_attention import FlashConfig, flash_attention, supported
+from pallas_kernels.flash_attention import FlashConfig, KernelTiles, flash_attention, supported
 from helpers import rel_err
 
 # Interpret-mode kernels are small programs with big loop nests: XLA:CPU's optimiser costs
 # far more than running them, so CPU tests compile with it turned down (5x faster).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
-SMALL = FlashConfig(block_q=16, block_k=16, dq_block_q=16, dq_block_k=16, dkv_block_q=16,
-                    dkv_block_k=32)
+SMALL = FlashConfig(fwd=KernelTiles(16, 16), dq=KernelTiles(16, 16), dkv=KernelTiles(16, 32))
 
 
 def _inputs(seed, b, tq, tk, hq, hkv, d, dtype):
