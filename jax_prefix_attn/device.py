@@ -22,7 +22,7 @@ import types
 
 import jax
 
-__all__ = ["DeviceInfo", "device_info", "SMEM_PER_BLOCK", "KNOWN_PARTS", "H100_SXM", "H100_PCIE",
+__all__ = ["DeviceInfo", "device_info", "planning_device_info", "SMEM_PER_BLOCK", "KNOWN_PARTS", "H100_SXM", "H100_PCIE",
            "H200", "CPU"]
 
 SMEM_PER_BLOCK = types.MappingProxyType({
@@ -94,3 +94,11 @@ def device_info(device=None) -> DeviceInfo:
         except RuntimeError:  # no backend at all
             return CPU
     return _read(device)
+
+
+def planning_device_info(device=None) -> DeviceInfo:
+    """The part that host-side planning targets: :func:`device_info` on a GPU; off the GPU the
+    documented :data:`H100_SXM`, so that the reference, mirror and interpret paths make the same
+    choices (schedules, splits) as that GPU would."""
+    dev = device_info(device)
+    return dev if dev.is_gpu else H100_SXM

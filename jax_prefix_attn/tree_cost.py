@@ -17,7 +17,6 @@ from jax_prefix_attn.tree_schedule import Schedule
 __all__ = ["COST_MODEL", "schedule_cost", "root_launch_cost", "exclusive_spans_cost"]
 
 COST_MODEL = types.MappingProxyType({
-    "num_sms": 132,          # programs running at once (one per SM at these tile sizes)
     "hbm_bytes_per_s": 3.0e12,
     "sm_bytes_per_s": 6.0e10,  # what one program streams alone (a long node read by one SM)
     "flops_per_s": 2.5e14,   # Pallas/Triton attention matmul rate
@@ -31,10 +30,11 @@ COST_MODEL = types.MappingProxyType({
 HEADS_KV, HEAD_DIM, KV_BYTES = 8, 128, 2
 
 
-def schedule_cost(sched: Schedule, *, group: int, head_dim: int = HEAD_DIM, heads_kv: int = HEADS_KV,
-                  kv_bytes: int = KV_BYTES) -> float:
+def schedule_cost(sched: Schedule, *, group: int, sm_count: int, head_dim: int = HEAD_DIM,
+                  heads_kv: int = HEADS_KV, kv_bytes: int = KV_BYTES) -> float:
     """Estimated seconds of one schedule's kernel plus its share of the reduction (module doc);
-    flatten items read ``block_kv`` chunks, node items their whole span."""
+    flatten items read ``block_kv`` chunks, node items their whole span; ``sm_count`` programs
+    run at once (one per SM at these tile sizes)."""
     cm = COST_MODEL
     s = dict(sched.stats)
     if s.get("items", 0) == 0:
@@ -43,7 +43,7 @@ def schedule_cost(sched: Schedule, *, group: int, head_dim: int = HEAD_DIM, head
     kv_bytes_read = s["kv_tokens_read"] * heads_kv * head_dim * 2 * kv_bytes
     flops = s["kv_tokens_read"] * heads_kv * m * head_dim * 4
     programs = s["items"] * heads_kv
-    waves = -(-programs // cm["num_sms"])
+    waves = -(-programs // sm_count)
     longest = s["max_item_tokens"] * head_dim * 2 * kv_bytes / cm["sm_bytes_per_s"]
     partial_bytes = s["partial_rows"] * heads_kv * group * (head_dim * kv_bytes + 4) * 2  # write + read
     return (cm["launch_s"] + max(kv_bytes_read / cm["hbm_bytes_per_s"], flops / cm["flops_per_s"],

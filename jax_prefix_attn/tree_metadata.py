@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from jax_prefix_attn.device import planning_device_info
 from jax_prefix_attn.prefix_tree import PrefixTree
 from jax_prefix_attn.tree_cost import exclusive_spans_cost, root_launch_cost, schedule_cost
 from jax_prefix_attn.tree_schedule import Schedule, flatten_schedule, next_pow2, node_schedule
@@ -122,8 +123,8 @@ class TreeMetadata:
 
 @functools.lru_cache(maxsize=64)
 def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_kv: int,
-                  max_block_m: int, chunks_per_item: int | None = None, mid_tiling: tuple = (),
-                  mid_mode: str | None = None) -> TreeMetadata:
+                  max_block_m: int, chunks_per_item: int | None, mid_tiling: tuple,
+                  mid_mode: str | None, sm_count: int) -> TreeMetadata:
     info = tree.info
     b = tree.num_seqs
     n_rows = b * tq
@@ -148,7 +149,7 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
         levels.append(node_schedule(at, tree, info, seq_lo, seq_hi, tq, group, block_kv, max_block_m,
                                     sorted_rows_real, n_rows))
     hyb = hybrid_parts(tree, info, seq_lo, seq_hi, sorted_keys, tq, group, block_kv, max_block_m, pool_size,
-                       sorted_rows_real, n_rows, chunks_per_item, mid_tiling, mid_mode)
+                       sorted_rows_real, n_rows, chunks_per_item, mid_tiling, mid_mode, sm_count)
     max_br = max([flat.block_rows, nodes.block_rows] + [lv.block_rows for lv in levels]
                  + ([hyb["mid"].block_rows] if hyb["mid"] is not None else []))
     r_pad = n_rows + max_br
@@ -156,8 +157,8 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
     sorted_rows[:n_rows] = sorted_rows_real
     row_key = np.full((r_pad,), -1, np.int32)
     row_key[:n_rows] = np.repeat(sorted_keys, tq)
-    cost_flat = schedule_cost(flat, group=group)
-    cost_lvl = sum(schedule_cost(lv, group=group) for lv in levels)
+    cost_flat = schedule_cost(flat, group=group, sm_count=sm_count)
+    cost_lvl = sum(schedule_cost(lv, group=group, sm_count=sm_count) for lv in levels)
     preferred = "flatten" if cost_flat < cost_lvl else "levelwise"
     hybrid = hyb["excl_span"] is not None and hyb["cost"] < min(cost_flat, cost_lvl)
     p_arr = np.asarray(tree.parents, np.int64)
@@ -194,7 +195,7 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
 
 def hybrid_parts(tree: PrefixTree, info: dict, seq_lo, seq_hi, sorted_keys, tq: int, group: int, block_kv: int,
                  max_m: int, pool_size: int, sorted_rows: np.ndarray, n_rows: int, chunks_per_item,
-                 mid_tiling: tuple = (), mid_mode: str | None = None) -> dict:
+                 mid_tiling: tuple, mid_mode: str | None, sm_count: int) -> dict:
     """Hybrid decode schedule (see :class:`TreeMetadata`): ``excl_span``, ``mid``, ``root`` and its
     estimated ``cost`` (same units as :func:`schedule_cost`; the exclusive spans are streamed by
     the suffix launch that runs anyway, so they only add their bytes).  Only for ``tq == 1``.
@@ -228,7 +229,7 @@ def hybrid_parts(tree: PrefixTree, info: dict, seq_lo, seq_hi, sorted_keys, tq: 
                                sorted_rows, n_rows),
                  flatten_schedule(tree, info, sorted_keys, tq, group, block_kv, max_m, pool_size, sorted_rows,
                                   n_rows, chunks_per_item=chunks_per_item, keep=keep)]
-        costs = [schedule_cost(c, group=group) for c in cands]
+        costs = [schedule_cost(c, group=group, sm_count=sm_count) for c in cands]
         pick = int(np.argmin(costs)) if mid_mode is None else ("node", "flatten").index(mid_mode)
         mid = cands[pick]
         cost += costs[pick]
@@ -287,6 +288,7 @@ def build_tree_metadata(tree: PrefixTree, *, tq: int, group: int, pool_size: int
     if any(k not in HYBRID_MID_TILING for k, _ in mid):
         raise ValueError(f"mid_tiling keys must be in {tuple(HYBRID_MID_TILING)}, got {dict(mid)}")
     meta = _build_cached(tree, int(tq), int(group), int(pool_size), int(block_kv), int(max_block_m),
-                         None if chunks_per_item is None else int(chunks_per_item), mid, mid_mode)
+                         None if chunks_per_item is None else int(chunks_per_item), mid, mid_mode,
+                         planning_device_info().sm_count)
     # Device arrays: passing host (numpy) metadata to a jitted step would copy it every call.
     return jax.device_put(meta) if device else meta

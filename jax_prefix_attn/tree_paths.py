@@ -23,7 +23,7 @@ from typing import Mapping
 
 import jax.numpy as jnp
 
-from jax_prefix_attn.device import H100_SXM, device_info
+from jax_prefix_attn.device import planning_device_info
 from jax_prefix_attn.executor import decode_prefix_partials
 from jax_prefix_attn.planner import DECODE_SUFFIX_TILING
 from jax_prefix_attn.shared_prefix import shared_prefix_attention
@@ -56,14 +56,6 @@ def partials(sched: Schedule, q_hmd, k_nhd, v_nhd, key_m, lim_m, *, group, scale
                          **dict(kernel_options or {}))
 
 
-def _sm_count() -> int:
-    """SMs of the device JAX runs on (:func:`jax_prefix_attn.device_info`); off the GPU those of
-    the documented H100 SXM (:data:`jax_prefix_attn.device.H100_SXM`, 132), so that the mirror
-    and interpret paths split as the GPU would."""
-    dev = device_info()
-    return (dev if dev.is_gpu else H100_SXM).sm_count
-
-
 def suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta: TreeMetadata, *, scale, backend,
                     block_kv: int):
     """Suffix part: node-mode items (sequence, split) over the flattened suffix pool.
@@ -78,7 +70,7 @@ def suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta: TreeMetadata, *
     tiles = -(-smax // c)
     # Split long suffixes when there are few sequences (flash-decoding): aim for ~4 waves of
     # programs over the device's SMs.
-    n_split = int(min(tiles, max(1, -(-(4 * _sm_count()) // max(1, b * hkv)))))
+    n_split = int(min(tiles, max(1, -(-(4 * planning_device_info().sm_count) // max(1, b * hkv)))))
     tiles_per = -(-tiles // n_split)
     n_split = -(-tiles // tiles_per)
     span = tiles_per * c

@@ -111,8 +111,20 @@ def test_metadata_flows_through_jit_unchanged():
 def test_cost_model_prefers_flatten_for_unbalanced_speculative_tree():
     spec = PrefixTree.from_nested([[5000] + [1] * 64])
     m = build_tree_metadata(spec, tq=1, group=4, pool_size=spec.pool_extent, device=False)
-    assert schedule_cost(m.flatten, group=4) < sum(schedule_cost(lv, group=4) for lv in m.levels)
+    for sms in (114, 132):
+        assert (schedule_cost(m.flatten, group=4, sm_count=sms)
+                < sum(schedule_cost(lv, group=4, sm_count=sms) for lv in m.levels))
     assert m.preferred == "flatten"
+
+
+def test_schedule_cost_waves_follow_the_sm_count():
+    """More program waves on a part with fewer SMs: the cost never drops when SMs are removed."""
+    tree = PrefixTree.from_nested([[300, [40] * 6], [500, [30] * 70]])
+    m = build_tree_metadata(tree, tq=1, group=4, pool_size=tree.pool_extent, device=False)
+    for sched in [m.flatten, m.nodes] + list(m.levels):
+        costs = [schedule_cost(sched, group=4, sm_count=n) for n in (1, 8, 114, 132)]
+        assert costs == sorted(costs, reverse=True)
+    assert schedule_cost(m.flatten, group=4, sm_count=1) > schedule_cost(m.flatten, group=4, sm_count=132)
 
 
 def test_build_metadata_argument_errors():
@@ -147,7 +159,7 @@ def test_build_metadata_hybrid_mid_options():
 
 def test_cost_model_is_immutable():
     with pytest.raises(TypeError):
-        COST_MODEL["num_sms"] = 114
+        COST_MODEL["hbm_bytes_per_s"] = 1.0
 
 
 def test_root_bucket():
