@@ -19,6 +19,13 @@ per-layer time = difference / difference of layers, which removes embedding + LM
 full 32 layers when memory (flat: H200 only) and the time budget allow.  Two layer layouts:
 ``list`` (unrolled layers, each KV buffer its own array) and ``stacked`` (``lax.scan``).
 
+Roofline (``bench/roofline.py``): every run records ``attn_floor_ms_per_layer`` (the shared path's
+bytes and flops at the calls' mean suffix ``S + (steps + 1) / 2``, with the copy bandwidth and
+matmul rate measured in the same run) and ``roofline`` / ``roofline_flat``: ``roofline_ms = none
+step_ms + layers x floor``, ``measured_over_roofline``, ``roofline_fraction`` (beside
+``shared_throughput_vs_none``); ``per_layer`` adds ``per_layer_roofline_ms = none per layer +
+floor`` and the shared path's fraction of it.
+
 Usage: ``python bench/decode_step.py --out bench/results/decode_step_h100.json``
 (``--small`` for a CPU smoke run with tiny shapes).
 """
@@ -39,7 +46,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax_prefix_attn  # noqa: E402
-from bench.timing import device_info, is_oom, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+from bench import roofline  # noqa: E402
+from bench.timing import device_info, is_oom  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 from models.kv_cache import KVCache, PrefixCache, empty_prefix_cache  # noqa: E402
 from models.llama import Llama  # noqa: E402
@@ -182,12 +190,18 @@ def main():
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
 
-    if not args.small:
-        try:
-            result["copy_bandwidth_Bps"] = measure_copy_bandwidth(1 << 30)
-            result["matmul_flops"] = measure_matmul_rate(8192)
-        except Exception as e:  # noqa: BLE001
-            result["errors"].append(f"rate measurement: {e!r}")
+    try:
+        rates = roofline.measure_rates(args.small)
+        result["copy_bandwidth_Bps"], result["matmul_flops"] = rates["copy_bw_Bps"], rates["matmul_flops"]
+        mean_s = s + (args.steps + 1) / 2
+        result["attn_floor_mean_suffix"] = mean_s
+        result["attn_floor_ms_per_layer"] = roofline.attention_floor(
+            batch=b, tq=1, prefix=p, suffix=mean_s, heads_q=cfg0.num_attention_heads,
+            heads_kv=cfg0.num_key_value_heads, head_dim=cfg0.head_dim, bw=rates["copy_bw_Bps"],
+            mma=rates["matmul_flops"], itemsize=jnp.dtype(dtype).itemsize)["ms"]
+    except Exception as e:  # noqa: BLE001
+        result["errors"].append(f"rate measurement: {e!r}")
+    floor = result.get("attn_floor_ms_per_layer")
     save()
 
     # order: the first layout at every depth (incl. the full model), then the other layouts
@@ -259,6 +273,11 @@ def main():
             bk = entry["backends"]
             if "step_ms" in bk.get("shared", {}) and "step_ms" in bk.get("none", {}):
                 entry["shared_throughput_vs_none"] = bk["none"]["step_ms"] / bk["shared"]["step_ms"]
+            none_ms = bk.get("none", {}).get("step_ms")
+            for backend, name in (("shared", "roofline"), ("flat", "roofline_flat")):
+                fields = roofline.roofline_fields(bk.get(backend, {}).get("step_ms"), none_ms, nl, floor)
+                if fields:
+                    entry[name] = fields
         except Exception as e:  # noqa: BLE001
             entry["error"] = repr(e)[:800]
             traceback.print_exc()
@@ -285,6 +304,9 @@ def main():
             pl["shared_per_layer_throughput_vs_none"] = pl["none"]["per_layer_ms"] / pl["shared"]["per_layer_ms"]
         if "flat" in pl and "none" in pl:
             pl["flat_per_layer_throughput_vs_none"] = pl["none"]["per_layer_ms"] / pl["flat"]["per_layer_ms"]
+        if "shared" in pl and "none" in pl and floor is not None:
+            pl["per_layer_roofline_ms"] = pl["none"]["per_layer_ms"] + floor
+            pl["shared_per_layer_roofline_fraction"] = pl["per_layer_roofline_ms"] / pl["shared"]["per_layer_ms"]
     result["per_layer"] = per_layer
     result["total_s"] = time.perf_counter() - T0
     save()

@@ -18,6 +18,13 @@ otherwise caught from XLA's RESOURCE_EXHAUSTED error.
 Timing per point: one compile call (n=1), a warm-up call (n=min(k,16)), ``t(1)`` = median of 3
 calls, ``t(k)`` = median of ``--reps`` calls (``--flat-reps`` for ``flat``, whose runs are long).
 
+Roofline (``bench/roofline.py``): every ``shared`` / ``flat`` point records the attention floor of
+one layer (``attn_floor_ms_per_layer``: the shared path's bytes and flops at the mean suffix of
+the timed steps 2..k, ``(k + 2) / 2``, with the copy bandwidth and matmul rate measured in the run)
+and, against the ``none`` point of its batch, ``roofline_ms = none step_ms + layers x floor``,
+``measured_over_roofline`` and ``roofline_fraction``; ``shared_over_none_time`` is the old
+``shared / none`` ratio as a time ratio.
+
 Models (random bf16 weights, unrolled layer list = the decoder's fast GPU layout):
 ``llama3.1-8b`` (grouped-query, part ``gqa``) and ``codellama-7b`` (multi-head, Hydragen's
 model, part ``mha``), both at ``--layers`` layers (default 16 of 32: the full grid then fits
@@ -54,6 +61,7 @@ import numpy as np  # noqa: E402
 
 import jax_prefix_attn  # noqa: E402
 from bench import e2e_common as ec  # noqa: E402
+from bench import roofline  # noqa: E402
 from bench.plots import e2e_targets  # noqa: E402
 from models.kv_cache import KVCache, PrefixCache, empty_prefix_cache  # noqa: E402
 from models.llama import Llama  # noqa: E402
@@ -109,6 +117,7 @@ class Bench:
         self.loaded: tuple | None = None
         self.params = None
         self.first_logits: dict = {}
+        self.rates: dict | None = None
 
     # -- model ------------------------------------------------------------------------------
     def cfg(self, point):
@@ -215,6 +224,8 @@ class Bench:
                "predicted_bytes": int(self.predicted_bytes(point))}
         if backend == "shared":    # which kernel path impl="auto" picks for the first decode step
             rec["shared_prefix_auto_path"] = auto_path(cfg, b, point["prefix"], k)
+        if backend in ("shared", "flat"):
+            rec.update(self.floor(cfg, b, point["prefix"]))
         # same cache contents and first tokens for shared and flat: their first-step logits agree
         ckey = (point["part"], point["model"], point["layers"], b, point["prefix"])
         if backend in ("shared", "flat"):
@@ -225,6 +236,24 @@ class Bench:
                                                                    max(np.linalg.norm(ref), 1e-30))
             self.first_logits[ckey] = (backend, head)
         return rec
+
+
+    def floor(self, cfg, batch: int, prefix: int) -> dict:
+        """One layer's attention floor per decode step at the timed steps' mean suffix."""
+        if self.rates is None:
+            self.rates = roofline.measure_rates(self.args.smoke)
+        mean_s = (self.k + 2) / 2
+        f = roofline.attention_floor(batch=batch, tq=1, prefix=prefix, suffix=mean_s,
+                                     heads_q=cfg.num_attention_heads, heads_kv=cfg.num_key_value_heads,
+                                     head_dim=cfg.head_dim, bw=self.rates["copy_bw_Bps"],
+                                     mma=self.rates["matmul_flops"], itemsize=jnp.dtype(self.dtype).itemsize)
+        return {"attn_floor_ms_per_layer": f["ms"], "attn_floor_mean_suffix": mean_s, **self.rates}
+
+
+def annotate_roofline(store) -> None:
+    """Roofline fields of every stored shared / flat point against its batch's ``none`` point."""
+    roofline.annotate(store.data["points"], time_key="step_ms", group=("part", "model", "layers", "batch"))
+    store.save()
 
 
 def auto_path(cfg, batch: int, prefix: int, suffix: int) -> str:
@@ -285,8 +314,10 @@ def main(argv=None) -> dict:
              "definition": "tokens_per_s = batch * (k - 1) / (t(k) - t(1)); t(n) = one call of n greedy decode "
                            "steps (Hydragen D.1: time for k tokens minus time for 1); prefill excluded",
              "none_backend": "attention product skipped (functionally wrong): upper bound, independent of prefix"}
-    return ec.measure_plan(args, NAME, KEY_FIELDS, fixed, plan_points(args), Bench,
-                           after=lambda store, bench, counts: ec.report_targets(store, e2e_targets))
+    def after(store, bench, counts):
+        annotate_roofline(store)
+        ec.report_targets(store, e2e_targets)
+    return ec.measure_plan(args, NAME, KEY_FIELDS, fixed, plan_points(args), Bench, after=after)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,13 @@ recorded as "X" (predicted from the byte count when they cannot fit, else caught
 Timing per point: one warm-up call (compiles; ``compile_and_first_call_s``), then the median of
 ``--reps`` calls (default 3).
 
+Roofline (``bench/roofline.py``): ``shared`` / ``flat`` points record the attention floor of one
+layer over the whole call (``attn_floor_ms_per_layer``: the questions' prefill -- ``Q`` sequences
+of the mean question length attending the document and themselves -- plus ``answer_tokens - 1``
+decode steps at the mean suffix ``question + answer_tokens / 2``; the shared path's bytes and
+flops, rates measured in the run) and, against the ``none`` point of the same ``Q``,
+``roofline_ms = none time + layers x floor``, ``measured_over_roofline``, ``roofline_fraction``.
+
 Usage::
 
     python bench/long_document.py --budget-min 8.5     # -> bench/results/long_document_<gpu>.json
@@ -41,6 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import e2e_common as ec  # noqa: E402
+from bench import roofline  # noqa: E402
 from models.generate import PromptBatch, generate, prefill_prefix_cache  # noqa: E402
 from models.llama import Llama  # noqa: E402
 
@@ -67,6 +75,20 @@ class Bench:
         self.cfg = ec.model_config(MODEL, args.layers, smoke=args.smoke)
         self.doc, self.questions = make_tokens(self.cfg, args.doc_tokens, max(args.questions), tuple(args.q_len))
         self.model = None
+        self.rates: dict | None = None
+
+    def floor(self, q: int) -> dict:
+        """One layer's attention floor over one call (question prefill + answer decode steps)."""
+        if self.rates is None:
+            self.rates = roofline.measure_rates(self.args.smoke)
+        a, cfg = self.args, self.cfg
+        tq = sum(len(x) for x in self.questions[:q]) / q
+        kw = dict(prefix=a.doc_tokens, heads_q=cfg.num_attention_heads, heads_kv=cfg.num_key_value_heads,
+                  head_dim=cfg.head_dim, bw=self.rates["copy_bw_Bps"], mma=self.rates["matmul_flops"],
+                  itemsize=jnp.dtype(self.dtype).itemsize)
+        prefill = roofline.attention_floor(batch=q, tq=max(1, round(tq)), suffix=tq, **kw)["ms"]
+        step = roofline.attention_floor(batch=q, tq=1, suffix=tq + a.answer_tokens / 2, **kw)["ms"]
+        return {"attn_floor_ms_per_layer": prefill + (a.answer_tokens - 1) * step, **self.rates}
 
     def load(self):
         if self.model is None:
@@ -118,7 +140,8 @@ class Bench:
             times.append(dt)
             ok = ok and ok_i
         t = statistics.median(times)
-        return {"answer_tokens": a.answer_tokens, "times_s": times, "time_s": t,
+        extra = self.floor(q) if backend in ("shared", "flat") else {}
+        return {**extra, "answer_tokens": a.answer_tokens, "times_s": times, "time_s": t,
                 "tokens_per_s": q * a.answer_tokens / t, "compile_and_first_call_s": first_s,
                 "all_answers_full_length": ok, "question_tokens": int(sum(len(x) for x in self.questions[:q])),
                 "predicted_bytes": int(self.predicted_bytes(point))}
@@ -156,6 +179,9 @@ def main(argv=None) -> dict:
              "definition": "time_s = one generate() call with the prefilled document cache: question prefill + "
                            "answer decoding (document prefill excluded, as in Hydragen Figure 5)"}
     def after(store, bench, counts):
+        roofline.annotate(store.data["points"], time_key="time_s", group=("model", "layers", "questions"),
+                          scale=1e3)
+        store.save()
         if bench.model is not None:
             store.note("doc_prefill_s_excluded", bench.doc_prefill_s)
     return ec.measure_plan(args, NAME, KEY_FIELDS, fixed, plan_points(args), Bench, after=after)

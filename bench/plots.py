@@ -4,8 +4,10 @@ Reads ``bench/results/{e2e_decode,long_document,two_level}_<gpu>.json`` and
 
 * writes ``bench/plots/*.png`` (matplotlib, Agg backend): throughput vs batch at prefix 2K and
   throughput vs prefix at the largest batch (``e2e_decode_<gpu>_vs_batch.png`` /
-  ``_vs_prefix.png``), time vs number of questions (``long_document_<gpu>.png``), the two-level
-  bars (``two_level_<gpu>.png``);
+  ``_vs_prefix.png``), the share of the decode step's roofline reached vs prefix, one line per
+  batch (``e2e_decode_<gpu>_roofline.png``, where the points carry it: ``bench/roofline.py``),
+  time vs number of questions (``long_document_<gpu>.png``), the two-level bars
+  (``two_level_<gpu>.png``);
 * rewrites the part of ``bench/README.md`` between ``<!-- results:begin -->`` and
   ``<!-- results:end -->``: per device, the tables (Hydragen Table 1 layout: thousands of
   tokens/s, "X" = out of memory) and the four target ratios -- or "not yet run on GPU";
@@ -33,6 +35,7 @@ TARGET_SHARED_VS_NONE = 0.8
 TARGET_PREFIX_LOSS = 0.10
 TARGET_SHARED_VS_FLAT = 10.0
 TARGET_TREE_VS_SINGLE = 1.3
+TARGET_ROOFLINE = 0.9
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -158,6 +161,17 @@ def e2e_targets(data) -> dict:
                      + f" of its throughput (target < {100 * TARGET_PREFIX_LOSS:.0f}%; flat "
                      + (f"{100 * fl:.0f}%" if fl is not None else "X/n.a.") + ") -> "
                      + ("MET" if entry["met"] else "NOT MET" if entry["shared"] is not None else "n/a"))
+    # 2b. shared >= 90% of the decode step's roofline (none + layers x attention floor)
+    roof = [(pt["roofline_fraction"], part, b, p) for part, d in idx.items() for (b, p, backend), pt in d["pts"].items()
+            if backend == "shared" and _ok(pt) and pt.get("roofline_fraction") is not None]
+    if roof:
+        worst = min(roof)
+        n_ok = sum(r[0] >= TARGET_ROOFLINE for r in roof)
+        res["shared_vs_roofline"] = {"min": worst[0], "at": {"part": worst[1], "batch": worst[2], "prefix": worst[3]},
+                                     "points": len(roof), "points_meeting": n_ok, "met": n_ok == len(roof)}
+        lines.append(f"shared / roofline (none + layers x attention floor): min {worst[0]:.2f} (part {worst[1]}, "
+                     f"B={worst[2]}, P={_prefix_label(worst[3])}); {n_ok}/{len(roof)} points >= {TARGET_ROOFLINE} -> "
+                     f"{'MET' if n_ok == len(roof) else 'NOT MET'}")
     # 3. shared >= 10x flat where flat fits, batch >= 256, prefix >= 8K
     sf = []
     for part, d in idx.items():
@@ -184,7 +198,7 @@ def e2e_table_md(d) -> str:
     """Hydragen Table 1 layout: rows batch, columns flat / shared per prefix, none."""
     pre = d["prefixes"]
     head = ["batch"] + [f"flat {_prefix_label(p)}" for p in pre] + [f"shared {_prefix_label(p)}" for p in pre] \
-        + ["none (all)", "shared/none min"]
+        + ["none (all)", "shared/none min", "shared/roofline min"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b in d["batches"]:
         cells = [str(b)]
@@ -194,6 +208,9 @@ def e2e_table_md(d) -> str:
         rs = [_tps(d, b, p, "shared") / _tps(d, b, p, "none") for p in pre
               if _tps(d, b, p, "shared") and _tps(d, b, p, "none")]
         cells.append(f"{min(rs):.2f}" if rs else "-")
+        fr = [d["pts"][(b, p, "shared")]["roofline_fraction"] for p in pre
+              if _ok(d["pts"].get((b, p, "shared"))) and d["pts"][(b, p, "shared")].get("roofline_fraction")]
+        cells.append(f"{min(fr):.2f}" if fr else "-")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -222,14 +239,15 @@ def long_document_summary(data) -> dict:
 def long_document_table_md(data) -> str:
     pts = {(p["questions"], p["backend"]): p for p in data.get("points", [])}
     qs = sorted({p["questions"] for p in data.get("points", [])})
-    rows = ["| questions | shared (s) | flat (s) | none (s) | shared tokens/s | shared / none time |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| questions | shared (s) | flat (s) | none (s) | shared tokens/s | shared / none time | shared / roofline |",
+            "|---|---|---|---|---|---|---|"]
     sec = lambda v: f"{v:.3f}"  # noqa: E731
     for q in qs:
         s, n = pts.get((q, "shared")), pts.get((q, "none"))
         ratio = f"{s['time_s'] / n['time_s']:.2f}" if _ok(s) and _ok(n) else "-"
+        roof = f"{s['roofline_fraction']:.2f}" if _ok(s) and s.get("roofline_fraction") else "-"
         rows.append(f"| {q} | {_cell(s, 'time_s', sec)} | {_cell(pts.get((q, 'flat')), 'time_s', sec)} | "
-                    f"{_cell(n, 'time_s', sec)} | {_cell(s, 'tokens_per_s', lambda v: f'{v:.0f}')} | {ratio} |")
+                    f"{_cell(n, 'time_s', sec)} | {_cell(s, 'tokens_per_s', lambda v: f'{v:.0f}')} | {ratio} | {roof} |")
     return "\n".join(rows)
 
 
@@ -343,6 +361,40 @@ def plot_e2e(data, slug: str, plots_dir: str) -> list[str]:
     return paths
 
 
+def plot_e2e_roofline(data, slug: str, plots_dir: str) -> list[str]:
+    """Share of the decode step's roofline reached by ``shared`` vs prefix, one line per batch."""
+    idx = {k: v for k, v in e2e_index(data).items() if v["part"] != "flat-probe"}
+    have = {k: d for k, d in idx.items() if any(_ok(pt) and pt.get("roofline_fraction") is not None
+                                                 for (_, _, be), pt in d["pts"].items() if be == "shared")}
+    if not have:
+        return []
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(have), figsize=(5.5 * len(have), 4), squeeze=False)
+    for ax, (part, d) in zip(axes[0], sorted(have.items(), key=_part_order)):
+        for b in d["batches"]:
+            ok = [(p, d["pts"][(b, p, "shared")]["roofline_fraction"]) for p in d["prefixes"]
+                  if _ok(d["pts"].get((b, p, "shared"))) and d["pts"][(b, p, "shared")].get("roofline_fraction")]
+            if ok:
+                ax.plot(*zip(*ok), "o-", label=f"batch {b}")
+        ax.axhline(TARGET_ROOFLINE, color="k", linestyle="--", linewidth=0.8, label=f"target {TARGET_ROOFLINE}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(d["prefixes"])
+        ax.set_xticklabels([_prefix_label(p) for p in d["prefixes"]])
+        ax.set_xlabel("shared prefix length")
+        ax.set_ylabel("roofline / measured step time")
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{PART_TITLES.get(d['part'], part)}, {d['layers']} layers", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Decode step vs its roofline (none + layers x attention floor), {data['device_info']['device']}",
+                 fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(plots_dir, f"e2e_decode_{slug}_roofline.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def plot_long_document(data, slug: str, plots_dir: str) -> list[str]:
     plt = _plt()
     pts = data.get("points", [])
@@ -448,7 +500,7 @@ def render_markdown(results: dict, plots_dir: str, readme_dir: str, make_plots: 
                               f"(X = out of memory, - = not measured, n/a = timing below noise, err = failed: "
                               f"see the JSON):\n\n{e2e_table_md(d)}\n")
                 if make_plots:
-                    pngs = plot_e2e(data, slug, plots_dir)
+                    pngs = plot_e2e(data, slug, plots_dir) + plot_e2e_roofline(data, slug, plots_dir)
             elif bench == "long_document":
                 t = long_document_summary(data)
                 md.append(f"{long_document_table_md(data)}\n")

@@ -51,7 +51,8 @@ LOOP_COUNTS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # static trip count
 
 
 def loop_time(fn: Callable, q, rest: tuple, *, target_s: float = 0.03, reps: int = 3,
-              compiler_options: dict | None = None) -> float:
+              compiler_options: dict | None = None, n: int | None = None,
+              unroll: int = 1) -> float:
     """Seconds per call of ``fn(q, *rest) -> out`` (``out.shape == q.shape``), measured as ``n``
     dependent calls in one jitted ``fori_loop`` (each iteration's output perturbs the next
     query, so XLA can neither hoist nor merge them); ``n`` is chosen from :data:`LOOP_COUNTS` so
@@ -65,22 +66,30 @@ def loop_time(fn: Callable, q, rest: tuple, *, target_s: float = 0.03, reps: int
     0.111 ms against 0.096 ms).
 
     ``compiler_options``: XLA options for the timed loop's compilation (``jax.jit``'s
-    ``compiler_options``), e.g. the command-buffer scheduling mode."""
+    ``compiler_options``), e.g. the command-buffer scheduling mode.
+
+    ``n``: a fixed trip count instead of the search from :data:`LOOP_COUNTS` (one compile
+    instead of two).  ``unroll``: calls per loop iteration (``fori_loop``'s ``unroll``): with
+    :data:`GRAPH_ALWAYS` the ``unroll`` dependent calls of one iteration form one CUDA graph,
+    so the loop's own per-iteration cost is shared by ``unroll`` calls."""
     @functools.partial(jax.jit, static_argnums=(1,), compiler_options=compiler_options)
     def run(q, n, *rest):
         def body(_, q):
             out = fn(q, *rest)
             return (q + out.astype(q.dtype) * 1e-3).astype(q.dtype)
-        return jax.lax.fori_loop(0, n, body, q)
+        return jax.lax.fori_loop(0, n, body, q, unroll=unroll)
 
     n0 = LOOP_COUNTS[0]
-    jax.block_until_ready(run(q, n0, *rest))  # compile + warm up
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(q, n0, *rest))
-    t1 = (time.perf_counter() - t0) / n0
-    want = target_s / max(t1, 1e-6)
-    n = max([c for c in LOOP_COUNTS if c <= want], default=n0)
-    if n != n0:
+    if n is None:
+        jax.block_until_ready(run(q, n0, *rest))  # compile + warm up
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(q, n0, *rest))
+        t1 = (time.perf_counter() - t0) / n0
+        want = target_s / max(t1, 1e-6)
+        n = max([c for c in LOOP_COUNTS if c <= want], default=n0)
+        if n != n0:
+            jax.block_until_ready(run(q, n, *rest))  # compile + warm up
+    else:
         jax.block_until_ready(run(q, n, *rest))  # compile + warm up
     times = []
     for _ in range(reps):
