@@ -126,7 +126,7 @@ class Bench:
 
         def call():
             t0 = time.perf_counter()
-            out = generate(self.model, self.params, prompts, max_new_tokens=a.answer_tokens, backend=backend,
+            out = generate(self.model, self.params, prompts, max_new_tokens=a.answer_tokens, attention=backend,
                            prefix_cache=self.prefix_cache, eos_token_ids=())
             dt = time.perf_counter() - t0       # generate returns host arrays: the work is finished
             ok = bool((out.lengths == a.answer_tokens).all())

@@ -112,7 +112,7 @@ class Bench:
 
         def call(k):
             t0 = time.perf_counter()
-            out = generate(self.model, self.params, prompts, max_new_tokens=k, backend="shared", eos_token_ids=())
+            out = generate(self.model, self.params, prompts, max_new_tokens=k, attention="shared", eos_token_ids=())
             dt = time.perf_counter() - t0       # host arrays returned: the work is finished
             ok = bool((out.lengths == k).all())
             del out                             # free the cache before the next call

@@ -5,27 +5,42 @@
 * :mod:`models.kv_cache` -- :class:`PrefixCache` (shared levels stored once) and :class:`KVCache`;
 * :mod:`models.attention` -- attention over the cache through ``jax_prefix_attn``;
 * :mod:`models.llama` -- :class:`Llama`: forward, prefill of prefixes and continuations, decode step;
-* :mod:`models.sampling` -- greedy / temperature / top-k / top-p;
-* :mod:`models.generate` -- :class:`PromptBatch`, validation, the jit-compiled decode loop;
+* :mod:`models.sampling` -- greedy / temperature / top-k / top-p, per-sample keys;
+* :mod:`models.prefix_sharing` -- :class:`PromptBatch` (prompts as a prefix tree), automatic
+  detection of shared token prefixes, :class:`SharingReport`;
+* :mod:`models.generate` -- validation and the jit-compiled decode loop over a ``PromptBatch``;
+* :mod:`models.llm` -- :class:`LLM`: load a checkpoint, text in, :class:`Completion` out;
 * :mod:`models.weights` -- HF safetensors loader, ``params_from_hf_state_dict``, random init.
+* :mod:`models.logprobs` -- :func:`completion_logprobs`: log-probs (and entropies) of given
+  completions, each prompt computed once, chunked LM head, differentiable (training);
+* :mod:`models.rl` -- GRPO: :func:`group_advantages`, :func:`grpo_loss`, :func:`grpo_objective`,
+  :func:`make_train_step` (one jitted optax step);
+* :mod:`models.nnx_llama` -- :class:`NNXLlama`: the decoder as a Flax NNX module (``nnx.Param``
+  leaves) and its conversions to and from the plain parameter tree.
 
-Example::
+Example (text in, text out)::
+
+    llm = LLM.load()                                   # or LLM.load("model.gguf" / "hf_dir")
+    out = llm.generate(["Q: Capital of France? A:", "Q: Capital of Italy? A:"], n=4, stop="\n")
+    out[0][2].text, out.sharing                        # prompt 0, sample 2; what was stored once
+
+Example (token ids, the decode loop)::
 
     config, params = load_hf_checkpoint("path/to/llama", jnp.bfloat16)
     model = Llama(config)
     prompts = PromptBatch.shared(doc_tokens, suffixes=question_tokens, num_samples=8)
-    out = generate(model, params, prompts, max_new_tokens=128, backend="shared",
+    out = generate(model, params, prompts, max_new_tokens=128, attention="shared",
                    sampling=SamplingConfig(temperature=0.7, top_p=0.9), key=jax.random.PRNGKey(0))
     out.tokens, out.lengths                # [B, 128] and [B]
 
 Names of the attention choices (one place for the mapping):
 
-* ``backend`` (:func:`generate`, :meth:`Llama.prefill`, :class:`KVCache`) and the CLI's
-  ``--attention`` name the *cache layout*: ``"shared"`` stores each prefix node once (prefix and
-  suffix attended separately, merged exactly), ``"flat"`` gives every sequence its own copy of its
-  prompt (the FlashAttention baseline), ``"none"`` skips attention (benchmarks only; not in the
-  CLI).  The CLI's ``--attention auto`` is ``"shared"`` when sequences share a prefix, else
-  ``"flat"``.
+* ``attention`` (:func:`generate`, :class:`LLM`, the CLI's ``--attention``) names the *cache
+  layout*: ``"shared"`` stores each prefix node once (prefix and suffix attended separately,
+  merged exactly), ``"flat"`` gives every sequence its own copy of its prompt (the FlashAttention
+  baseline), ``"auto"`` is ``"shared"`` when sequences share a prefix, else ``"flat"``;
+  ``"none"`` skips attention (benchmarks only).  :meth:`Llama.prefill` and :class:`KVCache` call
+  the same value ``backend``.
 * ``impl`` (:class:`Llama`, and every ``jax_prefix_attn`` entry point) names the *algorithm*:
   the model's ``"auto"`` passes ``impl="auto"`` to each library call, whose planner then picks the
   kernels (``jax_prefix_attn.attention``: ``"flash"``; ``shared_prefix_attention``: ``"shared"``
@@ -47,13 +62,22 @@ are equal within noise.  ``Llama.decode_step`` and the other
 methods use the parameters' own layout (they are plain functions for user code under jit).
 """
 from models.config import Llama3RopeScaling, LlamaConfig, PRESETS
-from models.generate import GenerateOutput, PromptBatch, generate, generate_stream, prefill_prefix_cache
+from models.generate import GenerateOutput, generate, generate_stream, prefill_prefix_cache
 from models.kv_cache import KVCache, PrefixCache
 from models.llama import Llama
-from models.sampling import SamplingConfig
+from models.logprobs import completion_logprobs
+from models.nnx_llama import NNXLlama
+from models.llm import LLM, Completion, Generation, Timings
+from models.prefix_sharing import PromptBatch, SharingReport, plan_prompt_batch
+from models.rl import GRPOBatch, GRPOConfig, group_advantages, grpo_loss, grpo_objective, make_train_step
+from models.sampling import DEFAULT_SAMPLING, GREEDY, SamplingConfig
 from models.weights import (init_params, load_hf_checkpoint, params_from_hf_state_dict, stack_layers,
                             unstack_layers)
 
-__all__ = ["GenerateOutput", "KVCache", "Llama", "Llama3RopeScaling", "LlamaConfig", "PRESETS", "PrefixCache",
-           "PromptBatch", "SamplingConfig", "generate", "generate_stream", "init_params", "load_hf_checkpoint",
-           "params_from_hf_state_dict", "prefill_prefix_cache", "stack_layers", "unstack_layers"]
+__all__ = ["DEFAULT_SAMPLING", "GREEDY", "Completion", "GenerateOutput", "Generation", "KVCache", "LLM", "Llama",
+           "Llama3RopeScaling", "LlamaConfig", "PRESETS", "PrefixCache", "PromptBatch", "SamplingConfig",
+           "SharingReport", "Timings", "generate", "generate_stream", "init_params", "load_hf_checkpoint",
+           "params_from_hf_state_dict", "plan_prompt_batch", "prefill_prefix_cache", "stack_layers",
+           "unstack_layers"]
+__all__ += ["GRPOBatch", "GRPOConfig", "NNXLlama", "completion_logprobs", "group_advantages", "grpo_loss",
+            "grpo_objective", "make_train_step"]

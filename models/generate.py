@@ -1,15 +1,6 @@
-"""Prompt batches with shared prefixes, input validation, and the jit-compiled decode loop.
+"""The jit-compiled decode loop over a :class:`~models.prefix_sharing.PromptBatch`, and its
+step-by-step variant.
 
-* :class:`PromptBatch` -- ``B`` prompts described as a prefix tree: ``levels[l]`` holds the
-  ``G_l`` distinct prefix nodes of level ``l`` (``G_{l-1}`` divides ``G_l``; the children of a
-  node are contiguous) and ``suffixes[b]`` is sequence ``b``'s own continuation (may be empty);
-  sequence ``b`` hangs from node ``b // (B // G_l)`` of each level.  Constructors:
-  :meth:`PromptBatch.plain` (no sharing), :meth:`PromptBatch.shared` (one shared prefix, e.g.
-  ``N`` samples of one prompt or several questions about one document) and
-  :meth:`PromptBatch.two_level` (a shared root, one middle part per group, ``N`` samples each).
-* :meth:`PromptBatch.validate` -- ``ValueError`` naming the numbers for empty prompts, token ids
-  outside the vocabulary, group sizes that do not divide, and prompts plus ``max_new_tokens``
-  beyond the cache capacity; :func:`generate` calls it before anything is compiled.
 * :func:`prefill_prefix_cache` -- prefill the distinct prefixes once; the returned
   :class:`~models.kv_cache.PrefixCache` can be passed to any number of later :func:`generate`
   calls (``prefix_cache=``) whose batches share those prefixes (the "system KV cache").
@@ -17,9 +8,25 @@
   ``jax.jit`` with the cache donated: stops after ``max_new_tokens`` or when every sequence has
   produced an EOS id (per-sequence done flags; finished rows stop writing the cache and emit
   ``pad_token_id``).  Returns :class:`GenerateOutput` ``(tokens [B, max_new_tokens],
-  lengths [B], cache)``; ``lengths[b]`` counts generated tokens including the EOS.
-* :func:`generate_stream` -- the same steps driven from Python (yields each step's tokens), for
-  progress display; it calls the same jitted decode step.
+  lengths [B], cache, logprobs [B, max_new_tokens])``; ``lengths[b]`` counts generated tokens
+  including the EOS.
+* :func:`generate_stream` -- the same steps driven from Python (yields each step's tokens): the
+  next decode step is dispatched before the host reads this step's tokens, so the device does
+  not wait for the consumer.
+
+``attention`` names the cache layout: ``"shared"`` stores each prefix node once (prefix and
+suffix attended separately, merged exactly), ``"flat"`` gives every sequence its own copy of its
+prompt (the FlashAttention baseline), ``"auto"`` is ``"shared"`` when the batch has prefix
+levels and more than one sequence, else ``"flat"``; ``"none"`` skips attention (benchmark bound,
+functionally wrong).  The default here (``attention=None``) is ``"shared"``: the batch's levels
+are stored as given (:class:`models.LLM` and ``jpa-sample`` default to ``"auto"``).
+
+Sampling: the default is :data:`~models.sampling.GREEDY`; sequence ``b`` draws with
+``keys[b]`` (``keys=``, ``[B]`` keys), or with ``fold_in(key, b)`` from one ``key``, so a
+sequence's tokens do not depend on the batch size.  ``shape_buckets=True`` rounds the prompt
+arrays, the cache capacity and the loop's output width up with
+:func:`~models.prefix_sharing.bucket_length`, so calls with other prompt lengths or
+``max_new_tokens`` reuse the compiled functions.
 """
 from __future__ import annotations
 
@@ -32,149 +39,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import kv_cache as kvc
-from models.kv_cache import BACKENDS, KVCache, PrefixCache
+from models.kv_cache import KVCache, PrefixCache
 from models.llama import Llama
-from models.sampling import SamplingConfig, sample_tokens
+from models.prefix_sharing import PromptBatch, bucket_length
+from models.sampling import GREEDY, SamplingConfig, sample_tokens, token_logprobs
 
-__all__ = ["LAYOUTS", "GenerateOutput", "PromptBatch", "generate", "generate_stream", "prefill_prefix_cache",
-           "resolve_layout"]
+__all__ = ["ATTENTION", "LAYOUTS", "GenerateOutput", "PromptBatch", "generate", "generate_stream",
+           "prefill_prefix_cache", "resolve_attention", "resolve_layout"]
 
-
-def _as_tokens(name: str, toks) -> tuple[int, ...]:
-    arr = np.asarray(toks)
-    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"{name} must be a 1-D sequence of integer token ids, got shape {arr.shape} "
-                         f"dtype {arr.dtype}")
-    return tuple(int(t) for t in arr)
+ATTENTION = ("auto", "shared", "flat")  # the attention choices of generate, models.LLM and jpa-sample
 
 
-@dataclasses.dataclass(frozen=True)
-class PromptBatch:
-    """``B`` prompts as shared prefix levels plus per-sequence suffixes (see module docstring)."""
-    levels: tuple[tuple[tuple[int, ...], ...], ...]
-    suffixes: tuple[tuple[int, ...], ...]
-
-    def __post_init__(self):
-        levels = tuple(tuple(_as_tokens(f"levels[{l}][{g}]", n) for g, n in enumerate(lv))
-                       for l, lv in enumerate(self.levels))
-        object.__setattr__(self, "levels", levels)
-        object.__setattr__(self, "suffixes", tuple(_as_tokens(f"suffixes[{b}]", s)
-                                                   for b, s in enumerate(self.suffixes)))
-
-    # -- constructors ------------------------------------------------------------------------
-    @classmethod
-    def plain(cls, prompts: Sequence[Sequence[int]]) -> "PromptBatch":
-        """Independent prompts, nothing shared."""
-        return cls(levels=(), suffixes=tuple(prompts))
-
-    @classmethod
-    def shared(cls, prefix: Sequence[int], suffixes: Sequence[Sequence[int]] | None = None,
-               num_samples: int = 1) -> "PromptBatch":
-        """One shared prefix; each suffix (default: one empty suffix) sampled ``num_samples`` times."""
-        sufs = [()] if suffixes is None else list(suffixes)
-        return cls(levels=((prefix,),), suffixes=tuple(s for s in sufs for _ in range(num_samples)))
-
-    @classmethod
-    def two_level(cls, root: Sequence[int], middles: Sequence[Sequence[int]], num_samples: int = 1,
-                  suffixes: Sequence[Sequence[int]] | None = None) -> "PromptBatch":
-        """Shared ``root``, one middle part per group, ``num_samples`` sequences per group
-        (``suffixes``: optional per-sequence continuations, ``len(middles) * num_samples`` of them)."""
-        b = len(middles) * num_samples
-        sufs = tuple(() for _ in range(b)) if suffixes is None else tuple(suffixes)
-        return cls(levels=((root,), tuple(middles)), suffixes=sufs)
-
-    # -- derived -----------------------------------------------------------------------------
-    @property
-    def batch(self) -> int:
-        return len(self.suffixes)
-
-    def level_sizes(self) -> tuple[int, ...]:
-        return tuple(len(lv) for lv in self.levels)
-
-    def path_lengths(self) -> np.ndarray:
-        """Prefix path length of each sequence ``[B]``."""
-        b = self.batch
-        out = np.zeros((b,), np.int64)
-        for lv in self.levels:
-            per = b // len(lv)
-            out += np.asarray([len(lv[i // per]) for i in range(b)], np.int64)
-        return out
-
-    def suffix_lengths(self) -> np.ndarray:
-        return np.asarray([len(s) for s in self.suffixes], np.int64)
-
-    def full_prompt(self, b: int) -> list[int]:
-        """Sequence ``b``'s whole prompt (prefix path + suffix)."""
-        toks: list[int] = []
-        for lv in self.levels:
-            toks += lv[b // (self.batch // len(lv))]
-        return toks + list(self.suffixes[b])
-
-    def validate(self, vocab_size: int, *, max_new_tokens: int | None = None, capacity: int | None = None,
-                 backend: str = "shared") -> int:
-        """Raise ``ValueError`` on bad input; return the cache capacity the batch needs."""
-        b = self.batch
-        if b < 1:
-            raise ValueError("the batch must hold at least one sequence, got 0 suffixes")
-        prev = 1
-        for l, lv in enumerate(self.levels):
-            if len(lv) < 1:
-                raise ValueError(f"prefix level {l} has no node")
-            if len(lv) % prev:
-                raise ValueError(f"mismatched group sizes: prefix level {l} has {len(lv)} nodes, not a multiple "
-                                 f"of the {prev} nodes of level {l - 1} (each node needs the same number of "
-                                 f"children)")
-            prev = len(lv)
-            for g, node in enumerate(lv):
-                if not node:
-                    raise ValueError(f"empty prompt: prefix node {g} of level {l} has 0 tokens")
-        if b % prev:
-            raise ValueError(f"mismatched group sizes: {b} sequences cannot be split evenly over the {prev} "
-                             f"nodes of the deepest prefix level")
-        for name, toks in ([(f"levels[{l}][{g}]", n) for l, lv in enumerate(self.levels) for g, n in enumerate(lv)]
-                           + [(f"suffixes[{i}]", s) for i, s in enumerate(self.suffixes)]):
-            if toks and (min(toks) < 0 or max(toks) >= vocab_size):
-                bad = min(toks) if min(toks) < 0 else max(toks)
-                raise ValueError(f"token id {bad} in {name} is outside the vocabulary [0, {vocab_size})")
-        suf = self.suffix_lengths()
-        if not self.levels and (suf == 0).any():
-            i = int(np.argmin(suf))
-            raise ValueError(f"empty prompt: sequence {i} has 0 tokens (no prefix and an empty suffix)")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                           or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        held = suf + (self.path_lengths() if backend == "flat" else 0)
-        need = int(held.max()) + (max_new_tokens or 0)
-        if capacity is not None and need > capacity:
-            i = int(np.argmax(held))
-            where = "prefix path + suffix" if backend == "flat" else "suffix"
-            raise ValueError(f"sequence {i}'s prompt ({where}: {int(held[i])} tokens) + max_new_tokens "
-                             f"({max_new_tokens or 0}) = {need} exceeds the cache capacity {capacity}")
-        return need
-
-    # -- arrays ------------------------------------------------------------------------------
-    def level_arrays(self) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-        """Left-padded node tokens ``[G_l, P_l]`` and lengths ``[G_l]`` per level."""
-        toks, lens = [], []
-        for lv in self.levels:
-            p = max(len(n) for n in lv)
-            arr = np.zeros((len(lv), p), np.int32)
-            for g, n in enumerate(lv):
-                arr[g, p - len(n):] = n
-            toks.append(arr)
-            lens.append(np.asarray([len(n) for n in lv], np.int32))
-        return tuple(toks), tuple(lens)
-
-    def suffix_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """Left-padded suffixes ``[B, T]`` and their lengths ``[B]``."""
-        t = max((len(s) for s in self.suffixes), default=0)
-        arr = np.zeros((self.batch, t), np.int32)
-        for i, s in enumerate(self.suffixes):
-            if s:
-                arr[i, t - len(s):] = s
-        return arr, self.suffix_lengths().astype(np.int32)
+def resolve_attention(prompts: PromptBatch, attention: str | None = "auto", *, default: str = "shared") -> str:
+    """The cache layout ``"shared"``, ``"flat"`` (or ``"none"``) for ``attention`` on ``prompts``
+    (``None``: ``default``)."""
+    attention = default if attention is None else attention
+    if attention not in ATTENTION + ("none",):
+        raise ValueError(f"attention must be one of {ATTENTION} (or 'none': attention skipped, benchmarks only), "
+                         f"got {attention!r}")
+    if attention == "auto":
+        return "shared" if prompts.levels and prompts.batch > 1 else "flat"
+    return attention
 
 
 @dataclasses.dataclass
@@ -182,6 +67,7 @@ class GenerateOutput:
     tokens: np.ndarray      # int32 [B, max_new_tokens]; pad_token_id after a sequence finished
     lengths: np.ndarray     # int32 [B] generated tokens per sequence (EOS included)
     cache: KVCache          # final cache (prompt + generated tokens except the last one)
+    logprobs: np.ndarray | None = None  # float32 [B, max_new_tokens] raw log-probs (0 after the end)
 
 
 LAYOUTS = ("auto", "stacked", "list")
@@ -231,16 +117,18 @@ def _match_prefix_layout(prefix: PrefixCache, params: dict) -> PrefixCache:
     return prefix.replace(layers=_stack_tree(prefix.layers))
 
 
-def prefill_prefix_cache(model: Llama, params: dict, prompts: PromptBatch, *, layout: str = "auto") -> PrefixCache:
+def prefill_prefix_cache(model: Llama, params: dict, prompts: PromptBatch, *, layout: str = "auto",
+                         shape_buckets: bool = False) -> PrefixCache:
     """Prefill ``prompts.levels`` once (reusable for later batches sharing those prefixes).
 
     ``layout`` as in :func:`resolve_layout`; a prefix cache built in one layout is converted if
-    :func:`generate` runs with the other."""
+    :func:`generate` runs with the other.  ``shape_buckets``: node arrays padded to
+    :func:`~models.prefix_sharing.bucket_length` (see module docstring)."""
     prompts.validate(model.config.vocab_size)
     params = resolve_layout(model, params, layout)
     if not prompts.levels:
         return kvc.empty_prefix_cache(model.config, params["embed"].dtype, stacked=kvc.is_stacked(params["layers"]))
-    toks, lens = prompts.level_arrays()
+    toks, lens = prompts.level_arrays(buckets=shape_buckets)
     prefix = model.prefill_prefixes_jit(params, toks, lens)
     if model.shared_impl == "tree":  # tree metadata needs host node lengths
         prefix = prefix.replace(tree_nodes=tuple(tuple(len(n) for n in lv) for lv in prompts.levels))
@@ -259,12 +147,13 @@ def _check_prefix_cache(prefix: PrefixCache, prompts: PromptBatch) -> None:
                              f"{want.tolist()}")
 
 
-@functools.partial(jax.jit, static_argnames=("model", "backend", "max_new_tokens", "sampling", "eos_ids",
-                                            "pad_id"), donate_argnames=("layers",))
-def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, pos_offset_b, logits_bv, keys_b, *,
-                 backend: str, max_new_tokens: int, sampling: SamplingConfig, eos_ids: tuple, pad_id: int):
+@functools.partial(jax.jit, static_argnames=("model", "attention", "width", "sampling", "eos_ids", "pad_id"),
+                   donate_argnames=("layers",))
+def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, pos_offset_b, logits_bv, keys_b,
+                 limit, *, attention: str, width: int, sampling: SamplingConfig, eos_ids: tuple, pad_id: int):
     # The suffix buffers are donated; the prefix cache is not (it may be reused by other batches).
-    cache = KVCache(prefix=prefix, layers=layers, lengths=lengths_b, pos_offset=pos_offset_b, backend=backend)
+    # ``limit`` (dynamic) <= ``width`` (static) steps are taken.
+    cache = KVCache(prefix=prefix, layers=layers, lengths=lengths_b, pos_offset=pos_offset_b, backend=attention)
     b = logits_bv.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
 
@@ -273,37 +162,66 @@ def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, p
 
     tok = sample_tokens(logits_bv, keys_b, 0, sampling)
     done = is_eos(tok)
-    out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(tok)
+    out = jnp.full((b, width), pad_id, jnp.int32).at[:, 0].set(tok)
+    lps = jnp.zeros((b, width), jnp.float32).at[:, 0].set(token_logprobs(logits_bv, tok))
     lengths = jnp.ones((b,), jnp.int32)
 
     def cond(state):
-        i, _, _, done_b, _, _ = state
-        return (i < max_new_tokens) & ~jnp.all(done_b)
+        i, _, _, done_b, _, _, _ = state
+        return (i < limit) & ~jnp.all(done_b)
 
     def body(state):
-        i, cache, tok_b, done_b, out, lengths = state
+        i, cache, tok_b, done_b, out, lps, lengths = state
         logits, cache = model.decode_step(params, cache, tok_b, active_b=~done_b)
-        new = jnp.where(done_b, pad_id, sample_tokens(logits, keys_b, i, sampling))
+        sampled = sample_tokens(logits, keys_b, i, sampling)
+        new = jnp.where(done_b, pad_id, sampled)
+        lp = jnp.where(done_b, 0.0, token_logprobs(logits, sampled))
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, i))
+        lps = jax.lax.dynamic_update_slice(lps, lp[:, None], (0, i))
         lengths = lengths + (~done_b).astype(jnp.int32)
-        return i + 1, cache, new, done_b | is_eos(new), out, lengths
+        return i + 1, cache, new, done_b | is_eos(new), out, lps, lengths
 
-    _, cache, _, _, out, lengths = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, tok, done, out, lengths))
-    return out, lengths, cache
+    state = (jnp.int32(1), cache, tok, done, out, lps, lengths)
+    _, cache, _, _, out, lps, lengths = jax.lax.while_loop(cond, body, state)
+    return out, lps, lengths, cache
 
 
-def _setup(model, params, prompts, max_new_tokens, backend, capacity, prefix_cache, eos_token_ids, pad_token_id,
-           layout):
+@functools.partial(jax.jit, static_argnames=("cfg", "eos_ids", "pad_id"))
+def _sample_step(logits_bv, keys_b, step, done_b, *, cfg: SamplingConfig, eos_ids: tuple, pad_id: int):
+    """``(tokens [B], logprobs [B], done [B])`` of one step; finished rows give ``pad_id`` / 0."""
+    tok = sample_tokens(logits_bv, keys_b, step, cfg)
+    lp = jnp.where(done_b, 0.0, token_logprobs(logits_bv, tok))
+    tok = jnp.where(done_b, pad_id, tok)
+    hit = jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros(tok.shape, bool)
+    return tok, lp, done_b | hit
+
+
+def _sequence_keys(key, keys, batch: int) -> jax.Array:
+    if keys is not None:
+        if key is not None:
+            raise ValueError("pass key= (one key for the batch) or keys= (one per sequence), not both")
+        keys = jnp.asarray(keys)
+        if keys.shape[0] != batch:
+            raise ValueError(f"keys must hold one key per sequence ({batch}), got shape {keys.shape}")
+        return keys
+    key = jax.random.PRNGKey(0) if key is None else key
+    return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch, dtype=jnp.uint32))
+
+
+def _setup(model, params, prompts, max_new_tokens, attention, capacity, prefix_cache, eos_token_ids,
+           pad_token_id, layout, shape_buckets):
     if not isinstance(prompts, PromptBatch):
         raise TypeError(f"prompts must be a PromptBatch, got {type(prompts).__name__}")
+    attention = resolve_attention(prompts, attention)
     need = prompts.validate(model.config.vocab_size, max_new_tokens=max_new_tokens, capacity=capacity,
-                            backend=backend)
+                            attention=attention)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    capacity = need if capacity is None else capacity
+    if capacity is None:
+        capacity = bucket_length(need, minimum=64) if shape_buckets else need
     params = resolve_layout(model, params, layout)
     if prefix_cache is None:
-        prefix_cache = prefill_prefix_cache(model, params, prompts, layout=layout)
+        prefix_cache = prefill_prefix_cache(model, params, prompts, layout=layout, shape_buckets=shape_buckets)
     else:
         _check_prefix_cache(prefix_cache, prompts)
         prefix_cache = _match_prefix_layout(prefix_cache, params)
@@ -312,48 +230,61 @@ def _setup(model, params, prompts, max_new_tokens, backend, capacity, prefix_cac
         pad_token_id = model.config.pad_token_id
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
-    toks, n = prompts.suffix_arrays()
-    logits, cache = model.prefill_jit(params, prefix_cache, toks, n, capacity=capacity, backend=backend)
+    toks, n = prompts.suffix_arrays(buckets=shape_buckets)
+    logits, cache = model.prefill_jit(params, prefix_cache, toks, n, capacity=capacity, backend=attention)
     return params, logits, cache, eos, int(pad_token_id)
 
 
-def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens: int, backend: str = "shared",
-             sampling: SamplingConfig = SamplingConfig(), key: jax.Array | None = None, capacity: int | None = None,
-             prefix_cache: PrefixCache | None = None, eos_token_ids: Sequence[int] | None = None,
-             pad_token_id: int | None = None, layout: str = "auto") -> GenerateOutput:
+def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens: int, attention: str | None = None,
+             sampling: SamplingConfig = GREEDY, key: jax.Array | None = None, keys: jax.Array | None = None,
+             capacity: int | None = None, prefix_cache: PrefixCache | None = None,
+             eos_token_ids: Sequence[int] | None = None, pad_token_id: int | None = None, layout: str = "auto",
+             shape_buckets: bool = False) -> GenerateOutput:
     """Sample up to ``max_new_tokens`` tokens for every sequence of ``prompts``.
 
-    ``eos_token_ids`` defaults to the config's (pass ``()`` to never stop early); ``capacity``
-    defaults to what the batch needs; ``key`` seeds per-sequence PRNG keys (default key 0);
-    ``layout`` picks the layer layout it runs with (:func:`resolve_layout`: ``"auto"`` = the list
-    layout on GPU); the returned cache is in that layout.
+    ``attention``, ``sampling``, ``key`` / ``keys`` and ``shape_buckets`` as in the module
+    docstring; ``eos_token_ids`` defaults to the config's (pass ``()`` to never stop early);
+    ``capacity`` defaults to what the batch needs; ``layout`` picks the layer layout it runs with
+    (:func:`resolve_layout`: ``"auto"`` = the list layout on GPU); the returned cache is in that
+    layout.
     """
-    params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, backend, capacity,
-                                             prefix_cache, eos_token_ids, pad_token_id, layout)
-    keys = jax.random.split(jax.random.PRNGKey(0) if key is None else key, prompts.batch)
-    out, lengths, cache = _decode_loop(model, params, cache.prefix, cache.layers, cache.lengths, cache.pos_offset,
-                                       logits, keys, backend=cache.backend, max_new_tokens=max_new_tokens,
-                                       sampling=sampling, eos_ids=eos, pad_id=pad)
-    return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(lengths), cache=cache)
+    params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
+                                             prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets)
+    seq_keys = _sequence_keys(key, keys, prompts.batch)
+    width = bucket_length(max_new_tokens) if shape_buckets else max_new_tokens
+    out, lps, lengths, cache = _decode_loop(model, params, cache.prefix, cache.layers, cache.lengths,
+                                            cache.pos_offset, logits, seq_keys, jnp.int32(max_new_tokens),
+                                            attention=cache.backend, width=width, sampling=sampling, eos_ids=eos,
+                                            pad_id=pad)
+    return GenerateOutput(tokens=np.asarray(out)[:, :max_new_tokens], lengths=np.asarray(lengths), cache=cache,
+                          logprobs=np.asarray(lps)[:, :max_new_tokens])
 
 
 def generate_stream(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens: int,
-                    backend: str = "shared", sampling: SamplingConfig = SamplingConfig(),
-                    key: jax.Array | None = None, capacity: int | None = None,
+                    attention: str | None = None, sampling: SamplingConfig = GREEDY, key: jax.Array | None = None,
+                    keys: jax.Array | None = None, capacity: int | None = None,
                     prefix_cache: PrefixCache | None = None, eos_token_ids: Sequence[int] | None = None,
-                    pad_token_id: int | None = None, layout: str = "auto") -> Iterator[np.ndarray]:
-    """Like :func:`generate` but driven from Python: yields the ``[B]`` tokens of each step."""
-    params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, backend, capacity,
-                                             prefix_cache, eos_token_ids, pad_token_id, layout)
-    keys = jax.random.split(jax.random.PRNGKey(0) if key is None else key, prompts.batch)
-    sample = jax.jit(sample_tokens, static_argnames=("cfg",))
-    eos_arr = np.asarray(eos, np.int64)
-    done = np.zeros((prompts.batch,), bool)
+                    pad_token_id: int | None = None, layout: str = "auto", shape_buckets: bool = False,
+                    logprobs: bool = False) -> Iterator:
+    """Like :func:`generate` but driven from Python: yields the ``[B]`` tokens of each step
+    (``logprobs=True``: ``(tokens [B], logprobs [B])``), the same tokens :func:`generate` gives.
+
+    Prefill runs at the first ``next()``.  It stops after ``max_new_tokens`` steps or once every
+    sequence has produced an EOS id; a consumer may stop iterating earlier (``break``)."""
+    params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
+                                             prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets)
+    seq_keys = _sequence_keys(key, keys, prompts.batch)
+    sample = functools.partial(_sample_step, keys_b=seq_keys, cfg=sampling, eos_ids=eos, pad_id=pad)
+    tok, lp, done = sample(logits, step=0, done_b=jnp.zeros((prompts.batch,), bool))
     for i in range(max_new_tokens):
-        if i:
-            logits, cache = model.decode_step_jit(params, cache, jnp.asarray(tok), jnp.asarray(~done))
-        tok = np.where(done, pad, np.asarray(sample(logits, keys, i, cfg=sampling)))
-        yield tok
-        done = done | np.isin(tok, eos_arr)
-        if done.all():
+        last = i + 1 == max_new_tokens
+        # The next step is dispatched before the host reads this step's tokens -- except after the
+        # first token, which is handed out before the decode step (maybe still to compile) runs.
+        if i and not last:
+            logits, cache = model.decode_step_jit(params, cache, tok, ~done)
+        yield (np.asarray(tok), np.asarray(lp)) if logprobs else np.asarray(tok)
+        if last or np.asarray(done).all():
             return
+        if not i:
+            logits, cache = model.decode_step_jit(params, cache, tok, ~done)
+        tok, lp, done = sample(logits, step=i + 1, done_b=done)

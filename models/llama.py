@@ -13,6 +13,8 @@ all of them work inside user code under ``jax.jit``:
   real tokens each, possibly 0) against their prefix path and themselves, causally;
 * :meth:`Llama.decode_step(params, cache, tokens, active=None)` -> ``(logits [B, V], cache)``
   -- one token per sequence; rows with ``active = False`` write nothing and do not advance.
+* :meth:`Llama.layer_forward(lp, x, pos, attend)` -- one layer without a cache, attention
+  supplied by the caller (the training and scoring paths of :mod:`models.logprobs`).
 
 All three cache-writing paths share :meth:`Llama.extend`: embed the new tokens at positions
 ``pos_offset + lengths + (0..n-1)``, run the layers (each writes its new keys/values into the
@@ -162,6 +164,27 @@ class Llama:
         h = rms_norm(x_bth, lp["mlp_norm"], c.rms_norm_eps)
         x_bth = x_bth + swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]).astype(x_bth.dtype)
         return x_bth, {"k": k_buf, "v": v_buf}
+
+    # ------------------------------------------------------------------ cache-free layer
+    def layer_forward(self, lp: dict, x_bth: jax.Array, pos_bt: jax.Array, attend) -> tuple[jax.Array, tuple]:
+        """One decoder layer without a cache (training and scoring paths).
+
+        ``lp`` is one layer's parameters, ``x [B, T, H]`` its input, ``pos [B, T]`` the RoPE
+        positions; ``attend(q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, Hq, D]``
+        computes the attention of the layer's queries over whatever keys the caller chooses (the
+        layer's own ``k``/``v``, a shared prompt's, or both).  Returns ``(x_out [B, T, H], (k, v))``
+        so callers can keep the keys/values for later queries.
+        """
+        c = self.config
+        b, t, _ = x_bth.shape
+        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        h = rms_norm(x_bth, lp["attn_norm"], c.rms_norm_eps)
+        q, k, v = (dense(h, lp[w]).reshape(b, t, n, heads[2]) for w, n in (("wq", heads[0]), ("wk", heads[1]),
+                                                                             ("wv", heads[1])))
+        q, k = apply_rope(q, pos_bt, self.inv_freq), apply_rope(k, pos_bt, self.inv_freq)
+        x_bth = x_bth + dense(attend(q, k, v).reshape(b, t, heads[0] * heads[2]), lp["wo"]).astype(x_bth.dtype)
+        h = rms_norm(x_bth, lp["mlp_norm"], c.rms_norm_eps)
+        return x_bth + swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]).astype(x_bth.dtype), (k, v)
 
     # ------------------------------------------------------------------ shared core
     def extend(self, params: dict, prefix: PrefixCache, layers: Any, lengths_b: jax.Array,

@@ -1,30 +1,41 @@
 """Token sampling: greedy, temperature, top-k and top-p (nucleus), with per-sequence PRNG keys.
 
 :class:`SamplingConfig` is static (hashable): a jit-compiled decode loop is specialised to it.
+Its defaults -- ``temperature=0.8, top_k=50, top_p=0.95`` (:data:`DEFAULT_SAMPLING`) -- are the
+defaults of :meth:`models.LLM.generate` and of ``jpa-sample``; :data:`GREEDY` is the default of
+the low-level decode loop (:func:`models.generate.generate`), whose callers are parity tests and
+benchmarks that want deterministic tokens.
 
 * ``temperature == 0``: greedy (``argmax``; top-k/top-p are irrelevant);
 * otherwise logits are divided by ``temperature``, then masked to ``-inf`` outside the ``top_k``
   largest (``top_k = 0``: off; ties with the k-th value are kept) and outside the nucleus: the
   smallest set of most probable tokens whose probability reaches ``top_p`` (the token that
   crosses ``top_p`` is kept, so the most probable token always survives; ``top_p = 1``: off);
-* sequence ``b`` at step ``i`` draws with ``fold_in(keys[b], i)``, so a sequence's samples do not
-  depend on the rest of the batch.
+* a draw is the Gumbel-max ``argmax_t (x_t + g_t)`` over the surviving tokens, where the noise
+  ``g_t`` of token ``t`` is a function of ``(key, step, t)`` only (threefry of the token id under
+  ``fold_in(keys[b], step)``; ties go to the smallest token id).  So a sequence's samples do not
+  depend on the rest of the batch -- neither on its size nor on which internal path (candidates
+  or whole row, see below) the batch took -- only on its key, the step and its logits.
+  :func:`sample_keys` derives the key of sample ``i`` of prompt ``j`` from ``(seed, j, i)``.
 
 Speed (CPU, ``B = 6``, ``V = 49152``): a full sort of the vocabulary costs ~0.2 s per step, so
 no path sorts it.  ``top_k`` uses ``lax.top_k`` with the static ``k`` (its
 values and indices are passed through ``lax.optimization_barrier``: XLA otherwise rewrites a
 ``TopK`` whose indices are unused into a full sort); top-p after top-k works on the ``k``
 sorted survivors (exact: tokens tied with the k-th value can only join at the threshold value).
-Top-p alone first takes the ``TOP_P_CANDIDATES`` largest logits; when their probability mass
-reaches ``p`` in every row the nucleus threshold lies among them (exact), otherwise a
-``lax.cond`` falls back to an exact bisection on the threshold value (32 passes over the row, no
-sort).  When every surviving token is a candidate the draw is
-a categorical over the candidates, else over the whole masked row -- the same distribution
-either way (different random streams: a draw is deterministic given key, step and logits).
+Top-p alone first takes the ``TOP_P_CANDIDATES`` largest logits; a row whose candidates' mass
+reaches ``p`` has its nucleus threshold among them (exact), the other rows take an exact
+bisection on the threshold value (32 passes over the row, no sort), computed only when some row
+needs it (``lax.cond``).  When every surviving token of every row is a candidate, the noise is
+drawn for the candidates only; otherwise for the whole row.  Both give the same token: the
+noise of a token does not depend on which tokens it is drawn with.
 Measured per step, a full sort of the row against these paths (CPU, 2 shared cores, logits
 ``3 * normal``, temperature 0.8): top-k 50: 303 vs 8 ms; top-p 0.9 (nucleus ~480 tokens:
 bisection): 266 vs 53 ms; both: 443 vs 8 ms; with peaked logits (``10 * normal``) top-p 0.9: 315
-vs 12 ms.  Temperature alone (a categorical over the whole row) takes ~30 ms.
+vs 12 ms.  Temperature alone (noise for the whole row) takes ~30 ms.
+
+:func:`token_logprobs` gives the log-probability of chosen tokens under the model's raw
+distribution (``log_softmax`` of the logits, before temperature, top-k and top-p).
 """
 from __future__ import annotations
 
@@ -32,15 +43,19 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry2x32_p
 
-__all__ = ["TOP_P_CANDIDATES", "SamplingConfig", "filter_logits", "sample_tokens", "top_k_mask", "top_p_mask"]
+__all__ = ["DEFAULT_SAMPLING", "GREEDY", "SEED_MAX", "TOP_P_CANDIDATES", "SamplingConfig", "filter_logits",
+           "sample_keys", "sample_tokens", "token_logprobs", "top_k_mask", "top_p_mask"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    """``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off); see module docstring."""
+    temperature: float = 0.8
+    top_k: int = 50
+    top_p: float = 0.95
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -53,6 +68,26 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+DEFAULT_SAMPLING = SamplingConfig()
+GREEDY = SamplingConfig(temperature=0.0, top_k=0, top_p=1.0)
+SEED_MAX = 2**32 - 1  # jax.random.PRNGKey keeps the low 32 bits of a seed (without x64)
+
+
+def sample_keys(seed: int, prompt_index, sample_index) -> jax.Array:
+    """PRNG keys ``[B, 2]`` uint32: row ``b`` is ``fold_in(fold_in(PRNGKey(seed), j_b), i_b)`` for
+    ``prompt_index [B]`` (``j``) and ``sample_index [B]`` (``i``): sample ``i`` of prompt ``j``
+    gets the same key whatever else is in the batch."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"seed must be an int in [0, {SEED_MAX}], got {seed!r}")
+    return _fold_keys(jax.random.PRNGKey(int(seed)), jnp.asarray(prompt_index, jnp.uint32),
+                      jnp.asarray(sample_index, jnp.uint32))
+
+
+@jax.jit
+def _fold_keys(base, j_b, i_b):
+    return jax.vmap(lambda a, b: jax.random.fold_in(jax.random.fold_in(base, a), b))(j_b, i_b)
 
 
 TOP_P_CANDIDATES = 256  # largest logits examined before top-p (alone) falls back to bisection
@@ -131,7 +166,8 @@ def _top_p_candidates(logits_bv: jax.Array, p: float, candidates: int = TOP_P_CA
     if c == v:
         return thr, vals, idx, jnp.bool_(True)
     exact = jnp.all(decided)
-    thr = jax.lax.cond(exact, lambda: thr, lambda: _bisect_threshold(logits_bv, p))
+    thr = jax.lax.cond(exact, lambda: thr,
+                       lambda: jnp.where(decided[:, None], thr, _bisect_threshold(logits_bv, p)))
     return thr, vals, idx, exact
 
 
@@ -173,19 +209,54 @@ def filter_logits(logits_bv: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return _filter(logits_bv, cfg)[0]
 
 
+def _step_words(keys_b: jax.Array, step) -> tuple[jax.Array, jax.Array]:
+    """The two uint32 words ``[B, 1]`` of each row's key for this step (``fold_in(key, step)``)."""
+    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_b)
+    if jnp.issubdtype(step_keys.dtype, jax.dtypes.prng_key):
+        step_keys = jax.random.key_data(step_keys)
+    words = step_keys.reshape(step_keys.shape[0], -1).astype(jnp.uint32)
+    return words[:, :1], words[:, 1:2]
+
+
+def _gumbel_at(words, idx_bc: jax.Array) -> jax.Array:
+    """Gumbel noise ``[B, C]`` float32 of token ids ``idx [B, C]``: a function of (key words, id)."""
+    k1, k2 = (jnp.broadcast_to(w, idx_bc.shape) for w in words)
+    idx = idx_bc.astype(jnp.uint32)
+    b1, b2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(idx), idx)
+    mant = jax.lax.shift_right_logical(b1 ^ b2, jnp.uint32(9)) | jnp.uint32(0x3F800000)
+    u = jax.lax.bitcast_convert_type(mant, jnp.float32) - 1.0          # [0, 1)
+    u = jnp.maximum(u, jnp.finfo(jnp.float32).tiny)
+    return -jnp.log(-jnp.log(u))
+
+
 def sample_tokens(logits_bv: jax.Array, keys_b: jax.Array, step, cfg: SamplingConfig) -> jax.Array:
-    """Next tokens ``[B]`` int32; ``keys_b`` is ``[B]`` typed keys (or ``[B, 2]`` raw uint32)."""
+    """Next tokens ``[B]`` int32; ``keys_b`` is ``[B]`` typed keys (or ``[B, 2]`` raw uint32).
+
+    Row ``b``'s token depends only on ``(keys_b[b], step, logits_bv[b], cfg)``."""
     if cfg.greedy:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     x, cand = _filter(logits_bv, cfg)
-    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_b)
-    full = lambda: jax.vmap(jax.random.categorical)(step_keys, x).astype(jnp.int32)  # noqa: E731
+    words = _step_words(keys_b, step)
+
+    def full():
+        ids = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
+        return jnp.argmax(x + _gumbel_at(words, ids), axis=-1).astype(jnp.int32)  # first max: lowest id
+
     if cand is None:
         return full()
     vals, idx, exact = cand
 
     def among_candidates():
-        j = jax.vmap(jax.random.categorical)(step_keys, vals)
-        return jnp.take_along_axis(idx, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        score = vals + _gumbel_at(words, idx)
+        best = jnp.max(score, axis=-1, keepdims=True)
+        return jnp.min(jnp.where(score == best, idx, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
 
     return jax.lax.cond(exact, among_candidates, full)
+
+
+def token_logprobs(logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
+    """``log_softmax(logits)[b, tokens[b]]`` ``[B]`` float32: the raw model log-probability of
+    each chosen token (before temperature, top-k and top-p)."""
+    x = logits_bv.astype(jnp.float32)
+    picked = jnp.take_along_axis(x, tokens_b[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(x, axis=-1)

@@ -107,7 +107,7 @@ def test_greedy_continuations_match_transformers_flat(ours, hf_continuations):
     config, params, tok, _ = ours
     prompts = _prompts(tok)
     batch = PromptBatch(levels=(tuple(tuple(p) for p in prompts),), suffixes=tuple(() for _ in prompts))
-    out = generate(Llama(config), params, batch, max_new_tokens=STEPS, backend="flat", eos_token_ids=())
+    out = generate(Llama(config), params, batch, max_new_tokens=STEPS, attention="flat", eos_token_ids=())
     _check(tok, out.tokens.tolist(), hf_continuations)
 
 
@@ -119,7 +119,7 @@ def test_greedy_continuations_match_transformers_shared(ours, hf_continuations):
     n = next(i for i in range(min(map(len, chats))) if len({c[i] for c in chats}) > 1)
     assert n > 10
     batch = PromptBatch(levels=((tuple(chats[0][:n]),),), suffixes=tuple(c[n:] for c in chats))
-    out = generate(Llama(config), params, batch, max_new_tokens=STEPS, backend="shared", eos_token_ids=())
+    out = generate(Llama(config), params, batch, max_new_tokens=STEPS, attention="shared", eos_token_ids=())
     got = out.tokens.tolist()
     _check(tok, got, hf_continuations[len(PLAIN):])
     france = got[0]

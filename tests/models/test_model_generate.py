@@ -11,6 +11,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from models import (Llama, PromptBatch, SamplingConfig, generate, generate_stream, load_hf_checkpoint,  # noqa: E402
                     prefill_prefix_cache, unstack_layers)
+from models.sampling import sample_keys  # noqa: E402
 
 NEW = 8
 
@@ -52,9 +53,9 @@ def test_greedy_matches_transformers(setup, kind):
     hf, model, params = setup
     pb = BATCHES[kind]
     want = np.asarray([hf_greedy(hf, pb.full_prompt(b)) for b in range(pb.batch)])
-    for backend in ("shared", "flat"):
-        out = generate(model, params, pb, max_new_tokens=NEW, backend=backend, eos_token_ids=())
-        np.testing.assert_array_equal(out.tokens, want, err_msg=f"{kind} {backend}")
+    for attention in ("shared", "flat"):
+        out = generate(model, params, pb, max_new_tokens=NEW, attention=attention, eos_token_ids=())
+        np.testing.assert_array_equal(out.tokens, want, err_msg=f"{kind} {attention}")
         np.testing.assert_array_equal(out.lengths, np.full(pb.batch, NEW))
     # several distinct continuations actually happened (not a degenerate constant output)
     assert len({tuple(r) for r in want}) >= 2
@@ -118,6 +119,28 @@ def test_sampling_paths(setup):
     assert (a.tokens != c.tokens).any()
     # the two samples of each suffix (same prompt, different per-sequence keys) differ
     assert (a.tokens[0] != a.tokens[1]).any()
-    none = generate(model, params, pb, max_new_tokens=NEW, backend="none", eos_token_ids=()).tokens
+    none = generate(model, params, pb, max_new_tokens=NEW, attention="none", eos_token_ids=()).tokens
     assert none.shape == greedy.shape and ((none >= 0) & (none < 300)).all()
     assert (none != greedy).any()
+
+
+def test_keys_stream_and_logprobs(setup):
+    """Per-sequence ``keys``: a group run alone (keys of its rows) gives the tokens it gets in
+    the whole batch; the step-by-step stream gives the fused loop's tokens and log-probs;
+    ``backend=`` is an alias of ``attention=``."""
+    _, model, params = setup
+    pb = BATCHES["two_level"]
+    hot = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)
+    keys = sample_keys(4, [0, 0, 1, 1], [0, 1, 0, 1])
+    kw = dict(max_new_tokens=NEW, eos_token_ids=(), sampling=hot)
+    full = generate(model, params, pb, keys=keys, **kw)
+    assert (full.tokens[0] != full.tokens[1]).any()
+    group1 = PromptBatch(levels=((pb.levels[0][0],), (pb.levels[1][1],)), suffixes=pb.suffixes[2:])
+    alone = generate(model, params, group1, keys=keys[2:], **kw)
+    np.testing.assert_array_equal(alone.tokens, full.tokens[2:])
+    steps = list(generate_stream(model, params, pb, keys=keys, logprobs=True, **kw))
+    np.testing.assert_array_equal(np.stack([t for t, _ in steps], axis=1), full.tokens)
+    np.testing.assert_allclose(np.stack([lp for _, lp in steps], axis=1), full.logprobs, atol=1e-5)
+    assert (full.logprobs < 0).all() and (full.logprobs > -30).all()
+    with pytest.raises(ValueError, match="not both"):
+        generate(model, params, pb, keys=keys, key=jax.random.PRNGKey(0), **kw)

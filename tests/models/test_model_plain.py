@@ -45,7 +45,7 @@ def test_plain_batch_greedy_matches_full_recompute(setup, layout):
         params = unstack_layers(params)
     assert len({tuple(r) for r in want}) >= 2  # not a degenerate constant continuation
     for backend in ("flat", "shared"):
-        out = generate(model, params, pb, max_new_tokens=NEW, backend=backend, eos_token_ids=())
+        out = generate(model, params, pb, max_new_tokens=NEW, attention=backend, eos_token_ids=())
         np.testing.assert_array_equal(out.tokens, want, err_msg=f"{layout} {backend}")
         np.testing.assert_array_equal(out.lengths, np.full(pb.batch, NEW))
         np.testing.assert_array_equal(np.asarray(out.cache.lengths), pb.suffix_lengths() + NEW - 1)
@@ -116,7 +116,7 @@ def test_long_prefix_level_is_stored_aligned(setup):
     pc = prefill_prefix_cache(model, params, pb, layout="stacked")
     assert pc.layers["k"][0].shape[2] == 2 * PREFIX_ALIGN       # [L, G, P', Hkv, D]
     np.testing.assert_array_equal(np.asarray(pc.lengths[0]), [PREFIX_ALIGN + 13])
-    out = generate(model, params, pb, max_new_tokens=NEW, backend="shared", prefix_cache=pc, eos_token_ids=())
+    out = generate(model, params, pb, max_new_tokens=NEW, attention="shared", prefix_cache=pc, eos_token_ids=())
     fwd = jax.jit(model.forward)
     for b, s in enumerate(sufs):
         seq = list(prefix) + list(s)

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.sampling import SamplingConfig, filter_logits, sample_tokens, top_k_mask, top_p_mask
+from models.sampling import (DEFAULT_SAMPLING, GREEDY, SamplingConfig, filter_logits, sample_keys, sample_tokens,
+                             token_logprobs, top_k_mask, top_p_mask)
 
 
 def _np_top_p(logits, p):
@@ -99,7 +100,7 @@ def test_samples_stay_inside_masks():
     seen = np.stack([np.asarray(draw(s)) for s in range(60)])  # [steps, B]
     assert allowed[np.arange(4)[None, :], seen].all()
     assert len(np.unique(seen[:, 0])) > 1  # actually random across steps
-    greedy = sample_tokens(logits, keys, 0, SamplingConfig())
+    greedy = sample_tokens(logits, keys, 0, GREEDY)
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(logits).argmax(-1))
 
 
@@ -107,3 +108,43 @@ def test_samples_stay_inside_masks():
 def test_sampling_config_rejects(kw):
     with pytest.raises(ValueError):
         SamplingConfig(**kw)
+
+
+def test_defaults_are_the_documented_ones():
+    assert SamplingConfig() == DEFAULT_SAMPLING == SamplingConfig(temperature=0.8, top_k=50, top_p=0.95)
+    assert GREEDY.greedy and not DEFAULT_SAMPLING.greedy
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0, top_p=0.9),              # top-p alone
+                                 SamplingConfig(temperature=1.0, top_k=0, top_p=1.0),      # whole row
+                                 SamplingConfig(temperature=0.9, top_k=40, top_p=0.95)])   # top-k + top-p
+def test_a_row_draws_the_same_token_in_any_batch(cfg):
+    """A peaked row (its nucleus inside the candidates) and a flat row (bisection, whole-row
+    draw): the peaked row's tokens alone equal its tokens next to the flat row, step by step."""
+    rng = np.random.default_rng(6)
+    peaked = (4 * rng.normal(size=(1, 2000))).astype(np.float32)    # nucleus 0.9: ~33 tokens
+    flat = (0.2 * rng.normal(size=(1, 2000))).astype(np.float32)     # nucleus > the 256 candidates
+    keys = sample_keys(3, [0, 1], [2, 0])
+    both = jax.jit(lambda s: sample_tokens(jnp.asarray(np.concatenate([peaked, flat])), keys, s, cfg))
+    alone = jax.jit(lambda s: sample_tokens(jnp.asarray(peaked), keys[:1], s, cfg))
+    got_both = np.stack([np.asarray(both(s)) for s in range(12)])
+    got_alone = np.stack([np.asarray(alone(s)) for s in range(12)])
+    np.testing.assert_array_equal(got_both[:, 0], got_alone[:, 0])
+    assert len(np.unique(got_both[:, 1])) > 1 and len(np.unique(got_both[:, 0])) > 1  # actually random
+
+
+def test_sample_keys_depend_only_on_seed_prompt_and_sample():
+    a = np.asarray(sample_keys(5, [0, 0, 1, 1], [0, 1, 0, 1]))
+    b = np.asarray(sample_keys(5, [1, 0], [1, 1]))
+    np.testing.assert_array_equal(b, a[[3, 1]])
+    assert len({tuple(k) for k in a}) == 4
+    assert not np.array_equal(np.asarray(sample_keys(6, [0], [0])), a[:1])
+    with pytest.raises(ValueError, match="seed must be an int in"):
+        sample_keys(-1, [0], [0])
+
+
+def test_token_logprobs_is_log_softmax():
+    logits = (3 * np.random.default_rng(9).normal(size=(3, 70))).astype(np.float32)
+    toks = np.asarray([5, 0, 69])
+    want = logits[np.arange(3), toks] - np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    np.testing.assert_allclose(np.asarray(token_logprobs(jnp.asarray(logits), jnp.asarray(toks))), want, atol=1e-5)

@@ -20,7 +20,7 @@ def _gen(pb, **kw):
 @pytest.mark.parametrize("pb,kw,match", [
     (PromptBatch.shared(list(range(10)), [[1, 2, 3]]), dict(capacity=6),
      r"prompt \(suffix: 3 tokens\) \+ max_new_tokens \(4\) = 7 exceeds the cache capacity 6"),
-    (PromptBatch.shared(list(range(10)), [[1, 2, 3]]), dict(capacity=16, backend="flat"),
+    (PromptBatch.shared(list(range(10)), [[1, 2, 3]]), dict(capacity=16, attention="flat"),
      r"prefix path \+ suffix: 13 tokens\) \+ max_new_tokens \(4\) = 17 exceeds the cache capacity 16"),
     (PromptBatch.plain([[1, 2], []]), {}, "empty prompt: sequence 1 has 0 tokens"),
     (PromptBatch.shared([], [[1]]), {}, "empty prompt: prefix node 0 of level 0 has 0 tokens"),
@@ -31,7 +31,7 @@ def _gen(pb, **kw):
     (PromptBatch(levels=(([1], [2]), ([2], [3], [4])), suffixes=[[1]] * 3), {},
      "level 1 has 3 nodes, not a multiple of the 2 nodes of level 0"),
     (PromptBatch.plain([[1]]), dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
-    (PromptBatch.plain([[1]]), dict(backend="paged"), "backend must be one of"),
+    (PromptBatch.plain([[1]]), dict(attention="paged"), "attention must be one of"),
 ])
 def test_generate_rejects_before_compiling(pb, kw, match):
     with pytest.raises(ValueError, match=match):
