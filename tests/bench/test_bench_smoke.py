@@ -48,7 +48,7 @@ def smoke_runs(tmp_path_factory):
     """The three scripts' smoke outputs, in a directory of this module's own (tests rewrite them).
 
     The scripts run once per pytest run: under pytest-xdist the first worker to get here runs
-    them into the session's shared temporary directory (under a file lock) and every worker
+    them into pytest's shared base temporary directory (under a file lock) and every worker
     copies the results."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
