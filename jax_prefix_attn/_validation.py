@@ -2,16 +2,6 @@
 
 User errors raise ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong
 shape or value) naming the argument, what was received and what was expected.
-
-Traced lengths and indices cannot be checked up front: every implementation clamps them (the
-clamp rule, README "Conventions"), and :func:`check_range` adds a ``checkify`` check that
-reports them when the caller wraps the function in ``jax.experimental.checkify.checkify``
-(``errors=checkify.user_checks``).  Unwrapped, the check is a ``debug_check``: it lowers to
-nothing and XLA removes its predicate, so the compiled program is the same as without it.
-
-The dtype rule of every entry point: queries, keys and values share one floating dtype
-(float16, bfloat16 or float32); anything else is a ``TypeError`` naming both arguments and
-their dtypes (as ``jax.nn.dot_product_attention``).  Nothing is promoted.
 """
 from __future__ import annotations
 
@@ -20,7 +10,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 
 def is_concrete(x: Any) -> bool:
@@ -49,15 +38,6 @@ def check_array(name: str, x: Any, ndim: int | tuple[int, ...], *, floating: boo
         raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
 
 
-def check_same_dtype(name_a: str, a: Any, name_b: str, b: Any) -> None:
-    """The dtype rule (module docstring): ``a`` and ``b`` have one dtype, else a ``TypeError``
-    naming both."""
-    if a.dtype != b.dtype:
-        raise TypeError(f"{name_a} and {name_b} must have the same dtype (float16, bfloat16 or "
-                        f"float32; nothing is promoted), got {name_a} {a.dtype} and {name_b} "
-                        f"{b.dtype}")
-
-
 def check_kv(name_k: str, k: Any, name_v: str, v: Any, ndim: int | tuple[int, ...], *,
              layout: str, dtype: Any, dtype_of: str) -> None:
     """Check keys ``k`` and values ``v``: floating arrays of rank ``ndim`` (``layout``) of the same
@@ -69,29 +49,11 @@ def check_kv(name_k: str, k: Any, name_v: str, v: Any, ndim: int | tuple[int, ..
                          f"{tuple(k.shape)} and {name_v} {tuple(v.shape)}")
     for name, x in ((name_k, k), (name_v, v)):
         if x.dtype != dtype:
-            raise TypeError(f"{dtype_of} and {name} must have the same dtype (float16, bfloat16 or "
-                            f"float32; nothing is promoted), got {dtype_of} {jnp.dtype(dtype)} and "
-                            f"{name} {x.dtype}")
-
-
-def check_range(name: str, x: Any, lo: Any, hi: Any, *, bounds: str | None = None,
-                rule: str = "clamped to them") -> None:
-    """For a traced integer array ``x``: a ``checkify`` check that every value lies in
-    ``[lo, hi]`` (``lo``/``hi`` scalars or arrays broadcastable to ``x``; ``bounds`` describes
-    them in the message, default ``"[lo, hi]"``), reported under
-    ``checkify.checkify(f, errors=checkify.user_checks)`` with the values; free otherwise (see
-    the module docstring).  ``rule`` says what the library does with out-of-range values."""
-    if is_concrete(x):
-        return
-    bounds = f"[{lo}, {hi}]" if bounds is None else bounds
-    checkify.debug_check(jnp.all((x >= lo) & (x <= hi)),
-                         f"{name} out of range: values must be in {bounds} (out-of-range values "
-                         f"are {rule}), got {{}}", x)
+            raise TypeError(f"{name} must have {dtype_of}'s dtype {dtype}, got {x.dtype}")
 
 
 def check_lengths(name: str, lengths: Any, batch: int, max_len: int) -> None:
-    """Check a per-sequence length vector ``[batch]``; values are checked when concrete (a
-    ``ValueError``), else by :func:`check_range` (clamped to ``[0, max_len]``)."""
+    """Check a per-sequence length vector ``[batch]``; values are checked when concrete."""
     if not hasattr(lengths, "shape"):
         raise TypeError(f"{name} must be an integer array of shape [{batch}], got {type(lengths).__name__}")
     check_array(name, lengths, 1, floating=False, layout=f"[batch={batch}]")
@@ -104,8 +66,6 @@ def check_lengths(name: str, lengths: Any, batch: int, max_len: int) -> None:
             raise ValueError(f"{name} must be >= 0, got minimum {int(vals.min())}")
         if vals.size and vals.max() > max_len:
             raise ValueError(f"{name} must be <= {max_len} (the key axis size), got maximum {int(vals.max())}")
-    else:
-        check_range(name, lengths, 0, max_len)
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -130,8 +90,8 @@ def check_qkv(q: Any, k: Any, v: Any, *, kv_lengths: Any = None, sm_scale: Any =
     check_array("v", v, 4, layout="[batch, seq_k, heads_kv, head_dim]")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    check_same_dtype("q", q, "k", k)
-    check_same_dtype("q", q, "v", v)
+    if k.dtype != v.dtype:
+        raise TypeError(f"k and v must have the same dtype, got k {k.dtype} and v {v.dtype}")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if q.shape[3] != k.shape[3]:

@@ -15,11 +15,7 @@ is a *per-row key limit* in both parts (:func:`jax_prefix_attn.reference.row_lim
 * suffix keys ``j < lim_s[b, i] = clip(sl - Tq + i + 1, 0, sl)``.
 
 Every implementation computes exactly these masks; ``suffix_lengths < Tq`` (queries that fall
-inside the prefix) is therefore handled too.  Traced lengths and groups out of range follow one
-clamp rule in every implementation (:func:`jax_prefix_attn.reference.clamp_shared_inputs`):
-lengths to ``[0, capacity]``, ``seq_to_prefix`` to ``[0, G - 1]``; when decoding the kernels
-clamp the lengths they read themselves (no XLA op before the launch), elsewhere the executor
-clamps them with the rest of its metadata arithmetic.
+inside the prefix) is therefore handled too.
 
 :func:`shared_prefix_attention` validates its inputs, plans the call
 (:func:`jax_prefix_attn.planner.plan_shared_prefix`, or takes ``plan=``), and runs the plan
@@ -59,12 +55,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn._validation import (check_array, check_bool, check_gqa, check_impl, check_kv,
-                                         check_lengths, check_range, check_sm_scale, is_concrete)
+                                         check_lengths, check_sm_scale, is_concrete)
 from jax_prefix_attn.executor import run_plan
 from jax_prefix_attn.planner import IMPLS, plan_shared_prefix, shared_prefix_supported
 from jax_prefix_attn.plans import SharedPrefixPlan, Shapes
-from jax_prefix_attn.reference import clamp_shared_inputs, reference_shared_prefix, row_limits
-from pallas_kernels._common import kernel_head_dim, pad_axis
+from jax_prefix_attn.reference import reference_shared_prefix, row_limits
 from pallas_kernels.prefix_attention_bwd import prefix_grads
 from pallas_kernels.suffix_attention_bwd import suffix_part_grads
 
@@ -138,8 +133,6 @@ def _validate(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_
             if vals.size and (vals.min() < 0 or vals.max() >= g):
                 raise ValueError(f"seq_to_prefix values must be in [0, {g}) (the number of prefix "
                                  f"groups), got range [{int(vals.min())}, {int(vals.max())}]")
-        else:
-            check_range("seq_to_prefix", seq_to_prefix, 0, g - 1)
     return (prefix_k, prefix_v, jnp.asarray(seq_to_prefix, jnp.int32),
             jnp.asarray(prefix_lengths, jnp.int32), jnp.asarray(suffix_lengths, jnp.int32))
 
@@ -184,8 +177,6 @@ def _kernel_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, pref
     backward evaluated with the merged ``out``/``lse`` (see
     :mod:`pallas_kernels.prefix_attention_bwd`); ``dq`` is the sum of the two parts'."""
     d_out, d_lse = cts
-    seq_to_prefix, prefix_lengths, suffix_lengths = clamp_shared_inputs(
-        seq_to_prefix, prefix_lengths, suffix_lengths, *prefix_k.shape[:2], suffix_k.shape[1])
     delta = (jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
              - d_lse.astype(jnp.float32))                                       # [B, Tq, Hq]
     lim_p, _ = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
@@ -294,12 +285,6 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
         out, lse = _reference_jit(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
                                   prefix_lengths, suffix_lengths, scale=scale)
     else:
-        # (a head_dim that is not a power of two runs zero-padded: scores are unchanged)
-        d = q.shape[-1]
-        dk = kernel_head_dim(d)
-        q, prefix_k, prefix_v, suffix_k, suffix_v = (
-            pad_axis(x, x.ndim - 1, dk) for x in (q, prefix_k, prefix_v, suffix_k, suffix_v))
         out, lse = _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
                                 prefix_lengths, suffix_lengths, scale, plan, interpret)
-        out = out[..., :d]
     return (out, lse) if return_lse else out
