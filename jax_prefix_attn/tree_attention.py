@@ -25,11 +25,13 @@ Algorithms (``impl``):
 * ``"auto"``: :func:`auto_path`.
 * ``"reference"``: gathers each sequence's context and calls ``reference.attention``.
 
-``interpret=True`` runs the Pallas kernels of the chosen algorithm in interpret mode (CPU
+``interpret=True`` runs the Pallas kernels of a named algorithm in interpret mode (CPU
 tests).  ``platform`` (``"gpu"`` or ``"cpu"``, default :func:`default_platform`) is where the
 call runs: on ``"gpu"`` the schedules run the compiled Pallas kernels; elsewhere
-``"flatten"``, ``"levelwise"``, ``"nodes"`` and ``"auto"`` run a pure-JAX mirror of the same
-schedule (same metadata, same reduction) unless ``interpret``.
+``"flatten"``, ``"levelwise"`` and ``"nodes"`` run a pure-JAX mirror of the same schedule
+(same metadata, same reduction) unless ``interpret``.  As for every entry point of the
+library, ``"auto"`` runs kernels only on a GPU (in interpret mode there when ``interpret``);
+elsewhere it runs pure JAX (the mirror of the schedule it picks) whatever ``interpret`` is.
 
 Differentiable: the kernel paths' gradients (``backward="kernels"``, the default) come from
 backward kernels (:func:`jax_prefix_attn.tree_grad.grads_via_kernels`: the tree part over the
@@ -268,6 +270,7 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
             raise ValueError("impl='hybrid' runs Pallas GPU kernels and needs a GPU; pass interpret=True "
                              "on the CPU")
     if impl == "auto":
+        interpret = interpret and platform == "gpu"  # auto runs kernels only where they compile
         impl = auto_path(meta, q, suffix_k, draft_parents=draft_parents, platform=platform)
     if impl in ("single_level", "shallow"):
         path = single_level_attention if impl == "single_level" else shallow_attention
