@@ -145,25 +145,21 @@ class Llama:
     # ------------------------------------------------------------------ one layer
     def _layer(self, x_bth, lp, prefix_kv, suffix_kv, *, pos_bt, n_new_b, lengths_b, new_lengths_b,
                prefix_lengths, backend, tree_nodes=None):
-        c = self.config
-        b, t, _ = x_bth.shape
-        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        h = rms_norm(x_bth, lp["attn_norm"], c.rms_norm_eps)
-        q = apply_rope(dense(h, lp["wq"]).reshape(b, t, hq, d), pos_bt, self.inv_freq)
-        k = apply_rope(dense(h, lp["wk"]).reshape(b, t, hkv, d), pos_bt, self.inv_freq)
-        v = dense(h, lp["wv"]).reshape(b, t, hkv, d)
-        k_buf = kvc.write_suffix(suffix_kv["k"], k, lengths_b, n_new_b)
-        v_buf = kvc.write_suffix(suffix_kv["v"], v, lengths_b, n_new_b)
-        if backend == "none":
-            attn = q + jnp.repeat(v, hq // hkv, axis=2).astype(q.dtype)
-        else:
-            attn = cache_attention(q, prefix_kv["k"], prefix_kv["v"], prefix_lengths, k_buf, v_buf,
+        """:meth:`layer_forward` whose attention first writes the new keys/values into the
+        sequences' buffers, then attends over the cache."""
+        bufs = {}
+
+        def attend(q, k, v):
+            bufs["k"] = kvc.write_suffix(suffix_kv["k"], k, lengths_b, n_new_b)
+            bufs["v"] = kvc.write_suffix(suffix_kv["v"], v, lengths_b, n_new_b)
+            if backend == "none":
+                return q + jnp.repeat(v, q.shape[2] // k.shape[2], axis=2).astype(q.dtype)
+            return cache_attention(q, prefix_kv["k"], prefix_kv["v"], prefix_lengths, bufs["k"], bufs["v"],
                                    new_lengths_b, backend=backend, impl=self.impl, interpret=self.interpret,
                                    tree_nodes=tree_nodes)
-        x_bth = x_bth + dense(attn.reshape(b, t, hq * d), lp["wo"]).astype(x_bth.dtype)
-        h = rms_norm(x_bth, lp["mlp_norm"], c.rms_norm_eps)
-        x_bth = x_bth + swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]).astype(x_bth.dtype)
-        return x_bth, {"k": k_buf, "v": v_buf}
+
+        x_bth, _ = self.layer_forward(lp, x_bth, pos_bt, attend)
+        return x_bth, bufs
 
     # ------------------------------------------------------------------ cache-free layer
     def layer_forward(self, lp: dict, x_bth: jax.Array, pos_bt: jax.Array, attend) -> tuple[jax.Array, tuple]:
