@@ -12,6 +12,50 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 
+def _compile_interpreter_threads_once() -> None:
+    """Mosaic GPU's CPU interpreter runs each CTA as threads (one per warpgroup) that each trace
+    and compile the kernel's per-thread program anew: ``CTAs x warpgroups`` identical XLA
+    compilations of seconds each per launch, most of an interpreter test's time.  Keyed by the
+    program (the same jaxpr object for every thread and CTA of a launch) and its argument types,
+    one compiled executable serves them all; the computation is unchanged.  A no-op where the
+    interpreter's internals differ (other jax versions)."""
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:
+        return
+    if not callable(getattr(thread_map, "_run_jaxpr", None)):
+        return
+    import collections
+    import threading
+
+    import numpy as np
+
+    cache: collections.OrderedDict = collections.OrderedDict()
+    lock = threading.Lock()
+
+    def run(jaxpr, consts, *args):
+        jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+    def run_jaxpr(jaxpr, consts, *args):
+        key = (id(jaxpr), tuple((np.shape(x), np.asarray(x).dtype.str)
+                                for x in jax.tree.leaves((consts, args))))
+        with lock:
+            hit = cache.get(key)
+            if hit is None or hit[0] is not jaxpr:
+                compiled = jax.jit(run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+                hit = cache[key] = (jaxpr, compiled)
+                while len(cache) > 32:
+                    cache.popitem(last=False)
+            cache.move_to_end(key)
+        hit[1](consts, *args)
+
+    thread_map._run_jaxpr = run_jaxpr
+
+
+if shutil.which("nvidia-smi") is None:
+    _compile_interpreter_threads_once()
+
+
 def _has_gpu() -> bool:
     try:
         return jax.default_backend() == "gpu"

@@ -239,7 +239,7 @@ def _shared_path(b, hq, hkv, d, p, s, seed, interpret):
 
 
 def test_shared_path_split_in_cpu_interpreter():
-    _shared_path(36, 8, 2, 64, 256, 64, 13, interpret=True)
+    _shared_path(20, 8, 2, 64, 256, 64, 13, interpret=True)
 
 
 @pytest.mark.gpu
