@@ -2,6 +2,17 @@
 
 User errors raise ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong
 shape or value) naming the argument, what was received and what was expected.
+
+Traced lengths and indices cannot be checked up front: every implementation clamps them (the
+clamp rule, README "Conventions").  With ``check_ranges=True`` an entry point adds
+``checkify`` checks (:func:`check_range`) that report them; the caller then wraps the call in
+``jax.experimental.checkify.checkify`` (``errors=checkify.user_checks``), as any
+``checkify.check`` needs.  Without it the compiled program holds no check at all (a
+``debug_check`` would still cost a host callback on some jax versions' GPU lowering).
+
+The dtype rule of every entry point: queries, keys and values share one floating dtype
+(float16, bfloat16 or float32); anything else is a ``TypeError`` naming both arguments and
+their dtypes (as ``jax.nn.dot_product_attention``).  Nothing is promoted.
 """
 from __future__ import annotations
 
@@ -10,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 
 def is_concrete(x: Any) -> bool:
@@ -38,6 +50,15 @@ def check_array(name: str, x: Any, ndim: int | tuple[int, ...], *, floating: boo
         raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
 
 
+def check_same_dtype(name_a: str, a: Any, name_b: str, b: Any) -> None:
+    """The dtype rule (module docstring): ``a`` and ``b`` have one dtype, else a ``TypeError``
+    naming both."""
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name_a} and {name_b} must have the same dtype (float16, bfloat16 or "
+                        f"float32; nothing is promoted), got {name_a} {a.dtype} and {name_b} "
+                        f"{b.dtype}")
+
+
 def check_kv(name_k: str, k: Any, name_v: str, v: Any, ndim: int | tuple[int, ...], *,
              layout: str, dtype: Any, dtype_of: str) -> None:
     """Check keys ``k`` and values ``v``: floating arrays of rank ``ndim`` (``layout``) of the same
@@ -49,11 +70,30 @@ def check_kv(name_k: str, k: Any, name_v: str, v: Any, ndim: int | tuple[int, ..
                          f"{tuple(k.shape)} and {name_v} {tuple(v.shape)}")
     for name, x in ((name_k, k), (name_v, v)):
         if x.dtype != dtype:
-            raise TypeError(f"{name} must have {dtype_of}'s dtype {dtype}, got {x.dtype}")
+            raise TypeError(f"{dtype_of} and {name} must have the same dtype (float16, bfloat16 or "
+                            f"float32; nothing is promoted), got {dtype_of} {jnp.dtype(dtype)} and "
+                            f"{name} {x.dtype}")
 
 
-def check_lengths(name: str, lengths: Any, batch: int, max_len: int) -> None:
-    """Check a per-sequence length vector ``[batch]``; values are checked when concrete."""
+def check_range(name: str, x: Any, lo: Any, hi: Any, *, enabled: bool, bounds: str | None = None,
+                rule: str = "clamped to them") -> None:
+    """With ``enabled``, for a traced integer array ``x``: a ``checkify.check`` that every value
+    lies in ``[lo, hi]`` (``lo``/``hi`` scalars or arrays broadcastable to ``x``; ``bounds``
+    describes them in the message, default ``"[lo, hi]"``), reported with the values under
+    ``checkify.checkify(f, errors=checkify.user_checks)``.  Nothing otherwise (see the module
+    docstring).  ``rule`` says what the library does with out-of-range values."""
+    if not enabled or is_concrete(x):
+        return
+    bounds = f"[{lo}, {hi}]" if bounds is None else bounds
+    checkify.check(jnp.all((x >= lo) & (x <= hi)),
+                   f"{name} out of range: values must be in {bounds} (out-of-range values are "
+                   f"{rule}), got {{}}", x)
+
+
+def check_lengths(name: str, lengths: Any, batch: int, max_len: int, *, checked: bool = False) -> None:
+    """Check a per-sequence length vector ``[batch]``; values are checked when concrete (a
+    ``ValueError``), else, with ``checked``, by :func:`check_range` (they are clamped to
+    ``[0, max_len]``)."""
     if not hasattr(lengths, "shape"):
         raise TypeError(f"{name} must be an integer array of shape [{batch}], got {type(lengths).__name__}")
     check_array(name, lengths, 1, floating=False, layout=f"[batch={batch}]")
@@ -66,6 +106,8 @@ def check_lengths(name: str, lengths: Any, batch: int, max_len: int) -> None:
             raise ValueError(f"{name} must be >= 0, got minimum {int(vals.min())}")
         if vals.size and vals.max() > max_len:
             raise ValueError(f"{name} must be <= {max_len} (the key axis size), got maximum {int(vals.max())}")
+    else:
+        check_range(name, lengths, 0, max_len, enabled=checked)
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -83,15 +125,17 @@ def check_sm_scale(sm_scale: Any) -> None:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
 
 
-def check_qkv(q: Any, k: Any, v: Any, *, kv_lengths: Any = None, sm_scale: Any = None) -> None:
-    """Validate ``q [B, Tq, Hq, D]``, ``k/v [B, Tk, Hkv, D]`` and the optional arguments."""
+def check_qkv(q: Any, k: Any, v: Any, *, kv_lengths: Any = None, sm_scale: Any = None,
+              check_ranges: bool = False) -> None:
+    """Validate ``q [B, Tq, Hq, D]``, ``k/v [B, Tk, Hkv, D]`` and the optional arguments
+    (``check_ranges``: checkify checks of traced lengths, see the module docstring)."""
     check_array("q", q, 4, layout="[batch, seq_q, heads_q, head_dim]")
     check_array("k", k, 4, layout="[batch, seq_k, heads_kv, head_dim]")
     check_array("v", v, 4, layout="[batch, seq_k, heads_kv, head_dim]")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.dtype != v.dtype:
-        raise TypeError(f"k and v must have the same dtype, got k {k.dtype} and v {v.dtype}")
+    check_same_dtype("q", q, "k", k)
+    check_same_dtype("q", q, "v", v)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if q.shape[3] != k.shape[3]:
@@ -99,7 +143,7 @@ def check_qkv(q: Any, k: Any, v: Any, *, kv_lengths: Any = None, sm_scale: Any =
                          f"and k head_dim {k.shape[3]}")
     check_gqa(q.shape[2], k.shape[2])
     if kv_lengths is not None:
-        check_lengths("kv_lengths", kv_lengths, q.shape[0], k.shape[1])
+        check_lengths("kv_lengths", kv_lengths, q.shape[0], k.shape[1], checked=check_ranges)
     check_sm_scale(sm_scale)
 
 

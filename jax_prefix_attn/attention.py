@@ -19,6 +19,7 @@ import jax
 from jax_prefix_attn import reference
 from jax_prefix_attn._validation import check_bool, check_impl, check_qkv
 from pallas_kernels import flash_attention as flash
+from pallas_kernels._common import flag_nonfinite
 
 IMPLS = ("auto", "flash", "reference")
 
@@ -28,17 +29,20 @@ def on_gpu() -> bool:
 
 
 def attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=None, impl: str = "auto",
-              interpret: bool = False):
+              interpret: bool = False, check_ranges: bool = False):
     """Attention ``(out [B, Tq, Hq, D], lse [B, Tq, Hq] float32)`` of ``q [B, Tq, Hq, D]`` over
     ``k, v [B, Tk, Hkv, D]`` (GQA: ``Hq % Hkv == 0``).
 
     ``causal``: bottom-right causal mask aligned to each sequence's valid length;
     ``kv_lengths``: optional int ``[B]``, keys at or past it are masked (data: no recompile);
     ``sm_scale``: score scale, default ``1/sqrt(D)``; ``impl``, ``interpret``: see the module
-    docstring.  Rows that see no key get ``out = 0``, ``lse = -inf``.
+    docstring; ``check_ranges``: ``checkify`` checks of traced ``kv_lengths`` (clamped to
+    ``[0, Tk]``), for a caller that wraps the call in ``checkify.checkify``.  Rows that see no key get ``out = 0``, ``lse = -inf``; a row that sees a NaN or
+    an infinity (in its query, a visible key or a visible value) gets NaN in ``out`` and ``lse``.
     """
     check_impl(impl, IMPLS)
-    check_qkv(q, k, v, kv_lengths=kv_lengths, sm_scale=sm_scale)
+    check_bool("check_ranges", check_ranges)
+    check_qkv(q, k, v, kv_lengths=kv_lengths, sm_scale=sm_scale, check_ranges=check_ranges)
     check_bool("causal", causal)
     check_bool("interpret", interpret)
     reason = flash.supported(q.shape, k.shape, q.dtype)
@@ -49,5 +53,6 @@ def attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=None, 
     if reason is not None:
         raise ValueError(f"impl={impl!r} (Pallas kernel) cannot run these shapes: {reason}; "
                          f"use impl='reference'")
-    return flash.flash_attention(q, k, v, causal=causal, kv_lengths=kv_lengths, sm_scale=sm_scale,
-                                 interpret=interpret)
+    out, lse = flash.flash_attention(q, k, v, causal=causal, kv_lengths=kv_lengths,
+                                     sm_scale=sm_scale, interpret=interpret)
+    return out, flag_nonfinite(jax.lax.stop_gradient(out), lse)

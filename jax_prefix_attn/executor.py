@@ -22,7 +22,7 @@ from jax_prefix_attn.device import H100_SXM, device_info
 from jax_prefix_attn.plans import (FlatOwn, FlatRows, MgpuJoint, MgpuOneLaunch, MgpuSplit,
                                    MgpuTwoLaunch, SharedPrefixPlan, Shapes, TritonOverlap,
                                    TritonTwoLaunch)
-from jax_prefix_attn.reference import row_limits
+from jax_prefix_attn.reference import clamp_shared_inputs, row_limits
 from pallas_kernels._common import (cdiv, check_rows_per_tile, merge_partials, merge_row_parts,
                                     next_pow2, pad_rows, q_rows_layout, row_meta, rows_from_q,
                                     rows_to_out, seq_rows)
@@ -40,13 +40,22 @@ _MGPU = types.MappingProxyType({MgpuTwoLaunch: xm.mgpu_two_launch,
 
 def run_plan(plan: SharedPrefixPlan, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
              prefix_lengths, suffix_lengths, scale, interpret):
-    """Run the kernels of ``plan`` (``impl`` ``"shared"`` or ``"flat"``) on canonical inputs."""
+    """Run the kernels of ``plan`` (``impl`` ``"shared"`` or ``"flat"``) on canonical inputs.
+
+    The clamp rule (:func:`jax_prefix_attn.reference.clamp_shared_inputs`): with several prefix
+    groups ``seq_to_prefix`` is clamped here (it feeds XLA's sort and gathers anyway).  When
+    decoding, ``row_limits`` is the identity on in-range lengths, and the lengths go to the
+    kernels as they are (a bitcast: no XLA launch before the Pallas calls): every kernel clamps
+    the limits it reads to its key axis (a negative limit sees nothing).  With ``Tq > 1`` the
+    limits are computed from the clamped lengths."""
+    g = prefix_k.shape[0]
+    if g > 1:
+        seq_to_prefix = jnp.clip(seq_to_prefix, 0, g - 1)
     if q.shape[1] == 1:
-        # Decoding: ``row_limits`` is then the identity on valid (non-negative) lengths; using
-        # the lengths themselves leaves XLA no clamp / broadcast kernel to launch before the
-        # Pallas calls (the suffix lengths are passed as they are, a bitcast).
         lim_p, lim_s = prefix_lengths[seq_to_prefix][:, None], suffix_lengths[:, None]
     else:
+        _, prefix_lengths, suffix_lengths = clamp_shared_inputs(
+            seq_to_prefix, prefix_lengths, suffix_lengths, g, prefix_k.shape[1], suffix_k.shape[1])
         lim_p, lim_s = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
     fwd = _flat_chunk if plan.impl == "flat" else _shared_chunk
     parts = [fwd(c.leaf, q[:, c.start:c.stop], prefix_k, prefix_v, suffix_k, suffix_v,

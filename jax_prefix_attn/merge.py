@@ -8,7 +8,9 @@ If ``(o_n, lse_n)`` is attention of the same queries over disjoint key sets
 
 (Hydragen section 3.1 / Appendix A; RelayAttention section 3.3).  Empty parts
 (``lse_n = -inf``) contribute nothing; if every part is empty the result is
-``out = 0``, ``lse = -inf``.  Gradients are finite in all these cases.
+``out = 0``, ``lse = -inf``.  Gradients are finite in all these cases.  A part is empty only
+where its ``lse`` is exactly ``-inf``: a NaN ``lse``, or a non-finite ``out`` of a part that is
+not empty, makes the merged ``out`` and ``lse`` NaN.
 """
 from __future__ import annotations
 
@@ -17,24 +19,25 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_prefix_attn._validation import check_array
+from jax_prefix_attn._validation import check_array, check_same_dtype
+from pallas_kernels._common import flag_nonfinite
 
 __all__ = ["merge_attention_states", "merge_two"]
 
 
 def _merge_stacked(outs_nbthd: jax.Array, lses_nbth: jax.Array) -> tuple[jax.Array, jax.Array]:
     lses = lses_nbth.astype(jnp.float32)
-    m = jax.lax.stop_gradient(jnp.max(lses, axis=0))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jax.lax.stop_gradient(jnp.max(lses, axis=0))  # (NaN where a part's lse is NaN)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.exp(lses - m)  # exp(-inf) = 0 with zero gradient
     total = jnp.sum(w, axis=0)
-    nonempty = total > 0
-    total_safe = jnp.where(nonempty, total, 1.0)
-    lse = jnp.where(nonempty, m + jnp.log(total_safe), -jnp.inf)
+    empty = total == 0
+    total_safe = jnp.where(empty, 1.0, total)
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(total_safe))
     # Ignore whatever an empty partial holds (it may be garbage) so 0 * NaN cannot leak.
     outs = jnp.where((w > 0)[..., None], outs_nbthd.astype(jnp.float32), 0.0)
     out = jnp.sum(w[..., None] * outs, axis=0) / total_safe[..., None]
-    return out.astype(outs_nbthd.dtype), lse
+    return out.astype(outs_nbthd.dtype), flag_nonfinite(jax.lax.stop_gradient(out), lse)
 
 
 def merge_attention_states(outs, lses) -> tuple[jax.Array, jax.Array]:
@@ -59,8 +62,7 @@ def merge_attention_states(outs, lses) -> tuple[jax.Array, jax.Array]:
             check_array(f"lses[{i}]", l, tuple(range(0, 7)))
             if o.shape != outs[0].shape:
                 raise ValueError(f"outs[{i}] must have shape {tuple(outs[0].shape)} like outs[0], got {tuple(o.shape)}")
-            if o.dtype != outs[0].dtype:
-                raise TypeError(f"outs[{i}] must have dtype {outs[0].dtype} like outs[0], got {o.dtype}")
+            check_same_dtype("outs[0]", outs[0], f"outs[{i}]", o)
             if tuple(l.shape) != tuple(o.shape[:-1]):
                 raise ValueError(f"lses[{i}] must have shape {tuple(o.shape[:-1])} (outs[{i}]'s shape "
                                  f"without head_dim), got {tuple(l.shape)}")

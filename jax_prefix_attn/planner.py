@@ -20,7 +20,7 @@ from jax_prefix_attn.device import H100_SXM, DeviceInfo, device_info
 from jax_prefix_attn.plans import (BackwardPlan, ChunkPlan, Reference, SharedPrefixPlan,
                                    Shapes)
 from pallas_kernels import prefix_attention_bwd, suffix_attention_bwd
-from pallas_kernels._common import cdiv
+from pallas_kernels._common import cdiv, kernel_head_dim
 from pallas_kernels.decode_attention import supported as triton_supported
 
 __all__ = ["plan_shared_prefix", "SharedPrefixPlan", "PATHS", "SHARED_PATHS", "FLAT_PATHS",
@@ -45,8 +45,10 @@ OVERLAP_BELOW_PROGRAMS = 2048
 
 def shared_prefix_supported(q_shape, dtype, prefix_len: int, suffix_len: int) -> str | None:
     """``None`` when the Pallas kernels handle ``q [B, Tq, Hq, D]`` of ``dtype`` with a prefix of
-    ``prefix_len`` keys and suffixes of capacity ``suffix_len``, else the reason."""
-    why = triton_supported(head_dim=q_shape[-1], dtype=dtype)
+    ``prefix_len`` keys and suffixes of capacity ``suffix_len``, else the reason.  Any head_dim
+    runs: :func:`jax_prefix_attn.shared_prefix_attention` zero-pads it to the kernels' power of
+    two (:func:`pallas_kernels._common.kernel_head_dim`, e.g. 96 -> 128)."""
+    why = triton_supported(head_dim=kernel_head_dim(q_shape[-1]), dtype=dtype)
     if why is not None:
         return why
     if prefix_len == 0 or suffix_len == 0:

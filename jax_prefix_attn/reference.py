@@ -5,7 +5,10 @@ Conventions (fixed project-wide, see README):
 * layout ``[batch, seq, heads, head_dim]``;
 * ``lse`` is the natural-log log-sum-exp of the scaled scores, float32, shape
   ``[batch, seq_q, heads_q]``; a row that sees no key has ``lse = -inf`` and
-  ``out = 0`` (never NaN, also in gradients);
+  ``out = 0`` (with zero gradients), and no other row has ``lse = -inf``;
+* a row whose query, or a key or value it sees, holds a NaN gets NaN in ``out`` and ``lse``
+  (a non-finite ``out`` always comes with ``lse = NaN``);
+* traced lengths are clamped to ``[0, capacity]``;
 * GQA: query head ``h`` uses kv head ``h // (heads_q // heads_kv)``;
 * causal masking is bottom-right aligned to each sequence's valid length
   ``L_b``: query ``i`` of ``Tq`` sees keys ``j < L_b`` with ``j <= i + L_b - Tq``;
@@ -20,16 +23,18 @@ import jax.numpy as jnp
 
 from jax_prefix_attn._validation import check_bool, check_qkv
 from jax_prefix_attn.merge import merge_attention_states
+from pallas_kernels._common import flag_nonfinite
 
-__all__ = ["attention", "attention_mask", "row_limits", "masked_softmax", "part_attention",
-           "reference_shared_prefix"]
+__all__ = ["attention", "attention_mask", "row_limits", "clamp_shared_inputs", "masked_softmax",
+           "part_attention", "reference_shared_prefix"]
 
 
 def attention_mask(tq: int, tk: int, kv_lengths_b: jax.Array | None, causal: bool,
                    batch: int) -> jax.Array:
-    """Boolean visibility mask ``[B, Tq, Tk]`` following the project's conventions."""
+    """Boolean visibility mask ``[B, Tq, Tk]`` following the project's conventions (lengths
+    clamped to ``[0, Tk]``)."""
     lengths_b = (jnp.full((batch,), tk, jnp.int32) if kv_lengths_b is None
-                 else kv_lengths_b.astype(jnp.int32))
+                 else jnp.clip(kv_lengths_b.astype(jnp.int32), 0, tk))
     j = jnp.arange(tk, dtype=jnp.int32)[None, None, :]
     i = jnp.arange(tq, dtype=jnp.int32)[None, :, None]
     length = lengths_b[:, None, None]
@@ -49,7 +54,8 @@ def attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, *, causal
       k_bshd, v_bshd: keys/values ``[B, Tk, Hkv, D]`` with ``Hq % Hkv == 0``.
       causal: bottom-right causal mask aligned to each sequence's valid length.
       kv_lengths: optional int ``[B]``: keys at positions ``>= kv_lengths[b]`` are masked (their
-        contents, NaN included, reach neither the outputs nor the gradients).
+        contents, NaN included, reach neither the outputs nor the gradients); traced values are
+        clamped to ``[0, Tk]``.
       sm_scale: score scale, default ``1/sqrt(D)``.
 
     Returns:
@@ -68,22 +74,24 @@ def attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, *, causal
     v = v_bshd.astype(jnp.float32)
     if kv_lengths is not None:  # keys past a length may hold anything (NaN too): zeroed, so
         # that 0 * NaN reaches neither ``p @ v`` nor, in the backward, ``ds @ k``
-        live = (jnp.arange(tk, dtype=jnp.int32)[None, :] < kv_lengths.astype(jnp.int32)[:, None])
+        kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, tk)
+        live = (jnp.arange(tk, dtype=jnp.int32)[None, :] < kv_lengths[:, None])
         k = jnp.where(live[:, :, None, None], k, 0.0)
         v = jnp.where(live[:, :, None, None], v, 0.0)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=hi) * scale  # [B, Hkv, G, Tq, Tk]
     mask = attention_mask(tq, tk, kv_lengths, causal, b)[:, None, None]  # [B, 1, 1, Tq, Tk]
     s = jnp.where(mask, s, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf))  # (Tk may be 0)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # (NaN stays NaN)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    has_key = l > 0
-    l_safe = jnp.where(has_key, l, 1.0)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / l_safe, v, precision=hi)
-    lse = jnp.where(has_key, m + jnp.log(l_safe), -jnp.inf)[..., 0]  # [B, Hkv, G, Tq]
+    empty = l == 0  # (a NaN score leaves l NaN: the row is NaN, not empty)
+    l_safe = jnp.where(empty, 1.0, l)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / l_safe, v, precision=hi)       # [B, Tq, Hkv, G, D]
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]          # [B, Hkv, G, Tq]
+    lse = jnp.transpose(lse, (0, 3, 1, 2))                                 # [B, Tq, Hkv, G]
+    lse = flag_nonfinite(jax.lax.stop_gradient(o), lse).reshape(b, tq, hq)
     out = o.reshape(b, tq, hq, d).astype(q_bthd.dtype)
-    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, tq, hq)
     return out, lse
 
 
@@ -104,6 +112,16 @@ def row_limits(tq: int, prefix_len_b: jax.Array, suffix_len_b: jax.Array):
     return lim_p, lim_s
 
 
+def clamp_shared_inputs(seq_to_prefix, prefix_lengths, suffix_lengths, groups: int,
+                        prefix_cap: int, suffix_cap: int):
+    """The clamp rule of shared-prefix attention on traced values: ``seq_to_prefix`` to
+    ``[0, groups - 1]``, ``prefix_lengths`` to ``[0, prefix_cap]``, ``suffix_lengths`` to
+    ``[0, suffix_cap]`` (int32).  Every implementation computes the masks from these."""
+    return (jnp.clip(seq_to_prefix.astype(jnp.int32), 0, groups - 1),
+            jnp.clip(prefix_lengths.astype(jnp.int32), 0, prefix_cap),
+            jnp.clip(suffix_lengths.astype(jnp.int32), 0, suffix_cap))
+
+
 # ----------------------------------------------------------------------------- reference
 
 def masked_softmax(scores, mask):
@@ -115,12 +133,12 @@ def masked_softmax(scores, mask):
     """
     s = jnp.where(mask, scores, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # (NaN stays NaN)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    has = l > 0
-    l_safe = jnp.where(has, l, 1.0)
-    return p / l_safe, jnp.where(has, m + jnp.log(l_safe), -jnp.inf)
+    empty = l == 0  # (a NaN score leaves l NaN: the row is NaN, not empty)
+    l_safe = jnp.where(empty, 1.0, l)
+    return p / l_safe, jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
 
 
 def part_attention(q_bthd, k_nshd, v_nshd, kv_index_b, limit_bt, scale):
@@ -156,17 +174,21 @@ def part_attention(q_bthd, k_nshd, v_nshd, kv_index_b, limit_bt, scale):
         o = jnp.einsum("bhgqk,khd->bqhgd", pr, v[0], precision=hi)
     else:
         o = jnp.einsum("bhgqk,bkhd->bqhgd", pr, v, precision=hi)
-    lse = lse[..., 0]                                                  # [B, Hkv, G, Tq]
-    return o.reshape(b, tq, hq, d), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, tq, hq)
+    lse = flag_nonfinite(jax.lax.stop_gradient(o), jnp.transpose(lse[..., 0], (0, 3, 1, 2)))
+    return o.reshape(b, tq, hq, d), lse.reshape(b, tq, hq)
 
 
 def reference_shared_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
                             prefix_lengths, suffix_lengths, scale):
     """Pure-JAX decomposition on canonical inputs (``prefix_k [G, P, Hkv, D]``).
 
-    Returns ``(out [B, Tq, Hq, D]`` in q's dtype, ``lse [B, Tq, Hq]`` float32).
+    Out-of-range lengths and groups are clamped (:func:`clamp_shared_inputs`).  Returns
+    ``(out [B, Tq, Hq, D]`` in q's dtype, ``lse [B, Tq, Hq]`` float32).
     """
     b, tq = q.shape[:2]
+    seq_to_prefix, prefix_lengths, suffix_lengths = clamp_shared_inputs(
+        seq_to_prefix, prefix_lengths, suffix_lengths, prefix_k.shape[0], prefix_k.shape[1],
+        suffix_k.shape[1])
     lim_p, lim_s = row_limits(tq, prefix_lengths[seq_to_prefix], suffix_lengths)
     o_p, l_p = part_attention(q, prefix_k, prefix_v, seq_to_prefix, lim_p, scale)
     o_s, l_s = part_attention(q, suffix_k, suffix_v, jnp.arange(b, dtype=jnp.int32), lim_s, scale)

@@ -15,7 +15,11 @@ is a *per-row key limit* in both parts (:func:`jax_prefix_attn.reference.row_lim
 * suffix keys ``j < lim_s[b, i] = clip(sl - Tq + i + 1, 0, sl)``.
 
 Every implementation computes exactly these masks; ``suffix_lengths < Tq`` (queries that fall
-inside the prefix) is therefore handled too.
+inside the prefix) is therefore handled too.  Traced lengths and groups out of range follow one
+clamp rule in every implementation (:func:`jax_prefix_attn.reference.clamp_shared_inputs`):
+lengths to ``[0, capacity]``, ``seq_to_prefix`` to ``[0, G - 1]``; when decoding the kernels
+clamp the lengths they read themselves (no XLA op before the launch), elsewhere the executor
+clamps them with the rest of its metadata arithmetic.
 
 :func:`shared_prefix_attention` validates its inputs, plans the call
 (:func:`jax_prefix_attn.planner.plan_shared_prefix`, or takes ``plan=``), and runs the plan
@@ -55,11 +59,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn._validation import (check_array, check_bool, check_gqa, check_impl, check_kv,
-                                         check_lengths, check_sm_scale, is_concrete)
+                                         check_lengths, check_range, check_sm_scale, is_concrete)
 from jax_prefix_attn.executor import run_plan
 from jax_prefix_attn.planner import IMPLS, plan_shared_prefix, shared_prefix_supported
 from jax_prefix_attn.plans import SharedPrefixPlan, Shapes
-from jax_prefix_attn.reference import reference_shared_prefix, row_limits
+from jax_prefix_attn.reference import clamp_shared_inputs, reference_shared_prefix, row_limits
+from pallas_kernels._common import flag_nonfinite, kernel_head_dim, pad_axis
 from pallas_kernels.prefix_attention_bwd import prefix_grads
 from pallas_kernels.suffix_attention_bwd import suffix_part_grads
 
@@ -81,11 +86,12 @@ def concurrent_compiler_options() -> dict:
 
 
 def _validate(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_lengths,
-              seq_to_prefix, sm_scale, return_lse, impl, interpret):
+              seq_to_prefix, sm_scale, return_lse, impl, interpret, check_ranges):
     """Validate and canonicalise; returns ``(prefix_k, prefix_v [G, P, Hkv, D], seq_to_prefix [B],
     prefix_lengths [G])``."""
     check_impl(impl, IMPLS)
     check_bool("interpret", interpret)
+    check_bool("check_ranges", check_ranges)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     check_array("q", q, 4, layout="[batch, seq_q, heads_q, head_dim]")
@@ -111,11 +117,11 @@ def _validate(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_
         raise ValueError(f"prefix_k must hold at least one prefix group, got shape {tuple(prefix_k.shape)}")
     check_gqa(hq, hkv)
     check_sm_scale(sm_scale)
-    check_lengths("suffix_lengths", suffix_lengths, b, suffix_k.shape[1])
+    check_lengths("suffix_lengths", suffix_lengths, b, suffix_k.shape[1], checked=check_ranges)
     if prefix_lengths is None:
         prefix_lengths = jnp.full((g,), p, jnp.int32)
     else:
-        check_lengths("prefix_lengths", prefix_lengths, g, p)
+        check_lengths("prefix_lengths", prefix_lengths, g, p, checked=check_ranges)
     if seq_to_prefix is None:
         if g != 1:
             raise ValueError(f"seq_to_prefix [batch={b}] is required when there are G={g} prefix "
@@ -133,6 +139,8 @@ def _validate(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_
             if vals.size and (vals.min() < 0 or vals.max() >= g):
                 raise ValueError(f"seq_to_prefix values must be in [0, {g}) (the number of prefix "
                                  f"groups), got range [{int(vals.min())}, {int(vals.max())}]")
+        else:
+            check_range("seq_to_prefix", seq_to_prefix, 0, g - 1, enabled=check_ranges)
     return (prefix_k, prefix_v, jnp.asarray(seq_to_prefix, jnp.int32),
             jnp.asarray(prefix_lengths, jnp.int32), jnp.asarray(suffix_lengths, jnp.int32))
 
@@ -177,6 +185,8 @@ def _kernel_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, pref
     backward evaluated with the merged ``out``/``lse`` (see
     :mod:`pallas_kernels.prefix_attention_bwd`); ``dq`` is the sum of the two parts'."""
     d_out, d_lse = cts
+    seq_to_prefix, prefix_lengths, suffix_lengths = clamp_shared_inputs(
+        seq_to_prefix, prefix_lengths, suffix_lengths, *prefix_k.shape[:2], suffix_k.shape[1])
     delta = (jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
              - d_lse.astype(jnp.float32))                                       # [B, Tq, Hq]
     lim_p, _ = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
@@ -240,7 +250,8 @@ _kernel_path.defvjp(_kernel_path_fwd, _kernel_path_bwd)
 def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths,
                             prefix_lengths=None, seq_to_prefix=None, sm_scale=None,
                             return_lse: bool = False, impl: str = "auto",
-                            interpret: bool = False, plan: SharedPrefixPlan | None = None):
+                            interpret: bool = False, plan: SharedPrefixPlan | None = None,
+                            check_ranges: bool = False):
     """Attention of each sequence over its (shared) prefix followed by its own suffix.
 
     Args:
@@ -259,6 +270,9 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
       plan: a :class:`SharedPrefixPlan` for these shapes
         (:func:`jax_prefix_attn.plan_shared_prefix`), overriding ``impl``'s planning: forces a
         leaf, its tiling and the backward.
+      check_ranges: add ``checkify`` checks of traced lengths and ``seq_to_prefix`` (out-of-range
+        values are clamped, the module docstring); the caller wraps the call in
+        ``checkify.checkify(..., errors=checkify.user_checks)``.  Off: no check is compiled.
 
     Returns:
       ``out [B, Tq, Hq, D]`` in q's dtype, exactly :func:`jax_prefix_attn.reference.attention`
@@ -267,7 +281,7 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
     """
     prefix_k, prefix_v, seq_to_prefix, prefix_lengths, suffix_lengths = _validate(
         q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_lengths,
-        seq_to_prefix, sm_scale, return_lse, impl, interpret)
+        seq_to_prefix, sm_scale, return_lse, impl, interpret, check_ranges)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     shapes = dict(batch=q.shape[0], tq=q.shape[1], heads_q=q.shape[2], heads_kv=prefix_k.shape[2],
                   head_dim=q.shape[3], groups=prefix_k.shape[0], prefix_len=prefix_k.shape[1],
@@ -285,6 +299,14 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
         out, lse = _reference_jit(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
                                   prefix_lengths, suffix_lengths, scale=scale)
     else:
+        # (a head_dim that is not a power of two runs zero-padded: scores are unchanged)
+        d = q.shape[-1]
+        dk = kernel_head_dim(d)
+        q, prefix_k, prefix_v, suffix_k, suffix_v = (
+            pad_axis(x, x.ndim - 1, dk) for x in (q, prefix_k, prefix_v, suffix_k, suffix_v))
         out, lse = _kernel_path(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
                                 prefix_lengths, suffix_lengths, scale, plan, interpret)
+        out = out[..., :d]
+        if return_lse:  # (kernels leave a finite LSE on rows whose NaN came from a value)
+            lse = flag_nonfinite(jax.lax.stop_gradient(out), lse)
     return (out, lse) if return_lse else out

@@ -43,6 +43,11 @@ shallow paths differentiate through :func:`jax_prefix_attn.shared_prefix_attenti
 decode suffix merge's own ``custom_vjp``.
 
 Speculative decoding token trees (``draft_parents``): see :mod:`jax_prefix_attn.tree_drafts`.
+
+Shapes and values: any GQA group and head_dim run (the kernel paths pad each kv head's query
+heads with zero dummy heads to a power of two, and head_dim with zero columns to one, dropping
+what the padding produced); traced ``suffix_lengths`` are clamped to ``[0, S_max]`` (to
+``[Tq, S_max]`` with draft trees) and reported under ``checkify``, as everywhere in the library.
 """
 from __future__ import annotations
 
@@ -62,6 +67,8 @@ from jax_prefix_attn.tree_grad import grads_via_kernels, mirror_grads
 from jax_prefix_attn.tree_metadata import TreeMetadata, build_tree_metadata
 from jax_prefix_attn.tree_paths import schedule_forward, shallow_attention, single_level_attention
 from jax_prefix_attn.tree_reference import tree_reference_attention
+from pallas_kernels._common import (flag_nonfinite, kernel_group, kernel_head_dim, pad_axis, pad_group,
+                                     unpad_group)
 
 __all__ = ["tree_attention", "auto_path", "default_platform", "use_single_level", "use_shallow",
            "hybrid_unsupported", "IMPLS", "BACKWARDS", "PLATFORMS"]
@@ -80,7 +87,7 @@ def default_platform() -> str:
 
 
 def _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_scale, impl, interpret, backward,
-              platform):
+              platform, check_ranges):
     check_impl(impl, IMPLS)
     check_bool("interpret", interpret)
     if backward not in BACKWARDS:
@@ -88,11 +95,10 @@ def _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_sc
     if platform not in (None,) + PLATFORMS:
         raise ValueError(f"platform must be None or one of {PLATFORMS}, got {platform!r}")
     check_array("q", q, 4, layout="[batch, seq_q, heads_q, head_dim]")
-    check_array("k_pool", k_pool, 3, layout="[pool_tokens, heads_kv, head_dim]")  # (its dtype: the KV dtype)
     check_kv("k_pool", k_pool, "v_pool", v_pool, 3, layout="[pool_tokens, heads_kv, head_dim]",
-             dtype=k_pool.dtype, dtype_of="k_pool")
+             dtype=q.dtype, dtype_of="q")
     check_kv("suffix_k", suffix_k, "suffix_v", suffix_v, 4, layout="[batch, suffix_len, heads_kv, head_dim]",
-             dtype=k_pool.dtype, dtype_of="k_pool")
+             dtype=q.dtype, dtype_of="q")
     b, tq, hq, d = q.shape
     if k_pool.shape[2] != d or suffix_k.shape[3] != d:
         raise ValueError(f"head_dim must agree: q has {d}, k_pool {k_pool.shape[2]}, suffix_k {suffix_k.shape[3]}")
@@ -104,17 +110,18 @@ def _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_sc
         raise ValueError(f"suffix_k must have batch {b} (one suffix per sequence, like q), got {suffix_k.shape[0]}")
     if tq < 1:
         raise ValueError(f"q must have at least one query per sequence, got seq_q={tq}")
-    check_lengths("suffix_lengths", suffix_lengths, b, suffix_k.shape[1])
+    check_lengths("suffix_lengths", suffix_lengths, b, suffix_k.shape[1], checked=check_ranges)
     check_sm_scale(sm_scale)
     if isinstance(tree, PrefixTree):
         if tree.num_seqs != b:
             raise ValueError(f"tree attaches {tree.num_seqs} sequences (len(leaf_of_seq)) but q has batch {b}")
         tree.check_pool(k_pool.shape[0])
     elif isinstance(tree, TreeMetadata):
-        if tree.num_seqs != b or tree.tq != tq or tree.group != hq // k_pool.shape[1]:
-            raise ValueError(f"tree metadata was built for (num_seqs, tq, group) = "
+        if tree.num_seqs != b or tree.tq != tq or tree.group != kernel_group(hq // k_pool.shape[1]):
+            raise ValueError(f"tree metadata was built for (num_seqs, tq, kernel group) = "
                              f"{(tree.num_seqs, tree.tq, tree.group)}, but the inputs have "
-                             f"{(b, tq, hq // k_pool.shape[1])}; rebuild it with build_tree_metadata")
+                             f"{(b, tq, kernel_group(hq // k_pool.shape[1]))}; rebuild it with "
+                             f"build_tree_metadata")
         if tree.pool_size != k_pool.shape[0]:
             raise ValueError(f"tree metadata was built for a pool of {tree.pool_size} tokens, but k_pool has "
                              f"{k_pool.shape[0]}")
@@ -208,7 +215,7 @@ _tree_attn.defvjp(_tree_attn_fwd, _tree_attn_bwd)
 
 def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_lengths, sm_scale=None,
                    return_lse: bool = False, impl: str = "auto", interpret: bool = False, draft_parents=None,
-                   backward: str = "kernels", platform: str | None = None):
+                   backward: str = "kernels", platform: str | None = None, check_ranges: bool = False):
     """Exact attention of a batch of sequences whose shared prefixes form a forest.
 
     Args:
@@ -236,17 +243,26 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
         (autodiff of the pure-JAX mirror of the flatten schedule).
       platform: ``"gpu"`` (compiled Pallas GPU kernels, the GPU's choices in ``"auto"``) or
         ``"cpu"`` (pure-JAX mirror); default :func:`default_platform`.
+      check_ranges: add ``checkify`` checks of traced ``suffix_lengths`` and ``draft_parents``
+        (out-of-range values are clamped); the caller wraps the call in
+        ``checkify.checkify(..., errors=checkify.user_checks)``.  Off: no check is compiled.
 
     Returns:
       ``out [B, Tq, Hq, D]`` in ``q``'s dtype (and ``lse`` if ``return_lse``).  Semantics:
       ``reference.attention(q, ctx_k, ctx_v, causal=True, kv_lengths=path_len + suffix_lengths)``
       with ``ctx`` each sequence's concatenated path spans followed by its suffix.
     """
+    check_bool("check_ranges", check_ranges)
     _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_scale, impl, interpret, backward,
-              platform)
+              platform, check_ranges)
     check_bool("return_lse", return_lse)
     platform = platform or default_platform()
-    draft_parents = check_draft_parents(draft_parents, q.shape[0], q.shape[1], suffix_lengths)
+    draft_parents = check_draft_parents(draft_parents, q.shape[0], q.shape[1], suffix_lengths,
+                                        checked=check_ranges)
+    # The clamp rule: suffix lengths to [0, S_max] (to [Tq, S_max] with draft token trees)
+    s_max = suffix_k.shape[1]
+    lo = min(q.shape[1], s_max) if draft_parents is not None else 0
+    suffix_lengths = jnp.clip(jnp.asarray(suffix_lengths, jnp.int32), lo, s_max)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if impl == "reference":
@@ -256,6 +272,26 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
         out, lse = tree_reference_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale,
                                             draft_parents)
         return (out, lse) if return_lse else out
+    # The kernels' shapes: each kv head's query heads padded with zero dummy heads to a power of
+    # two (dropped below), head_dim zero-padded to a power of two (scores unchanged).
+    hkv, g = k_pool.shape[1], q.shape[2] // k_pool.shape[1]
+    dk = kernel_head_dim(d)
+    q = pad_axis(pad_group(q, hkv, kernel_group(g)), 3, dk)
+    k_pool, v_pool, suffix_k, suffix_v = (pad_axis(x, x.ndim - 1, dk)
+                                          for x in (k_pool, v_pool, suffix_k, suffix_v))
+    out, lse = _kernel_shapes_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths,
+                                        draft_parents, scale=scale, impl=impl, interpret=interpret,
+                                        backward=backward, platform=platform)
+    out, lse = unpad_group(out[..., :d], hkv, g), unpad_group(lse, hkv, g)
+    if return_lse:  # (kernels leave a finite LSE on rows whose NaN came from a value)
+        lse = flag_nonfinite(jax.lax.stop_gradient(out), lse)
+    return (out, lse) if return_lse else out
+
+
+def _kernel_shapes_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths,
+                             draft_parents, *, scale, impl, interpret, backward, platform):
+    """:func:`tree_attention` past validation, on the kernels' shapes (a power-of-two group and
+    head_dim); returns ``(out, lse)``."""
     if isinstance(tree, PrefixTree):
         meta = build_tree_metadata(tree, tq=q.shape[1], group=q.shape[2] // k_pool.shape[1],
                                    pool_size=k_pool.shape[0], device=False)  # host arrays: jit constants
@@ -274,10 +310,8 @@ def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_length
         impl = auto_path(meta, q, suffix_k, draft_parents=draft_parents, platform=platform)
     if impl in ("single_level", "shallow"):
         path = single_level_attention if impl == "single_level" else shallow_attention
-        out, lse = path(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
-                        shared_impl="shared" if interpret else "auto", interpret=interpret)
-        return (out, lse) if return_lse else out
+        return path(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
+                    shared_impl="shared" if interpret else "auto", interpret=interpret)
     backend = "interpret" if interpret else "pallas" if platform == "gpu" else "mirror"
-    out, lse = _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale,
-                          impl, backend, backward)
-    return (out, lse) if return_lse else out
+    return _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale,
+                      impl, backend, backward)

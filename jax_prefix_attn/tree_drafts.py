@@ -12,15 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_prefix_attn._validation import check_array, is_concrete
+from jax_prefix_attn._validation import check_array, check_range, is_concrete
 from jax_prefix_attn.reference import masked_softmax
+from pallas_kernels._common import flag_nonfinite
 
 __all__ = ["check_draft_parents", "draft_ancestors", "masked_attention", "draft_suffix_partials"]
 
 
-def check_draft_parents(draft_parents, b: int, tq: int, suffix_lengths):
+def check_draft_parents(draft_parents, b: int, tq: int, suffix_lengths, *, checked: bool = False):
     """Validate ``draft_parents`` (``[Tq]`` or ``[B, Tq]`` ints, or ``None``) and return it as
-    ``[B, Tq]`` int32 (or ``None``)."""
+    ``[B, Tq]`` int32 (or ``None``).  Concrete values out of range raise ``ValueError``; traced
+    ones are clamped to ``[-1, t - 1]`` for draft ``t`` (and, with ``checked``, reported under
+    ``checkify``, as ``suffix_lengths < Tq``, which :func:`jax_prefix_attn.tree_attention`
+    clamps up to ``Tq``)."""
     if draft_parents is None:
         return None
     if not hasattr(draft_parents, "shape"):
@@ -39,7 +43,12 @@ def check_draft_parents(draft_parents, b: int, tq: int, suffix_lengths):
     if is_concrete(suffix_lengths) and np.asarray(suffix_lengths).size and np.asarray(suffix_lengths).min() < tq:
         raise ValueError(f"with draft_parents the {tq} draft tokens are the last suffix tokens: suffix_lengths must "
                          f"be >= {tq}, got minimum {int(np.asarray(suffix_lengths).min())}")
-    dp = jnp.asarray(draft_parents, jnp.int32)
+    check_range("draft_parents", draft_parents, -1, jnp.arange(tq) - 1,   # (traced values only)
+                enabled=checked, bounds="[-1, t - 1] for draft t")
+    check_range("suffix_lengths", suffix_lengths, tq, np.iinfo(np.int32).max, enabled=checked,
+                bounds=f"[{tq}, S_max] with draft_parents (the {tq} drafts are the last suffix "
+                       f"tokens)", rule="clamped up to it")
+    dp = jnp.clip(jnp.asarray(draft_parents, jnp.int32), -1, jnp.arange(tq, dtype=jnp.int32) - 1)
     return jnp.broadcast_to(dp, (b, tq)) if dp.ndim == 1 else dp
 
 
@@ -71,7 +80,8 @@ def masked_attention(q_bthd, k_bshd, v_bshd, mask_bts, scale: float):
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf, precision=hi) * scale
     p, lse = masked_softmax(s, vis)
     o = jnp.einsum("bhgqk,bkhd->bqhgd", p, vf, precision=hi)              # [B, Tq, Hkv, G, D]
-    return o, jnp.transpose(lse[..., 0], (0, 3, 1, 2))                     # lse [B, Tq, Hkv, G]
+    lse = jnp.transpose(lse[..., 0], (0, 3, 1, 2))                         # lse [B, Tq, Hkv, G]
+    return o, flag_nonfinite(jax.lax.stop_gradient(o), lse)
 
 
 def draft_suffix_partials(q, suffix_k, suffix_v, suffix_lengths, draft_anc, scale: float):

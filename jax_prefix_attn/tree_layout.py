@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jax_prefix_attn.tree_metadata import TreeMetadata
 from jax_prefix_attn.tree_schedule import Schedule
+from pallas_kernels._common import flag_nonfinite
 
 __all__ = ["row_tables", "q_sorted", "pad_pool", "partial_dtype", "gather_parts", "merge_states",
            "part_cotangents"]
@@ -84,7 +85,7 @@ def merge_states(parts_o, parts_l):
         mm = jnp.max(l, axis=-3)
         m = mm if m is None else jnp.maximum(m, mm)
     m = jax.lax.stop_gradient(m)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # (NaN stays NaN: a NaN part makes the row NaN)
     total, acc = 0.0, 0.0
     for o, l in zip(parts_o, parts_l):
         w = jnp.exp(l - m[..., None, :, :])
@@ -92,9 +93,11 @@ def merge_states(parts_o, parts_l):
         total = total + jnp.sum(w, axis=-3)
         o = jnp.where((w > 0)[..., None], o.astype(jnp.float32), 0.0)
         acc = acc + jnp.sum(w[..., None] * o, axis=-4)
-    has = total > 0
-    t_safe = jnp.where(has, total, 1.0)
-    return acc / t_safe[..., None], jnp.where(has, m + jnp.log(t_safe), -jnp.inf)
+    empty = total == 0
+    t_safe = jnp.where(empty, 1.0, total)
+    out = acc / t_safe[..., None]
+    return out, flag_nonfinite(jax.lax.stop_gradient(out),
+                               jnp.where(empty, -jnp.inf, m + jnp.log(t_safe)))
 
 
 def part_cotangents(o_part, l_part, out, lse, d_out, d_lse):
@@ -103,7 +106,8 @@ def part_cotangents(o_part, l_part, out, lse, d_out, d_lse):
     ``d l_part = w (<d_out, o_part - out> + d_lse)`` (``w = 0`` where the part saw nothing)."""
     f32 = jnp.float32
     lse = lse.astype(f32)
-    w = jnp.where(jnp.isfinite(l_part), jnp.exp(l_part - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
+    # (a part is empty where its lse is -inf; a NaN lse gives NaN cotangents)
+    w = jnp.where(l_part == -jnp.inf, 0.0, jnp.exp(l_part - jnp.where(lse == -jnp.inf, 0.0, lse)))
     d_out = d_out.astype(f32)
     d_l = w * (jnp.sum(d_out * (o_part.astype(f32) - out.astype(f32)), axis=-1) + d_lse.astype(f32))
     return w[..., None] * d_out, d_l

@@ -29,6 +29,7 @@ from jax_prefix_attn.device import planning_device_info
 from jax_prefix_attn.prefix_tree import PrefixTree
 from jax_prefix_attn.tree_cost import exclusive_spans_cost, root_launch_cost, schedule_cost
 from jax_prefix_attn.tree_schedule import Schedule, flatten_schedule, next_pow2, node_schedule
+from pallas_kernels._common import kernel_group
 
 __all__ = ["TreeMetadata", "build_tree_metadata", "root_bucket", "SHALLOW_MAX_TOKENS", "HYBRID_MID_TILING"]
 
@@ -259,7 +260,9 @@ def build_tree_metadata(tree: PrefixTree, *, tq: int, group: int, pool_size: int
     Args:
       tree: the forest.
       tq: query tokens per sequence (``q.shape[1]``).
-      group: query heads per kv head (``Hq // Hkv``).
+      group: query heads per kv head (``Hq // Hkv``).  The metadata is built for the kernels'
+        group, the next power of two (``meta.group``; :func:`jax_prefix_attn.tree_attention`
+        pads each kv head's query heads with zero dummy heads to it and drops their outputs).
       pool_size: number of tokens in ``k_pool`` (chunk windows are clamped inside it).
       block_kv: tokens per chunk / tile (power of two >= 16; DeFT uses 128).
       max_block_m: largest query-vector block (``block_rows * group``) per item.
@@ -287,7 +290,7 @@ def build_tree_metadata(tree: PrefixTree, *, tq: int, group: int, pool_size: int
     mid = tuple(sorted((str(k), int(v)) for k, v in (mid_tiling or {}).items()))
     if any(k not in HYBRID_MID_TILING for k, _ in mid):
         raise ValueError(f"mid_tiling keys must be in {tuple(HYBRID_MID_TILING)}, got {dict(mid)}")
-    meta = _build_cached(tree, int(tq), int(group), int(pool_size), int(block_kv), int(max_block_m),
+    meta = _build_cached(tree, int(tq), kernel_group(int(group)), int(pool_size), int(block_kv), int(max_block_m),
                          None if chunks_per_item is None else int(chunks_per_item), mid, mid_mode,
                          planning_device_info().sm_count)
     # Device arrays: passing host (numpy) metadata to a jitted step would copy it every call.

@@ -62,12 +62,12 @@ def mirror_partials(sched: Schedule, q_hmd, k_nhd, v_nhd, key_m, lim_m, *, group
     s = jnp.einsum("hwmd,wkhd->hwmk", q.astype(jnp.float32), k.astype(jnp.float32), precision=hi) * scale
     s = jnp.where(vis[None], s, -jnp.inf)
     mx = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    mx = jnp.where(mx == -jnp.inf, 0.0, mx)  # (NaN stays NaN)
     p = jnp.where(vis[None], jnp.exp(s - mx), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    has = l > 0
-    l_safe = jnp.where(has, l, 1.0)
+    empty = l == 0  # (a NaN score leaves l NaN: the row is NaN, not empty)
+    l_safe = jnp.where(empty, 1.0, l)
     o = jnp.einsum("hwmk,wkhd->hwmd", p / l_safe, v.astype(jnp.float32), precision=hi)
-    lse = jnp.where(has, mx + jnp.log(l_safe), -jnp.inf)[..., 0]
+    lse = jnp.where(empty, -jnp.inf, mx + jnp.log(l_safe))[..., 0]
     return jnp.transpose(o, (1, 0, 2, 3)), jnp.transpose(lse, (1, 0, 2))   # [W, Hkv, M, D], [W, Hkv, M]
 

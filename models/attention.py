@@ -129,6 +129,7 @@ def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_
       tree_nodes: host node lengths per level; when given (``Llama(shared_impl="tree")``) the
         "shared" backend goes through :func:`tree_cache_attention`.
     """
+    k_bshd, v_bshd = k_bshd.astype(q_bthd.dtype), v_bshd.astype(q_bthd.dtype)  # the caches' dtype may differ
     if backend == "flat":
         if prefix_k:
             raise ValueError("the flat backend keeps no prefix levels; build its cache with flatten_prefix")
@@ -143,7 +144,6 @@ def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_
         return tree_cache_attention(q_bthd, prefix_k, prefix_v, tree_nodes, k_bshd, v_bshd, lengths_b, impl=impl,
                                     interpret=interpret)
     dtype = q_bthd.dtype
-    k_bshd, v_bshd = k_bshd.astype(dtype), v_bshd.astype(dtype)
     b = q_bthd.shape[0]
     outs, lses = [], []
     levels = list(zip(prefix_k, prefix_v, prefix_lengths))

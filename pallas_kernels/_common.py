@@ -4,7 +4,9 @@
   :func:`finish_state`) and the exact merge of partial states (:func:`merge_tile_states` inside
   a kernel, :func:`merge_partial_list` / :func:`merge_partials` in XLA).  Scores are kept in
   base 2 with the scale folded in (``exp2`` is one instruction); LSE values returned are
-  natural log, float32, ``-inf`` (with ``o = 0``) for a row that saw no key.
+  natural log, float32, ``-inf`` (with ``o = 0``) for a row that saw no key and NaN for a row
+  whose state is not finite (a NaN score or value): emptiness is tested as ``l == 0`` /
+  ``lse == -inf``, never as "greater than", so a NaN never reads as empty.
 * The row layout of the batched kernels: the queries of ``B`` sequences as rows
   ``[Hkv, B * R_pad, D]`` with ``R = Tq * Hq / Hkv`` real rows per sequence (row
   ``t * G + j`` is query position ``t``, head ``h * G + j``), and the per-row metadata arrays
@@ -22,8 +24,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["LOG2E", "LN2", "next_pow2", "cdiv", "partial_state_types", "split_chunk", "online_update", "attend_pool",
-           "finish_state", "merge_tile_states", "merge_partial_list", "merge_partials",
+__all__ = ["LOG2E", "LN2", "next_pow2", "cdiv", "kernel_head_dim", "kernel_group", "pad_axis",
+           "pad_group", "unpad_group", "partial_state_types", "split_chunk", "online_update", "attend_pool",
+           "finite", "flag_nonfinite", "finish_state", "merge_tile_states", "merge_partial_list", "merge_partials",
            "merge_stacked", "MAX_ROWS_PER_TILE", "q_rows_layout", "check_rows_per_tile",
            "rows_from_q", "seq_rows", "pad_rows", "row_meta", "rows_to_out", "rows_128",
            "merge_row_parts"]
@@ -43,6 +46,47 @@ def next_pow2(x: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def kernel_head_dim(d: int) -> int:
+    """The head_dim a Triton-lowered kernel runs for a ``d``-wide head: a power of two >= 16
+    (tiles must be powers of two; callers zero-pad q, k and v to it, which leaves every score
+    unchanged, and slice the output back)."""
+    return max(16, next_pow2(d))
+
+
+def kernel_group(g: int) -> int:
+    """The GQA group (query heads per kv head) the tree kernels run for a group of ``g``: a power
+    of two, so that a block of ``block_rows`` rows holds a power of two of query vectors (callers
+    pad each group with zero dummy query heads and drop their outputs)."""
+    return next_pow2(g)
+
+
+def pad_axis(x, axis: int, size: int):
+    """``x`` zero-padded at the end of ``axis`` to ``size`` (``x`` itself when already that size)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def pad_group(x_bth, hkv: int, g_pad: int):
+    """``x [B, Tq, Hkv * G(, D)]`` -> ``[B, Tq, Hkv * g_pad(, D)]``: each kv head's ``G`` query heads
+    followed by ``g_pad - G`` zero dummy heads (query head ``h * g_pad + j``, ``j < G``, is the
+    original head ``h * G + j``)."""
+    b, tq, hq = x_bth.shape[:3]
+    tail = x_bth.shape[3:]
+    x = x_bth.reshape((b, tq, hkv, hq // hkv) + tail)
+    return pad_axis(x, 3, g_pad).reshape((b, tq, hkv * g_pad) + tail)
+
+
+def unpad_group(x_bth, hkv: int, g: int):
+    """Inverse of :func:`pad_group`: the real ``G`` heads of each kv head, ``[B, Tq, Hkv * G(, D)]``."""
+    b, tq, hq = x_bth.shape[:3]
+    tail = x_bth.shape[3:]
+    x = x_bth.reshape((b, tq, hkv, hq // hkv) + tail)[:, :, :, :g]
+    return x.reshape((b, tq, hkv * g) + tail)
 
 
 def partial_state_types(parts: int, hkv: int, rows: int, d: int, dtype) -> tuple:
@@ -86,7 +130,8 @@ def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k,
 
     ``carry = (acc [BM, D], m [BM] (log2 units), l [BM])`` float32; returns the updated carry.
     Loops over the pool entries present in the block, and for each over its key tiles up to
-    the longest limit of its rows (empty ranges run zero iterations).
+    the longest limit of its rows (empty ranges run zero iterations).  Limits are clamped to
+    ``[0, seq_len]`` (a negative limit sees nothing; one past the key axis sees the whole axis).
 
     ``two_phase``: first the tiles below every row's limit without masks, then the ragged tail
     with masks.  On an H200 it made the unsplit large-M prefix kernel (B=1024, Hq=32) ~4%
@@ -94,6 +139,7 @@ def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k,
     (one masked loop).
     """
     cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    lim = jnp.minimum(lim, seq_len)  # (once per call: keys past the axis do not exist)
     g_lo = jnp.min(idx)
     g_hi = jnp.max(idx) + 1
     # Tiles below every row's limit need no mask (only when the block reads a single entry).
@@ -135,18 +181,38 @@ def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k,
     return lax.fori_loop(g_lo, g_hi, group_body, carry)
 
 
+def finite(x):
+    """``x`` is neither NaN nor infinite (two ordered comparisons: every lowering has them)."""
+    return (x > -jnp.inf) & (x < jnp.inf)
+
+
+def flag_nonfinite(o, lse):
+    """``lse`` with NaN on the rows where ``o [..., D]`` holds a NaN or an infinity (a row that saw
+    a non-finite value: its LSE must read neither as finite nor as ``-inf``, i.e. empty).
+
+    Kernels and merges need no such flag: a NaN score makes ``l`` and the LSE NaN, and a NaN
+    value makes ``o`` NaN, which every merge carries into the merged ``o``.  Only a row whose
+    NaN came from a value has a finite LSE, so the public entry points apply this once to what
+    they return (an XLA reduction over ``D``, and only when the caller asks for the LSE)."""
+    return jnp.where(finite(jnp.sum(o, axis=-1)), lse, jnp.nan)
+
+
 def finish_state(acc, m_i, l_i):
-    """``(o [BM, D], lse [BM])`` (natural log) from an online-softmax state."""
-    has = l_i > 0
-    l_safe = jnp.where(has, l_i, 1.0)
-    return acc / l_safe[:, None], jnp.where(has, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    """``(o [BM, D], lse [BM])`` (natural log) from an online-softmax state.  ``l = 0`` is a row
+    that saw no key (``o = 0``, ``lse = -inf``); a NaN ``l`` (a NaN score) leaves ``o`` and the
+    LSE NaN, never ``-inf`` (emptiness is ``l == 0``, not ``l > 0``)."""
+    empty = l_i == 0
+    l_safe = jnp.where(empty, 1.0, l_i)
+    return acc / l_safe[:, None], jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
 
 
 def merge_tile_states(o_parts, lse_parts):
     """Merge partial states, elementwise over the parts: ``o [..., D]`` (normalised, any float
     dtype) and ``lse [...]`` (natural log, ``-inf`` for none) -> float32 ``(o, lse)``; rows where
     every part is empty get ``o = 0``, ``lse = -inf``.  Used inside the kernels on one row
-    tile (``[BM, D]``) and, through :func:`merge_partial_list`, by XLA."""
+    tile (``[BM, D]``) and, through :func:`merge_partial_list`, by XLA.  A part is empty only
+    where its ``lse`` is exactly ``-inf``: a NaN ``lse`` makes the merged ``o`` and ``lse`` NaN,
+    and a non-finite ``o`` of a part that is not empty makes the merged ``o`` NaN."""
     m_all = lse_parts[0]
     for x in lse_parts[1:]:
         m_all = jnp.maximum(m_all, x)
@@ -157,9 +223,9 @@ def merge_tile_states(o_parts, lse_parts):
         w = jnp.exp(l_x - m_all)
         tot = tot + w
         out = out + w[..., None] * jnp.where((w > 0)[..., None], o_x.astype(jnp.float32), 0.0)
-    nonempty = tot > 0
-    tot_safe = jnp.where(nonempty, tot, 1.0)
-    return out / tot_safe[..., None], jnp.where(nonempty, m_all + jnp.log(tot_safe), -jnp.inf)
+    empty = tot == 0  # (a NaN part makes tot NaN: the row's merged state is NaN, not empty)
+    tot_safe = jnp.where(empty, 1.0, tot)
+    return out / tot_safe[..., None], jnp.where(empty, -jnp.inf, m_all + jnp.log(tot_safe))
 
 
 def merge_partial_list(o_parts, lse_parts, *, unroll: int = UNROLL_MERGE):
@@ -188,15 +254,16 @@ def merge_partials(o_nhmd: jax.Array, lse_nhm: jax.Array, *, unroll: int = UNROL
 
 
 def merge_stacked(o_nhmd, lse_nhm):
-    """Merge float32 partial states ``(o [n, ..., D], lse [n, ...])`` over axis 0 by reductions."""
+    """Merge float32 partial states ``(o [n, ..., D], lse [n, ...])`` over axis 0 by reductions
+    (the NaN rules of :func:`merge_tile_states`)."""
     m = jnp.max(lse_nhm, axis=0)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.exp(lse_nhm - m)
     tot = jnp.sum(w, axis=0)
-    ok = tot > 0
-    tot_safe = jnp.where(ok, tot, 1.0)
+    empty = tot == 0
+    tot_safe = jnp.where(empty, 1.0, tot)
     o = jnp.sum(w[..., None] * jnp.where((w > 0)[..., None], o_nhmd, 0.0), axis=0) / tot_safe[..., None]
-    return o, jnp.where(ok, m + jnp.log(tot_safe), -jnp.inf)
+    return o, jnp.where(empty, -jnp.inf, m + jnp.log(tot_safe))
 
 
 def q_rows_layout(tq: int, hq: int, hkv: int, min_rows: int = 16) -> tuple[int, int]:

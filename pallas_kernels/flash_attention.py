@@ -12,7 +12,9 @@ Conventions (project-wide, see README):
   map, K/V are never repeated);
 * causal mask bottom-right aligned to each sequence's valid length ``L_b``: query ``i``
   sees keys ``j < L_b`` with ``j <= i + L_b - Tq``;
-* rows that see no key: ``lse = -inf``, ``out = 0``, zero gradients, never NaN.
+* rows that see no key: ``lse = -inf``, ``out = 0``, zero gradients; a row that sees a NaN
+  (its query, a key or a value) gets NaN in ``out`` (and in ``lse`` where a score is NaN; the
+  public entry points flag the LSE of rows whose NaN came from a value).
 
 Kernels (Triton lowering, selected by ``plgpu.CompilerParams``; ``interpret=True`` runs
 them on the CPU):
@@ -44,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import LN2, LOG2E, next_pow2
+from pallas_kernels._common import LN2, LOG2E, next_pow2, pad_axis
 
 __all__ = ["flash_attention", "flash_attention_bwd", "FlashConfig", "KernelTiles", "SUPPORTED_HEAD_DIMS",
            "SUPPORTED_DTYPES", "default_config", "supported", "load_row_block"]
@@ -204,7 +206,7 @@ def _fwd_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, nq
              jnp.zeros((bq,), jnp.float32))
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
     acc, m, l = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), carry)
-    empty = l == 0.0
+    empty = l == 0.0  # (a NaN score leaves l NaN: the row's lse is NaN, not -inf)
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
@@ -490,14 +492,6 @@ def _check_inputs(q, k, v, kv_lengths, head_dim_supported):
                              f"{getattr(kv_lengths, 'shape', type(kv_lengths).__name__)}")
 
 
-def _pad_axis(x, axis: int, size: int):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
 def _clamp_block(block: int, n: int) -> int:
     return max(_MIN_BLOCK, min(int(block), next_pow2(max(n, 1))))
 
@@ -538,9 +532,9 @@ def _prepare(q, k, v, *, causal, kv_lengths, sm_scale, interpret, block_q=None, 
     st = _Static(causal=bool(causal), scale=scale, tq=tq, group=hq // hkv, cfg=cfg,
                  interpret=bool(interpret), fp32=q.dtype == jnp.float32)
 
-    qp = _pad_axis(_pad_axis(q, 3, d_pad), 1, tqp)
-    kp = _pad_axis(_pad_axis(k, 3, d_pad), 1, tkp)
-    vp = _pad_axis(_pad_axis(v, 3, d_pad), 1, tkp)
+    qp = pad_axis(pad_axis(q, 3, d_pad), 1, tqp)
+    kp = pad_axis(pad_axis(k, 3, d_pad), 1, tkp)
+    vp = pad_axis(pad_axis(v, 3, d_pad), 1, tkp)
     return st, lengths, qp, kp, vp, d
 
 
@@ -596,10 +590,10 @@ def flash_attention_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False, kv_
                           ("delta", delta, q.shape[:3])):
         if tuple(x.shape) != tuple(want):
             raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(x.shape)}")
-    dop = _pad_axis(_pad_axis(d_out.astype(q.dtype), 3, qp.shape[3]), 1, tqp)
+    dop = pad_axis(pad_axis(d_out.astype(q.dtype), 3, qp.shape[3]), 1, tqp)
     lse_bhq = jnp.pad(jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)),
                       ((0, 0), (0, 0), (0, tqp - tq)), constant_values=-jnp.inf)
-    delta_bhq = _pad_axis(jnp.transpose(delta.astype(jnp.float32), (0, 2, 1)), 2, tqp)
+    delta_bhq = pad_axis(jnp.transpose(delta.astype(jnp.float32), (0, 2, 1)), 2, tqp)
     dq, dk, dv = _bwd_call(qp, kp, vp, lengths, dop, lse_bhq, delta_bhq, st)
     return (dq[:, :tq, :, :d], dk[:, :tk, :, :d].astype(k.dtype),
             dv[:, :tk, :, :d].astype(v.dtype))

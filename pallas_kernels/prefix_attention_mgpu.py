@@ -14,7 +14,9 @@ sees the same number of keys ``length`` (true for decoding, ``Tq == 1``), 16-bit
 Layouts: ``q [Hkv, M, D]`` (rows of kv head ``h``), ``k/v [P, Hkv, D]``, ``length [1]`` int32
 (keys ``>= length`` are masked; dynamic, read in the kernel; the masked keys' values must be
 finite: the last tile is read whole and its masked scores give weight 0, and 0 times a NaN or
-an infinity in ``v`` is NaN -- the Triton kernels do not load masked keys).  Outputs the same
+an infinity in ``v`` is NaN -- the Triton kernels do not load masked keys; zeroing those ``V``
+rows in shared memory, as the suffix kernels do, quadruples Mosaic GPU's layout inference time
+of the role-split kernel).  Outputs the same
 partial states as ``prefix_partials`` except that ``o [splits, Hkv, M, D]`` (normalised) is in
 q's 16-bit dtype (written through the queries' shared-memory buffer: a float32 staging buffer
 does not fit next to the K/V pipeline), and ``lse [splits, Hkv, M]`` float32, natural log,
@@ -353,10 +355,10 @@ def wg_compute_context(*, q_src, q_smem, q_barrier, lse_smem, o_dst, lse_dst, bl
         acc, m_i, l_i = run_pipeline(carry)
         if after is not None:
             after()
-        has = l_i > 0.0
-        l_safe = jnp.where(has, l_i, 1.0)
+        empty = l_i == 0.0   # (a NaN score leaves l NaN: the row's lse is NaN, not -inf)
+        l_safe = jnp.where(empty, 1.0, l_i)
         q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, (block_q, d), [0])).astype(dtype)
-        lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+        lse = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
         if lse_smem is None:
             lse_dst[...] = lse
         else:

@@ -71,7 +71,7 @@ def _attend_span(q, kp_ref, vp_ref, h, start, n, carry, *, block_k, scale_log2, 
 
 
 def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, scale_log2,
-            precision, out_dtype, splits, span_chunk, suffix_chunk):
+            precision, out_dtype, splits, span_chunk, span_max, suffix_chunk):
     it = iter(refs)
     q_ref, len_ref = next(it), next(it)
     if has_span:
@@ -94,7 +94,7 @@ def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, 
              jnp.zeros((rows,), jnp.float32))
     if has_span:  # the pool span first (the softmax state does not care about key order)
         s0 = sp * span_chunk
-        n_span = jnp.clip(jnp.max(sn_ref[...]) - s0, 0, span_chunk)
+        n_span = jnp.clip(jnp.minimum(jnp.max(sn_ref[...]), span_max) - s0, 0, span_chunk)
         # (the start is always read from memory: with a start known to the compiler, e.g. 0,
         # Triton builds a loop that ran 1.1-1.65x slower on an H200 at Hq=32 B=64-256
         # P=4K-16K S=64-128)
@@ -150,7 +150,7 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
         prefix): then no per-sequence array has to be built for the call (on the GPU each would
         be one more XLA launch before this one).
       span_max: static bound on ``len_b`` (default: the pool size ``N``); it sets the span's
-        chunk per key split.
+        chunk per key split, and longer spans are cut to it.
       num_splits: static; the span's and the suffix's keys are each cut into ``num_splits``
         chunks (multiples of ``block_k``), one per program (grid ``(Hkv, B, num_splits)``:
         flash-decoding when ``B * Hkv`` programs cannot fill the GPU; chunks past a sequence's
@@ -182,7 +182,7 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
     splits = int(num_splits)
     assert splits >= 1 and (splits == 1 or not sources), (splits, len(sources))
     suffix_chunk = split_chunk(s_len, splits, block_k)
-    span_chunk = 0
+    span_chunk = n_max = 0
     if span is not None:
         n_max = int(span[0].shape[0] if span_max is None else span_max)
         span_chunk = split_chunk(n_max, splits, block_k)
@@ -195,7 +195,8 @@ def suffix_decode_merge(q_bhd, suffix_k, suffix_v, lengths_b, incoming=None, *, 
         _kernel, hq=hq, grp=grp, rows=rows, strides=tuple(int(s[2]) for s in sources),
         has_pos=tuple(s[3] is not None for s in sources), has_span=span is not None,
         block_k=block_k, seq_len=s_len, scale_log2=float(scale) * LOG2E, precision=precision,
-        out_dtype=q_bhd.dtype, splits=splits, span_chunk=span_chunk, suffix_chunk=suffix_chunk)
+        out_dtype=q_bhd.dtype, splits=splits, span_chunk=span_chunk, span_max=n_max,
+        suffix_chunk=suffix_chunk)
     whole = lambda x: pl.BlockSpec(x.shape, lambda h, i, s, n=x.ndim: (0,) * n)  # noqa: E731
     one = pl.BlockSpec((1,), lambda h, i, s: (i,))
     args = [q2, lengths_b.astype(jnp.int32).reshape(b)]

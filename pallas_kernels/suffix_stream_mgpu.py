@@ -220,15 +220,15 @@ def stream_finish(state, *, o_dst, lse_dst, o_stage, geo: StreamGeometry, before
     before_sum()
     l_i = l_part.sum(axis=0)
     after_sum()
-    has = l_i > 0.0
-    l_safe = jnp.where(has, l_i, 1.0)
+    empty = l_i == 0.0   # (a NaN score leaves l NaN: the column's lse is NaN, not -inf)
+    l_safe = jnp.where(empty, 1.0, l_i)
     o_val = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])).astype(geo.dtype)
     if o_stage is None:   # no staging buffer: from registers
         o_dst[...] = o_val
     else:
         plgpu.wait_smem_to_gmem(0)     # the staging buffer's previous store
         o_stage[...] = o_val
-    lse_dst[...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    lse_dst[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
     if o_stage is not None:
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_stage, o_dst)

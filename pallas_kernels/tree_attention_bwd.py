@@ -331,8 +331,9 @@ def tree_grads_reference(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, tok_c3c,
     v = jnp.where(seen, v_nhd.astype(jnp.float32), 0.0)
     s = jnp.einsum("hmd,nhd->hmn", q, k, precision=hi) * sm_scale
     lse = lse_hm.astype(jnp.float32)[..., None]
-    p = jnp.where(vis, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
-    p = jnp.where(jnp.isfinite(lse), p, 0.0)
+    empty = lse == -jnp.inf  # (a NaN lse gives NaN gradients)
+    p = jnp.where(vis, jnp.exp(s - jnp.where(empty, 0.0, lse)), 0.0)
+    p = jnp.where(empty, 0.0, p)
     dp = jnp.einsum("hmd,nhd->hmn", do, v, precision=hi)
     ds = jnp.where(vis, p * (dp - delta_hm.astype(jnp.float32)[..., None]), 0.0)
     dq = jnp.einsum("hmn,nhd->hmd", ds, k, precision=hi) * sm_scale

@@ -63,6 +63,14 @@ def _has_gpu() -> bool:
         return False
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-cases", type=int, default=None,
+                     help="cases of the differential fuzz tests (tests/fuzz; default 200 on the "
+                          "CPU, 1000 on the GPU)")
+    parser.addoption("--fuzz-summary", default=None,
+                     help="write the fuzz run's summary (JSON) here")
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_gpu():
         return

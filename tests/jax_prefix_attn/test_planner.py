@@ -68,9 +68,12 @@ def test_forced_paths_and_errors():
         plan(256, 4096, 128, path="mgpu_joint", device=CPU)
     with pytest.raises(ValueError, match="path must be one of"):
         plan(256, 4096, 128, path="fastest")
-    with pytest.raises(ValueError, match="head_dim"):
-        plan(256, 4096, 128, d=24, impl="shared")
-    assert plan(256, 4096, 128, d=24).path == "reference"   # auto falls back
+    with pytest.raises(ValueError, match="dtype"):
+        plan(256, 4096, 128, dtype=jnp.int8, impl="shared")
+    assert plan(256, 4096, 128, dtype=jnp.int8).path == "reference"   # auto falls back
+    # any head_dim: the kernels run it zero-padded to a power of two (not on Mosaic GPU)
+    assert plan(256, 4096, 128, d=24, impl="shared").path.startswith("triton")
+    assert plan(256, 4096, 128, d=96).path != "reference"
 
 
 def test_auto_off_the_gpu_is_the_reference_and_plans_are_hashable():
