@@ -27,6 +27,13 @@ sequence's tokens do not depend on the batch size.  ``shape_buckets=True`` round
 arrays, the cache capacity and the loop's output width up with
 :func:`~models.prefix_sharing.bucket_length`, so calls with other prompt lengths or
 ``max_new_tokens`` reuse the compiled functions.
+
+``mesh`` (:func:`generate`, :func:`generate_stream`, :func:`prefill_prefix_cache`): a ``("data", "model")`` mesh from
+:func:`models.sharding.make_mesh` runs the model tensor parallel over ``model`` and data parallel
+over ``data`` (:class:`~models.sharded_llama.ShardedLlama`); parameters are placed with
+:func:`models.sharding.shard_params` unless they already are (place them once, or load them with
+``params_from_hf_state_dict(..., mesh=)``, to avoid a transfer per call).  ``mesh=None`` runs on
+one device.
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ from models.kv_cache import KVCache, PrefixCache
 from models.llama import Llama
 from models.prefix_sharing import PromptBatch, bucket_length
 from models.sampling import GREEDY, SamplingConfig, sample_tokens, token_logprobs
+from models.sharded_llama import ShardedLlama
 
 __all__ = ["ATTENTION", "LAYOUTS", "GenerateOutput", "PromptBatch", "generate", "generate_stream",
            "prefill_prefix_cache", "resolve_attention", "resolve_layout"]
@@ -117,13 +125,31 @@ def _match_prefix_layout(prefix: PrefixCache, params: dict) -> PrefixCache:
     return prefix.replace(layers=_stack_tree(prefix.layers))
 
 
+def _on_mesh(model, params: dict, mesh, prompts: PromptBatch):
+    """``(model, params)`` to run: a :class:`ShardedLlama` and placed parameters with a mesh."""
+    if mesh is None:
+        return model, params
+    model = model if isinstance(model, ShardedLlama) else ShardedLlama(model, mesh)
+    if model.mesh != mesh:
+        raise ValueError("model is a ShardedLlama on another mesh than mesh=")
+    model.check_batch(prompts.batch)
+    return model, model.place_params(params)
+
+
+def _level_repeats(model, prompts: PromptBatch) -> tuple[int, ...]:
+    sizes = prompts.level_sizes()
+    return model.level_repeats(sizes) if isinstance(model, ShardedLlama) else (1,) * len(sizes)
+
+
 def prefill_prefix_cache(model: Llama, params: dict, prompts: PromptBatch, *, layout: str = "auto",
-                         shape_buckets: bool = False) -> PrefixCache:
+                         shape_buckets: bool = False, mesh: jax.sharding.Mesh | None = None) -> PrefixCache:
     """Prefill ``prompts.levels`` once (reusable for later batches sharing those prefixes).
 
     ``layout`` as in :func:`resolve_layout`; a prefix cache built in one layout is converted if
     :func:`generate` runs with the other.  ``shape_buckets``: node arrays padded to
-    :func:`~models.prefix_sharing.bucket_length` (see module docstring)."""
+    :func:`~models.prefix_sharing.bucket_length` (see module docstring).  ``mesh``: see the
+    module docstring (pass the same mesh to :func:`generate`)."""
+    model, params = _on_mesh(model, params, mesh, prompts)
     prompts.validate(model.config.vocab_size)
     params = resolve_layout(model, params, layout)
     if not prompts.levels:
@@ -135,16 +161,25 @@ def prefill_prefix_cache(model: Llama, params: dict, prompts: PromptBatch, *, la
     return prefix
 
 
-def _check_prefix_cache(prefix: PrefixCache, prompts: PromptBatch) -> None:
-    if prefix.level_sizes() != prompts.level_sizes():
+def _check_prefix_cache(prefix: PrefixCache, prompts: PromptBatch, repeats: tuple[int, ...]) -> None:
+    """``prefix`` holds the prompts' levels, node ``g`` of level ``l`` stored ``repeats[l]`` times."""
+    sizes = tuple(g * r for g, r in zip(prompts.level_sizes(), repeats))
+    if prefix.level_sizes() != sizes:
         raise ValueError(f"prefix_cache has level sizes {prefix.level_sizes()} but the prompts have "
-                         f"{prompts.level_sizes()}")
-    for l, (lens, lv) in enumerate(zip(prefix.lengths, prompts.levels)):
-        want = np.asarray([len(n) for n in lv])
+                         f"{sizes}")
+    for l, (lens, lv, r) in enumerate(zip(prefix.lengths, prompts.levels, repeats)):
+        want = np.repeat(np.asarray([len(n) for n in lv]), r)
         got = np.asarray(lens)
         if not np.array_equal(got, want):
             raise ValueError(f"prefix_cache level {l} node lengths {got.tolist()} differ from the prompts' "
                              f"{want.tolist()}")
+
+
+def _samplers(model):
+    """``(sample_tokens, token_logprobs)`` for ``model``'s logits (split over the vocabulary on a mesh)."""
+    if isinstance(model, ShardedLlama):
+        return model.sample_tokens, model.token_logprobs
+    return sample_tokens, token_logprobs
 
 
 @functools.partial(jax.jit, static_argnames=("model", "attention", "width", "sampling", "eos_ids", "pad_id"),
@@ -154,16 +189,17 @@ def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, p
     # The suffix buffers are donated; the prefix cache is not (it may be reused by other batches).
     # ``limit`` (dynamic) <= ``width`` (static) steps are taken.
     cache = KVCache(prefix=prefix, layers=layers, lengths=lengths_b, pos_offset=pos_offset_b, backend=attention)
+    sample, logprob = _samplers(model)
     b = logits_bv.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
 
     def is_eos(tok_b):
         return jnp.isin(tok_b, eos) if eos is not None else jnp.zeros(tok_b.shape, bool)
 
-    tok = sample_tokens(logits_bv, keys_b, 0, sampling)
+    tok = sample(logits_bv, keys_b, 0, sampling)
     done = is_eos(tok)
     out = jnp.full((b, width), pad_id, jnp.int32).at[:, 0].set(tok)
-    lps = jnp.zeros((b, width), jnp.float32).at[:, 0].set(token_logprobs(logits_bv, tok))
+    lps = jnp.zeros((b, width), jnp.float32).at[:, 0].set(logprob(logits_bv, tok))
     lengths = jnp.ones((b,), jnp.int32)
 
     def cond(state):
@@ -173,9 +209,9 @@ def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, p
     def body(state):
         i, cache, tok_b, done_b, out, lps, lengths = state
         logits, cache = model.decode_step(params, cache, tok_b, active_b=~done_b)
-        sampled = sample_tokens(logits, keys_b, i, sampling)
+        sampled = sample(logits, keys_b, i, sampling)
         new = jnp.where(done_b, pad_id, sampled)
-        lp = jnp.where(done_b, 0.0, token_logprobs(logits, sampled))
+        lp = jnp.where(done_b, 0.0, logprob(logits, sampled))
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, i))
         lps = jax.lax.dynamic_update_slice(lps, lp[:, None], (0, i))
         lengths = lengths + (~done_b).astype(jnp.int32)
@@ -186,11 +222,12 @@ def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, p
     return out, lps, lengths, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "eos_ids", "pad_id"))
-def _sample_step(logits_bv, keys_b, step, done_b, *, cfg: SamplingConfig, eos_ids: tuple, pad_id: int):
+@functools.partial(jax.jit, static_argnames=("model", "cfg", "eos_ids", "pad_id"))
+def _sample_step(logits_bv, keys_b, step, done_b, *, model, cfg: SamplingConfig, eos_ids: tuple, pad_id: int):
     """``(tokens [B], logprobs [B], done [B])`` of one step; finished rows give ``pad_id`` / 0."""
-    tok = sample_tokens(logits_bv, keys_b, step, cfg)
-    lp = jnp.where(done_b, 0.0, token_logprobs(logits_bv, tok))
+    sample, logprob = _samplers(model)
+    tok = sample(logits_bv, keys_b, step, cfg)
+    lp = jnp.where(done_b, 0.0, logprob(logits_bv, tok))
     tok = jnp.where(done_b, pad_id, tok)
     hit = jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros(tok.shape, bool)
     return tok, lp, done_b | hit
@@ -209,9 +246,10 @@ def _sequence_keys(key, keys, batch: int) -> jax.Array:
 
 
 def _setup(model, params, prompts, max_new_tokens, attention, capacity, prefix_cache, eos_token_ids,
-           pad_token_id, layout, shape_buckets):
+           pad_token_id, layout, shape_buckets, mesh=None):
     if not isinstance(prompts, PromptBatch):
         raise TypeError(f"prompts must be a PromptBatch, got {type(prompts).__name__}")
+    model, params = _on_mesh(model, params, mesh, prompts)
     attention = resolve_attention(prompts, attention)
     need = prompts.validate(model.config.vocab_size, max_new_tokens=max_new_tokens, capacity=capacity,
                             attention=attention)
@@ -223,7 +261,7 @@ def _setup(model, params, prompts, max_new_tokens, attention, capacity, prefix_c
     if prefix_cache is None:
         prefix_cache = prefill_prefix_cache(model, params, prompts, layout=layout, shape_buckets=shape_buckets)
     else:
-        _check_prefix_cache(prefix_cache, prompts)
+        _check_prefix_cache(prefix_cache, prompts, _level_repeats(model, prompts))
         prefix_cache = _match_prefix_layout(prefix_cache, params)
     eos = model.config.eos_token_ids if eos_token_ids is None else tuple(int(e) for e in eos_token_ids)
     if pad_token_id is None:
@@ -232,24 +270,26 @@ def _setup(model, params, prompts, max_new_tokens, attention, capacity, prefix_c
         pad_token_id = eos[0] if eos else 0
     toks, n = prompts.suffix_arrays(buckets=shape_buckets)
     logits, cache = model.prefill_jit(params, prefix_cache, toks, n, capacity=capacity, backend=attention)
-    return params, logits, cache, eos, int(pad_token_id)
+    return model, params, logits, cache, eos, int(pad_token_id)
 
 
 def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens: int, attention: str | None = None,
              sampling: SamplingConfig = GREEDY, key: jax.Array | None = None, keys: jax.Array | None = None,
              capacity: int | None = None, prefix_cache: PrefixCache | None = None,
              eos_token_ids: Sequence[int] | None = None, pad_token_id: int | None = None, layout: str = "auto",
-             shape_buckets: bool = False) -> GenerateOutput:
+             shape_buckets: bool = False, mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
     """Sample up to ``max_new_tokens`` tokens for every sequence of ``prompts``.
 
     ``attention``, ``sampling``, ``key`` / ``keys`` and ``shape_buckets`` as in the module
     docstring; ``eos_token_ids`` defaults to the config's (pass ``()`` to never stop early);
     ``capacity`` defaults to what the batch needs; ``layout`` picks the layer layout it runs with
     (:func:`resolve_layout`: ``"auto"`` = the list layout on GPU); the returned cache is in that
-    layout.
+    layout.  ``mesh``: tensor- and data-parallel decoding (module docstring); the tokens are
+    those of one device up to floating-point summation order.
     """
-    params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
-                                             prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets)
+    model, params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
+                                                    prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets,
+                                                    mesh)
     seq_keys = _sequence_keys(key, keys, prompts.batch)
     width = bucket_length(max_new_tokens) if shape_buckets else max_new_tokens
     out, lps, lengths, cache = _decode_loop(model, params, cache.prefix, cache.layers, cache.lengths,
@@ -265,16 +305,18 @@ def generate_stream(model: Llama, params: dict, prompts: PromptBatch, *, max_new
                     keys: jax.Array | None = None, capacity: int | None = None,
                     prefix_cache: PrefixCache | None = None, eos_token_ids: Sequence[int] | None = None,
                     pad_token_id: int | None = None, layout: str = "auto", shape_buckets: bool = False,
-                    logprobs: bool = False) -> Iterator:
+                    logprobs: bool = False, mesh: jax.sharding.Mesh | None = None) -> Iterator:
     """Like :func:`generate` but driven from Python: yields the ``[B]`` tokens of each step
     (``logprobs=True``: ``(tokens [B], logprobs [B])``), the same tokens :func:`generate` gives.
 
     Prefill runs at the first ``next()``.  It stops after ``max_new_tokens`` steps or once every
-    sequence has produced an EOS id; a consumer may stop iterating earlier (``break``)."""
-    params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
-                                             prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets)
+    sequence has produced an EOS id; a consumer may stop iterating earlier (``break``).
+    ``mesh``: as in :func:`generate`."""
+    model, params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
+                                                    prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets,
+                                                    mesh)
     seq_keys = _sequence_keys(key, keys, prompts.batch)
-    sample = functools.partial(_sample_step, keys_b=seq_keys, cfg=sampling, eos_ids=eos, pad_id=pad)
+    sample = functools.partial(_sample_step, keys_b=seq_keys, model=model, cfg=sampling, eos_ids=eos, pad_id=pad)
     tok, lp, done = sample(logits, step=0, done_b=jnp.zeros((prompts.batch,), bool))
     for i in range(max_new_tokens):
         last = i + 1 == max_new_tokens

@@ -40,6 +40,7 @@ from models.attention import cache_attention
 from models.config import LlamaConfig
 from models.kv_cache import KVCache, PrefixCache
 from models.layers import apply_rope, dense, embed, lm_head, rms_norm, rope_inv_freq, swiglu_mlp
+from models.vocab_parallel import embed_lookup
 from models.weights import stack_layers, unstack_layers
 
 # Prefix levels longer than this are stored with their length rounded up to a multiple of it
@@ -72,11 +73,15 @@ class Llama:
     ``shared_prefix_attention``, shallower levels with inter-sequence batching, LSE merge) or
     ``"tree"`` (one ``jax_prefix_attn.tree_attention`` call over the levels as a prefix tree and
     the suffix; needs a prefix cache from :func:`models.generate.prefill_prefix_cache` with this
-    model, which records the node lengths on the host).
+    model, which records the node lengths on the host).  ``model_axis``: the mesh axis the
+    parameters are split over when each device runs this model on its shard inside
+    ``jax.shard_map`` (:mod:`models.sharded_llama`; ``config`` is then the per-shard config): the
+    row-split o and down projections are summed over it (one ``psum`` each per layer) and the
+    embedding lookup is vocabulary-parallel; ``None`` (default): one device, no collective.
     """
 
     def __init__(self, config: LlamaConfig, *, impl: str = "auto", shared_impl: str = "levels",
-                 interpret: bool = False):
+                 interpret: bool = False, model_axis: str | None = None):
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
         if impl not in ("auto", "reference"):
@@ -85,7 +90,10 @@ class Llama:
             raise ValueError(f"shared_impl must be 'levels' or 'tree', got {shared_impl!r}")
         if not isinstance(interpret, bool):
             raise TypeError(f"interpret must be a bool, got {type(interpret).__name__}")
+        if model_axis is not None and not isinstance(model_axis, str):
+            raise TypeError(f"model_axis must be a mesh axis name (str) or None, got {type(model_axis).__name__}")
         self.config = config
+        self.model_axis = model_axis
         self.impl = impl
         self.shared_impl = shared_impl
         self.interpret = interpret
@@ -140,7 +148,7 @@ class Llama:
         return isinstance(other, Llama) and self._key() == other._key()
 
     def _key(self) -> tuple:
-        return (self.config, self.impl, self.shared_impl, self.interpret)
+        return (self.config, self.impl, self.shared_impl, self.interpret, self.model_axis)
 
     # ------------------------------------------------------------------ one layer
     def _layer(self, x_bth, lp, prefix_kv, suffix_kv, *, pos_bt, n_new_b, lengths_b, new_lengths_b,
@@ -178,9 +186,20 @@ class Llama:
         q, k, v = (dense(h, lp[w]).reshape(b, t, n, heads[2]) for w, n in (("wq", heads[0]), ("wk", heads[1]),
                                                                              ("wv", heads[1])))
         q, k = apply_rope(q, pos_bt, self.inv_freq), apply_rope(k, pos_bt, self.inv_freq)
-        x_bth = x_bth + dense(attend(q, k, v).reshape(b, t, heads[0] * heads[2]), lp["wo"]).astype(x_bth.dtype)
+        attn = self._sum_shards(dense(attend(q, k, v).reshape(b, t, heads[0] * heads[2]), lp["wo"]))
+        x_bth = x_bth + attn.astype(x_bth.dtype)
         h = rms_norm(x_bth, lp["mlp_norm"], c.rms_norm_eps)
-        return x_bth + swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]).astype(x_bth.dtype), (k, v)
+        mlp = self._sum_shards(swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
+        return x_bth + mlp.astype(x_bth.dtype), (k, v)
+
+    def _sum_shards(self, x: jax.Array) -> jax.Array:
+        """The all-reduce over the model axis of a row-split projection (identity on one device)."""
+        return x if self.model_axis is None else jax.lax.psum(x, self.model_axis)
+
+    def _embed(self, table_vh: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+        if self.model_axis is None:
+            return embed(table_vh, tokens_bt)
+        return embed_lookup(table_vh, tokens_bt, self.model_axis)
 
     # ------------------------------------------------------------------ shared core
     def extend(self, params: dict, prefix: PrefixCache, layers: Any, lengths_b: jax.Array,
@@ -195,7 +214,7 @@ class Llama:
         b, t = tokens_bt.shape
         n_new_b = n_new_b.astype(jnp.int32)
         dtype = params["embed"].dtype
-        x = embed(params["embed"], tokens_bt).astype(dtype)
+        x = self._embed(params["embed"], tokens_bt).astype(dtype)
         ti = jnp.arange(t, dtype=jnp.int32)[None, :]
         pos = jnp.maximum(pos_offset_b[:, None] + lengths_b[:, None] + ti - (t - n_new_b)[:, None], 0)
         new_lengths = lengths_b + n_new_b

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import LlamaConfig
+from models.sharding import place_params
 
 __all__ = ["hf_param_shapes", "init_params", "load_hf_checkpoint", "params_from_hf_state_dict",
            "stack_layers", "unstack_layers"]
@@ -105,9 +106,16 @@ def _check_names(config: LlamaConfig, names, shape_of) -> None:
         raise ValueError("state dict does not match the Llama config: " + "; ".join(problems))
 
 
-def params_from_hf_state_dict(config: LlamaConfig, state_dict: Mapping[str, np.ndarray], dtype=jnp.float32) -> dict:
-    """Parameters (stacked layout) from a Hugging Face-named state dict of numpy arrays."""
+def params_from_hf_state_dict(config: LlamaConfig, state_dict: Mapping[str, np.ndarray], dtype=jnp.float32, *,
+                              mesh=None) -> dict:
+    """Parameters (stacked layout) from a Hugging Face-named state dict of numpy arrays.
+
+    ``mesh`` (a ``("data", "model")`` mesh of :func:`models.sharding.make_mesh`): each device
+    receives only its block of each tensor, cut, padded and cast on the host
+    (:func:`models.sharding.place_params`); the model is never whole on one device."""
     _check_names(config, state_dict.keys(), lambda n: np.shape(state_dict[n]))
+    if mesh is not None:
+        return place_params(config, lambda name, layer: _hf_tensor(state_dict, name, layer), mesh, dtype)
 
     def get(name, transpose):
         x = np.asarray(state_dict[name])
@@ -126,6 +134,24 @@ def params_from_hf_state_dict(config: LlamaConfig, state_dict: Mapping[str, np.n
     if not config.tie_word_embeddings:
         params["lm_head"] = to_dev(get("lm_head.weight", True))
     return params
+
+
+_TOP_MAP = types.MappingProxyType({  # ours -> (HF name, transpose)
+    "embed": ("model.embed_tokens.weight", False),
+    "final_norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+})
+
+
+def _hf_tensor(state_dict: Mapping[str, np.ndarray], name: str, layer: int | None) -> np.ndarray:
+    """Host array of our parameter ``name`` (of ``layer``) in ``[in, out]`` orientation (a view)."""
+    if layer is None:
+        hf, transpose = _TOP_MAP[name]
+    else:
+        suffix, transpose = _LAYER_MAP[name]
+        hf = f"model.layers.{layer}.{suffix}"
+    x = np.asarray(state_dict[hf])
+    return x.T if transpose else x
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -159,14 +185,15 @@ def _read_safetensors(files: list[str]) -> dict[str, np.ndarray]:
     return out
 
 
-def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
-    """``(config, params)`` from a Hugging Face Llama checkpoint directory."""
+def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None) -> tuple[LlamaConfig, dict]:
+    """``(config, params)`` from a Hugging Face Llama checkpoint directory (``mesh``: placed in
+    their shards, as :func:`params_from_hf_state_dict`)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint path {path!r} is not a directory")
     config = LlamaConfig.from_hf_config(path)
     state = _read_safetensors(_safetensors_files(path))
-    return config, params_from_hf_state_dict(config, state, dtype)
+    return config, params_from_hf_state_dict(config, state, dtype, mesh=mesh)
 
 
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.bfloat16, *, std: float = 0.02) -> dict:
