@@ -97,18 +97,17 @@ def random_forest(rng, n_trees, max_depth, max_branch, max_len, seqs_per_leaf=(1
 
 
 def tree_inputs(tree, *, tq, hq, hkv, d, smax, seed, dtype=None, extra_pool=7):
-    """Random ``(q, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths)`` for ``tree``."""
+    """Random ``(q, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths)`` for ``tree``, drawn by
+    NumPy (no random-number program to compile for each shape)."""
     dtype = jnp.float32 if dtype is None else dtype
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    b = tree.num_seqs
-    n = tree.pool_extent + extra_pool
-    q = jax.random.normal(ks[0], (b, tq, hq, d), dtype)
-    kp = jax.random.normal(ks[1], (n, hkv, d), dtype)
-    vp = jax.random.normal(ks[2], (n, hkv, d), dtype)
-    sk = jax.random.normal(ks[3], (b, smax, hkv, d), dtype)
-    sv = jax.random.normal(ks[4], (b, smax, hkv, d), dtype)
-    sl = jax.random.randint(ks[5], (b,), 0, smax + 1).astype(jnp.int32)
-    return q, kp, vp, sk, sv, sl
+    rng = np.random.default_rng(seed)
+    b, n = tree.num_seqs, tree.pool_extent + extra_pool
+    shapes = ((b, tq, hq, d), (n, hkv, d), (n, hkv, d), (b, smax, hkv, d), (b, smax, hkv, d))
+    q, kp, vp, sk, sv = (jnp.asarray(rng.standard_normal(s, np.float32).astype(dtype)) for s in shapes)
+    return q, kp, vp, sk, sv, jnp.asarray(rng.integers(0, smax + 1, b), jnp.int32)
+
+
+_attention = jax.jit(reference.attention, static_argnames=("causal", "sm_scale"))
 
 
 def concat_oracle(tree, q, kp, vp, sk, sv, sl, sm_scale=None, lmax=None):
@@ -126,8 +125,8 @@ def concat_oracle(tree, q, kp, vp, sk, sv, sl, sm_scale=None, lmax=None):
     pad = lambda c: np.concatenate([c, np.zeros((lmax - c.shape[0],) + c.shape[1:], c.dtype)])  # noqa: E731
     k = jnp.asarray(np.stack([pad(c) for c in ctx_k]))
     v = jnp.asarray(np.stack([pad(c) for c in ctx_v]))
-    o, l = reference.attention(q.astype(jnp.float32), k, v, causal=True, kv_lengths=jnp.asarray(lens),
-                               sm_scale=sm_scale)
+    o, l = _attention(jnp.asarray(np.asarray(q, np.float32)), k, v, causal=True, kv_lengths=jnp.asarray(lens),
+                      sm_scale=sm_scale)
     return o.astype(q.dtype), l
 
 
@@ -137,9 +136,9 @@ def poison_outside_tree(tree, kp, vp, sk, sv, sl):
     used = np.zeros(kp.shape[0], bool)
     for s, n in zip(tree.starts, tree.lengths):
         used[s:s + n] = True
-    smask = (jnp.arange(sk.shape[1])[None, :] < sl[:, None])[..., None, None]
-    return (jnp.where(used[:, None, None], kp, jnp.nan), jnp.where(used[:, None, None], vp, jnp.nan),
-            jnp.where(smask, sk, jnp.nan), jnp.where(smask, sv, jnp.nan)), used
+    smask = (np.arange(sk.shape[1])[None, :] < np.asarray(sl)[:, None])[..., None, None]
+    bad = lambda keep, x: jnp.asarray(np.where(keep, np.asarray(x), np.nan).astype(x.dtype))  # noqa: E731
+    return (bad(used[:, None, None], kp), bad(used[:, None, None], vp), bad(smask, sk), bad(smask, sv)), used
 
 
 # ------------------------------------------------------------------ shared-prefix plans

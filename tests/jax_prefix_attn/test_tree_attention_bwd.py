@@ -2,6 +2,8 @@
 ``tree_attention`` through them: kernels vs their dense reference, the reference vs float64
 NumPy, end-to-end gradients vs the oracle's (autodiff of ``reference.attention`` over the
 gathered contexts), NaN poison, grad of grad, the Triton lowering for CUDA; GPU: compiled."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,34 +27,44 @@ def _sorted_case(tree, *, tq, hq, hkv, d, seed, dtype=jnp.float32, block_kv=128,
     """Inputs of ``tree_grads`` in the sorted layout, with the merged statistics of the tree part
     alone (no suffix): ``lse`` from the forward, random ``d_out`` and ``dlse``."""
     q, kp, vp, _, _, _ = make_inputs(tree, tq=tq, hq=hq, hkv=hkv, d=d, smax=0, seed=seed, dtype=dtype)
-    b = tree.num_seqs
-    sl = jnp.zeros((b,), jnp.int32)
-    sk = jnp.zeros((b, 0, hkv, d), dtype)
     meta = build_tree_metadata(tree, tq=tq, group=hq // hkv, pool_size=kp.shape[0], block_kv=block_kv,
                                chunks_per_item=chunks_per_item, max_block_m=max_block_m, device=False)
     meta = jax.tree_util.tree_map(jnp.asarray, meta)
     scale = 0.7 / np.sqrt(d)
+    rng = np.random.default_rng(seed + 100)
+    do = jnp.asarray(rng.standard_normal(q.shape, np.float32).astype(dtype))
+    dl = jnp.asarray(rng.standard_normal(q.shape[:3], np.float32))
+    args, tables = _sorted_layout(q, kp, vp, do, dl, meta, scale=scale)
+    sched = meta.flatten
+    static = dict(group=hq // hkv, block_rows=sched.block_rows, block_kv=sched.block_kv, sm_scale=scale)
+    return args, tables, static, (q, args[4], args[5], do, dl, meta, scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _sorted_layout(q, kp, vp, do, dl, meta, *, scale):
+    """``(q, do, lse, delta, k_pool, v_pool)`` in the sorted-row layout (pool padded to the
+    schedule's window) and the flatten schedule's tables, in one compiled program."""
+    b, hkv = q.shape[0], kp.shape[1]
+    g = q.shape[2] // hkv
+    sl = jnp.zeros((b,), jnp.int32)
+    sk = jnp.zeros((b, 0, hkv, q.shape[3]), q.dtype)
     out, lse = schedule_forward(q, meta, kp, vp, sk, sk, sl, scale=scale, schedule="flatten", backend="mirror")
-    ks = jax.random.split(jax.random.PRNGKey(seed + 100), 2)
-    do = jax.random.normal(ks[0], q.shape, dtype)
-    dl = jax.random.normal(ks[1], lse.shape, jnp.float32)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1) - dl
-    g = hq // hkv
     key, lim = row_tables(meta, sl)
     stat = lambda x: q_sorted(x[..., None], meta, hkv)[..., 0]  # noqa: E731
     sched = meta.flatten
     kp, vp = pad_pool(kp, vp, sched.block_kv)
     args = (q_sorted(q, meta, hkv), q_sorted(do, meta, hkv), stat(lse), stat(delta), kp, vp)
     tables = (sched.items, sched.tok, sched.chunk_start, sched.parts, jnp.repeat(key, g), jnp.repeat(lim, g))
-    static = dict(group=g, block_rows=sched.block_rows, block_kv=sched.block_kv, sm_scale=scale)
-    return args, tables, static, (q, kp, vp, do, dl, meta, scale)
+    return args, tables
 
 
-def _reference(args, tables, static, meta):
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def _reference(args, tables, meta, *, sm_scale):
     """tree_grads_reference on the same inputs (token tables and sorted rows, no items)."""
     items, tok, cs, parts, key, lim = tables
     return tree_grads_reference(*args, tok, cs, meta.sorted_rows, key, lim, n_rows=parts.shape[0],
-                                sm_scale=static["sm_scale"])
+                                sm_scale=sm_scale)
 
 
 CASES = [  # (forest, tq, hq, hkv, d, dtype, block_kv, chunks_per_item)
@@ -79,7 +91,7 @@ def test_tree_grads_match_reference_interpret(case):
     args, tables, static, extra = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=d, seed=case, dtype=dtype,
                                                block_kv=bkv, chunks_per_item=cpi)
     got = jax.jit(lambda *a: tree_grads(*a, **static, block_k=16, dq_block_k=bkv, interpret=True))(*args, *tables)
-    want = _reference(args, tables, static, extra[5])
+    want = _reference(args, tables, extra[5], sm_scale=static["sm_scale"])
     assert got[0].dtype == jnp.float32 and got[1].dtype == got[2].dtype == dtype
     for a, w in zip(got, want):
         assert a.shape == w.shape
@@ -94,7 +106,7 @@ def test_reference_matches_float64_numpy():
     tq, hq, hkv, d = 2, 4, 2, 16
     args, tables, static, (q, kp, vp, do, dl, meta, scale) = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=d,
                                                                           seed=5, block_kv=16)
-    dq, dk, dv = _reference(args, tables, static, meta)
+    dq, dk, dv = _reference(args, tables, meta, sm_scale=scale)
     g = hq // hkv
     b = tree.num_seqs
     dq = np.asarray(dq).reshape(b, tq, hq, d)
@@ -134,7 +146,8 @@ def test_chunk_item_ranges_brute_force():
             meta = build_tree_metadata(tree, tq=2, group=2, pool_size=tree.pool_extent + 3, block_kv=16,
                                        chunks_per_item=cpi, device=False)
             items, nc = meta.flatten.items, meta.flatten.tok.shape[0]
-            first, count, tile = (np.asarray(x) for x in chunk_item_ranges(jnp.asarray(items), nc))
+            first, count, tile = (np.asarray(x) for x in jax.jit(chunk_item_ranges, static_argnums=1)(
+                jnp.asarray(items), nc))
             for c in range(nc):
                 readers = [w for w in range(items.shape[0])
                            if items[w, NTILES] > 0 and items[w, CHUNK] <= c < items[w, CHUNK] + items[w, NTILES]]
@@ -196,16 +209,28 @@ def test_tree_grads_validation():
 # ----------------------------------------------------------------------------- end to end
 
 
-def _grads(tree, inputs, impl, w_seed=42, **kw):
+def _grad_fn(tree, inputs, impl, w_seed=42, **kw):
+    """``jit(grad)`` of a random projection of ``(out, lse)`` with respect to ``(q, k_pool,
+    v_pool, suffix_k, suffix_v)``."""
     q, kp, vp, sk, sv, sl = inputs
-    ks = jax.random.split(jax.random.PRNGKey(w_seed), 2)
-    w_o = jax.random.normal(ks[0], q.shape)
-    w_l = jax.random.normal(ks[1], q.shape[:3])
+    rng = np.random.default_rng(w_seed)
+    w_o = jnp.asarray(rng.standard_normal(q.shape, np.float32))
+    w_l = jnp.asarray(rng.standard_normal(q.shape[:3], np.float32))
 
     def f(q, kp, vp, sk, sv):
         o, l = tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl=impl, return_lse=True, **kw)
         return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * w_l)
-    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, kp, vp, sk, sv)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))
+
+
+def _grads(tree, inputs, impl, w_seed=42, **kw):
+    return _grad_fn(tree, inputs, impl, w_seed, **kw)(*inputs[:5])
+
+
+def _traced_grads(tree, inputs, impl, **kw):
+    """``(jaxpr text, gradients)`` of :func:`_grad_fn`'s program, traced once."""
+    traced = _grad_fn(tree, inputs, impl, **kw).trace(*inputs[:5])
+    return str(traced.jaxpr), traced.lower().compile()(*inputs[:5])
 
 
 def _assert_grads_match(got, want):
@@ -270,11 +295,9 @@ def test_draft_token_tree_gradients_through_kernels():
     parents = jnp.asarray([-1, 0, 0, 1, -1])
     inputs = (q, kp, vp, sk, sv, sl)
     want = _grads(tree, inputs, "reference", draft_parents=parents)
-    got = _grads(tree, inputs, "flatten", interpret=True, draft_parents=parents)
+    text, got = _traced_grads(tree, inputs, "flatten", interpret=True, draft_parents=parents)
     _assert_grads_match(got, want)
-    f = lambda q, kp: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,  # noqa: E731
-                                             impl="flatten", interpret=True, draft_parents=parents))
-    assert "tree_grads_dkv" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(q, kp))
+    assert "tree_grads_dkv" in text
 
 
 def test_gradients_with_nan_poison_and_empty_rows_interpret():
@@ -297,17 +320,10 @@ def test_gradients_with_nan_poison_and_empty_rows_interpret():
 def test_kernel_backward_is_used_and_mirror_backward():
     tree = _tree("random1", seed=2)
     inputs = make_inputs(tree, tq=2, hq=4, hkv=2, d=16, smax=5, seed=8)
-    q, kp, vp, sk, sv, sl = inputs
-
-    def f(backward):
-        return lambda q, kp: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl, impl="flatten",
-                                                    interpret=True, backward=backward))
-    text = str(jax.make_jaxpr(jax.grad(f("kernels"), argnums=(0, 1)))(q, kp))
+    text, kern = _traced_grads(tree, inputs, "flatten", interpret=True)
     assert "tree_grads_dkv" in text and "tree_grads_dq" in text
-    kern = _grads(tree, inputs, "flatten", interpret=True)
-    text = str(jax.make_jaxpr(jax.grad(f("mirror"), argnums=(0, 1)))(q, kp))
+    text, mirror = _traced_grads(tree, inputs, "flatten", interpret=True, backward="mirror")
     assert "tree_grads_dkv" not in text
-    mirror = _grads(tree, inputs, "flatten", interpret=True, backward="mirror")
     for a, w in zip(kern, mirror):
         assert rel_err(a, w) < 1e-5
     with pytest.raises(ValueError, match="backward"):
@@ -344,7 +360,7 @@ def test_gpu_tree_grads_match_reference(dtype):
         args, tables, static, extra = _sorted_case(tree, tq=tq, hq=hq, hkv=hkv, d=max(d, 64), seed=case,
                                                    dtype=dtype, block_kv=max(bkv, 64), chunks_per_item=cpi)
         got = jax.jit(lambda *a: tree_grads(*a, **static))(*args, *tables)
-        want = _reference(args, tables, static, extra[5])
+        want = _reference(args, tables, extra[5], sm_scale=static["sm_scale"])
         for a, w in zip(got, want):
             assert np.isfinite(np.asarray(a)).all()
             assert rel_err(a, w) < TOL[dtype], (case, rel_err(a, w))
