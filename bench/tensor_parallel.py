@@ -236,9 +236,12 @@ class Bench:
 
 
 def sharded_random_params(model: ShardedLlama, dtype, *, host: bool) -> dict:
-    """Random parameters (list layout) created in their shards: one jitted ``init_params`` with
-    the shardings as outputs (no device ever holds the whole model); ``host``: drawn with numpy
-    and placed block by block (CPU smoke runs)."""
+    """Random parameters (list layout) created in their shards: every device draws its own block
+    of each parameter inside ``shard_map`` (its key folded with its model-axis index where the
+    parameter is split; copies along an unsplit axis draw the same block), so no device ever holds
+    the whole model and XLA partitions no random-number program (partitioning ``init_params``
+    over a mesh compiles for many minutes at 8B shapes).  Norms are ``1 + normal(0.1)``, matrices
+    ``normal(0.02)``; ``host``: drawn with numpy and placed block by block (CPU smoke runs)."""
     cfg = model.config
     if host:
         return shard_params(cfg, ec.random_params(cfg, seed=0, dtype=dtype, host=True), model.mesh)
@@ -250,9 +253,31 @@ def sharded_random_params(model: ShardedLlama, dtype, *, host: bool) -> dict:
     def init(key):
         return unstack_layers(init_params(cfg, key, dtype))
 
-    specs = param_specs(jax.eval_shape(init, jax.random.PRNGKey(0)))
-    out = jax.tree_util.tree_map(lambda s: NamedSharding(model.mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
-    return jax.block_until_ready(jax.jit(init, out_shardings=out)(jax.random.PRNGKey(0)))
+    avals = jax.eval_shape(init, jax.random.PRNGKey(0))
+    specs = param_specs(avals)
+    leaves, tree = jax.tree_util.tree_flatten(avals)
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(avals)[0]]
+    sizes = dict(zip(model.mesh.axis_names, model.mesh.devices.shape))
+    out, fns = [], {}   # (one compiled draw per distinct block shape, split and kind: 9 at 8B)
+    for i, (aval, spec, path) in enumerate(zip(leaves, spec_leaves, paths)):
+        axes = [a for a in spec if a is not None]
+        local = tuple(n // sizes[a] if a is not None else n
+                      for n, a in zip(aval.shape, tuple(spec) + (None,) * (len(aval.shape) - len(spec))))
+        norm = "norm" in path
+
+        def draw(key, local=local, split=MODEL in axes, norm=norm):
+            if split:
+                key = jax.random.fold_in(key, jax.lax.axis_index(MODEL))
+            x = jax.random.normal(key, local, jnp.float32)
+            return ((1 + 0.1 * x) if norm else 0.02 * x).astype(dtype)
+
+        sig = (local, MODEL in axes, norm, spec)
+        if sig not in fns:
+            fns[sig] = jax.jit(jax.shard_map(draw, mesh=model.mesh, in_specs=P(), out_specs=spec,
+                                             check_vma=False))
+        out.append(fns[sig](jax.random.fold_in(jax.random.PRNGKey(0), i)))
+    return jax.block_until_ready(jax.tree_util.tree_unflatten(tree, out))
 
 
 def make_runner(model):
