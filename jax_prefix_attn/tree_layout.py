@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from jax_prefix_attn.tree_metadata import TreeMetadata
 from jax_prefix_attn.tree_schedule import Schedule
-from pallas_kernels._common import flag_nonfinite
 
 __all__ = ["row_tables", "q_sorted", "pad_pool", "partial_dtype", "gather_parts", "merge_states",
            "part_cotangents"]
@@ -79,7 +78,9 @@ def gather_parts(sched: Schedule, o, lse, group: int):
 
 def merge_states(parts_o, parts_l):
     """Merge lists of ``o [..., P, Hkv, G, D]`` / ``lse [..., P, Hkv, G]`` over every P axis:
-    ``(o [..., Hkv, G, D] float32, lse [..., Hkv, G])``."""
+    ``(o [..., Hkv, G, D] float32, lse [..., Hkv, G])``.  A NaN part makes the row's ``o`` NaN
+    (and its ``lse`` where the part's ``lse`` is NaN); :func:`jax_prefix_attn.tree_attention`
+    flags the LSE of rows with a non-finite ``o`` once, when it returns the LSE."""
     m = None
     for l in parts_l:
         mm = jnp.max(l, axis=-3)
@@ -96,8 +97,7 @@ def merge_states(parts_o, parts_l):
     empty = total == 0
     t_safe = jnp.where(empty, 1.0, total)
     out = acc / t_safe[..., None]
-    return out, flag_nonfinite(jax.lax.stop_gradient(out),
-                               jnp.where(empty, -jnp.inf, m + jnp.log(t_safe)))
+    return out, jnp.where(empty, -jnp.inf, m + jnp.log(t_safe))
 
 
 def part_cotangents(o_part, l_part, out, lse, d_out, d_lse):
