@@ -96,10 +96,12 @@ def _top_k(logits_bv: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """``lax.top_k`` (values descending ``[B, k]``, indices ``[B, k]``) that stays a TopK.
 
     The barrier stops XLA from rewriting a TopK with unused indices or a sliced result into a
-    sort of the whole row (measured: 1.3 ms -> 160 ms on CPU for ``[6, 49152]``, k = 50).
+    sort of the whole row (measured: 1.3 ms -> 160 ms on CPU for ``[6, 49152]``, k = 50). One
+    barrier per output: XLA:CPU's TopK decomposer rejects a tuple barrier when the program is
+    partitioned over several devices.
     """
     vals, idx = jax.lax.top_k(logits_bv, k)
-    return jax.lax.optimization_barrier((vals, idx))
+    return jax.lax.optimization_barrier(vals), jax.lax.optimization_barrier(idx)
 
 
 def _nucleus(cand_desc_bc: jax.Array, log_z_b1: jax.Array, p: float) -> tuple[jax.Array, jax.Array]:

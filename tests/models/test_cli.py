@@ -522,3 +522,34 @@ def test_subprocess_prompt_file_dash_reads_stdin():
     r = _cli_subprocess(["--prompt-file", "-", "--model", "/nonexistent.gguf"], stdin="  \n")
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == "jpa-sample: error: empty prompt: give --prompt TEXT or --prompt-file FILE\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# several devices (the 4 CPU devices of tests/conftest.py)
+# ---------------------------------------------------------------------------------------------
+def test_tensor_and_data_parallel_flags_give_one_devices_completions(tiny_model, tmp_path, capsys):
+    """--tensor-parallel 2 --data-parallel 2: three samples at temperature 1 (padded to four rows
+    over the two data shards), decoded step by step, equal one device's; the summary names the
+    mesh."""
+    argv = SAMPLE_ARGV(tiny_model)
+    one, mesh = tmp_path / "one.jsonl", tmp_path / "mesh.jsonl"
+    assert _run(argv + ["-o", one], capsys)[0] == 0
+    rc, _, err = _run(argv + ["--tensor-parallel", 2, "--data-parallel", 2, "-o", mesh], capsys)
+    assert rc == 0, err
+    assert "tensor_parallel=2 data_parallel=2" in err and "3 sequences (1 prompt x 3 samples)" in err
+    assert _texts(_records(mesh)) == _texts(_records(one)) and len(_records(one)) == 3
+    assert len({tuple(r["token_ids"]) for r in _records(one)}) > 1, "samples of one prompt should differ"
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--tensor-parallel", "8"], "--tensor-parallel 8 x --data-parallel 1: tensor_parallel=8 x data_parallel=1 "
+                                 "needs 8 devices, but only 4"),
+    (["--tensor-parallel", "2", "--data-parallel", "3"], "needs 6 devices, but only 4"),
+    (["--tensor-parallel", "0"], "argument --tensor-parallel: must be >= 1, got 0"),
+    (["--data-parallel", "two"], "argument --data-parallel: expected an integer, got 'two'"),
+])
+def test_impossible_device_counts_exit_2_before_loading(argv, msg, no_loading, capsys):
+    assert len(jax.devices()) == 4
+    rc, out, err = _run(["-p", "x"] + argv, capsys)
+    _one_error_line(rc, out, err, msg)
+    assert no_loading == []

@@ -1,7 +1,8 @@
 """`models.LLM`: text in, completions out, on a tiny random Llama GGUF (and the built-in SmolLM2
 against transformers): samples independent of `n` and of the other prompts, automatic sharing
 equal to flat, stream deltas joining to the generated text, stop strings, EOS, log-probs equal to
-a log-softmax of a forward pass, prompt formats, argument errors; the sharing planner."""
+a log-softmax of a forward pass, prompt formats, argument errors; the sharing planner; tensor and
+data parallel on the 4 CPU devices equal to one device; batch-size buckets (no new compile)."""
 import dataclasses
 import os
 
@@ -9,11 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 
 from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
 from models import LLM, Completion, PromptBatch, plan_prompt_batch
+from models.batch_buckets import batch_bucket, pad_batch
 from models.gguf import CheckpointError, load_gguf, write_llama_gguf
 from models.llm import FinishEvent, PhaseEvent, StepEvent, TokenEvent
+from models.sharding import make_mesh, padded_shapes, param_spec
 
 SHARED = "In the beginning the cat sat on the mat, "            # > MIN_SHARED_TOKENS tokens
 PROMPTS = [SHARED + "then", SHARED + "and the dog", SHARED + "so it"]
@@ -312,12 +316,9 @@ def _compare(llm, hf, torch, stops, results):
             assert c.finish_reason == ("length" if end is None else "stop")
 
 
-@pytest.mark.gpu
-def test_smollm2_shaped_model_on_gpu_shared_equals_flat(tmp_path):
-    """On a GPU (Pallas kernels), a random checkpoint with SmolLM2-135M's shapes (30 layers,
-    9 query / 3 kv heads of 64, tied embeddings): float32 samples through the shared kernels
-    equal the flat ones; bfloat16 (the GPU default) gives finite log-probs.  (The built-in
-    model's own answers are checked against transformers on the CPU.)"""
+def _smollm2_shaped_gguf(tmp_path):
+    """A random checkpoint with SmolLM2-135M's shapes (30 layers, 9 query / 3 kv heads of 64,
+    tied embeddings) and the tiny tokenizer."""
     meta = tiny_tokenizer_meta()
     cfg = tiny_config(vocab_size=len(meta["tokens"]), bos_token_id=1, eos_token_id=2, hidden_size=576,
                       intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -327,6 +328,16 @@ def test_smollm2_shaped_model_on_gpu_shared_equals_flat(tmp_path):
     weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * 4
     path = tmp_path / "smol_shaped.gguf"
     write_llama_gguf(path, cfg, weights, tokenizer=meta)
+    return path
+
+
+@pytest.mark.gpu
+def test_smollm2_shaped_model_on_gpu_shared_equals_flat(tmp_path):
+    """On a GPU (Pallas kernels), a random checkpoint with SmolLM2-135M's shapes (30 layers,
+    9 query / 3 kv heads of 64, tied embeddings): float32 samples through the shared kernels
+    equal the flat ones; bfloat16 (the GPU default) gives finite log-probs.  (The built-in
+    model's own answers are checked against transformers on the CPU.)"""
+    path = _smollm2_shaped_gguf(tmp_path)
     llm = LLM.load(path, dtype="float32")
     prompts = [SHARED * 8 + q for q in ("then", "and the dog", "so it")]
     outs = {a: llm.generate(prompts, n=4, max_new_tokens=24, seed=1, attention=a, logprobs=True)
@@ -339,3 +350,104 @@ def test_smollm2_shaped_model_on_gpu_shared_equals_flat(tmp_path):
     for row in out:
         for c in row:
             assert c.finish_reason in ("stop", "length") and np.isfinite(c.logprobs).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# several devices (the 4 CPU devices of tests/conftest.py) and batch-size buckets
+# ---------------------------------------------------------------------------------------------
+def test_tensor_and_data_parallel_give_one_devices_tokens(llm):
+    """`LLM.load(tensor_parallel=2, data_parallel=2)`: every split parameter sits in blocks on its
+    devices (none holds it whole), and greedy decoding of three prompts (padded to four rows, two
+    per data shard) gives one device's tokens and log-probabilities."""
+    mp = LLM.load(llm.info["path"], tensor_parallel=2, data_parallel=2)
+    assert (mp.tensor_parallel, mp.data_parallel) == (2, 2) and mp.mesh.devices.size == 4
+    assert mp.info["num_parameters"] == llm.info["num_parameters"]
+    shapes = padded_shapes(mp.config, 2)
+    for path, x in jax.tree_util.tree_leaves_with_path(mp.params):
+        name = str(path[-1].key)
+        assert isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mp.mesh, name
+        assert x.sharding.spec == param_spec(name, x.ndim), name
+        if shapes.padded_axis(name, mp.config) is not None:
+            assert all(s.data.size * 2 == x.size for s in x.addressable_shards), name
+    want = llm.generate(PROMPTS, max_new_tokens=M, temperature=0, logprobs=True)
+    got = mp.generate(PROMPTS, max_new_tokens=M, temperature=0, logprobs=True)
+    assert len({c.token_ids for row in want for c in row}) == 3, "a meaningful reference: the prompts differ"
+    assert _ids(got) == _ids(want) and [[c.text for c in r] for r in got] == [[c.text for c in r] for r in want]
+    for gr, wr in zip(got, want):
+        assert gr[0].logprobs == pytest.approx(wr[0].logprobs, abs=1e-4)
+    assert got.sharing == want.sharing and got.timings.new_tokens == want.timings.new_tokens
+
+
+def test_several_devices_argument_errors(llm):
+    """Mesh problems are ValueErrors naming the argument, raised before any file is read."""
+    n = len(jax.devices())
+    missing = os.path.join(os.path.dirname(llm.info["path"]), "missing.gguf")
+    with pytest.raises(ValueError, match=rf"tensor_parallel={2 * n} x data_parallel=1 needs {2 * n} devices, "
+                                         rf"but only {n}"):
+        LLM.load(missing, tensor_parallel=2 * n)
+    with pytest.raises(ValueError, match=rf"tensor_parallel=2 x data_parallel={n} needs {2 * n} devices"):
+        LLM.load(missing, tensor_parallel=2, data_parallel=n)
+    with pytest.raises(ValueError, match="tensor_parallel must be an int >= 1, got 0"):
+        LLM.load(missing, tensor_parallel=0)
+    with pytest.raises(ValueError, match="data_parallel must be an int >= 1, got 1.5"):
+        LLM.load(missing, data_parallel=1.5)
+    with pytest.raises(ValueError, match="pass mesh= or tensor_parallel= / data_parallel=, not both"):
+        LLM.load(missing, tensor_parallel=2, mesh=make_mesh(2))
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        LLM.load(missing, mesh="two devices")
+
+
+def test_three_and_four_prompts_share_one_compile(llm):
+    """The rows are padded to a bucket (copies of row 0, dropped from the results): a call with
+    four prompts after one with three compiles nothing, and the three prompts' samples are the
+    same in both calls."""
+    three = llm.generate(PROMPTS, max_new_tokens=M, seed=SEED, logprobs=True)
+    four = llm.generate(PROMPTS + [SHARED + "but the"], max_new_tokens=M, seed=SEED, logprobs=True)
+    assert four.timings.compile_s == 0.0
+    assert len(three) == 3 and len(four) == 4 and _ids(four)[:3] == _ids(three)
+    assert three.sharing.sequences == 3 and three.timings.new_tokens == sum(len(r[0].token_ids) for r in three)
+
+
+def test_pad_batch_copies_real_rows_into_a_bucket():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 24]
+    assert [batch_bucket(b, 3) for b in (1, 3, 5, 9)] == [3, 6, 9, 18]
+    rng = np.random.default_rng(3)
+    tok = lambda k: rng.integers(3, 99, k).tolist()  # noqa: E731
+    cases = [  # (batch, multiple, padded rows)
+        (PromptBatch.plain([tok(3), tok(5), tok(2)]), 1, 4),
+        (PromptBatch.plain([tok(3), tok(5), tok(2)]), 3, 6),
+        (PromptBatch.shared(tok(20), num_samples=3), 2, 4),              # one node: rows appended
+        (PromptBatch.shared(tok(20), suffixes=[tok(2), [], tok(4)]), 1, 4),
+        (PromptBatch.two_level(tok(20), [tok(3), tok(1), tok(2)], num_samples=2), 1, 8),   # 3 -> 4 groups
+        (PromptBatch.two_level(tok(20), [tok(3), tok(1), tok(2)], num_samples=3), 2, 12),  # 4 groups: 12 rows
+        (plan_prompt_batch([tok(5) for _ in range(5)], 3), 1, 24),       # one level of 5 prompts -> 8
+        (PromptBatch.two_level(tok(20), [tok(3), tok(1), tok(2), tok(4)], num_samples=2), 1, 8),  # a bucket
+    ]
+    for batch, multiple, rows in cases:
+        p = pad_batch(batch, multiple=multiple)
+        assert p.rows == batch.batch and p.batch.batch == rows and rows % multiple == 0
+        p.batch.validate(100)
+        assert p.source.tolist()[:batch.batch] == list(range(batch.batch))
+        assert all(p.batch.full_prompt(r) == batch.full_prompt(int(s)) for r, s in enumerate(p.source))
+        assert [lv[:len(ol)] for lv, ol in zip(p.batch.levels, batch.levels)] == list(batch.levels)
+
+
+@pytest.mark.gpu
+def test_two_gpus_llm_samples_equal_one(tmp_path):
+    """2 GPUs, the SmolLM2-shaped checkpoint in float32 (3 kv heads: padded to 4 at tp 2):
+    `LLM.load(tensor_parallel=2)` and `LLM.load(data_parallel=2)` draw one GPU's samples with
+    the default sampling (top-k 50, top-p 0.95, through the Pallas kernels on each shard), three
+    prompts x 2 samples (padded rows), in the fused loop and step by step (a stop string)."""
+    path = _smollm2_shaped_gguf(tmp_path)
+    prompts = [SHARED * 8 + q for q in ("then", "and the dog", "so it")]
+    one = LLM.load(path, dtype="float32")
+    for kw in (dict(), dict(stop="zzzz-never")):
+        want = one.generate(prompts, n=2, max_new_tokens=24, seed=1, logprobs=True, **kw)
+        assert len({c.token_ids for row in want for c in row}) > 3
+        for tp, dp in ((2, 1), (1, 2)):
+            got = LLM.load(path, dtype="float32", tensor_parallel=tp, data_parallel=dp).generate(
+                prompts, n=2, max_new_tokens=24, seed=1, logprobs=True, **kw)
+            assert _ids(got) == _ids(want), (tp, dp, kw)
+            for gr, wr in zip(got, want):
+                for g, w in zip(gr, wr):
+                    assert g.logprobs == pytest.approx(w.logprobs, abs=2e-3)

@@ -74,7 +74,7 @@ def test_greedy_tokens_equal_one_device(case, tp, dp):
 
 @pytest.mark.parametrize("case", ["kv3"], indirect=True)
 def test_sampling_flat_cache_and_stream_on_2x2(case):
-    """Temperature sampling draws one device's tokens; the flat cache layout and the step-by-step
+    """Temperature sampling, alone and with top-k and top-p, draws one device's tokens; the flat cache layout and the step-by-step
     stream decode one device's greedy tokens."""
     _, model, params, pb, base = case
     mesh = make_mesh(2, 2)
@@ -84,6 +84,10 @@ def test_sampling_flat_cache_and_stream_on_2x2(case):
     got = generate(model, params, pb, max_new_tokens=NEW, eos_token_ids=(), sampling=hot, keys=keys, mesh=mesh)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     assert (want.tokens != base.tokens).any()
+    nucleus = SamplingConfig(temperature=1.0, top_k=20, top_p=0.9)   # top-k and top-p on a mesh
+    want = generate(model, params, pb, max_new_tokens=NEW, eos_token_ids=(), sampling=nucleus, keys=keys)
+    got = generate(model, params, pb, max_new_tokens=NEW, eos_token_ids=(), sampling=nucleus, keys=keys, mesh=mesh)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
     flat = generate(model, params, pb, max_new_tokens=NEW, eos_token_ids=(), attention="flat", mesh=mesh)
     np.testing.assert_array_equal(flat.tokens, base.tokens)
     steps = list(generate_stream(model, params, pb, max_new_tokens=NEW, eos_token_ids=(), logprobs=True, mesh=mesh))

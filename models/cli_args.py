@@ -1,0 +1,149 @@
+"""The flags of ``jpa-sample``: :func:`build_parser` (every help text states its default once),
+:func:`parse_args` (plus the checks between flags), and :class:`UsageError` -- a user error the
+CLI reports as one line on stderr with exit status 2."""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import re
+from typing import Sequence
+
+import jax
+
+from models.generate import ATTENTION
+from models.llm import DEFAULT_MAX_NEW_TOKENS
+from models.sampling import DEFAULT_SAMPLING, SEED_MAX
+
+__all__ = ["PROG", "STDIN", "UsageError", "build_parser", "parse_args", "unescape", "version"]
+
+PROG = "jpa-sample"
+STDIN = "-"  # --prompt-file / --questions-file value that reads standard input
+
+
+class UsageError(Exception):
+    """A user error: reported as one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, status 2 (argparse prints the usage too otherwise)
+        raise UsageError(message)
+
+
+def version() -> str:
+    """``jpa-sample VERSION (jax VERSION)``."""
+    try:
+        v = importlib.metadata.version("jax-prefix-attn")
+    except importlib.metadata.PackageNotFoundError:
+        v = "(not installed)"
+    return f"{PROG} {v} (jax {jax.__version__})"
+
+
+def _int_at_least(lo, hi=None):
+    """An argparse type: an integer `>= lo` (and `<= hi` when given)."""
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if hi is not None and not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {v}")
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
+def _question_format(s):
+    """An argparse type: a `str.format` template that formats with only `question=`."""
+    try:
+        s.format(question="q")
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"bad template {s!r}: {type(e).__name__}: {e}") from None
+    return s
+
+
+def _float_in(lo, hi, lo_open=False, what=""):
+    def parse(s):
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+        if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {s}")
+        return v
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags; every help text states the default once."""
+    d = DEFAULT_SAMPLING
+    p = _Parser(prog=PROG, description="Sample completions of prompts sharing a prefix (shared-prefix attention, "
+                "JAX).")
+    p.add_argument("--version", action="version", version=version())
+    p.add_argument("--model", default=None, help="Llama GGUF file or Hugging Face directory (default: the built-in "
+                   "SmolLM2-135M-Instruct)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", "-p", default=None, help="the shared prompt (prefix) (default: none)")
+    src.add_argument("--prompt-file", default=None,
+                     help="read the shared prompt from this file, '-' for standard input (default: none)")
+    p.add_argument("--questions-file", default=None,
+                   help="one question per line, each gets --num-samples completions after the shared prompt; "
+                        "'-' for standard input (default: none)")
+    p.add_argument("--question-format", type=_question_format, default="Q: {question}\nA:",
+                   help="without --chat: how a question is appended to the prompt (default: %(default)r)")
+    p.add_argument("--chat", action="store_true", help="format with the model's chat template (default: off)")
+    p.add_argument("--num-samples", "-n", type=_int_at_least(1), default=1,
+                   help="completions per prompt (default: %(default)s)")
+    p.add_argument("--max-new-tokens", "-m", type=_int_at_least(1), default=DEFAULT_MAX_NEW_TOKENS,
+                   help="tokens to generate at most per completion (default: %(default)s)")
+    p.add_argument("--temperature", "-t", type=_float_in(0, 100, what="a number in [0, 100]"),
+                   default=d.temperature, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=_float_in(0, 1, lo_open=True, what="in (0, 1]"), default=d.top_p,
+                   help="nucleus sampling, 1 = off (default: %(default)s)")
+    p.add_argument("--top-k", type=_int_at_least(0), default=d.top_k, help="0 = off (default: %(default)s)")
+    p.add_argument("--seed", type=_int_at_least(0, SEED_MAX), default=0,
+                   help=f"PRNG seed, an integer in [0, {SEED_MAX}]; sample i of question j depends only on the "
+                        "seed, i and j (default: %(default)s)")
+    p.add_argument("--stop", action="append", default=None, metavar="STRING",
+                   help="end a completion at this string, not included; repeatable; \\n, \\t and \\\\ are "
+                        "newline, tab and backslash (default: only the model's end-of-sequence tokens)")
+    p.add_argument("--logprobs", action="store_true",
+                   help="with --output: each token's log-probability in the records (default: off)")
+    p.add_argument("--attention", choices=ATTENTION, default="auto",
+                   help="KV-cache layout: shared prefixes stored once, or flat copies; auto = shared when "
+                        "sequences share a prefix (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="parameter/cache dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--tensor-parallel", type=_int_at_least(1), default=1, metavar="N",
+                   help="split the model's heads, FFN and vocabulary over N devices (default: %(default)s)")
+    p.add_argument("--data-parallel", type=_int_at_least(1), default=1, metavar="M",
+                   help="split the sequences over M groups of --tensor-parallel devices; the first N x M devices "
+                        "are used (default: %(default)s)")
+    p.add_argument("--output", "-o", default=None,
+                   help="write one JSON object per completion to this .jsonl, checked for writing before the "
+                        "model loads (default: print the completions)")
+    p.add_argument("--demo", action="store_true",
+                   help="built-in example: chat, a shared system prompt and three questions; --prompt / "
+                        "--questions-file still override them (default: off)")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="live progress line on stderr; auto = when stderr is a terminal (default: %(default)s)")
+    return p
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parser.parse_args(argv)` plus the checks between flags (via `parser.error`)."""
+    args = parser.parse_args(argv)
+    if args.prompt_file == STDIN and args.questions_file == STDIN:
+        parser.error("--prompt-file and --questions-file cannot both be '-' (standard input)")
+    if args.stop is not None:
+        args.stop = [unescape(s) for s in args.stop]
+        if any(not s for s in args.stop):
+            parser.error("argument --stop: expected a non-empty string")
+    return args
+
+
+def unescape(s: str) -> str:
+    """`\\n`, `\\t` and `\\\\` in a flag value as newline, tab and backslash (a shell passes
+    `--stop "\\n"` as a backslash and an n)."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m[1]], s)

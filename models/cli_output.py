@@ -1,0 +1,75 @@
+"""What ``jpa-sample`` writes: completion blocks with control characters escaped
+(:func:`printable`, :func:`completion_header`), the summary line on stderr
+(:func:`summary_line`), one JSONL record per completion (:func:`jsonl_record`) and one-line
+errors (:func:`error_line`)."""
+from __future__ import annotations
+
+import argparse
+import types
+
+import jax
+
+from models.completion import Completion, Generation
+from models.llm import LLM
+
+__all__ = ["completion_header", "error_line", "jsonl_record", "printable", "summary_line"]
+
+_CONTROL = types.MappingProxyType({c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f, *range(0x80, 0xa0))
+                                   if c not in (0x09, 0x0a)})
+
+
+def printable(text: str) -> str:
+    """`text` with control characters other than newline and tab written as `\\xNN` escapes:
+    generated text cannot move the cursor or send escape sequences to the terminal."""
+    return text.translate(_CONTROL)
+
+
+def error_line(message: str) -> str:
+    """`message` on one line: its non-blank lines joined by spaces."""
+    return " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+
+
+def completion_header(j: int, i: int, c: Completion, questions: list[str] | None, n: int) -> str:
+    """The line above a printed completion: question, sample, finish reason, token count."""
+    where = f"question {j + 1}: {questions[j]}, " if questions else ""
+    return f"--- {where}sample {i + 1}/{n} ({c.finish_reason}, {len(c.token_ids)} tokens) ---\n"
+
+
+def summary_line(llm: LLM, result: Generation | None, *, b: int, groups: int, n: int, load_s: float,
+                 interrupted: bool) -> str:
+    """The run's summary: sequences, tokens, load / compile / prefill / first-token / decode
+    times and rate, what was shared, the device (and the mesh, when there is one)."""
+    t = result.timings if result is not None else None
+    plural = lambda k, word: f"{k} {word}{'s' if k > 1 else ''}"  # noqa: E731
+    head = f"{plural(b, 'sequence')} ({plural(groups, 'prompt')} x {plural(n, 'sample')})"
+    if t is None:
+        return f"{head} | load {load_s:.2f} s | {'interrupted' if interrupted else 'no result'}"
+    rate = t.decode_tokens_per_s
+    device = f"{jax.default_backend()} {llm.info.get('dtype', '')}".rstrip()
+    if llm.mesh is not None:
+        device += f" tensor_parallel={llm.tensor_parallel} data_parallel={llm.data_parallel}"
+    parts = [f"{head}, {t.new_tokens} new tokens in {t.total_s:.2f} s", f"load {load_s:.2f} s",
+             f"compile {t.compile_s:.2f} s", f"prefill {t.prefill_s:.2f} s", f"first token {t.first_token_s:.2f} s",
+             f"decode {t.decode_tokens} tokens {t.decode_s:.2f} s"
+             + (f", {rate:.1f} tok/s without compilation" if rate is not None else ""),
+             str(result.sharing), device]
+    return " | ".join(parts)
+
+
+def jsonl_record(llm: LLM, args: argparse.Namespace, j: int, i: int, c: Completion, prompt_text: str | None,
+                 question: str | None, result: Generation | None, load_s: float) -> dict:
+    """The JSONL record of sample ``i`` of prompt ``j``: model identity, prompt, completion,
+    seed, sampling settings, log-probs (``--logprobs``), layout, device and timings."""
+    rec = {"model": llm.info, "prompt_index": j, "sample": i, "question": question, "prompt": prompt_text,
+           "completion": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+    if args.logprobs:
+        rec["logprobs"] = list(c.logprobs) if c.logprobs is not None else None
+    rec["seed"] = args.seed
+    rec["sampling"] = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                       "max_new_tokens": args.max_new_tokens, "stop": args.stop or []}
+    rec["attention"] = result.sharing.attention if result is not None else None
+    rec["device"] = jax.default_backend()
+    t = result.timings if result is not None else None
+    rec["timings"] = {"load_s": round(load_s, 4)} | ({} if t is None else {
+        k: round(getattr(t, k), 4) for k in ("compile_s", "prefill_s", "first_token_s", "decode_s", "total_s")})
+    return rec
