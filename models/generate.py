@@ -10,6 +10,8 @@ step-by-step variant.
   ``pad_token_id``).  Returns :class:`GenerateOutput` ``(tokens [B, max_new_tokens],
   lengths [B], cache, logprobs [B, max_new_tokens])``; ``lengths[b]`` counts generated tokens
   including the EOS.
+* :func:`generate_from_cache` -- the same decode loop from a cache the caller prefilled (e.g.
+  Prompt Cache's prefill at explicit positions over stored module K/V).
 * :func:`generate_stream` -- the same steps driven from Python (yields each step's tokens): the
   next decode step is dispatched before the host reads this step's tokens, so the device does
   not wait for the consumer.
@@ -52,8 +54,8 @@ from models.prefix_sharing import PromptBatch, bucket_length
 from models.sampling import GREEDY, SamplingConfig, sample_tokens, token_logprobs
 from models.sharded_llama import ShardedLlama
 
-__all__ = ["ATTENTION", "LAYOUTS", "GenerateOutput", "PromptBatch", "generate", "generate_stream",
-           "prefill_prefix_cache", "resolve_attention", "resolve_layout"]
+__all__ = ["ATTENTION", "LAYOUTS", "GenerateOutput", "PromptBatch", "generate", "generate_from_cache",
+           "generate_stream", "prefill_prefix_cache", "resolve_attention", "resolve_layout"]
 
 ATTENTION = ("auto", "shared", "flat")  # the attention choices of generate, models.LLM and jpa-sample
 
@@ -263,14 +265,33 @@ def _setup(model, params, prompts, max_new_tokens, attention, capacity, prefix_c
     else:
         _check_prefix_cache(prefix_cache, prompts, _level_repeats(model, prompts))
         prefix_cache = _match_prefix_layout(prefix_cache, params)
+    eos, pad = _stop_and_pad_ids(model, eos_token_ids, pad_token_id)
+    toks, n = prompts.suffix_arrays(buckets=shape_buckets)
+    logits, cache = model.prefill_jit(params, prefix_cache, toks, n, capacity=capacity, backend=attention)
+    return model, params, logits, cache, eos, pad
+
+
+def _stop_and_pad_ids(model, eos_token_ids, pad_token_id) -> tuple[tuple, int]:
+    """``(eos ids, pad id)``: the given ones, else the config's (pad: else the first EOS id, else 0)."""
     eos = model.config.eos_token_ids if eos_token_ids is None else tuple(int(e) for e in eos_token_ids)
     if pad_token_id is None:
         pad_token_id = model.config.pad_token_id
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
-    toks, n = prompts.suffix_arrays(buckets=shape_buckets)
-    logits, cache = model.prefill_jit(params, prefix_cache, toks, n, capacity=capacity, backend=attention)
-    return model, params, logits, cache, eos, int(pad_token_id)
+    return eos, int(pad_token_id)
+
+
+def _run_decode(model, params, cache: KVCache, logits, *, max_new_tokens: int, sampling: SamplingConfig, key, keys,
+                eos: tuple, pad: int, shape_buckets: bool) -> GenerateOutput:
+    """The jitted decode loop from a prefilled ``cache`` and its last-token ``logits [B, V]``."""
+    seq_keys = _sequence_keys(key, keys, cache.batch)
+    width = bucket_length(max_new_tokens) if shape_buckets else max_new_tokens
+    out, lps, lengths, cache = _decode_loop(model, params, cache.prefix, cache.layers, cache.lengths,
+                                            cache.pos_offset, logits, seq_keys, jnp.int32(max_new_tokens),
+                                            attention=cache.backend, width=width, sampling=sampling, eos_ids=eos,
+                                            pad_id=pad)
+    return GenerateOutput(tokens=np.asarray(out)[:, :max_new_tokens], lengths=np.asarray(lengths), cache=cache,
+                          logprobs=np.asarray(lps)[:, :max_new_tokens])
 
 
 def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens: int, attention: str | None = None,
@@ -290,14 +311,38 @@ def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens
     model, params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
                                                     prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets,
                                                     mesh)
-    seq_keys = _sequence_keys(key, keys, prompts.batch)
-    width = bucket_length(max_new_tokens) if shape_buckets else max_new_tokens
-    out, lps, lengths, cache = _decode_loop(model, params, cache.prefix, cache.layers, cache.lengths,
-                                            cache.pos_offset, logits, seq_keys, jnp.int32(max_new_tokens),
-                                            attention=cache.backend, width=width, sampling=sampling, eos_ids=eos,
-                                            pad_id=pad)
-    return GenerateOutput(tokens=np.asarray(out)[:, :max_new_tokens], lengths=np.asarray(lengths), cache=cache,
-                          logprobs=np.asarray(lps)[:, :max_new_tokens])
+    return _run_decode(model, params, cache, logits, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
+                       keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets)
+
+
+def generate_from_cache(model: Llama, params: dict, cache: KVCache, logits_bv: jax.Array, *, max_new_tokens: int,
+                        sampling: SamplingConfig = GREEDY, key: jax.Array | None = None,
+                        keys: jax.Array | None = None, eos_token_ids: Sequence[int] | None = None,
+                        pad_token_id: int | None = None, shape_buckets: bool = False) -> GenerateOutput:
+    """The decode loop of :func:`generate` from a cache the caller prefilled.
+
+    ``cache``: a :class:`KVCache` whose suffix buffers hold each sequence's prompt continuation
+    (``lengths``) and whose ``pos_offset + lengths`` is the RoPE position of the next token (e.g.
+    a prefill at explicit positions, :func:`models.prompt_cache.infer.prefill_at_positions`);
+    ``logits_bv [B, V]``: the logits after each sequence's last prompt token.  ``params`` must be
+    in the cache's layer layout.  ``cache.capacity`` must hold ``lengths + max_new_tokens - 1``
+    (ValueError otherwise).  Sampling, keys, stop and pad ids as in :func:`generate`.
+    """
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache: received {type(cache).__name__}, expected KVCache")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: received {max_new_tokens!r}, expected an int >= 1")
+    if tuple(logits_bv.shape) != (cache.batch, model.config.vocab_size):
+        raise ValueError(f"logits_bv: received shape {tuple(logits_bv.shape)}, expected "
+                         f"{(cache.batch, model.config.vocab_size)}")
+    kvc.check_layout(params["layers"], cache.layers)
+    need = int(np.asarray(cache.lengths).max()) + max_new_tokens - 1
+    if need > cache.capacity:
+        raise ValueError(f"cache: capacity {cache.capacity} cannot hold the longest prompt continuation plus "
+                         f"max_new_tokens - 1 = {need} tokens")
+    eos, pad = _stop_and_pad_ids(model, eos_token_ids, pad_token_id)
+    return _run_decode(model, params, cache, logits_bv, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
+                       keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets)
 
 
 def generate_stream(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens: int,

@@ -1,0 +1,363 @@
+"""Storage of encoded schemas (`EncodedSchema`) in three tiers with byte budgets and
+least-recently-used eviction.
+
+* `device`: K/V as device arrays, ready for cached inference;
+* `host`: K/V as NumPy arrays in host memory (cached inference copies them to the device);
+* `disk` (optional `directory`): one safetensors file per schema, `<schema name>.safetensors`,
+  and `manifest.json` with the cache's identity (model, dtype, tokenizer hashes, see
+  `models.prompt_cache.identity`) and per schema its file, schema hash and size. Only
+  safetensors and JSON are read and written, never pickle.
+
+Device and host hold an entry in at most one of them: a lookup that hits the host tier moves the
+entry to the device (`promote=True`), and an entry evicted from the device moves to the host.
+The disk keeps a copy of every entry that fits its budget, written when the entry is inserted,
+so encodings outlive the process; an entry evicted from the host is dropped from memory (and
+written to disk first if its disk copy was evicted). Each tier evicts its least recently used
+entries while it holds more bytes than its budget (`CacheBudgets`, None = unlimited); an entry
+larger than a tier's budget passes through to the next tier.
+
+A cache is bound to one model, dtype and tokenizer: a directory or file made for another one,
+or an entry encoded from other schema text or options, is refused with a ValueError naming
+what differs. `stats()` counts hits and misses per tier (a lookup that hits the host tier is a
+device miss and a host hit) and reports bytes and entries per tier and the K/V bytes per cached
+token.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+from typing import Mapping
+
+import jax
+import numpy as np
+import safetensors.numpy
+from safetensors import safe_open
+
+from models.config import LlamaConfig
+from models.llama import Llama
+from models.prompt_cache.encode import EncodedSchema, encode_schema
+from models.prompt_cache.identity import CacheIdentity, model_identity, schema_identity, tokenizer_identity
+from models.prompt_cache.layout import SchemaLayout, TokenEncoder, layout_schema
+from models.prompt_cache.pml import Schema, check_schema
+
+__all__ = ["TIERS", "CacheBudgets", "CacheStats", "PromptCache", "encoded_nbytes", "kv_bytes_per_token",
+           "load_encoded", "save_encoded"]
+
+TIERS = ("device", "host", "disk")
+FORMAT = "jax-prefix-attn prompt cache 1"
+MANIFEST = "manifest.json"
+_ARRAYS = ("k", "v", "positions", "token_ids", "keep", "lengths")
+
+
+def kv_bytes_per_token(config: LlamaConfig, dtype) -> int:
+    """K and V bytes of one cached token over all layers: `2 * L * Hkv * D * itemsize`."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * np.dtype(dtype).itemsize
+
+
+def encoded_nbytes(encoded: EncodedSchema) -> int:
+    """Bytes an `EncodedSchema` holds (its padded K/V and its index arrays)."""
+    return int(sum(getattr(encoded, a).nbytes for a in _ARRAYS))
+
+
+def save_encoded(path: str, encoded: EncodedSchema, identity: CacheIdentity, schema_hash: str) -> int:
+    """Write `encoded` to the safetensors file `path` (atomically), its identity, schema name
+    and hash as metadata; returns the file's size in bytes."""
+    tensors = {a: np.asarray(jax.device_get(getattr(encoded, a))) for a in _ARRAYS}
+    meta = {"format": FORMAT, **identity.as_dict(), "schema": encoded.schema, "schema_hash": schema_hash,
+            "names": json.dumps(list(encoded.names))}
+    tmp = path + ".tmp"
+    safetensors.numpy.save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, path)
+    return os.path.getsize(path)
+
+
+def load_encoded(path: str, identity: CacheIdentity, schema: str, schema_hash: str) -> EncodedSchema:
+    """Read an `EncodedSchema` (NumPy K/V) written by `save_encoded`; a file made for another
+    model, dtype, tokenizer or schema raises ValueError naming what differs."""
+    with safe_open(path, "np") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    got = CacheIdentity(meta.get("model", ""), meta.get("dtype", ""), meta.get("tokenizer", ""))
+    bad = identity.mismatches(got)
+    if bad:
+        raise ValueError(f"{path}: made for another model, dtype or tokenizer: {'; '.join(bad)}")
+    if meta.get("schema") != schema or meta.get("schema_hash") != schema_hash:
+        raise ValueError(f"{path}: holds schema {meta.get('schema')!r} hash {str(meta.get('schema_hash'))[:12]}, "
+                         f"expected schema {schema!r} hash {schema_hash[:12]} (other schema text or options)")
+    t = safetensors.numpy.load_file(path)
+    return EncodedSchema(schema, tuple(json.loads(meta["names"])), t["k"], t["v"], t["positions"], t["token_ids"],
+                         t["keep"], t["lengths"])
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheBudgets:
+    """Byte budget per tier; None = unlimited, 0 = the tier keeps nothing."""
+    device: int | None = None
+    host: int | None = None
+    disk: int | None = None
+
+    def __post_init__(self):
+        for t in TIERS:
+            v = getattr(self, t)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"CacheBudgets.{t}: received {v!r}, expected a non-negative int or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    """Per tier (`TIERS`): lookups that hit / missed it, entries evicted from it, bytes and
+    entries it holds; `bytes_per_token`: K/V bytes of one cached token."""
+    hits: Mapping[str, int]
+    misses: Mapping[str, int]
+    evictions: Mapping[str, int]
+    bytes: Mapping[str, int]
+    entries: Mapping[str, int]
+    bytes_per_token: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Entry:
+    schema_hash: str
+    encoded: EncodedSchema
+    nbytes: int
+
+
+def _on_host(enc: EncodedSchema) -> EncodedSchema:
+    return dataclasses.replace(enc, k=np.asarray(jax.device_get(enc.k)), v=np.asarray(jax.device_get(enc.v)))
+
+
+def _on_device(enc: EncodedSchema) -> EncodedSchema:
+    return dataclasses.replace(enc, k=jax.device_put(enc.k), v=jax.device_put(enc.v))
+
+
+class PromptCache:
+    """Encoded schemas of one model in device, host and disk tiers (see the module docstring).
+
+    `tokenizer` lays schemas out (`layout_schema` with `placeholder_id`, `bos_id`); its identity
+    is hashed unless `tokenizer_id` is given. `pad_multiple` is passed to `encode_schema`.
+    Typical use::
+
+        cache = PromptCache(model, params, tokenizer, directory="pc")
+        encoded = cache.encode_or_load(schema)        # device, host, disk, else encode
+        lay = cache.schema_layout(schema)             # for layout_prompt
+    """
+
+    def __init__(self, model: Llama, params: dict, tokenizer: TokenEncoder, *, directory: str | None = None,
+                 budgets: CacheBudgets = CacheBudgets(), tokenizer_id: str | None = None,
+                 placeholder_id: int | None = None, bos_id: int | None = None, pad_multiple: int = 8):
+        if not isinstance(model, Llama):
+            raise TypeError(f"model: received {type(model).__name__}, expected models.Llama")
+        if not isinstance(budgets, CacheBudgets):
+            raise TypeError(f"budgets: received {type(budgets).__name__}, expected CacheBudgets")
+        if tokenizer_id is not None and not isinstance(tokenizer_id, str):
+            raise TypeError(f"tokenizer_id: received {type(tokenizer_id).__name__}, expected str")
+        self.model, self.params, self.tokenizer = model, params, tokenizer
+        self.budgets, self.pad_multiple = budgets, pad_multiple
+        self.placeholder_id, self.bos_id = placeholder_id, bos_id
+        dtype = np.dtype(params["embed"].dtype)
+        self.identity = CacheIdentity(model_identity(model.config, params), dtype.name,
+                                      tokenizer_id if tokenizer_id is not None else tokenizer_identity(tokenizer))
+        self.bytes_per_token = kv_bytes_per_token(model.config, dtype)
+        self._mem = {"device": collections.OrderedDict(), "host": collections.OrderedDict()}
+        self._disk: collections.OrderedDict = collections.OrderedDict()   # name -> (schema hash, file bytes)
+        self._layouts: dict = {}
+        zero = lambda: dict.fromkeys(TIERS, 0)
+        self._hits, self._misses, self._evictions = zero(), zero(), zero()
+        self.directory = None if directory is None else os.fspath(directory)
+        if self.directory is not None:
+            self._open_directory()
+
+    # ------------------------------------------------------------------ keys and layouts
+    def schema_key(self, schema: Schema, scaffolds=()) -> str:
+        """The schema hash an encoding of `schema` with `scaffolds` is stored under."""
+        check_schema(schema)
+        return schema_identity(schema, placeholder_id=self.placeholder_id, bos_id=self.bos_id, scaffolds=scaffolds)
+
+    def schema_layout(self, schema: Schema) -> SchemaLayout:
+        """`layout_schema(schema, tokenizer, ...)` with this cache's options (kept per schema)."""
+        key = self.schema_key(schema)
+        if key not in self._layouts:
+            self._layouts[key] = layout_schema(schema, self.tokenizer, placeholder_id=self.placeholder_id,
+                                               bos_id=self.bos_id)
+        return self._layouts[key]
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, schema: Schema, scaffolds=(), *, promote: bool = True) -> EncodedSchema | None:
+        """The stored encoding of `schema` (tiers in order device, host, disk), or None.
+
+        A host or disk hit moves the entry to the device tier with `promote` (else a disk hit
+        goes to the host tier and a host hit stays there, with NumPy K/V). An entry stored for
+        other schema text or options raises ValueError."""
+        name, key = schema.name, self.schema_key(schema, scaffolds)
+        for tier in ("device", "host"):
+            entry = self._mem[tier].get(name)
+            if entry is None:
+                self._misses[tier] += 1
+                continue
+            self._check_key(name, entry.schema_hash, key, tier)
+            self._hits[tier] += 1
+            self._touch_disk(name)
+            if tier == "host" and promote:
+                del self._mem["host"][name]
+                entry = _Entry(key, _on_device(entry.encoded), entry.nbytes)
+                self._place("device", name, entry)
+            else:
+                self._mem[tier].move_to_end(name)
+            return entry.encoded
+        if self.directory is None:
+            return None
+        rec = self._disk.get(name)
+        if rec is None:
+            self._misses["disk"] += 1
+            return None
+        self._check_key(name, rec[0], key, "disk")
+        enc = load_encoded(self._file(name), self.identity, name, key)
+        self._hits["disk"] += 1
+        self._touch_disk(name)
+        self._write_manifest()
+        entry = _Entry(key, _on_device(enc) if promote else enc, encoded_nbytes(enc))
+        self._place("device" if promote else "host", name, entry)
+        return entry.encoded
+
+    def insert(self, schema: Schema, encoded: EncodedSchema, scaffolds=()) -> None:
+        """Store `encoded` (the encoding of `schema` with `scaffolds`) in the device tier and, with
+        a directory, on disk; replaces an entry of the same schema name."""
+        if not isinstance(encoded, EncodedSchema):
+            raise TypeError(f"encoded: received {type(encoded).__name__}, expected EncodedSchema")
+        if encoded.schema != schema.name:
+            raise ValueError(f"encoded: encodes schema {encoded.schema!r}, expected {schema.name!r}")
+        dtype = np.dtype(encoded.k.dtype).name
+        c = self.model.config
+        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        got = (encoded.k.shape[0],) + tuple(encoded.k.shape[3:])
+        if dtype != self.identity.dtype or got != want:
+            raise ValueError(f"encoded: K/V of dtype {dtype} and (layers, kv heads, head_dim) {got}, expected "
+                             f"{self.identity.dtype} and {want}")
+        self.remove(schema.name)
+        entry = _Entry(self.schema_key(schema, scaffolds), _on_device(encoded), encoded_nbytes(encoded))
+        if self.directory is not None:
+            self._write_disk(schema.name, entry)
+        self._place("device", schema.name, entry)
+
+    def encode_or_load(self, schema: Schema, scaffolds=(), *, replace: bool = False,
+                       promote: bool = True) -> EncodedSchema:
+        """`lookup(schema)`, else encode every module (`encode_schema`) and `insert` it.
+        `replace=True` drops an entry stored for other schema text or options instead of raising."""
+        if replace:
+            key = self.schema_key(schema, scaffolds)
+            held = [self._mem[t][schema.name].schema_hash for t in ("device", "host") if schema.name in self._mem[t]]
+            held += [self._disk[schema.name][0]] if schema.name in self._disk else []
+            if any(h != key for h in held):
+                self.remove(schema.name)
+        enc = self.lookup(schema, scaffolds, promote=promote)
+        if enc is not None:
+            return enc
+        enc = encode_schema(self.model, self.params, self.schema_layout(schema), scaffolds=scaffolds,
+                            pad_multiple=self.pad_multiple)
+        self.insert(schema, enc, scaffolds)
+        return enc
+
+    def remove(self, name: str) -> None:
+        """Drop schema `name` from every tier (its file too)."""
+        for tier in ("device", "host"):
+            self._mem[tier].pop(name, None)
+        if name in self._disk:
+            self._delete_file(name)
+
+    # ------------------------------------------------------------------ introspection
+    def names(self, tier: str) -> tuple[str, ...]:
+        """Schema names held by `tier`, least recently used first."""
+        if tier not in TIERS:
+            raise ValueError(f"tier: received {tier!r}, expected one of {TIERS}")
+        return tuple(self._disk if tier == "disk" else self._mem[tier])
+
+    def stats(self) -> CacheStats:
+        """Hits, misses, evictions, bytes and entries per tier (module docstring)."""
+        held = {t: [e.nbytes for e in self._mem[t].values()] for t in ("device", "host")}
+        held["disk"] = [n for _, n in self._disk.values()]
+        return CacheStats(dict(self._hits), dict(self._misses), dict(self._evictions),
+                          {t: int(sum(held[t])) for t in TIERS}, {t: len(held[t]) for t in TIERS},
+                          self.bytes_per_token)
+
+    # ------------------------------------------------------------------ tiers
+    def _check_key(self, name: str, stored: str, key: str, tier: str) -> None:
+        if stored != key:
+            raise ValueError(f"schema {name!r}: the {tier} tier holds an encoding of other schema text or options "
+                             f"(schema hash {stored[:12]}, expected {key[:12]}); pass replace=True to encode it again")
+
+    def _place(self, tier: str, name: str, entry: _Entry) -> None:
+        held = self._mem[tier]
+        held[name] = entry
+        held.move_to_end(name)
+        budget = getattr(self.budgets, tier)
+        while budget is not None and held and sum(e.nbytes for e in held.values()) > budget:
+            old, e = held.popitem(last=False)
+            self._evictions[tier] += 1
+            if tier == "device":
+                self._place("host", old, _Entry(e.schema_hash, _on_host(e.encoded), e.nbytes))
+            elif self.directory is not None and old not in self._disk:
+                self._write_disk(old, e)
+
+    def _file(self, name: str) -> str:
+        return os.path.join(self.directory, f"{name}.safetensors")
+
+    def _touch_disk(self, name: str) -> None:
+        if name in self._disk:
+            self._disk.move_to_end(name)
+
+    def _write_disk(self, name: str, entry: _Entry) -> None:
+        budget = self.budgets.disk
+        if budget is not None and entry.nbytes > budget:
+            return
+        size = save_encoded(self._file(name), entry.encoded, self.identity, entry.schema_hash)
+        self._disk[name] = (entry.schema_hash, size)
+        self._disk.move_to_end(name)
+        while budget is not None and len(self._disk) > 1 and sum(n for _, n in self._disk.values()) > budget:
+            self._evictions["disk"] += 1
+            self._delete_file(next(iter(self._disk)), write=False)
+        self._write_manifest()
+
+    def _delete_file(self, name: str, write: bool = True) -> None:
+        self._disk.pop(name, None)
+        try:
+            os.remove(self._file(name))
+        except FileNotFoundError:
+            pass
+        if write:
+            self._write_manifest()
+
+    def _open_directory(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, MANIFEST)
+        if not os.path.exists(path):
+            self._write_manifest()
+            return
+        with open(path, encoding="utf-8") as f:
+            try:
+                manifest = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not a prompt cache manifest ({e})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ValueError(f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+                             f"expected {FORMAT!r}")
+        ident = manifest.get("identity") or {}
+        got = CacheIdentity(ident.get("model", ""), ident.get("dtype", ""), ident.get("tokenizer", ""))
+        bad = self.identity.mismatches(got)
+        if bad:
+            raise ValueError(f"cache directory {self.directory}: made for another model, dtype or tokenizer: "
+                             f"{'; '.join(bad)}")
+        schemas = manifest.get("schemas") or {}
+        for name, rec in sorted(schemas.items(), key=lambda kv: kv[1].get("used", 0)):
+            if os.path.exists(self._file(name)):
+                self._disk[name] = (rec["schema_hash"], int(rec["bytes"]))
+
+    def _write_manifest(self) -> None:
+        schemas = {name: {"file": os.path.basename(self._file(name)), "schema_hash": h, "bytes": n, "used": i}
+                   for i, (name, (h, n)) in enumerate(self._disk.items())}
+        path = os.path.join(self.directory, MANIFEST)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump({"format": FORMAT, "identity": self.identity.as_dict(), "schemas": schemas}, f, indent=1)
+        os.replace(path + ".tmp", path)
