@@ -31,8 +31,17 @@ files, empty prompts) print one line on stderr and exit with status 2; flags, de
 `--output` are checked before the model loads. Ctrl-C stops decoding and still prints / writes
 the tokens produced so far (exit status 130).
 
+Prompt Cache: `--schema schema.pml --prompt-pml prompt.pml [--prompt-pml ...]` serves prompts
+written in PML from the stored keys/values of the schema's modules, all prompts in one batch
+(`--cache-dir DIR` keeps the encoded modules on disk for later runs, `--compare` also runs the
+ordinary prefill of the same tokens); the records add `prompt_token_ids` (the assembled prompt,
+module tokens included, in position order), the schema, the prompt file and the cache's hits and
+bytes, and the summary gives the time to first token with and without the cache
+(`models.cli_prompt_cache`).
+
 The pieces: `models.cli_args` (flags), `models.cli_inputs` (prompts, files),
-`models.cli_progress` (the live line), `models.cli_output` (blocks, summary, JSONL records).
+`models.cli_progress` (the live line), `models.cli_output` (blocks, summary, JSONL records),
+`models.cli_prompt_cache` (the PML path).
 Also runnable as `python -m models.cli`.
 """
 from __future__ import annotations
@@ -50,6 +59,7 @@ from models.cli_inputs import (DEMO_QUESTIONS, DEMO_SYSTEM, build_prompts, check
                                read_text)
 from models.cli_output import completion_header, error_line, jsonl_record, printable, summary_line
 from models.cli_progress import Progress
+from models.cli_prompt_cache import run_prompt_cache
 from models.compile_watch import CompileWatch
 from models.completion import Completion, DoneEvent, FinishEvent, PhaseEvent, StepEvent, TokenEvent
 from models.gguf import CheckpointError
@@ -79,6 +89,8 @@ def load_model(path: str | None, dtype_name: str | None, mesh: jax.sharding.Mesh
 
 def run(args) -> int:
     """Runs the parsed flags; the exit status (0, or 130 when interrupted)."""
+    if args.schema is not None:
+        return run_prompt_cache(args, lambda path, dtype: load_model(path, dtype))
     prompt, questions = read_inputs(args)
     if args.output:
         check_writable(args.output)

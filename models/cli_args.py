@@ -128,6 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "--questions-file still override them (default: off)")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="live progress line on stderr; auto = when stderr is a terminal (default: %(default)s)")
+    pc = p.add_argument_group("Prompt Cache", "prompts of a PML schema, served from the stored keys/values of "
+                              "their modules (see models.cli_prompt_cache)")
+    pc.add_argument("--schema", default=None, metavar="FILE",
+                    help="a PML schema (<schema name=...>) whose modules are encoded once; '-' for standard "
+                         "input (default: none)")
+    pc.add_argument("--prompt-pml", action="append", default=None, metavar="FILE",
+                    help="a PML prompt (<prompt schema=...>) of --schema; repeatable, all prompts run in one "
+                         "batch; '-' for standard input (default: none)")
+    pc.add_argument("--cache-dir", default=None, metavar="DIR",
+                    help="keep the encoded modules in DIR (one safetensors file per schema and manifest.json) "
+                         "so later runs load them; a schema whose text changed is encoded again (default: "
+                         "memory only)")
+    pc.add_argument("--compare", action="store_true",
+                    help="also run the prompts without the cache (ordinary prefill of the same tokens) and "
+                         "report both times to first token (default: off)")
     return p
 
 
@@ -136,11 +151,37 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     args = parser.parse_args(argv)
     if args.prompt_file == STDIN and args.questions_file == STDIN:
         parser.error("--prompt-file and --questions-file cannot both be '-' (standard input)")
+    _check_prompt_cache_flags(parser, args)
     if args.stop is not None:
         args.stop = [unescape(s) for s in args.stop]
         if any(not s for s in args.stop):
             parser.error("argument --stop: expected a non-empty string")
     return args
+
+
+def _check_prompt_cache_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--schema` goes with `--prompt-pml` (and only there `--cache-dir`, `--compare`); the
+    flags of ordinary prompts and of several devices do not apply to it."""
+    if args.schema is None:
+        for flag, given in (("--prompt-pml", args.prompt_pml), ("--cache-dir", args.cache_dir),
+                            ("--compare", args.compare)):
+            if given:
+                parser.error(f"{flag} needs --schema FILE")
+        return
+    if not args.prompt_pml:
+        parser.error("--schema needs at least one --prompt-pml FILE")
+    for flag, given in (("--prompt", args.prompt is not None), ("--prompt-file", args.prompt_file is not None),
+                        ("--questions-file", args.questions_file is not None), ("--chat", args.chat),
+                        ("--demo", args.demo)):
+        if given:
+            parser.error(f"{flag} cannot be used with --schema (the prompts are the --prompt-pml files)")
+    if args.attention != "auto":
+        parser.error(f"--attention {args.attention} cannot be used with --schema (the modules are stored once "
+                     f"per batch as shared prefix levels)")
+    if (args.tensor_parallel, args.data_parallel) != (1, 1):
+        parser.error("--tensor-parallel / --data-parallel cannot be used with --schema (it runs on one device)")
+    if [args.schema, *args.prompt_pml].count(STDIN) > 1:
+        parser.error("only one of --schema and --prompt-pml can be '-' (standard input)")
 
 
 def unescape(s: str) -> str:

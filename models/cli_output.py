@@ -1,6 +1,7 @@
 """What ``jpa-sample`` writes: completion blocks with control characters escaped
 (:func:`printable`, :func:`completion_header`), the summary line on stderr
-(:func:`summary_line`), one JSONL record per completion (:func:`jsonl_record`) and one-line
+(:func:`summary_line`), one JSONL record per completion (:func:`jsonl_record`, built from
+:func:`completion_fields` and :func:`run_fields`, which the Prompt Cache records share) and one-line
 errors (:func:`error_line`)."""
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import jax
 from models.completion import Completion, Generation
 from models.llm import LLM
 
-__all__ = ["completion_header", "error_line", "jsonl_record", "printable", "summary_line"]
+__all__ = ["completion_fields", "completion_header", "error_line", "jsonl_record", "printable", "run_fields",
+           "summary_line"]
 
 _CONTROL = types.MappingProxyType({c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f, *range(0x80, 0xa0))
                                    if c not in (0x09, 0x0a)})
@@ -56,17 +58,27 @@ def summary_line(llm: LLM, result: Generation | None, *, b: int, groups: int, n:
     return " | ".join(parts)
 
 
+def completion_fields(c: Completion, logprobs: bool) -> dict:
+    """A record's ``completion``, ``token_ids``, ``finish_reason`` and (``logprobs``) ``logprobs``."""
+    rec = {"completion": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+    if logprobs:
+        rec["logprobs"] = list(c.logprobs) if c.logprobs is not None else None
+    return rec
+
+
+def run_fields(args: argparse.Namespace) -> dict:
+    """A record's ``seed`` and ``sampling`` settings (temperature, top-k, top-p, max new tokens, stop)."""
+    return {"seed": args.seed, "sampling": {"temperature": args.temperature, "top_k": args.top_k,
+                                            "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
+                                            "stop": args.stop or []}}
+
+
 def jsonl_record(llm: LLM, args: argparse.Namespace, j: int, i: int, c: Completion, prompt_text: str | None,
                  question: str | None, result: Generation | None, load_s: float) -> dict:
     """The JSONL record of sample ``i`` of prompt ``j``: model identity, prompt, completion,
     seed, sampling settings, log-probs (``--logprobs``), layout, device and timings."""
-    rec = {"model": llm.info, "prompt_index": j, "sample": i, "question": question, "prompt": prompt_text,
-           "completion": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
-    if args.logprobs:
-        rec["logprobs"] = list(c.logprobs) if c.logprobs is not None else None
-    rec["seed"] = args.seed
-    rec["sampling"] = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                       "max_new_tokens": args.max_new_tokens, "stop": args.stop or []}
+    rec = {"model": llm.info, "prompt_index": j, "sample": i, "question": question, "prompt": prompt_text}
+    rec |= completion_fields(c, args.logprobs) | run_fields(args)
     rec["attention"] = result.sharing.attention if result is not None else None
     rec["device"] = jax.default_backend()
     t = result.timings if result is not None else None

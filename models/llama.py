@@ -17,9 +17,11 @@ all of them work inside user code under ``jax.jit``:
   supplied by the caller (the training and scoring paths of :mod:`models.logprobs`).
 
 All three cache-writing paths share :meth:`Llama.extend`: embed the new tokens at positions
-``pos_offset + lengths + (0..n-1)``, run the layers (each writes its new keys/values into the
-suffix buffer, then attends through :func:`models.attention.cache_attention`), and return the
-logits of the last token (new tokens are left-padded, so it is always column ``T - 1``).
+``pos_offset + lengths + (0..n-1)`` (or at explicit ``positions_bt``, as the prompt cache's
+prefill of uncached tokens between stored modules does), run the layers (each writes its new
+keys/values into the suffix buffer, then attends through
+:func:`models.attention.cache_attention`), and return the logits of the last token (new tokens
+are left-padded, so it is always column ``T - 1``).
 
 Backends (static, stored in the cache): ``"shared"``, ``"flat"`` (see :mod:`models.kv_cache`)
 and ``"none"``: the attention product is skipped -- the attention output is replaced by
@@ -204,9 +206,13 @@ class Llama:
     # ------------------------------------------------------------------ shared core
     def extend(self, params: dict, prefix: PrefixCache, layers: Any, lengths_b: jax.Array,
                pos_offset_b: jax.Array, tokens_bt: jax.Array, n_new_b: jax.Array, *, backend: str,
-               all_logits: bool = False):
+               all_logits: bool = False, positions_bt: jax.Array | None = None):
         """Append ``n_new[b]`` tokens (the last ones of left-padded ``tokens [B, T]``).
 
+        ``positions_bt``: int ``[B, T]`` explicit RoPE positions of the columns (pad columns'
+        values are unused); None: ``pos_offset + lengths + 0..n-1`` for the real tokens.  The
+        positions only rotate queries and keys: which keys a token sees is set by the cache
+        lengths alone (its prefix path, and causally the suffix entries before it).
         Returns ``(logits, layers, new_lengths)``; logits are ``[B, V]`` for the last column, or
         ``[B, T, V]`` with ``all_logits`` (pad columns hold garbage).
         """
@@ -216,7 +222,10 @@ class Llama:
         dtype = params["embed"].dtype
         x = self._embed(params["embed"], tokens_bt).astype(dtype)
         ti = jnp.arange(t, dtype=jnp.int32)[None, :]
-        pos = jnp.maximum(pos_offset_b[:, None] + lengths_b[:, None] + ti - (t - n_new_b)[:, None], 0)
+        if positions_bt is None:
+            pos = jnp.maximum(pos_offset_b[:, None] + lengths_b[:, None] + ti - (t - n_new_b)[:, None], 0)
+        else:
+            pos = jnp.asarray(positions_bt, jnp.int32)
         new_lengths = lengths_b + n_new_b
         body = functools.partial(self._layer, pos_bt=pos, n_new_b=n_new_b, lengths_b=lengths_b,
                                  new_lengths_b=new_lengths, prefix_lengths=prefix.lengths, backend=backend,

@@ -8,14 +8,21 @@ module's tokens `0..i`; padding columns come after every real one and only paddi
 them. K are stored after RoPE (at the module's positions), so cached inference concatenates
 them as they are.
 
+Storage is packed, without the padding: every layer's K/V of the real tokens is gathered out
+of the padded batch inside the compiled encoding (per layer, so no `[L, M, T]` padded copy is
+ever materialised) into one `[L, N, Hkv, D]` buffer, `N` the schema's real tokens, with row
+`m` at `offsets[m]:offsets[m + 1]`. Memory, host copies and files scale with real tokens; a
+long module next to short ones costs nothing extra.
+
 Scaffolds (paper section 3.3): a group of modules encoded together as one text, an extra row
 of the same batch. A prompt that imports all of them can use the scaffold's K/V instead of the
 members', removing the masking effect; a scaffold of the modules at the start of a schema
 with contiguous positions holds exactly the K/V of an ordinary prefill of those tokens.
 
-Cached inference reads `EncodedSchema.module(name)` (K/V `[L, n, Hkv, D]` and positions `[n]`),
-drops the parameter placeholders with `ModuleLayout.keep_mask`, and attends the prompt's
-uncached tokens (`PromptLayout.new_token_ids` at `new_positions`) to the concatenation.
+Cached inference reads `EncodedSchema.module(name)` (K/V `[L, n, Hkv, D]` and positions `[n]`)
+or `EncodedSchema.kept(row)` (indices into the packed buffer of the row's tokens that are not
+parameter placeholders) and attends the prompt's uncached tokens (`PromptLayout.new_token_ids`
+at `new_positions`) to the concatenation.
 """
 from __future__ import annotations
 
@@ -37,12 +44,13 @@ __all__ = ["EncodedSchema", "Row", "encode_schema", "encode_modules", "pack_rows
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class EncodedSchema:
-    """K/V of every module (and scaffold) of a schema.
+    """K/V of every module (and scaffold) of a schema, packed without padding.
 
-    `k`, `v`: `[L, M, T, Hkv, D]` in the parameters' dtype (row `m` holds `names[m]`, columns
-    at or past `lengths[m]` are padding); `positions`, `token_ids`: int32 `[M, T]`; `keep`:
-    bool `[M, T]`, True for real tokens that are not parameter placeholders; `lengths`: int32
-    `[M]`. A scaffold's name joins its modules' names with `+` in schema order.
+    `k`, `v`: `[L, N, Hkv, D]` in the parameters' dtype (device arrays, or NumPy in the host
+    tier); row `m` (`names[m]`) holds tokens `offsets[m]:offsets[m + 1]` of the packed axis;
+    `positions`, `token_ids`: int32 `[N]`; `keep`: bool `[N]`, True for tokens that are not
+    parameter placeholders; `offsets`: int64 `[M + 1]`, `offsets[0] = 0`, `offsets[M] = N`.
+    A scaffold's name joins its modules' names with `+` in schema order.
     """
     schema: str
     names: tuple
@@ -51,22 +59,52 @@ class EncodedSchema:
     positions: np.ndarray
     token_ids: np.ndarray
     keep: np.ndarray
-    lengths: np.ndarray
+    offsets: np.ndarray
+
+    def __post_init__(self):
+        off = np.asarray(self.offsets)
+        n = int(off[-1]) if off.size else -1
+        if off.ndim != 1 or off.size != len(self.names) + 1 or off[0] != 0 or (np.diff(off) < 0).any():
+            raise ValueError(f"offsets: received {off.tolist()[:8]}..., expected {len(self.names) + 1} "
+                             f"non-decreasing offsets from 0 (one row per name)")
+        for a in ("positions", "token_ids", "keep"):
+            if np.shape(getattr(self, a)) != (n,):
+                raise ValueError(f"{a}: received shape {np.shape(getattr(self, a))}, expected ({n},) = offsets[-1]")
+        if self.k.ndim != 4 or self.k.shape[1] != n or self.v.shape != self.k.shape:
+            raise ValueError(f"k, v: received shapes {tuple(self.k.shape)} and {tuple(self.v.shape)}, expected "
+                             f"equal [L, {n}, Hkv, D]")
+
+    @property
+    def tokens(self) -> int:
+        """`N`, the real tokens of every row together (the packed axis)."""
+        return int(self.offsets[-1])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int32 `[M]`: tokens of each row."""
+        return np.diff(np.asarray(self.offsets)).astype(np.int32)
+
+    def span(self, row: int) -> slice:
+        """The packed-axis slice of row `row`."""
+        return slice(int(self.offsets[row]), int(self.offsets[row + 1]))
+
+    def kept(self, row: int) -> np.ndarray:
+        """int64 indices into the packed axis of row `row`'s tokens that are not placeholders."""
+        sp = self.span(row)
+        return sp.start + np.flatnonzero(np.asarray(self.keep[sp]))
 
     def module(self, name: str) -> tuple[jax.Array, jax.Array, np.ndarray]:
         """`(k [L, n, Hkv, D], v [L, n, Hkv, D], positions [n])` of module or scaffold `name`."""
         if name not in self.names:
             raise ValueError(f"name: no module {name!r} in encoded schema {self.schema!r} "
                              f"(modules: {list(self.names)})")
-        m = self.names.index(name)
-        n = int(self.lengths[m])
-        return self.k[:, m, :n], self.v[:, m, :n], self.positions[m, :n]
+        sp = self.span(self.names.index(name))
+        return self.k[:, sp], self.v[:, sp], self.positions[sp]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the real (unpadded) K/V rows."""
-        per_token = self.k.shape[0] * self.k.shape[3] * self.k.shape[4] * self.k.dtype.itemsize * 2
-        return int(self.lengths.sum()) * per_token
+        """Bytes of the K/V (`N` tokens; nothing is padded)."""
+        return 2 * self.k.size * self.k.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +139,9 @@ def schema_rows(schema_layout: SchemaLayout, scaffolds=()) -> list[Row]:
 
 
 def pack_rows(rows: list[Row], pad_multiple: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`(token_ids [M, T], positions [M, T], keep [M, T], lengths [M])`: the rows right-padded
-    with id 0 at position 0 (keep False) to `T`, the longest row rounded up to `pad_multiple`
-    (fewer distinct shapes to compile)."""
+    """`(token_ids [M, T], positions [M, T], keep [M, T], lengths [M])`: the compute batch of
+    `encode_modules`, the rows right-padded with id 0 at position 0 (keep False) to `T`, the
+    longest row rounded up to `pad_multiple` (fewer distinct shapes to compile)."""
     if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
         raise ValueError(f"pad_multiple: received {pad_multiple!r}, expected a positive int")
     lengths = np.asarray([len(r.token_ids) for r in rows], np.int32)
@@ -120,20 +158,28 @@ def pack_rows(rows: list[Row], pad_multiple: int = 8) -> tuple[np.ndarray, np.nd
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def encode_modules(model: Llama, params: dict, tokens_mt: jax.Array, positions_mt: jax.Array):
-    """`(k, v)`, each `[L, M, T, Hkv, D]`: every layer's keys (after RoPE at `positions_mt`)
-    and values of right-padded rows `tokens_mt [M, T]`, each row attending causally to itself."""
+def encode_modules(model: Llama, params: dict, tokens_mt: jax.Array, positions_mt: jax.Array,
+                   index_n: jax.Array):
+    """`(k, v)`, each `[L, n, Hkv, D]`: every layer's keys (after RoPE at `positions_mt`) and
+    values of right-padded rows `tokens_mt [M, T]`, each row attending causally to itself,
+    gathered per layer at the flat row-major `(row, column)` indices `index_n [n]`."""
     def attend(q, k, v):
         return jax_prefix_attn.attention(q, k, v, causal=True, impl=model.impl, interpret=model.interpret)[0]
+
+    def pack(x):
+        return jnp.take(x.reshape((-1,) + x.shape[2:]), index_n, axis=0)
+
+    def layer(h, lp):
+        h, (k, v) = model.layer_forward(lp, h, positions_mt, attend)
+        return h, (pack(k), pack(v))
 
     x = embed(params["embed"], tokens_mt).astype(params["embed"].dtype)
     layers = params["layers"]
     if kvc.is_stacked(layers):
-        _, (k, v) = jax.lax.scan(lambda h, lp: model.layer_forward(lp, h, positions_mt, attend), x, layers)
-        return k, v
+        return jax.lax.scan(layer, x, layers)[1]
     ks, vs = [], []
     for lp in layers:
-        x, (k, v) = model.layer_forward(lp, x, positions_mt, attend)
+        x, (k, v) = layer(x, lp)
         ks.append(k)
         vs.append(v)
     return jnp.stack(ks), jnp.stack(vs)
@@ -142,16 +188,28 @@ def encode_modules(model: Llama, params: dict, tokens_mt: jax.Array, positions_m
 def encode_schema(model: Llama, params: dict, schema_layout: SchemaLayout, *, scaffolds=(),
                   pad_multiple: int = 8) -> EncodedSchema:
     """Encode every module of `schema_layout`, and every scaffold (a sequence of module names
-    encoded as one text), in one batched call (see the module docstring)."""
+    encoded as one text), in one batched call (see the module docstring); `pad_multiple` rounds
+    the batch's row length and the packed length of the compiled call up (fewer shapes to
+    compile; the stored K/V are cut to the real tokens)."""
     if not isinstance(model, Llama):
         raise TypeError(f"model: received {type(model).__name__}, expected models.Llama")
     if not isinstance(schema_layout, SchemaLayout):
         raise TypeError(f"schema_layout: received {type(schema_layout).__name__}, expected SchemaLayout")
     rows = schema_rows(schema_layout, scaffolds)
-    ids, pos, keep, lengths = pack_rows(rows, pad_multiple)
-    real = ids[np.arange(ids.shape[1])[None, :] < lengths[:, None]]
+    ids, pos, _, lengths = pack_rows(rows, pad_multiple)
+    real = np.arange(ids.shape[1])[None, :] < lengths[:, None]
     vocab = model.config.vocab_size
-    if real.size and (real.min() < 0 or real.max() >= vocab):
-        raise ValueError(f"schema_layout: token ids span [{real.min()}, {real.max()}], expected [0, {vocab})")
-    k, v = encode_modules(model, params, jnp.asarray(ids), jnp.asarray(pos))
-    return EncodedSchema(schema_layout.name, tuple(r.name for r in rows), k, v, pos, ids, keep, lengths)
+    if real.any() and (ids[real].min() < 0 or ids[real].max() >= vocab):
+        raise ValueError(f"schema_layout: token ids span [{ids[real].min()}, {ids[real].max()}], expected "
+                         f"[0, {vocab})")
+    flat = np.flatnonzero(real.reshape(-1))
+    n = len(flat)
+    index = np.zeros(-(-max(n, 1) // pad_multiple) * pad_multiple, np.int32)
+    index[:n] = flat
+    k, v = encode_modules(model, params, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(index))
+    if k.shape[1] != n:
+        k, v = k[:, :n], v[:, :n]
+    cat = lambda a, dtype: np.concatenate([getattr(r, a) for r in rows]).astype(dtype)  # noqa: E731
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return EncodedSchema(schema_layout.name, tuple(r.name for r in rows), k, v, cat("positions", np.int32),
+                         cat("token_ids", np.int32), cat("keep", bool), offsets)

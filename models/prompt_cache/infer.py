@@ -12,14 +12,15 @@ of `encoded.schema`), `n` samples each:
    size are padded with copies of one of their prompts whose rows are dropped. A segment is
    stored more than once only where the trie's branches cannot be split evenly and a copy reads
    fewer bytes than the padding (`models.prompt_cache.levels` says how groups map to levels).
-   The nodes are gathered from the encoded `[L, M, T, Hkv, D]` K/V in one indexed copy per
-   level (on the host for host-tier NumPy K/V, so only the imported rows are transferred).
-3. Prefill (`prefill_at_positions`). The uncached tokens (arguments at their placeholders'
-   positions, new text where the layout puts it) are the per-sequence suffix, at explicit RoPE
-   positions: each attends to all of its prompt's module K/V (masked by valid length only; the
-   positions are inside the keys, so gaps in them are fine) and causally to the uncached tokens
-   before it in prompt order, through the shared-prefix attention of
-   `models.attention.cache_attention`.
+   The nodes are gathered from the packed encoded K/V `[L, N, Hkv, D]` in one indexed copy
+   per level on the device; host-tier NumPy K/V first cross to the device, only the rows the
+   batch uses (one transfer per run of adjacent rows).
+3. Prefill (`prefill_at_positions`: `Llama.extend` at explicit positions). The uncached tokens
+   (arguments at their placeholders' positions, new text where the layout puts it) are the
+   per-sequence suffix, at explicit RoPE positions: each attends to all of its prompt's module
+   K/V (masked by valid length only; the positions are inside the keys, so gaps in them are
+   fine) and causally to the uncached tokens before it in prompt order, through the
+   shared-prefix attention of `models.attention.cache_attention`.
 4. Decode (`models.generate.generate_from_cache`): the decode loop of `models.generate`, with
    positions continuing after the prompt's last position (`pos_offset = last + 1 - n_new`).
 
@@ -35,6 +36,7 @@ the same tokens both ways and as `models.generate` on the assembled ids.
 
 Timings: `ttft_s` runs from the call to the first sampled token on the host (planning, the K/V
 copies, host-to-device transfers and the prefill included; the first call also compiles).
+`max_new_tokens=1` stops there: the first token is the output and no decode step runs.
 """
 from __future__ import annotations
 
@@ -48,16 +50,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import kv_cache as kvc
-from models.attention import cache_attention
 from models.generate import generate_from_cache, resolve_layout
 from models.kv_cache import KVCache, PrefixCache
-from models.layers import embed, lm_head, rms_norm
 from models.llama import PREFIX_ALIGN, Llama
 from models.prefix_sharing import MIN_SHARED_TOKENS, bucket_length
 from models.prompt_cache.encode import EncodedSchema
 from models.prompt_cache.layout import PromptLayout
 from models.prompt_cache.levels import LevelPlan, plan_levels
-from models.sampling import GREEDY, SamplingConfig, sample_keys, sample_tokens
+from models.sampling import GREEDY, SamplingConfig, sample_keys, sample_tokens, token_logprobs
 
 __all__ = ["PromptCacheOutput", "assemble", "cached_generate", "prefill_at_positions", "prefill_generate",
            "prompt_segments"]
@@ -109,16 +109,12 @@ def prompt_segments(encoded: EncodedSchema, layout: PromptLayout) -> tuple[int, 
     return tuple(sorted(rows))
 
 
-def _kept(encoded: EncodedSchema, row: int) -> np.ndarray:
-    return np.flatnonzero(np.asarray(encoded.keep[row, :int(encoded.lengths[row])]))
-
-
 def assemble(encoded: EncodedSchema, layout: PromptLayout) -> tuple[np.ndarray, np.ndarray]:
     """`(token_ids, positions)` int32 of the whole prompt sorted by position (stable: module
     tokens, then uncached tokens in prompt order), placeholders left out."""
     rows = prompt_segments(encoded, layout)
-    ids = [np.asarray(encoded.token_ids[r])[_kept(encoded, r)] for r in rows] + [layout.new_token_ids]
-    pos = [np.asarray(encoded.positions[r])[_kept(encoded, r)] for r in rows] + [layout.new_positions]
+    ids = [np.asarray(encoded.token_ids)[encoded.kept(r)] for r in rows] + [layout.new_token_ids]
+    pos = [np.asarray(encoded.positions)[encoded.kept(r)] for r in rows] + [layout.new_positions]
     ids, pos = np.concatenate(ids).astype(np.int32), np.concatenate(pos).astype(np.int32)
     order = np.argsort(pos, kind="stable")
     return ids[order], pos[order]
@@ -127,44 +123,23 @@ def assemble(encoded: EncodedSchema, layout: PromptLayout) -> tuple[np.ndarray, 
 # ------------------------------------------------------------------ prefill at explicit positions
 def prefill_at_positions(model: Llama, params: dict, prefix: PrefixCache, tokens_bt: jax.Array,
                          positions_bt: jax.Array, n_tokens_b: jax.Array, *, capacity: int):
-    """`Llama.prefill` (backend "shared") with explicit RoPE positions.
+    """`Llama.prefill` (backend "shared") with explicit RoPE positions (`Llama.extend`'s
+    `positions_bt`).
 
     `tokens_bt`, `positions_bt`: int32 `[B, T]` left-padded (the last `n_tokens_b[b] >= 1`
     columns of row `b` are real); each real token attends to its prefix path in `prefix` (no
     causal mask there) and causally to the real tokens before it. Returns `(logits [B, V]
     float32 of each row's last token, KVCache)` with `lengths = n_tokens`, `pos_offset` such
     that the next token gets position `positions_bt[:, -1] + 1`, suffix capacity `capacity`."""
-    b, _ = tokens_bt.shape
     stacked = kvc.is_stacked(params["layers"])
-    kvc.check_layout(params["layers"], prefix.layers)
-    dtype = params["embed"].dtype
-    cache = kvc.init_kv_cache(model.config, prefix, b, capacity, dtype, backend="shared", stacked=stacked)
+    cache = kvc.init_kv_cache(model.config, prefix, tokens_bt.shape[0], capacity, params["embed"].dtype,
+                              backend="shared", stacked=stacked)
     n_b = jnp.asarray(n_tokens_b, jnp.int32)
     positions_bt = jnp.asarray(positions_bt, jnp.int32)
-    tree_nodes = prefix.tree_nodes if model.shared_impl == "tree" else None
-
-    def layer(x, lp, prefix_kv, suffix_kv):
-        written = {}
-
-        def attend(q, k, v):
-            for name, new in (("k", k), ("v", v)):
-                written[name] = kvc.write_suffix(suffix_kv[name], new, cache.lengths, n_b)
-            return cache_attention(q, prefix_kv["k"], prefix_kv["v"], prefix.lengths, written["k"], written["v"],
-                                   n_b, backend="shared", impl=model.impl, interpret=model.interpret,
-                                   tree_nodes=tree_nodes)
-
-        return model.layer_forward(lp, x, positions_bt, attend)[0], written
-
-    x = embed(params["embed"], jnp.asarray(tokens_bt, jnp.int32)).astype(dtype)
-    if stacked:
-        x, layers = jax.lax.scan(lambda h, xs: layer(h, *xs), x, (params["layers"], prefix.layers, cache.layers))
-    else:
-        layers = []
-        for lp, pkv, skv in zip(params["layers"], prefix.layers, cache.layers):
-            x, written = layer(x, lp, pkv, skv)
-            layers.append(written)
-    logits = lm_head(rms_norm(x[:, -1], params["final_norm"], model.config.rms_norm_eps), params)
-    return logits, cache.replace(layers=layers, lengths=n_b, pos_offset=positions_bt[:, -1] + 1 - n_b)
+    logits, layers, lengths = model.extend(params, prefix, cache.layers, cache.lengths, cache.pos_offset,
+                                           jnp.asarray(tokens_bt, jnp.int32), n_b, backend="shared",
+                                           positions_bt=positions_bt)
+    return logits, cache.replace(layers=layers, lengths=lengths, pos_offset=positions_bt[:, -1] + 1 - n_b)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "capacity"))
@@ -188,17 +163,35 @@ def _cached_prefill(model, params, level_k, level_v, level_lengths, tokens_bt, p
 
 @jax.jit
 def _gather_device(k, v, index):
-    flat = lambda x: x.reshape((x.shape[0], -1) + x.shape[3:])
-    return tuple(jnp.take(flat(k), i, axis=1) for i in index), tuple(jnp.take(flat(v), i, axis=1) for i in index)
+    return tuple(jnp.take(k, i, axis=1) for i in index), tuple(jnp.take(v, i, axis=1) for i in index)
 
 
-def _gather(encoded: EncodedSchema, index: tuple):
-    """Level K/V `[L, G, P, Hkv, D]` at flat row-major `(module, column)` indices `[G, P]`."""
+def _gather(encoded: EncodedSchema, index: tuple, rows: Sequence[int]):
+    """Level K/V `[L, G, P, Hkv, D]` at packed-axis indices `[G, P]` (rows `rows` are used).
+
+    Device-tier K/V are gathered in place. Host-tier (NumPy) K/V: the used rows only cross to
+    the device, adjacent rows as one contiguous run per transfer (all of them in one when the
+    prompts use every row), then the same gather runs on the device."""
     if isinstance(encoded.k, jax.Array):
         return _gather_device(encoded.k, encoded.v, index)
-    flat = lambda x: x.reshape((x.shape[0], -1) + x.shape[3:])
-    return (tuple(np.take(flat(encoded.k), i, axis=1) for i in index),
-            tuple(np.take(flat(encoded.v), i, axis=1) for i in index))
+    runs: list = []
+    for r in rows:
+        sp = encoded.span(r)
+        if runs and runs[-1][1] == sp.start:
+            runs[-1][1] = sp.stop
+        else:
+            runs.append([sp.start, sp.stop])
+    remap = np.zeros(encoded.tokens, np.int32)
+    base = 0
+    for a, b in runs:
+        remap[a:b] = np.arange(base, base + b - a)
+        base += b - a
+
+    def moved(x):
+        parts = [jax.device_put(x[:, a:b]) for a, b in runs]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+    return _gather_device(moved(encoded.k), moved(encoded.v), tuple(remap[i] for i in index))
 
 
 # ------------------------------------------------------------------ shared by both paths
@@ -246,15 +239,20 @@ def _capacity(n_b: np.ndarray, max_new_tokens: int, buckets: bool) -> int:
 
 @functools.partial(jax.jit, static_argnames=("sampling",))
 def _first_token(logits_bv, keys_b, *, sampling):
-    """The decode loop's first token (same logits, keys and step), sampled alone for the TTFT."""
-    return sample_tokens(logits_bv, keys_b, 0, sampling)
+    """The decode loop's first token and its log-probability (same logits, keys and step),
+    sampled alone for the TTFT."""
+    tok = sample_tokens(logits_bv, keys_b, 0, sampling)
+    return tok, token_logprobs(logits_bv, tok)
 
 
 def _generate(model, params, logits, cache, t0, order, padding, n, *, max_new_tokens, sampling, seed, keys,
               eos_token_ids, pad_token_id, logprobs, shape_buckets, prompt_token_ids, cached_tokens,
               plan) -> PromptCacheOutput:
     """Sample the first token (TTFT), run the decode loop and put rows in output order; batch
-    row `u * n + i` is sample `i` of prompt `order[u]`, dropped when `padding[u]`."""
+    row `u * n + i` is sample `i` of prompt `order[u]`, dropped when `padding[u]`.
+    `prompt_token_ids()` gives the prompts' assembled ids (called after the first token).
+    With `max_new_tokens == 1` the first token is the output: no decode step runs (the cache is
+    the prefilled one, as the decode loop would return it)."""
     row_prompt = np.repeat(np.asarray(order, np.int32), n)
     row_sample = np.tile(np.arange(n, dtype=np.int32), len(order))
     row_padding = np.repeat(np.asarray(padding, bool), n)
@@ -267,31 +265,36 @@ def _generate(model, params, logits, cache, t0, order, padding, n, *, max_new_to
             raise ValueError(f"keys: received {keys.shape[0]} keys, expected one per prompt and sample "
                              f"({len(out_rows)})")
         keys = keys[jnp.asarray(out_rows)]
-    np.asarray(_first_token(logits, keys, sampling=sampling))
+    first, first_lp = _first_token(logits, keys, sampling=sampling)
+    first = np.asarray(first)
     ttft = time.perf_counter() - t0
     new_tokens = int(np.asarray(cache.lengths).sum())
-    out = generate_from_cache(model, params, cache, logits, max_new_tokens=max_new_tokens, sampling=sampling,
-                              keys=keys, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                              shape_buckets=shape_buckets)
+    if max_new_tokens == 1:
+        tokens, lengths, lps = first[:, None], np.ones(len(first), np.int32), np.asarray(first_lp)[:, None]
+    else:
+        out = generate_from_cache(model, params, cache, logits, max_new_tokens=max_new_tokens, sampling=sampling,
+                                  keys=keys, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                                  shape_buckets=shape_buckets)
+        tokens, lengths, lps, cache = out.tokens, out.lengths, out.logprobs, out.cache
     real = np.flatnonzero(~row_padding)
     pick = real[np.argsort(out_rows[real])]
-    return PromptCacheOutput(out.tokens[pick], out.lengths[pick], out.logprobs[pick] if logprobs else None,
-                             tuple(prompt_token_ids), ttft, time.perf_counter() - t0, cached_tokens, new_tokens, plan,
-                             out.cache, row_prompt, row_sample, row_padding)
+    return PromptCacheOutput(tokens[pick], lengths[pick], lps[pick] if logprobs else None,
+                             tuple(prompt_token_ids()), ttft, time.perf_counter() - t0, cached_tokens, new_tokens,
+                             plan, cache, row_prompt, row_sample, row_padding)
 
 
-def _level_index(encoded: EncodedSchema, plan: LevelPlan, kept: list, buckets: bool):
-    """Per level: flat `(module, column)` indices `[G, P]` into the encoded K/V and node lengths
-    `[G]`; `P` is the longest node (bucketed with `buckets`), above `PREFIX_ALIGN` rounded up
-    to a multiple of it as `Llama.prefill_prefixes` stores levels."""
-    width = encoded.k.shape[2]
+def _level_index(plan: LevelPlan, kept: list, buckets: bool):
+    """Per level: indices `[G, P]` into the packed axis of the encoded K/V (`kept[r]`: row `r`'s
+    kept tokens) and node lengths `[G]`; `P` is the longest node (bucketed with `buckets`),
+    above `PREFIX_ALIGN` rounded up to a multiple of it as `Llama.prefill_prefixes` stores
+    levels. Columns past a node's length index token 0 (masked)."""
     index, lengths = [], []
     for nodes, toks in zip(plan.levels, plan.node_tokens):
         p_len = bucket_length(max(toks)) if buckets else max(toks)
         p_len = p_len if p_len <= PREFIX_ALIGN else -(-p_len // PREFIX_ALIGN) * PREFIX_ALIGN
         idx = np.zeros((len(nodes), p_len), np.int32)
         for g, node in enumerate(nodes):
-            flat = np.concatenate([r * width + kept[r] for r in node]) if node else np.zeros((0,), np.int64)
+            flat = np.concatenate([kept[r] for r in node]) if node else np.zeros((0,), np.int64)
             idx[g, :len(flat)] = flat
         index.append(idx)
         lengths.append(np.asarray(toks, np.int32))
@@ -313,11 +316,12 @@ def cached_generate(model: Llama, params: dict, encoded: EncodedSchema, prompts:
     t0 = time.perf_counter()
     prompts = _check(model, params, encoded, prompts, n, max_new_tokens)
     params = resolve_layout(model, params, layout)
-    kept = [_kept(encoded, r) for r in range(len(encoded.names))]
+    kept = [encoded.kept(r) for r in range(len(encoded.names))]
+    positions = np.asarray(encoded.positions)
     segments = []
     for j, p in enumerate(prompts):
         rows = prompt_segments(encoded, p)
-        last = max((int(np.asarray(encoded.positions[r])[kept[r]].max(initial=-1)) for r in rows), default=-1)
+        last = max((int(positions[kept[r]].max(initial=-1)) for r in rows), default=-1)
         if not p.new_token_ids.size:
             raise ValueError(f"prompts[{j}]: no uncached token; cached inference needs new text at the end of a "
                              f"prompt")
@@ -327,17 +331,17 @@ def cached_generate(model: Llama, params: dict, encoded: EncodedSchema, prompts:
                              f"the end of a prompt")
         segments.append(rows)
     plan = plan_levels(segments, [len(c) for c in kept], samples=n, level_cost=level_cost)
-    index, lengths = _level_index(encoded, plan, kept, shape_buckets)
+    index, lengths = _level_index(plan, kept, shape_buckets)
     rows = [prompts[j] for j in plan.order for _ in range(n)]
     toks, pos, n_b = _left_pad([p.new_token_ids for p in rows], [p.new_positions for p in rows], shape_buckets)
-    level_k, level_v = _gather(encoded, index)
+    level_k, level_v = _gather(encoded, index, sorted({r for lv in plan.levels for node in lv for r in node}))
     tree_nodes = tuple(map(tuple, plan.node_tokens)) if model.shared_impl == "tree" else None
     logits, cache = _cached_prefill(model, params, level_k, level_v, lengths, toks, pos, n_b,
                                     capacity=_capacity(n_b, max_new_tokens, shape_buckets), tree_nodes=tree_nodes)
     return _generate(model, params, logits, cache, t0, plan.order, plan.padding, n, max_new_tokens=max_new_tokens,
                      sampling=sampling, seed=seed, keys=keys, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                      logprobs=logprobs, shape_buckets=shape_buckets,
-                     prompt_token_ids=[assemble(encoded, p)[0] for p in prompts],
+                     prompt_token_ids=lambda: [assemble(encoded, p)[0] for p in prompts],
                      cached_tokens=int(sum(map(sum, plan.node_tokens))), plan=plan)
 
 
@@ -355,9 +359,10 @@ def prefill_generate(model: Llama, params: dict, encoded: EncodedSchema, prompts
     assembled = [assemble(encoded, p) for p in prompts]
     rows = [assembled[j] for j in range(len(prompts)) for _ in range(n)]
     toks, pos, n_b = _left_pad([a[0] for a in rows], [a[1] for a in rows], shape_buckets)
-    logits, cache = _plain_prefill(model, params, toks, pos, n_b, capacity=_capacity(n_b, max_new_tokens, shape_buckets))
+    capacity = _capacity(n_b, max_new_tokens, shape_buckets)
+    logits, cache = _plain_prefill(model, params, toks, pos, n_b, capacity=capacity)
     order = tuple(range(len(prompts)))
     return _generate(model, params, logits, cache, t0, order, (False,) * len(order), n, max_new_tokens=max_new_tokens,
                      sampling=sampling, seed=seed, keys=keys, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                     logprobs=logprobs, shape_buckets=shape_buckets, prompt_token_ids=[a[0] for a in assembled],
+                     logprobs=logprobs, shape_buckets=shape_buckets, prompt_token_ids=lambda: [a[0] for a in assembled],
                      cached_tokens=0, plan=None)

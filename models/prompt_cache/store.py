@@ -19,8 +19,9 @@ larger than a tier's budget passes through to the next tier.
 A cache is bound to one model, dtype and tokenizer: a directory or file made for another one,
 or an entry encoded from other schema text or options, is refused with a ValueError naming
 what differs. `stats()` counts hits and misses per tier (a lookup that hits the host tier is a
-device miss and a host hit) and reports bytes and entries per tier and the K/V bytes per cached
-token.
+device miss and a host hit) and reports bytes, entries and tokens per tier and the K/V bytes per
+cached token. Entries hold their K/V packed without padding (`EncodedSchema`), so every tier's
+bytes scale with the real tokens of the modules.
 """
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ __all__ = ["TIERS", "CacheBudgets", "CacheStats", "PromptCache", "encoded_nbytes
            "load_encoded", "save_encoded"]
 
 TIERS = ("device", "host", "disk")
-FORMAT = "jax-prefix-attn prompt cache 1"
+FORMAT = "jax-prefix-attn prompt cache 2"
 MANIFEST = "manifest.json"
-_ARRAYS = ("k", "v", "positions", "token_ids", "keep", "lengths")
+_ARRAYS = ("k", "v", "positions", "token_ids", "keep", "offsets")
 
 
 def kv_bytes_per_token(config: LlamaConfig, dtype) -> int:
@@ -57,7 +58,8 @@ def kv_bytes_per_token(config: LlamaConfig, dtype) -> int:
 
 
 def encoded_nbytes(encoded: EncodedSchema) -> int:
-    """Bytes an `EncodedSchema` holds (its padded K/V and its index arrays)."""
+    """Bytes an `EncodedSchema` holds: its packed K/V (real tokens only) and its index arrays
+    (positions, token ids, keep mask: 9 bytes per token; 8 bytes per row offset)."""
     return int(sum(getattr(encoded, a).nbytes for a in _ARRAYS))
 
 
@@ -89,7 +91,7 @@ def load_encoded(path: str, identity: CacheIdentity, schema: str, schema_hash: s
                          f"expected schema {schema!r} hash {schema_hash[:12]} (other schema text or options)")
     t = safetensors.numpy.load_file(path)
     return EncodedSchema(schema, tuple(json.loads(meta["names"])), t["k"], t["v"], t["positions"], t["token_ids"],
-                         t["keep"], t["lengths"])
+                         t["keep"], t["offsets"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +110,16 @@ class CacheBudgets:
 
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
-    """Per tier (`TIERS`): lookups that hit / missed it, entries evicted from it, bytes and
-    entries it holds; `bytes_per_token`: K/V bytes of one cached token."""
+    """Per tier (`TIERS`): lookups that hit / missed it, entries evicted from it, bytes, entries
+    and tokens (module and scaffold rows, unpadded) it holds; `bytes_per_token`: K/V bytes of
+    one cached token (`kv_bytes_per_token`). `bytes[t] / tokens[t]` is what tier `t` spends per
+    stored token: the K/V plus the index arrays (and on disk the file headers)."""
     hits: Mapping[str, int]
     misses: Mapping[str, int]
     evictions: Mapping[str, int]
     bytes: Mapping[str, int]
     entries: Mapping[str, int]
+    tokens: Mapping[str, int]
     bytes_per_token: int
 
 
@@ -162,7 +167,7 @@ class PromptCache:
                                       tokenizer_id if tokenizer_id is not None else tokenizer_identity(tokenizer))
         self.bytes_per_token = kv_bytes_per_token(model.config, dtype)
         self._mem = {"device": collections.OrderedDict(), "host": collections.OrderedDict()}
-        self._disk: collections.OrderedDict = collections.OrderedDict()   # name -> (schema hash, file bytes)
+        self._disk: collections.OrderedDict = collections.OrderedDict()   # name -> (schema hash, file bytes, tokens)
         self._layouts: dict = {}
         zero = lambda: dict.fromkeys(TIERS, 0)
         self._hits, self._misses, self._evictions = zero(), zero(), zero()
@@ -232,7 +237,7 @@ class PromptCache:
         dtype = np.dtype(encoded.k.dtype).name
         c = self.model.config
         want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
-        got = (encoded.k.shape[0],) + tuple(encoded.k.shape[3:])
+        got = (encoded.k.shape[0],) + tuple(encoded.k.shape[2:])
         if dtype != self.identity.dtype or got != want:
             raise ValueError(f"encoded: K/V of dtype {dtype} and (layers, kv heads, head_dim) {got}, expected "
                              f"{self.identity.dtype} and {want}")
@@ -277,9 +282,11 @@ class PromptCache:
     def stats(self) -> CacheStats:
         """Hits, misses, evictions, bytes and entries per tier (module docstring)."""
         held = {t: [e.nbytes for e in self._mem[t].values()] for t in ("device", "host")}
-        held["disk"] = [n for _, n in self._disk.values()]
+        held["disk"] = [n for _, n, _ in self._disk.values()]
+        tokens = {t: sum(e.encoded.tokens for e in self._mem[t].values()) for t in ("device", "host")}
+        tokens["disk"] = sum(n for _, _, n in self._disk.values())
         return CacheStats(dict(self._hits), dict(self._misses), dict(self._evictions),
-                          {t: int(sum(held[t])) for t in TIERS}, {t: len(held[t]) for t in TIERS},
+                          {t: int(sum(held[t])) for t in TIERS}, {t: len(held[t]) for t in TIERS}, tokens,
                           self.bytes_per_token)
 
     # ------------------------------------------------------------------ tiers
@@ -313,9 +320,9 @@ class PromptCache:
         if budget is not None and entry.nbytes > budget:
             return
         size = save_encoded(self._file(name), entry.encoded, self.identity, entry.schema_hash)
-        self._disk[name] = (entry.schema_hash, size)
+        self._disk[name] = (entry.schema_hash, size, entry.encoded.tokens)
         self._disk.move_to_end(name)
-        while budget is not None and len(self._disk) > 1 and sum(n for _, n in self._disk.values()) > budget:
+        while budget is not None and len(self._disk) > 1 and sum(r[1] for r in self._disk.values()) > budget:
             self._evictions["disk"] += 1
             self._delete_file(next(iter(self._disk)), write=False)
         self._write_manifest()
@@ -352,11 +359,11 @@ class PromptCache:
         schemas = manifest.get("schemas") or {}
         for name, rec in sorted(schemas.items(), key=lambda kv: kv[1].get("used", 0)):
             if os.path.exists(self._file(name)):
-                self._disk[name] = (rec["schema_hash"], int(rec["bytes"]))
+                self._disk[name] = (rec["schema_hash"], int(rec["bytes"]), int(rec["tokens"]))
 
     def _write_manifest(self) -> None:
-        schemas = {name: {"file": os.path.basename(self._file(name)), "schema_hash": h, "bytes": n, "used": i}
-                   for i, (name, (h, n)) in enumerate(self._disk.items())}
+        schemas = {name: {"file": os.path.basename(self._file(name)), "schema_hash": h, "bytes": n, "tokens": t,
+                          "used": i} for i, (name, (h, n, t)) in enumerate(self._disk.items())}
         path = os.path.join(self.directory, MANIFEST)
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "identity": self.identity.as_dict(), "schemas": schemas}, f, indent=1)

@@ -1,8 +1,11 @@
 """`jpa-sample` end to end on a tiny generated GGUF (random weights, tiny byte-level BPE): JSONL
 records, samples independent of -n, --stop, --logprobs, streaming of one sequence (also in a
 pseudo-terminal, with the live progress line), plain text when piped, --version and --help;
-error paths exit with status 2 and a one-line message.  The built-in SmolLM2 model is exercised
-through `models.LLM` in test_llm.py."""
+error paths exit with status 2 and a one-line message.  Prompt Cache (`--schema`, `--prompt-pml`):
+records with the assembled prompt's token ids, the exact case equal to greedy decoding by full
+recomputation, `--compare`, a second run that loads the modules from `--cache-dir` and gives the
+same tokens, and its errors.  The built-in SmolLM2 model is exercised through `models.LLM` in
+test_llm.py."""
 import io
 import json
 import os
@@ -17,6 +20,7 @@ import pytest
 
 from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
 from models import cli
+from models.cli_prompt_cache import CompileTimeline, bos_token_id
 from models.config import LlamaConfig
 from models.gguf import load_gguf, write_llama_gguf
 from models.llama import Llama
@@ -101,7 +105,7 @@ def _naive_greedy(model_path, prompt_ids, steps):
     ids = list(prompt_ids)
     out = []
     for _ in range(steps):  # right-padded to a fixed length (causal: padding after is not seen)
-        padded = np.zeros((1, 48), np.int32)
+        padded = np.zeros((1, config.max_position_embeddings), np.int32)
         padded[0, :len(ids)] = ids
         logits = np.asarray(forward(params, jnp.asarray(padded)))[0, len(ids) - 1]
         t = int(np.argmax(logits))
@@ -553,3 +557,169 @@ def test_impossible_device_counts_exit_2_before_loading(argv, msg, no_loading, c
     rc, out, err = _run(["-p", "x"] + argv, capsys)
     _one_error_line(rc, out, err, msg)
     assert no_loading == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt Cache: --schema / --prompt-pml
+# ---------------------------------------------------------------------------------------------
+INTRO, DOC_HEAD, DOC_TAIL, FR = "the cat sat on the mat. ", "a dog ran to ", " then slept. ", "and the bird sang"
+PML_SCHEMA = (f'<schema name="pets"><module name="intro">{INTRO}</module>'
+          f'<module name="doc">{DOC_HEAD}<param name="where" len="4"/>{DOC_TAIL}</module>'
+          f'<union><module name="en">in the park</module><module name="fr">{FR}</module></union></schema>')
+PML_PROMPTS = {"exact": '<prompt schema="pets"><intro/>so then</prompt>',
+           "mixed": '<prompt schema="pets"><intro/><doc where="home"/><fr/> and at last</prompt>'}
+
+
+@pytest.fixture(scope="module")
+def pml_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pml")
+    (d / "schema.pml").write_text(PML_SCHEMA)
+    for name, text in PML_PROMPTS.items():
+        (d / f"{name}.pml").write_text(text)
+    return d
+
+
+PML_RECORD_KEYS = {"model", "schema", "schema_file", "prompt_file", "prompt_index", "sample", "prompt",
+                   "prompt_token_ids", "cached_tokens", "new_tokens", "completion", "token_ids", "finish_reason",
+                   "logprobs", "seed", "sampling", "attention", "device", "cache", "timings", "compare"}
+
+
+def test_pml_records_exact_case_compare_and_disk_cache(tiny_model, pml_files, tmp_path, capsys):
+    cache_dir, o1, o2 = tmp_path / "cache", tmp_path / "o1.jsonl", tmp_path / "o2.jsonl"
+    base = ["--model", tiny_model, "--schema", pml_files / "schema.pml", "--prompt-pml", pml_files / "exact.pml",
+            "--prompt-pml", pml_files / "mixed.pml", "--cache-dir", cache_dir, "-t", 0, "-m", 6]
+    rc, stdout, err = _run(base + ["--compare", "--logprobs", "-o", o1], capsys)
+    assert rc == 0, err
+    assert stdout == "" and sorted(os.listdir(cache_dir)) == ["manifest.json", "pets.safetensors"]
+    recs = _records(o1)
+    assert [(r["prompt_index"], r["sample"]) for r in recs] == [(0, 0), (1, 0)]
+    tok = Tokenizer.from_gguf(tiny_model)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    want_prompts = [enc(INTRO) + enc("so then"),
+                    enc(INTRO) + enc(DOC_HEAD) + enc("home") + enc(DOC_TAIL) + enc(FR) + enc(" and at last")]
+    new = {"exact": enc("so then"), "mixed": enc("home") + enc(" and at last")}   # argument and new text
+    for r, name, want in zip(recs, PML_PROMPTS, want_prompts):
+        assert set(r) == PML_RECORD_KEYS
+        assert r["schema"] == "pets" and r["prompt_file"] == str(pml_files / f"{name}.pml")
+        assert r["schema_file"] == str(pml_files / "schema.pml") and r["attention"] == "prompt_cache"
+        assert r["prompt_token_ids"] == want and r["prompt"] == tok.decode(want)
+        assert r["new_tokens"] == len(new[name])
+        assert r["cached_tokens"] == len(want) - r["new_tokens"]
+        assert 1 <= len(r["token_ids"]) <= 6 and len(r["logprobs"]) == len(r["token_ids"])
+        body = r["token_ids"][:-1] if r["finish_reason"] == "stop" else r["token_ids"]
+        assert r["completion"] == tok.decode(body, skip_special_tokens=True)
+        assert r["seed"] == 0 and r["sampling"]["temperature"] == 0.0 and r["sampling"]["max_new_tokens"] == 6
+        assert r["model"]["path"] == os.path.abspath(tiny_model) and r["device"] == jax.default_backend()
+        assert r["cache"]["modules"] == "encoded" and r["cache"]["hits"] == {"device": 0, "host": 0, "disk": 0}
+        assert r["cache"]["bytes"]["disk"] == os.path.getsize(cache_dir / "pets.safetensors")
+        for t in (r["timings"], r["compare"]["timings"]):
+            assert t["total_s"] >= t["ttft_s"] >= t["ttft_compile_s"] >= 0 and t["warm_ttft_s"] > 0
+    exact, mixed = recs
+    assert len(exact["token_ids"]) == 6 and len(set(exact["token_ids"])) > 1, exact["token_ids"]
+    assert exact["token_ids"] == _naive_greedy(tiny_model, want_prompts[0], 6)      # the exact case
+    assert exact["compare"]["same_tokens"] and exact["compare"]["token_ids"] == exact["token_ids"]
+    # contiguous positions (the argument fills its parameter, the union member is its longest)
+    assert mixed["compare"]["token_ids"] == _naive_greedy(tiny_model, want_prompts[1], 6)
+    assert "TTFT with cache" in err and "without cache" in err and "(second calls; " in err
+    assert f"same tokens {sum(r['compare']['same_tokens'] for r in recs)}/2" in err
+    assert "modules encoded" in err
+    assert "2 sequences (2 prompts x 1 sample) of schema 'pets'" in err
+    assert "cache hits device 0, host 0, disk 0" in err
+
+    rc, _, err = _run(base + ["-o", o2, "--progress", "on"], capsys)     # modules from the directory
+    assert rc == 0, err
+    assert "\r\x1b[K[load" in err and "[modules" in err and "[generate with cache" in err   # the live line
+    again = _records(o2)
+    assert "modules disk" in err and "cache hits device 0, host 0, disk 1" in err and "without cache" not in err
+    assert [r["cache"]["modules"] for r in again] == ["disk", "disk"] and "compare" not in again[0]
+    assert "warm_ttft_s" not in again[0]["timings"] and "s of it compiling)" in err
+    assert [r["token_ids"] for r in again] == [r["token_ids"] for r in recs]
+    assert [r["prompt_token_ids"] for r in again] == want_prompts
+
+    stop = mixed["completion"][1:3]                # printed blocks, two greedy samples, cut at a stop string
+    rc, stdout, err = _run(base + ["-n", 2, "--stop", stop.replace("\\", "\\\\")], capsys)
+    assert rc == 0, err
+    cut = cli.printable(mixed["completion"][:mixed["completion"].find(stop)])
+    blocks = re.split(r"^--- prompt (\d): (\S+), sample (\d)/2 \((\w+), \d+ tokens\) ---\n", stdout, flags=re.M)
+    assert blocks[0] == "" and "4 sequences (2 prompts x 2 samples)" in err
+    got = [tuple(blocks[i:i + 5]) for i in range(1, len(blocks), 5)]
+    assert [g[:3] for g in got] == [("1", str(pml_files / "exact.pml"), "1"), ("1", str(pml_files / "exact.pml"), "2"),
+                                    ("2", str(pml_files / "mixed.pml"), "1"), ("2", str(pml_files / "mixed.pml"), "2")]
+    assert [g[3:] for g in got[2:]] == [("stop", cut + "\n")] * 2
+
+    manifest = json.loads((cache_dir / "manifest.json").read_text())   # a directory of another model
+    manifest["identity"]["model"] = "0" * 64
+    (cache_dir / "manifest.json").write_text(json.dumps(manifest))
+    _one_error_line(*_run(base, capsys), "made for another model")
+
+
+def test_pml_argument_longer_than_its_param_exits_2(tiny_model, pml_files, tmp_path, capsys):
+    p = tmp_path / "long.pml"
+    p.write_text('<prompt schema="pets"><doc where="a very long place indeed"/> ok</prompt>')
+    rc, out, err = _run(["--model", tiny_model, "--schema", pml_files / "schema.pml", "--prompt-pml", p], capsys)
+    _one_error_line(rc, out, err, f"prompt file {p}: <doc> (line 1): argument where=")
+
+
+@pytest.mark.parametrize("schema,prompt,extra,msg", [
+    (None, PML_PROMPTS["exact"], [], "--prompt-pml needs --schema FILE"),
+    (PML_SCHEMA, None, [], "--schema needs at least one --prompt-pml FILE"),
+    (None, None, ["--compare"], "--compare needs --schema FILE"),
+    (None, None, ["--cache-dir", "d"], "--cache-dir needs --schema FILE"),
+    (PML_SCHEMA, PML_PROMPTS["exact"], ["-p", "x"], "--prompt cannot be used with --schema"),
+    (PML_SCHEMA, PML_PROMPTS["exact"], ["--chat"], "--chat cannot be used with --schema"),
+    (PML_SCHEMA, PML_PROMPTS["exact"], ["--attention", "flat"], "--attention flat cannot be used with --schema"),
+    (PML_SCHEMA, PML_PROMPTS["exact"], ["--tensor-parallel", "2"], "--tensor-parallel / --data-parallel cannot be used"),
+    ('<schema name="pets"><module name="a">x</schema>', PML_PROMPTS["exact"], [], "malformed PML at line 1"),
+    (PML_SCHEMA, '<prompt schema="pets"><outro/> x</prompt>', [], "<outro> (line 1): unknown module 'outro'"),
+    (PML_SCHEMA, '<prompt schema="pets"><en/><fr/> x</prompt>', [], "are members of one union"),
+    (PML_SCHEMA, '<prompt schema="pets"><doc size="2"/> x</prompt>', [], "module 'doc' has no parameter 'size'"),
+    (PML_SCHEMA, '<prompt schema="pets">hi <intro/></prompt>', [], "it must end with new text"),
+    (PML_SCHEMA, '<prompt schema="other"><intro/> x</prompt>', [], "schema='other' but the schema is 'pets'"),
+])
+def test_pml_usage_errors_exit_2_before_loading(schema, prompt, extra, msg, tmp_path, no_loading, capsys):
+    argv = []
+    if schema is not None:
+        (tmp_path / "s.pml").write_text(schema)
+        argv += ["--schema", tmp_path / "s.pml"]
+    if prompt is not None:
+        (tmp_path / "p.pml").write_text(prompt)
+        argv += ["--prompt-pml", tmp_path / "p.pml"]
+    _one_error_line(*_run(argv + extra, capsys), msg)
+    assert no_loading == []
+
+
+def test_pml_file_errors_exit_2_before_loading(tmp_path, no_loading, capsys):
+    (tmp_path / "s.pml").write_text(PML_SCHEMA)
+    (tmp_path / "p.pml").write_text(PML_PROMPTS["exact"])
+    (tmp_path / "afile").write_text("")
+    ok = ["--schema", tmp_path / "s.pml", "--prompt-pml", tmp_path / "p.pml"]
+    _one_error_line(*_run(["--schema", tmp_path / "none.pml", "--prompt-pml", tmp_path / "p.pml"], capsys),
+                    f"schema file not found: {tmp_path / 'none.pml'}")
+    _one_error_line(*_run(ok + ["--prompt-pml", tmp_path / "none.pml"], capsys),
+                    f"prompt file not found: {tmp_path / 'none.pml'}")
+    _one_error_line(*_run(ok + ["--cache-dir", tmp_path / "afile"], capsys), "is not a directory")
+    _one_error_line(*_run(ok + ["-o", tmp_path / "no" / "o.jsonl"], capsys), "does not exist")
+    _one_error_line(*_run(["--schema", "-", "--prompt-pml", "-"], capsys), "only one of --schema and --prompt-pml")
+    assert no_loading == []
+
+
+class _Tok:
+    def __init__(self, bos, add):
+        self.bos, self.add = bos, add
+
+    def encode(self, text, add_special_tokens=True):
+        ids = [ord(c) for c in text]
+        return ([self.bos] if add_special_tokens and self.add else []) + ids
+
+
+def test_pml_bos_token_id_follows_the_tokenizer():
+    assert bos_token_id(_Tok(7, True)) == 7
+    assert bos_token_id(_Tok(7, False)) is None
+
+
+def test_compile_timeline_counts_nested_events_once():
+    clock = CompileTimeline()
+    clock.events = [(2.0, 1.0), (1.8, 0.3), (5.0, 0.5), (9.0, 1.0)]   # (end, duration): the 2nd inside the 1st
+    assert clock.seconds(0.0, 10.0) == pytest.approx(2.5)
+    assert clock.seconds(1.5, 4.8) == pytest.approx(0.5 + 0.3)      # clipped to the window
+    assert clock.seconds(2.5, 4.0) == 0.0 and clock.seconds(5.5, 7.0) == 0.0

@@ -1,7 +1,10 @@
-"""Module encoding: the batched, padded encoding of every module of a schema equals a hand-built
-reference (one unpadded sequence of all modules, a dense block-diagonal causal mask so each
-module attends only to itself); a module at the start of the schema, and a scaffold of the
-modules that fill the schema's first positions, equal the model's own prefill of that text."""
+"""Module encoding: the batched encoding of every module of a schema, stored packed without
+padding, equals a hand-built reference (one unpadded sequence of all modules, a dense
+block-diagonal causal mask so each module attends only to itself); a module at the start of the
+schema, and a scaffold of the modules that fill the schema's first positions, equal the model's
+own prefill of that text."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -68,17 +71,27 @@ def reference_kv(model, params, lay):
 def test_modules_equal_the_masked_full_forward(encoded):
     model, params, lay, enc = encoded
     assert enc.names == tuple(m.name for m in lay.modules) + ("#0+doc+aside",)
-    L, M, T = CFG.num_hidden_layers, len(lay.modules) + 1, enc.k.shape[2]
-    assert enc.k.shape == (L, M, T, CFG.num_key_value_heads, CFG.head_dim) and T % 8 == 0
+    L, M = CFG.num_hidden_layers, len(lay.modules) + 1
+    n_scaffold = sum(len(lay.module(m).token_ids) for m in ("#0", "doc", "aside"))
+    n = sum(len(m.token_ids) for m in lay.modules) + n_scaffold
+    assert n % 8 and enc.tokens == n                          # packed: no row is padded, nor the total
+    assert enc.k.shape == enc.v.shape == (L, n, CFG.num_key_value_heads, CFG.head_dim)
+    assert enc.offsets.tolist() == np.cumsum([0] + [len(m.token_ids) for m in lay.modules] + [n_scaffold]).tolist()
+    assert enc.positions.shape == enc.token_ids.shape == enc.keep.shape == (n,)
     want = reference_kv(model, params, lay)
     for m in lay.modules:
         k, v, pos = enc.module(m.name)
         np.testing.assert_array_equal(pos, m.positions)
         np.testing.assert_allclose(np.asarray(k), want[m.name][0], atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(v), want[m.name][1], atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(enc.token_ids[enc.span(enc.names.index(m.name))], m.token_ids)
+        np.testing.assert_array_equal(enc.keep[enc.span(enc.names.index(m.name))], m.keep_mask)
     per_token = 2 * L * CFG.num_key_value_heads * CFG.head_dim * 4
-    n_scaffold = len(enc.module("#0+doc+aside")[2])
-    assert enc.nbytes == (sum(len(m.token_ids) for m in lay.modules) + n_scaffold) * per_token
+    assert enc.nbytes == n * per_token
+    doc = enc.names.index("doc")
+    kept = enc.kept(doc)
+    assert len(kept) == len(lay.module("doc").token_ids) - 3 and not np.isin(
+        np.arange(enc.offsets[doc], enc.offsets[doc + 1])[~lay.module("doc").keep_mask], kept).any()
 
 
 def test_leading_module_and_scaffold_equal_plain_prefill(encoded):
@@ -90,7 +103,7 @@ def test_leading_module_and_scaffold_equal_plain_prefill(encoded):
     want_k, want_v = np.asarray(prefix.layers["k"][0][:, 0, :n]), np.asarray(prefix.layers["v"][0][:, 0, :n])
     k, v, pos = enc.module("#0+doc+aside")             # the scaffold: the exact case
     np.testing.assert_array_equal(pos, np.arange(n))
-    np.testing.assert_array_equal(enc.token_ids[enc.names.index("#0+doc+aside"), :n], ids)
+    np.testing.assert_array_equal(enc.token_ids[enc.span(enc.names.index("#0+doc+aside"))], ids)
     np.testing.assert_allclose(np.asarray(k), want_k, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(v), want_v, atol=1e-5, rtol=1e-5)
     k, v, pos = enc.module("#0")                       # alone at the start: a causal prefix of it
@@ -99,8 +112,8 @@ def test_leading_module_and_scaffold_equal_plain_prefill(encoded):
     np.testing.assert_allclose(np.asarray(k), want_k[:, :m], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(v), want_v[:, :m], atol=1e-5, rtol=1e-5)
     assert not np.allclose(np.asarray(enc.module("doc")[0][:, :5]), want_k[:, m:m + 5], atol=1e-3)  # masking effect
-    keep = enc.keep[enc.names.index("#0+doc+aside"), :n]
-    assert (~keep).sum() == 3 and keep[:n].sum() == n - 3
+    keep = enc.keep[enc.span(enc.names.index("#0+doc+aside"))]
+    assert len(keep) == n and (~keep).sum() == 3
 
 
 def test_pack_modules_and_errors(encoded):
@@ -119,6 +132,14 @@ def test_pack_modules_and_errors(encoded):
             schema_rows(lay, [bad])
     with pytest.raises(ValueError, match="no module 'nope'"):
         enc.module("nope")
+    bad_offsets = enc.offsets.copy()
+    bad_offsets[2] = bad_offsets[3] + 1
+    with pytest.raises(ValueError, match="offsets: received .* non-decreasing offsets from 0"):
+        dataclasses.replace(enc, offsets=bad_offsets)
+    with pytest.raises(ValueError, match=r"keep: received shape \(\d+,\), expected"):
+        dataclasses.replace(enc, keep=enc.keep[:-1])
+    with pytest.raises(ValueError, match=r"k, v: received shapes"):
+        dataclasses.replace(enc, v=enc.v[:, :-1])
     big = layout_schema(schema("b", module("m", "x", param("p", 1))), ModTokenizer(), placeholder_id=500)
     with pytest.raises(ValueError, match=r"token ids span \[\d+, 500\], expected \[0, 97\)"):
         encode_schema(model, params, big)

@@ -2,6 +2,8 @@
 (different module sets, arguments, unions, samples) equal one-by-one calls; modules are stored
 once per batch as shared prefix levels; an empty level node, host-tier K/V and the tree
 attention path give the one-by-one tokens; the level planner's plans cover every prompt exactly."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +74,10 @@ def test_exact_case_equals_ordinary_generation(setup):
     assert len(set(map(tuple, want.tokens))) == 2                         # the prompts differ
     assert got.cached_tokens == sum(len(i) for i, _ in ids) - sum(len(p.new_token_ids) for p in ps)
     assert got.ttft_s > 0 and got.total_s >= got.ttft_s and base.ttft_s > 0
+    first = cached_generate(model, params, enc, ps, max_new_tokens=1, eos_token_ids=(), logprobs=True)
+    np.testing.assert_array_equal(first.tokens, want.tokens[:, :1])                   # no decode step
+    np.testing.assert_allclose(first.logprobs, want.logprobs[:, :1], atol=1e-4)
+    assert (first.lengths == 1).all() and (np.asarray(first.cache.lengths) == [len(p.new_token_ids) for p in ps]).all()
 
 
 def test_batched_prompts_equal_one_by_one(setup):
@@ -110,7 +116,7 @@ def test_modules_stored_once_per_batch(setup):
     ps = prompts('<intro/><trip days="3"/><en/> Q1?', '<intro/><trip days="5"/><fr/> Q2?',
                  '<intro/><trip days="9"/><en/> Q3, longer?', '<intro/><trip/><fr/> Q4?')
     out = cached_generate(model, params, enc, ps, max_new_tokens=3, n=3, eos_token_ids=())
-    kept = {n: int(enc.keep[i].sum()) for i, n in enumerate(enc.names)}
+    kept = {n: len(enc.kept(i)) for i, n in enumerate(enc.names)}
     prefix = out.cache.prefix
     assert out.cache.batch == 12 and prefix.level_sizes() == (1, 2)
     assert out.plan.order == (0, 2, 1, 3)                      # the en prompts, then the fr ones
@@ -118,11 +124,10 @@ def test_modules_stored_once_per_batch(setup):
     assert lengths == [[kept["intro"] + kept["trip"]], [kept["en"], kept["fr"]]]
     assert out.cached_tokens == kept["intro"] + kept["trip"] + kept["en"] + kept["fr"]
     root_k = np.asarray(prefix.layers["k"][0])[:, 0, :lengths[0][0]]      # [L, n, Hkv, D]
-    want = np.concatenate([np.asarray(enc.k)[:, enc.names.index(m)][:, enc.keep[enc.names.index(m)]]
-                           for m in ("intro", "trip")], axis=1)
+    want = np.concatenate([np.asarray(enc.k)[:, enc.kept(enc.names.index(m))] for m in ("intro", "trip")], axis=1)
     np.testing.assert_array_equal(root_k, want)
     fr_v = np.asarray(prefix.layers["v"][1])[:, 1, :kept["fr"]]
-    np.testing.assert_array_equal(fr_v, np.asarray(enc.v)[:, enc.names.index("fr")][:, :kept["fr"]])
+    np.testing.assert_array_equal(fr_v, np.asarray(enc.module("fr")[1]))
     assert (np.asarray(out.cache.lengths) == np.repeat([len(ps[j].new_token_ids) + 3 - 1 for j in (0, 2, 1, 3)],
                                                         3)).all()
     np.testing.assert_array_equal(out.row_prompt, np.repeat([0, 2, 1, 3], 3))
@@ -144,10 +149,9 @@ def test_empty_node_host_tier_and_tree_attention(setup):
                            for p in ps])
     got = cached_generate(model, params, enc, ps, max_new_tokens=4, eos_token_ids=())
     assert got.plan.order == (1, 0) and [list(t) for t in got.plan.node_tokens] == [
-        [int(enc.keep[0].sum())], [0, int(enc.keep[2].sum() + enc.keep[3].sum())]]
+        [len(enc.kept(0))], [0, len(enc.kept(2)) + len(enc.kept(3))]]
     np.testing.assert_array_equal(got.tokens, want)
-    host = type(enc)(enc.schema, enc.names, np.asarray(enc.k), np.asarray(enc.v), enc.positions, enc.token_ids,
-                     enc.keep, enc.lengths)
+    host = dataclasses.replace(enc, k=np.asarray(enc.k), v=np.asarray(enc.v))
     np.testing.assert_array_equal(cached_generate(model, params, host, ps, max_new_tokens=4,
                                                   eos_token_ids=()).tokens, want)
     tree = Llama(CFG, impl="reference", shared_impl="tree")

@@ -50,7 +50,7 @@ def setup():
 
 def entry_bytes(enc):
     return sum(np.asarray(x).size * np.asarray(x).dtype.itemsize
-               for x in (enc.k, enc.v, enc.positions, enc.token_ids, enc.keep, enc.lengths))
+               for x in (enc.k, enc.v, enc.positions, enc.token_ids, enc.keep, enc.offsets))
 
 
 def hf_meta(merges):
@@ -93,7 +93,7 @@ def test_save_load_round_trip_is_bit_identical(setup, tmp_path):
     loaded = again.encode_or_load(SCHEMAS[0])
     assert again.stats().hits == {"device": 0, "host": 0, "disk": 1}
     assert loaded.names == first.names and loaded.schema == "s0"
-    for a in ("k", "v", "positions", "token_ids", "keep", "lengths"):
+    for a in ("k", "v", "positions", "token_ids", "keep", "offsets"):
         x, y = np.asarray(getattr(first, a)), np.asarray(getattr(loaded, a))
         assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), a
     np.testing.assert_array_equal(np.asarray(first.k), np.asarray(encoded["s0"].k))
@@ -161,6 +161,8 @@ def test_lru_eviction_across_tiers_and_stats(setup, tmp_path):
         assert st.evictions == {"device": 3, "host": 1, "disk": 0}
         assert st.entries["device"] == 2 and st.bytes["device"] == 2 * nb and st.bytes["host"] == nb
         assert st.bytes_per_token == kv_bytes_per_token(CFG, jnp.float32)
+        ntok = encoded["s0"].tokens
+        assert st.tokens["device"] == 2 * ntok and st.tokens["host"] == ntok
         if directory is None:                             # s2 was dropped
             assert cache.lookup(SCHEMAS[2]) is None and cache.names("disk") == ()
             assert cache.stats().misses == {"device": 3, "host": 1, "disk": 0}
@@ -196,3 +198,27 @@ def test_disk_budget_and_oversized_entries(setup, tmp_path):
         CacheBudgets(host=-1)
     with pytest.raises(ValueError, match="tier: received 'gpu'"):
         cache.names("gpu")
+
+
+def test_storage_scales_with_real_tokens(setup, tmp_path):
+    """A 3-token module next to a 300-token one: entries, files and stats count the real tokens
+    (K/V plus 9 index bytes per token and the row offsets), never the longest row per module."""
+    model, params, tok, _ = setup
+    s = schema("long", module("short", "abc"), module("long", "x" * 300))
+    cache = PromptCache(model, params, tok, directory=tmp_path, tokenizer_id="mod")
+    enc = cache.encode_or_load(s)
+    rows = [3, 300]
+    assert enc.tokens == sum(rows) and enc.lengths.tolist() == rows
+    bpt = kv_bytes_per_token(CFG, jnp.float32)
+    want = sum(rows) * (bpt + 4 + 4 + 1) + 8 * (len(rows) + 1)
+    st = cache.stats()
+    assert entry_bytes(enc) == want and st.bytes["device"] == want and st.tokens["device"] == sum(rows)
+    padded = 2 * 300 * bpt                                  # what one padded [M, T] buffer would hold
+    size = os.path.getsize(tmp_path / "long.safetensors")
+    assert st.bytes["disk"] == size and want <= size < want + 4096 < padded
+    assert st.tokens["disk"] == sum(rows)
+    assert json.loads((tmp_path / "manifest.json").read_text())["schemas"]["long"]["tokens"] == sum(rows)
+    reopened = PromptCache(model, params, tok, directory=tmp_path, tokenizer_id="mod")
+    assert reopened.stats().tokens["disk"] == sum(rows)
+    back = reopened.encode_or_load(s)
+    np.testing.assert_array_equal(np.asarray(back.module("long")[1]), np.asarray(enc.module("long")[1]))
