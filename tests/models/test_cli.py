@@ -723,3 +723,39 @@ def test_compile_timeline_counts_nested_events_once():
     assert clock.seconds(0.0, 10.0) == pytest.approx(2.5)
     assert clock.seconds(1.5, 4.8) == pytest.approx(0.5 + 0.3)      # clipped to the window
     assert clock.seconds(2.5, 4.0) == 0.0 and clock.seconds(5.5, 7.0) == 0.0
+
+
+BUILTIN_SCHEMA = ('<schema name="guide">&lt;|im_start|&gt;system\nYou are a helpful travel guide. Answer in one '
+                  'sentence.&lt;|im_end|&gt;\n&lt;|im_start|&gt;user\n'
+                  '<module name="city">Lisbon is the capital of Portugal. It lies on the river Tagus and is '
+                  'known for its trams, its hills and its custard tarts. </module>'
+                  '<module name="tip">Visitors should wear good shoes because the streets are steep. </module>'
+                  '</schema>')
+BUILTIN_PROMPT = ('<prompt schema="guide"><city/>What river is Lisbon on?&lt;|im_end|&gt;\n'
+                  '&lt;|im_start|&gt;assistant\n</prompt>')
+
+
+@pytest.mark.slow
+def test_pml_on_the_builtin_model_equals_ordinary_generation(tmp_path, capsys):
+    """The built-in SmolLM2 end to end through --schema/--prompt-pml: the exact case (the
+    schema's leading text and first module, then new text) gives the greedy tokens of ordinary
+    generation on the same prompt ids; a second run loads the modules from --cache-dir."""
+    from models import LLM, PromptBatch, generate  # noqa: PLC0415
+    (tmp_path / "s.pml").write_text(BUILTIN_SCHEMA)
+    (tmp_path / "p.pml").write_text(BUILTIN_PROMPT)
+    base = ["--schema", tmp_path / "s.pml", "--prompt-pml", tmp_path / "p.pml", "--cache-dir", tmp_path / "c",
+            "-t", 0, "-m", 8, "--dtype", "float32"]
+    rc, _, err = _run(base + ["-o", tmp_path / "o1.jsonl"], capsys)
+    assert rc == 0, err
+    (rec,) = _records(tmp_path / "o1.jsonl")
+    assert rec["model"]["format"] == "gguf" and rec["cached_tokens"] > 30 and rec["cache"]["modules"] == "encoded"
+    llm = LLM.load(dtype="float32")
+    want = generate(llm.model, llm.params, PromptBatch.plain([rec["prompt_token_ids"]]), max_new_tokens=8,
+                    eos_token_ids=llm.eos_token_ids)
+    n = int(want.lengths[0])
+    assert rec["token_ids"] == want.tokens[0, :n].tolist() and len(set(rec["token_ids"])) > 2
+    assert "Tagus" in rec["completion"], rec["completion"]
+    rc, _, err = _run(base + ["-o", tmp_path / "o2.jsonl"], capsys)
+    assert rc == 0, err
+    (again,) = _records(tmp_path / "o2.jsonl")
+    assert again["cache"]["modules"] == "disk" and again["token_ids"] == rec["token_ids"]
