@@ -13,6 +13,9 @@
 * :mod:`models.weights` -- HF safetensors loader, ``params_from_hf_state_dict``, random init.
 * :mod:`models.logprobs` -- :func:`completion_logprobs`: log-probs (and entropies) of given
   completions, each prompt computed once, chunked LM head, differentiable (training);
+* :mod:`models.tree_logprobs` -- :func:`tree_completion_logprobs`: log-probs of every token of a
+  branching token forest (agent trajectories), each node computed once through
+  ``jax_prefix_attn.tree_attention``; :func:`tree_layout` builds its :class:`TreeLayout`;
 * :mod:`models.rl` -- GRPO: :func:`group_advantages`, :func:`grpo_loss`, :func:`grpo_objective`,
   :func:`make_train_step` (one jitted optax step);
 * :mod:`models.nnx_llama` -- :class:`NNXLlama`: the decoder as a Flax NNX module (``nnx.Param``
@@ -67,6 +70,7 @@ from models.kv_cache import KVCache, PrefixCache
 from models.llama import Llama
 from models.logprobs import completion_logprobs
 from models.nnx_llama import NNXLlama
+from models.tree_logprobs import TreeLayout, tree_completion_logprobs, tree_layout
 from models.llm import LLM, Completion, Generation, Timings
 from models.prefix_sharing import PromptBatch, SharingReport, plan_prompt_batch
 from models.rl import GRPOBatch, GRPOConfig, group_advantages, grpo_loss, grpo_objective, make_train_step
@@ -81,3 +85,4 @@ __all__ = ["DEFAULT_SAMPLING", "GREEDY", "Completion", "GenerateOutput", "Genera
            "unstack_layers"]
 __all__ += ["GRPOBatch", "GRPOConfig", "NNXLlama", "completion_logprobs", "group_advantages", "grpo_loss",
             "grpo_objective", "make_train_step"]
+__all__ += ["TreeLayout", "tree_completion_logprobs", "tree_layout"]

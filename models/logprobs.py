@@ -56,7 +56,7 @@ from models import kv_cache as kvc
 from models.layers import embed, rms_norm
 from models.llama import Llama
 
-__all__ = ["IMPLS", "completion_logprobs", "resolve_impl", "token_logprobs"]
+__all__ = ["IMPLS", "completion_logprobs", "layer_loop", "resolve_impl", "token_logprobs"]
 
 IMPLS = ("auto", "shared", "flat")
 LOGITS_ELEMENTS = 1 << 27   # default token chunk: about this many logits ([chunk, V] float32, 512 MB) at a time
@@ -151,7 +151,7 @@ def _validate(model, params, prompt_tokens, prompt_lengths, completion_tokens, c
 
 
 # ---------------------------------------------------------------------------------- layers
-def _layer_loop(body, carry, layers, remat: bool, policy):
+def layer_loop(body, carry, layers, remat: bool, policy):
     """``carry = body(carry, lp)`` over the layers: ``lax.scan`` (stacked) or unrolled (list),
     each layer rematerialised in the backward when ``remat``."""
     stacked = kvc.is_stacked(layers)
@@ -192,7 +192,7 @@ def _shared_hidden(model, params, prompt_gp, plen_g, comp_bc, n, remat, policy):
         return x_p, x_c
 
     x0 = (embed(params["embed"], prompt_gp).astype(dtype), embed(params["embed"], comp_bc).astype(dtype))
-    x_p, x_c = _layer_loop(body, x0, params["layers"], remat, policy)
+    x_p, x_c = layer_loop(body, x0, params["layers"], remat, policy)
     last = x_p[jnp.arange(g), plen_g - 1]                                   # [G, H]
     return jnp.concatenate([last[s2p][:, None], x_c[:, :-1]], axis=1)
 
@@ -210,7 +210,7 @@ def _flat_hidden(model, params, prompt_gp, plen_g, comp_bc, n, remat, policy):
     pos = jnp.broadcast_to(j, (b, p + c))
     causal = _causal_self(model)
     x = embed(params["embed"], tokens).astype(params["embed"].dtype)
-    x = _layer_loop(lambda x, lp: model.layer_forward(lp, x, pos, causal)[0], x, params["layers"], remat, policy)
+    x = layer_loop(lambda x, lp: model.layer_forward(lp, x, pos, causal)[0], x, params["layers"], remat, policy)
     idx = length - 1 + jnp.arange(c, dtype=jnp.int32)[None]
     return jnp.take_along_axis(x, idx[..., None], axis=1)
 
