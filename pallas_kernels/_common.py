@@ -193,8 +193,9 @@ def flag_nonfinite(o, lse):
     Kernels and merges need no such flag: a NaN score makes ``l`` and the LSE NaN, and a NaN
     value makes ``o`` NaN, which every merge carries into the merged ``o``.  Only a row whose
     NaN came from a value has a finite LSE, so the public entry points apply this once to what
-    they return (an XLA reduction over ``D``, and only when the caller asks for the LSE)."""
-    return jnp.where(finite(jnp.sum(o, axis=-1)), lse, jnp.nan)
+    they return (an XLA reduction over ``D``, and only when the caller asks for the LSE).  The
+    test is elementwise, not on a row sum: a float16 row of finite values can sum past 65504."""
+    return jnp.where(jnp.all(finite(o), axis=-1), lse, jnp.nan)
 
 
 def finish_state(acc, m_i, l_i):

@@ -87,6 +87,20 @@ def test_attention_nan_key_gives_nan_lse(impl):
     assert (out[2] == 0).all() and (lse[2] == -np.inf).all()            # length 0: no key
 
 
+@pytest.mark.parametrize("impl", ["reference", "flash"])
+def test_large_finite_float16_rows_keep_a_finite_lse(impl):
+    """Finite float16 outputs whose row sum overflows float16 (128 values near 600) are not
+    flagged: their LSE stays finite and equals the float32 computation's."""
+    rng = np.random.default_rng(3)
+    q, k = (jnp.asarray(rng.standard_normal((2, 4, 2, 128)), jnp.float16) for _ in range(2))
+    v = jnp.asarray(600 + rng.standard_normal((2, 4, 2, 128)), jnp.float16)
+    out, lse = jpa.attention(q, k, v, impl=impl, interpret=impl == "flash")
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
+    _, lse32 = jpa.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                             impl="reference")
+    assert rel_err(lse, lse32) < 2e-2
+
+
 def test_merge_reads_nan_lse_as_nan_not_empty():
     rng = np.random.default_rng(0)
     outs = jnp.asarray(rng.standard_normal((3, 2, 5, 8), np.float32))
