@@ -39,7 +39,7 @@ from models.layers import embed
 from models.llama import Llama
 from models.prompt_cache.layout import SchemaLayout
 
-__all__ = ["EncodedSchema", "Row", "encode_schema", "encode_modules", "pack_rows", "schema_rows"]
+__all__ = ["EncodedSchema", "Row", "check_encoded", "encode_schema", "encode_modules", "pack_rows", "schema_rows"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -183,6 +183,16 @@ def encode_modules(model: Llama, params: dict, tokens_mt: jax.Array, positions_m
         ks.append(k)
         vs.append(v)
     return jnp.stack(ks), jnp.stack(vs)
+
+
+def check_encoded(config, dtype, encoded: EncodedSchema) -> None:
+    """Raise ``ValueError`` unless ``encoded`` holds K/V of a model with ``config`` (layers, kv
+    heads, head_dim) in ``dtype``."""
+    want = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+    got = (encoded.k.shape[0],) + tuple(encoded.k.shape[2:])
+    if np.dtype(encoded.k.dtype) != np.dtype(dtype) or got != want:
+        raise ValueError(f"encoded: K/V of dtype {np.dtype(encoded.k.dtype).name} and (layers, kv heads, head_dim) "
+                         f"{got}, expected {np.dtype(dtype).name} and {want}")
 
 
 def encode_schema(model: Llama, params: dict, schema_layout: SchemaLayout, *, scaffolds=(),

@@ -54,7 +54,7 @@ from models.generate import generate_from_cache, resolve_layout
 from models.kv_cache import KVCache, PrefixCache
 from models.llama import PREFIX_ALIGN, Llama
 from models.prefix_sharing import MIN_SHARED_TOKENS, bucket_length
-from models.prompt_cache.encode import EncodedSchema
+from models.prompt_cache.encode import EncodedSchema, check_encoded
 from models.prompt_cache.layout import PromptLayout
 from models.prompt_cache.levels import LevelPlan, plan_levels
 from models.sampling import GREEDY, SamplingConfig, sample_keys, sample_tokens, token_logprobs
@@ -174,6 +174,8 @@ def _gather(encoded: EncodedSchema, index: tuple, rows: Sequence[int]):
     prompts use every row), then the same gather runs on the device."""
     if isinstance(encoded.k, jax.Array):
         return _gather_device(encoded.k, encoded.v, index)
+    if not index:          # no prompt imports a module: no level, nothing to transfer
+        return (), ()
     runs: list = []
     for r in rows:
         sp = encoded.span(r)
@@ -218,6 +220,7 @@ def _check(model, params, encoded, prompts, n, max_new_tokens) -> list:
     if np.dtype(encoded.k.dtype) != np.dtype(params["embed"].dtype):
         raise ValueError(f"encoded: K/V of dtype {np.dtype(encoded.k.dtype)}, expected the parameters' "
                          f"{np.dtype(params['embed'].dtype)}")
+    check_encoded(model.config, params["embed"].dtype, encoded)
     return prompts
 
 

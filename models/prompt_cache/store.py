@@ -38,7 +38,7 @@ from safetensors import safe_open
 
 from models.config import LlamaConfig
 from models.llama import Llama
-from models.prompt_cache.encode import EncodedSchema, encode_schema
+from models.prompt_cache.encode import EncodedSchema, check_encoded, encode_schema
 from models.prompt_cache.identity import CacheIdentity, model_identity, schema_identity, tokenizer_identity
 from models.prompt_cache.layout import SchemaLayout, TokenEncoder, layout_schema
 from models.prompt_cache.pml import Schema, check_schema
@@ -234,13 +234,7 @@ class PromptCache:
             raise TypeError(f"encoded: received {type(encoded).__name__}, expected EncodedSchema")
         if encoded.schema != schema.name:
             raise ValueError(f"encoded: encodes schema {encoded.schema!r}, expected {schema.name!r}")
-        dtype = np.dtype(encoded.k.dtype).name
-        c = self.model.config
-        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
-        got = (encoded.k.shape[0],) + tuple(encoded.k.shape[2:])
-        if dtype != self.identity.dtype or got != want:
-            raise ValueError(f"encoded: K/V of dtype {dtype} and (layers, kv heads, head_dim) {got}, expected "
-                             f"{self.identity.dtype} and {want}")
+        check_encoded(self.model.config, self.identity.dtype, encoded)
         self.remove(schema.name)
         entry = _Entry(self.schema_key(schema, scaffolds), _on_device(encoded), encoded_nbytes(encoded))
         if self.directory is not None:

@@ -186,6 +186,22 @@ def test_errors(setup):
         generate_from_cache(model, params, out.cache, jnp.zeros((2, 97)), max_new_tokens=1)
 
 
+def test_prompt_importing_no_module_and_encoding_of_another_model(setup):
+    """A prompt that imports no module is served from both tiers as an ordinary prefill would
+    serve it; an encoding made for another model shape is refused before any compile."""
+    model, params, lay, enc, prompts = setup
+    ps = prompts(" Hello there")
+    want = prefill_generate(model, params, enc, ps, max_new_tokens=3, eos_token_ids=()).tokens
+    host = dataclasses.replace(enc, k=np.asarray(enc.k), v=np.asarray(enc.v))
+    for e in (enc, host):
+        np.testing.assert_array_equal(cached_generate(model, params, e, ps, max_new_tokens=3,
+                                                      eos_token_ids=()).tokens, want)
+    wide = dataclasses.replace(CFG, num_key_value_heads=4)
+    with pytest.raises(ValueError, match=r"\(layers, kv heads, head_dim\) \(2, 2, 8\), expected float32 and "
+                                         r"\(2, 4, 8\)"):
+        cached_generate(Llama(wide, impl="reference"), params, enc, ps, max_new_tokens=2)
+
+
 def test_level_plans_cover_every_prompt():
     """Hand-made import lists: the plan's node path of every prompt holds exactly its segments,
     level sizes divide each other and the prompt count, and shared runs are stored once when the
