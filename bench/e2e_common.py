@@ -15,12 +15,14 @@
 * :func:`finish_args` -- smoke and full defaults of unset arguments, the memory limit.
 * :func:`add_common_args` -- ``--out``, ``--smoke``, ``--quick``, ``--part``, ``--budget-min``,
   ``--mem-limit-gb``, ``--force``.
+* :func:`commit_of_checkout` -- the measured commit (``+dirty`` with uncommitted changes).
 """
 from __future__ import annotations
 
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Iterable
@@ -341,3 +343,16 @@ def run_points(store: ResultStore, plan: list[dict], measure: Callable[[dict], d
 def _brief(rec: dict) -> str:
     keep = {k: v for k, v in rec.items() if not isinstance(v, (list, dict))}
     return json.dumps(keep)[:400]
+
+
+def commit_of_checkout() -> str | None:
+    """``git rev-parse HEAD`` of this checkout, ``+dirty`` with uncommitted changes to tracked
+    files; None outside a git checkout."""
+    git = ["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    try:
+        sha = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("+dirty" if dirty else "")

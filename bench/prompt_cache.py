@@ -58,7 +58,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -335,18 +334,6 @@ def plot(path: str) -> str:
     return out
 
 
-def commit_of_checkout() -> str | None:
-    """``git rev-parse HEAD`` of this checkout, ``+dirty`` with uncommitted changes to tracked files."""
-    git = ["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    try:
-        sha = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return sha + ("+dirty" if dirty else "")
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ec.add_common_args(ap, tuple(PART_MODELS))
@@ -387,7 +374,7 @@ def main(argv=None) -> dict:
                            "sampled token on the host; median and min of --reps warm calls after one untimed call"}
 
     def after(store, bench, counts):
-        store.note("commit", args.commit or commit_of_checkout())
+        store.note("commit", args.commit or ec.commit_of_checkout())
         store.note("rates", bench.rates)
         ec.report_targets(store, targets)
         store.note("plot", os.path.basename(plot(store.path)))

@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -48,6 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench.e2e_common import commit_of_checkout  # noqa: E402
 from models import PromptBatch, generate  # noqa: E402
 from models import kv_cache as kvc  # noqa: E402
 from models.generate import resolve_layout  # noqa: E402
@@ -198,12 +198,9 @@ def evaluate(model, params, tokenizer, data: dict, *, max_new_tokens: int = 20, 
 
 
 def _meta(argv) -> dict:
-    git = lambda *a: subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True,  # noqa: E731
-                                    check=True).stdout.strip()
-    try:
-        commit, dirty = git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = None, None
+    checkout = commit_of_checkout()
+    commit = checkout and checkout.removesuffix("+dirty")
+    dirty = checkout and checkout.endswith("+dirty")
     dev = jax.devices()[0]
     return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
             "cpu_count": os.cpu_count(), "jax": jax.__version__, "numpy": np.__version__,

@@ -50,7 +50,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -347,18 +346,6 @@ def plot(path: str) -> str:
     return out
 
 
-def _commit() -> str | None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        sha = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ec.add_common_args(ap, PART_MODELS)
@@ -396,7 +383,7 @@ def main(argv=None) -> dict:
                            "steps (Hydragen D.1); prefill excluded"}
 
     def after(store, bench, counts):
-        store.note("commit", args.commit or _commit())
+        store.note("commit", args.commit or ec.commit_of_checkout())
         store.note("devices", [str(d) for d in jax.devices()[:args.gpus]])
         ec.report_targets(store, targets)
         try:

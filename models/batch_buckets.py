@@ -35,15 +35,15 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def batch_bucket(n: int, multiple: int = 1) -> int:
-    """``n`` rounded up to a power of two up to 8, to a multiple of 8 above, then to a multiple
-    of ``multiple``."""
+def batch_bucket(n: int, multiple: int = 1, *, pow2_up_to: int = POW2_UP_TO) -> int:
+    """``n`` rounded up to a power of two up to ``pow2_up_to`` (a power of two, default 8), to a
+    multiple of it above, then to a multiple of ``multiple``."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) or multiple < 1:
         raise ValueError(f"multiple must be an int >= 1, got {multiple!r}")
     n = int(n)
-    b = 1 << (n - 1).bit_length() if n <= POW2_UP_TO else _round_up(n, POW2_UP_TO)
+    b = 1 << (n - 1).bit_length() if n <= pow2_up_to else _round_up(n, pow2_up_to)
     return _round_up(b, int(multiple))
 
 

@@ -69,12 +69,7 @@ ATTENTION_IMPLS = ("auto", "flatten", "levelwise", "nodes")
 
 def length_bucket(n: int) -> int:
     """``n`` rounded up to a power of two up to :data:`LENGTH_POW2_UP_TO`, to a multiple of it above."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    n = int(n)
-    if n <= LENGTH_POW2_UP_TO:
-        return 1 << (n - 1).bit_length()
-    return -(-n // LENGTH_POW2_UP_TO) * LENGTH_POW2_UP_TO
+    return batch_bucket(n, pow2_up_to=LENGTH_POW2_UP_TO)
 
 
 @jax.tree_util.register_pytree_node_class
