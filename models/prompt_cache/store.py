@@ -315,6 +315,9 @@ class PromptCache:
             return
         size = save_encoded(self._file(name), entry.encoded, self.identity, entry.schema_hash)
         self._disk[name] = (entry.schema_hash, size, entry.encoded.tokens)
+        if budget is not None and size > budget:     # the file (K/V plus header) alone exceeds the budget
+            self._delete_file(name)
+            return
         self._disk.move_to_end(name)
         while budget is not None and len(self._disk) > 1 and sum(r[1] for r in self._disk.values()) > budget:
             self._evictions["disk"] += 1

@@ -200,6 +200,25 @@ def test_disk_budget_and_oversized_entries(setup, tmp_path):
         cache.names("gpu")
 
 
+def test_file_larger_than_the_disk_budget_evicts_nothing(setup, tmp_path):
+    """An entry whose in-memory bytes fit the disk budget but whose file (with its header) does
+    not is not kept on disk, and the files already there stay."""
+    model, params, tok, encoded = setup
+    probe = PromptCache(model, params, tok, directory=tmp_path / "probe", tokenizer_id="mod")
+    probe.insert(SCHEMAS[1], encoded["s1"])
+    file_bytes = os.path.getsize(tmp_path / "probe" / "s1.safetensors")
+    nb = entry_bytes(encoded["s1"])
+    assert nb < file_bytes
+    d = tmp_path / "c"
+    cache = PromptCache(model, params, tok, directory=d, tokenizer_id="mod",
+                        budgets=CacheBudgets(disk=file_bytes - 1))
+    cache.insert(SCHEMAS[0], encoded["s0"])
+    kept = cache.names("disk")
+    cache.insert(SCHEMAS[1], encoded["s1"])
+    assert kept == ("s0",)
+    assert cache.names("disk") == kept and not os.path.exists(d / "s1.safetensors")
+
+
 def test_storage_scales_with_real_tokens(setup, tmp_path):
     """A 3-token module next to a 300-token one: entries, files and stats count the real tokens
     (K/V plus 9 index bytes per token and the row offsets), never the longest row per module."""
