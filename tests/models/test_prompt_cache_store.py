@@ -200,23 +200,20 @@ def test_disk_budget_and_oversized_entries(setup, tmp_path):
         cache.names("gpu")
 
 
-def test_file_larger_than_the_disk_budget_evicts_nothing(setup, tmp_path):
+def test_file_larger_than_the_disk_budget_is_not_kept(setup, tmp_path):
     """An entry whose in-memory bytes fit the disk budget but whose file (with its header) does
-    not is not kept on disk, and the files already there stay."""
+    not is not kept on disk: no file, no manifest record, the budget holds."""
     model, params, tok, encoded = setup
     probe = PromptCache(model, params, tok, directory=tmp_path / "probe", tokenizer_id="mod")
-    probe.insert(SCHEMAS[1], encoded["s1"])
-    file_bytes = os.path.getsize(tmp_path / "probe" / "s1.safetensors")
-    nb = entry_bytes(encoded["s1"])
-    assert nb < file_bytes
+    probe.insert(SCHEMAS[0], encoded["s0"])
+    budget = os.path.getsize(tmp_path / "probe" / "s0.safetensors") - 1
+    assert entry_bytes(encoded["s0"]) <= budget
     d = tmp_path / "c"
-    cache = PromptCache(model, params, tok, directory=d, tokenizer_id="mod",
-                        budgets=CacheBudgets(disk=file_bytes - 1))
+    cache = PromptCache(model, params, tok, directory=d, tokenizer_id="mod", budgets=CacheBudgets(disk=budget))
     cache.insert(SCHEMAS[0], encoded["s0"])
-    kept = cache.names("disk")
-    cache.insert(SCHEMAS[1], encoded["s1"])
-    assert kept == ("s0",)
-    assert cache.names("disk") == kept and not os.path.exists(d / "s1.safetensors")
+    assert cache.names("disk") == () and not os.path.exists(d / "s0.safetensors")
+    assert json.loads((d / "manifest.json").read_text())["schemas"] == {}
+    assert cache.stats().bytes["disk"] <= budget
 
 
 def test_storage_scales_with_real_tokens(setup, tmp_path):
