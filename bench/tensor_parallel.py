@@ -14,11 +14,7 @@ Modes (``mode``, ``gpus``):
   vocabulary split over the N devices, two all-reduces of ``[B, H]`` per layer, greedy argmax
   over vocabulary shards;
 * ``dp``, N -- a ``(N, 1)`` mesh: every device holds the whole model and ``B / N`` sequences
-  (the prefix once per device), no collective per layer;
-* ``tpg``, N -- ``tp`` with the batch held as ``--groups`` micro-batches of ``B / groups``
-  sequences (their own suffix buffers, one prefix) decoded by
-  :meth:`models.sharded_llama.ShardedLlama.decode_step_groups`: per layer the groups run one
-  after another, so each group's all-reduces overlap the next group's compute.
+  (the prefix once per device), no collective per layer.
 
 Collectives: every ``tp`` point records the arithmetic (``allreduce_bytes_per_step``: the
 ``2 L + 1`` all-reduces of ``B x H`` activations per step; ``ring_bytes_per_gpu_per_step``: what
@@ -72,7 +68,7 @@ from models.sharding import DATA, MODEL, make_mesh, param_specs, shard_params  #
 from models.weights import init_params, unstack_layers  # noqa: E402
 
 NAME = "tensor_parallel"
-KEY_FIELDS = ("part", "model", "layers", "batch", "prefix", "mode", "gpus", "groups")
+KEY_FIELDS = ("part", "model", "layers", "batch", "prefix", "mode", "gpus")
 LLAMA_70B = LlamaConfig.preset("Llama-3.1-8B").replace(hidden_size=8192, intermediate_size=28672,
                                                        num_hidden_layers=80, num_attention_heads=64,
                                                        num_key_value_heads=8, head_dim=128)
@@ -94,12 +90,11 @@ def plan_points(args) -> list[dict]:
     for part, (shapes, layers) in grids.items():
         if args.part not in ("all", part):
             continue
-        modes = (("single", 1), ("tp", n), ("dp", n), ("tpg", n)) if part == "8b" else (("tp", n), ("tpg", n))
+        modes = (("single", 1), ("tp", n), ("dp", n)) if part == "8b" else (("tp", n),)
         for mode, gpus in modes:
             if mode in args.modes:
-                extra = {"groups": args.groups} if mode == "tpg" else {}
                 plan += [{"part": part, "model": PART_MODELS[part], "layers": layers, "batch": b, "prefix": p,
-                          "mode": mode, "gpus": gpus, **extra} for b, p in shapes]
+                          "mode": mode, "gpus": gpus} for b, p in shapes]
     return plan
 
 
@@ -131,7 +126,7 @@ class Bench:
     def mesh(self, point):
         if point["mode"] == "single":
             return None
-        return make_mesh(1, point["gpus"]) if point["mode"] == "dp" else make_mesh(point["gpus"], 1)
+        return make_mesh(point["gpus"], 1) if point["mode"] == "tp" else make_mesh(1, point["gpus"])
 
     def setup(self, point):
         key = (point["model"], point["layers"], point["mode"], point["gpus"])
@@ -147,8 +142,7 @@ class Bench:
         else:
             model = ShardedLlama(model, mesh)
             self.params = sharded_random_params(model, self.dtype, host=self.args.smoke)
-        self.model, self.mesh_obj = model, mesh
-        self.runner = make_runner(model, self.args.groups if point["mode"] == "tpg" else 0)
+        self.model, self.mesh_obj, self.runner = model, mesh, make_runner(model)
         self.loaded = key
         print(f"{key}: {cfg.num_params() / 1e9:.2f}B params, placed in {time.perf_counter() - t0:.1f}s", flush=True)
 
@@ -157,7 +151,7 @@ class Bench:
         """Bytes per device: weights, the prefix (once per device), suffix buffers, logits."""
         cfg, b, p, k = self.cfg(point), point["batch"], point["prefix"], self.k
         item = jnp.dtype(self.dtype).itemsize
-        tp = 1 if point["mode"] in ("single", "dp") else point["gpus"]
+        tp = point["gpus"] if point["mode"] == "tp" else 1
         b_loc = b // point["gpus"] if point["mode"] == "dp" else b
         kv = ec.kv_bytes_per_token(cfg, item) // tp
         act = b_loc * (cfg.vocab_size // tp) * 4 * 3
@@ -173,7 +167,7 @@ class Bench:
         model, mesh = self.model, self.mesh_obj
         b, p, k = point["batch"], point["prefix"], self.k
         local = model.local.config if mesh is not None else model.config
-        tp = 1 if point["mode"] in ("single", "dp") else point["gpus"]
+        tp = point["gpus"] if point["mode"] == "tp" else 1
         g = point["gpus"] if point["mode"] == "dp" else 1          # prefix nodes: one per data shard
         hkv, d, nl = local.num_key_value_heads * tp, local.head_dim, local.num_hidden_layers
         kv_spec = P(DATA, None, MODEL, None)
@@ -185,16 +179,15 @@ class Bench:
             fn = jax.jit(lambda key: jax.random.normal(key, (g, p, hkv, d), self.dtype),
                          out_shardings=_on(mesh, kv_spec))
             rand = lambda i: fn(jax.random.fold_in(jax.random.PRNGKey(1), i))  # noqa: E731
-        m = self.args.groups if point["mode"] == "tpg" else 1
-        zeros = jax.jit(lambda: jnp.zeros((b // m, k, hkv, d), self.dtype), out_shardings=_on(mesh, kv_spec))
-        pre = [{"k": (rand(2 * i),), "v": (rand(2 * i + 1),)} for i in range(nl)]
-        layers = tuple([{"k": zeros(), "v": zeros()} for _ in range(nl)] for _ in range(m))
+        zeros = jax.jit(lambda: jnp.zeros((b, k, hkv, d), self.dtype), out_shardings=_on(mesh, kv_spec))
+        pre, layers = [], []
+        for i in range(nl):
+            pre.append({"k": (rand(2 * i),), "v": (rand(2 * i + 1),)})
+            layers.append({"k": zeros(), "v": zeros()})
         prefix = PrefixCache(layers=pre, lengths=(jnp.full((g,), p, jnp.int32),), last_logits=None)
+        lengths0, pos0 = jnp.zeros((b,), jnp.int32), jnp.full((b,), p, jnp.int32)
         tokens0 = jnp.asarray(np.random.default_rng(b + p).integers(0, self.model.config.vocab_size, b), jnp.int32)
-        split = lambda x: tuple(jnp.split(x, m)) if m > 1 else x  # noqa: E731
-        state = (prefix, layers if m > 1 else layers[0], split(jnp.zeros((b,), jnp.int32)),
-                 split(jnp.full((b,), p, jnp.int32)), split(tokens0))
-        return jax.block_until_ready(state)
+        return jax.block_until_ready((prefix, layers, lengths0, pos0, tokens0))
 
     # -- one point --------------------------------------------------------------------------
     def measure(self, point) -> dict:
@@ -221,7 +214,7 @@ class Bench:
         rec = {"gen_tokens": k, "t1_s": t1, "tk_s": tk, "decode_s": decode_s, "timing_valid": valid,
                "step_ms": step_ms, "tokens_per_s": b * (k - 1) / decode_s if valid else None,
                "compile_and_first_call_s": compile_s, "predicted_bytes_per_device": int(self.predicted_bytes(point))}
-        if point["mode"] in ("tp", "tpg"):
+        if point["mode"] == "tp":
             rec.update(self.collectives(point, step_ms))
         return rec
 
@@ -229,10 +222,9 @@ class Bench:
         """Arithmetic and measured cost of the per-layer all-reduces of a ``tp`` point."""
         cfg, n, b = self.cfg(point), point["gpus"], point["batch"]
         item = jnp.dtype(self.dtype).itemsize
-        m = self.args.groups if point["mode"] == "tpg" else 1
-        count = (2 * cfg.num_hidden_layers + 1) * m
-        nbytes = count * (b // m) * cfg.hidden_size * item
-        x = jax.device_put(jnp.ones((b // m, cfg.hidden_size), self.dtype), NamedSharding(self.mesh_obj, P(DATA, None)))
+        count = 2 * cfg.num_hidden_layers + 1
+        nbytes = count * b * cfg.hidden_size * item
+        x = jax.device_put(jnp.ones((b, cfg.hidden_size), self.dtype), NamedSharding(self.mesh_obj, P(DATA, None)))
         psum = jax.shard_map(lambda v: jax.lax.psum(v, MODEL), mesh=self.mesh_obj, in_specs=P(DATA, None),
                              out_specs=P(DATA, None), check_vma=False)
         one_ms = 1e3 * loop_time(psum, x, (), target_s=0.01 if self.args.smoke else 0.03)
@@ -287,14 +279,10 @@ def sharded_random_params(model: ShardedLlama, dtype, *, host: bool) -> dict:
     return jax.block_until_ready(jax.tree_util.tree_unflatten(tree, out))
 
 
-def make_runner(model, groups: int = 0):
+def make_runner(model):
     """``run(params, prefix, layers, lengths0, pos0, tokens0, n) -> (layers, tokens)``: ``n``
-    greedy decode steps (vocabulary-parallel argmax on a mesh).  ``groups``: the batch is held as
-    that many micro-batches (``layers``, ``lengths0``, ``pos0``, ``tokens0`` are tuples over them)
-    decoded by :meth:`~models.sharded_llama.ShardedLlama.decode_step_groups`."""
+    greedy decode steps (vocabulary-parallel argmax on a mesh)."""
     sharded = isinstance(model, ShardedLlama)
-    if groups:
-        return make_group_runner(model)
 
     def run(params, prefix, layers, lengths0, pos0, tokens0, n):
         cache = KVCache(prefix=prefix, layers=layers, lengths=lengths0, pos_offset=pos0, backend="shared")
@@ -309,23 +297,6 @@ def make_runner(model, groups: int = 0):
 
         cache, tok = jax.lax.fori_loop(0, n, body, (cache, tokens0))
         return cache.layers, tok
-
-    return jax.jit(run, donate_argnames=("layers",))
-
-
-def make_group_runner(model: ShardedLlama):
-    """:func:`make_runner` over micro-batches (see there)."""
-
-    def run(params, prefix, layers, lengths0, pos0, tokens0, n):
-        keys = jnp.zeros((tokens0[0].shape[0], 2), jnp.uint32)   # unused by greedy sampling
-
-        def body(_, carry):
-            layers, lengths, tok = carry
-            logits, layers, lengths = model.decode_step_groups(params, prefix, layers, lengths, pos0, tok)
-            return layers, lengths, tuple(model.sample_tokens(lg, keys, 0, GREEDY) for lg in logits)
-
-        layers, _, tok = jax.lax.fori_loop(0, n, body, (layers, lengths0, tokens0))
-        return layers, tok
 
     return jax.jit(run, donate_argnames=("layers",))
 
@@ -379,8 +350,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ec.add_common_args(ap, PART_MODELS)
     ap.add_argument("--gpus", type=int, default=2, help="devices of the tp and dp modes (default 2)")
-    ap.add_argument("--modes", nargs="*", default=["single", "tp", "dp", "tpg"], choices=("single", "tp", "dp", "tpg"))
-    ap.add_argument("--groups", type=int, default=2, help="micro-batches of the tpg mode (default 2)")
+    ap.add_argument("--modes", nargs="*", default=["single", "tp", "dp"], choices=("single", "tp", "dp"))
     ap.add_argument("--layers", type=int, default=None, help="layers of the 8B shapes (default 32)")
     ap.add_argument("--layers-70b", type=int, default=None, help="layers of the 70B shapes (default 48)")
     ap.add_argument("--gen-tokens", type=int, default=None, help="k, generated tokens per sequence (default 128)")

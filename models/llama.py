@@ -157,18 +157,6 @@ class Llama:
                prefix_lengths, backend, tree_nodes=None):
         """:meth:`layer_forward` whose attention first writes the new keys/values into the
         sequences' buffers, then attends over the cache."""
-        attend, bufs = self.cache_attend(prefix_kv, suffix_kv, n_new_b=n_new_b, lengths_b=lengths_b,
-                                         new_lengths_b=new_lengths_b, prefix_lengths=prefix_lengths,
-                                         backend=backend, tree_nodes=tree_nodes)
-        x_bth, _ = self.layer_forward(lp, x_bth, pos_bt, attend)
-        return x_bth, bufs
-
-    def cache_attend(self, prefix_kv, suffix_kv, *, n_new_b, lengths_b, new_lengths_b, prefix_lengths, backend,
-                     tree_nodes=None):
-        """``(attend, bufs)``: an ``attend(q, k, v)`` for :meth:`layer_forward` that writes the new
-        keys/values into one layer's suffix buffers ``suffix_kv`` and attends over the prefix levels
-        ``prefix_kv`` and those buffers; ``bufs`` receives the written buffers (``"k"``, ``"v"``)
-        when ``attend`` runs."""
         bufs = {}
 
         def attend(q, k, v):
@@ -180,7 +168,8 @@ class Llama:
                                    new_lengths_b, backend=backend, impl=self.impl, interpret=self.interpret,
                                    tree_nodes=tree_nodes)
 
-        return attend, bufs
+        x_bth, _ = self.layer_forward(lp, x_bth, pos_bt, attend)
+        return x_bth, bufs
 
     # ------------------------------------------------------------------ cache-free layer
     def layer_forward(self, lp: dict, x_bth: jax.Array, pos_bt: jax.Array, attend) -> tuple[jax.Array, tuple]:
@@ -192,14 +181,6 @@ class Llama:
         layer's own ``k``/``v``, a shared prompt's, or both).  Returns ``(x_out [B, T, H], (k, v))``
         so callers can keep the keys/values for later queries.
         """
-        attn, kv = self.attention_block(lp, x_bth, pos_bt, attend)
-        x_bth = x_bth + self._sum_shards(attn).astype(x_bth.dtype)
-        return x_bth + self._sum_shards(self.mlp_block(lp, x_bth)).astype(x_bth.dtype), kv
-
-    def attention_block(self, lp: dict, x_bth: jax.Array, pos_bt: jax.Array, attend) -> tuple[jax.Array, tuple]:
-        """The attention half of :meth:`layer_forward` up to the o projection: ``(y [B, T, H], (k,
-        v))``, where ``y`` is this shard's part of the attention's contribution to the residual (on
-        a ``model_axis`` mesh the caller sums it over the axis; on one device it is the whole)."""
         c = self.config
         b, t, _ = x_bth.shape
         heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
@@ -207,27 +188,11 @@ class Llama:
         q, k, v = (dense(h, lp[w]).reshape(b, t, n, heads[2]) for w, n in (("wq", heads[0]), ("wk", heads[1]),
                                                                              ("wv", heads[1])))
         q, k = apply_rope(q, pos_bt, self.inv_freq), apply_rope(k, pos_bt, self.inv_freq)
-        return dense(attend(q, k, v).reshape(b, t, heads[0] * heads[2]), lp["wo"]), (k, v)
-
-    def mlp_block(self, lp: dict, x_bth: jax.Array) -> jax.Array:
-        """The MLP half of :meth:`layer_forward`: this shard's part ``[B, T, H]`` of the MLP's
-        contribution to the residual (summed over ``model_axis`` by the caller on a mesh)."""
-        h = rms_norm(x_bth, lp["mlp_norm"], self.config.rms_norm_eps)
-        return swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"])
-
-    def sum_shards(self, x: jax.Array) -> jax.Array:
-        """:meth:`attention_block` / :meth:`mlp_block` outputs summed over ``model_axis``."""
-        return self._sum_shards(x)
-
-    def embed_tokens(self, params: dict, tokens_bt: jax.Array) -> jax.Array:
-        """Embeddings ``[B, T, H]`` in the parameters' dtype (vocabulary-parallel on a mesh)."""
-        return self._embed(params["embed"], tokens_bt).astype(params["embed"].dtype)
-
-    def positions(self, lengths_b: jax.Array, pos_offset_b: jax.Array, n_new_b: jax.Array, t: int) -> jax.Array:
-        """RoPE positions ``[B, T]`` of ``n_new`` new tokens left-padded to ``T`` columns:
-        ``pos_offset + lengths + (0..n-1)`` for the real ones (pad columns clamp to 0)."""
-        ti = jnp.arange(t, dtype=jnp.int32)[None, :]
-        return jnp.maximum(pos_offset_b[:, None] + lengths_b[:, None] + ti - (t - n_new_b)[:, None], 0)
+        attn = self._sum_shards(dense(attend(q, k, v).reshape(b, t, heads[0] * heads[2]), lp["wo"]))
+        x_bth = x_bth + attn.astype(x_bth.dtype)
+        h = rms_norm(x_bth, lp["mlp_norm"], c.rms_norm_eps)
+        mlp = self._sum_shards(swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
+        return x_bth + mlp.astype(x_bth.dtype), (k, v)
 
     def _sum_shards(self, x: jax.Array) -> jax.Array:
         """The all-reduce over the model axis of a row-split projection (identity on one device)."""
@@ -252,11 +217,13 @@ class Llama:
         ``[B, T, V]`` with ``all_logits`` (pad columns hold garbage).
         """
         kvc.check_layout(params["layers"], prefix.layers, layers)
-        t = tokens_bt.shape[1]
+        b, t = tokens_bt.shape
         n_new_b = n_new_b.astype(jnp.int32)
-        x = self.embed_tokens(params, tokens_bt)
+        dtype = params["embed"].dtype
+        x = self._embed(params["embed"], tokens_bt).astype(dtype)
+        ti = jnp.arange(t, dtype=jnp.int32)[None, :]
         if positions_bt is None:
-            pos = self.positions(lengths_b, pos_offset_b, n_new_b, t)
+            pos = jnp.maximum(pos_offset_b[:, None] + lengths_b[:, None] + ti - (t - n_new_b)[:, None], 0)
         else:
             pos = jnp.asarray(positions_bt, jnp.int32)
         new_lengths = lengths_b + n_new_b

@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models import interleave
 from models import kv_cache as kvc
 from models import sharding
 from models import vocab_parallel
@@ -153,33 +152,6 @@ class ShardedLlama:
         logits, layers, lengths = fn(params, cache.prefix, cache.layers, cache.lengths, cache.pos_offset, tokens_b,
                                      active_b)
         return logits, cache.replace(layers=layers, lengths=lengths)
-
-    def decode_step_groups(self, params: dict, prefix: PrefixCache, layers: tuple, lengths: tuple,
-                           pos_offset: tuple, tokens: tuple, active: tuple | None = None,
-                           backend: str = "shared") -> tuple[tuple, tuple, tuple]:
-        """One decode step of ``M`` micro-batches hanging from ``prefix`` (levels of one node per
-        data shard), interleaved so that each group's all-reduces overlap another group's compute
-        (:func:`models.interleave.extend_groups`).  ``layers``, ``lengths``, ``pos_offset``,
-        ``tokens`` (int32 ``[B_m]``) and ``active`` (bool ``[B_m]``, default all) are tuples over
-        the groups.  Returns tuples over the groups: logits ``[B_m, V']`` split over the
-        vocabulary, new suffix buffers, new lengths."""
-        tokens = tuple(jnp.asarray(t, jnp.int32) for t in tokens)
-        active = tuple(jnp.ones(t.shape, bool) for t in tokens) if active is None else active
-        for t in tokens:
-            self.check_batch(t.shape[0])
-
-        def local(params, prefix, layers, lengths, pos_offset, tokens, active):
-            groups = tuple(interleave.Group(*g) for g in zip(layers, lengths, pos_offset,
-                                                              tuple(t[:, None] for t in tokens),
-                                                              tuple(a.astype(jnp.int32) for a in active)))
-            return interleave.extend_groups(self.local, params, prefix, groups, backend=backend)
-
-        m = len(tokens)
-        layer_specs = tuple(sharding.cache_specs(x) for x in layers)
-        vec = (P(DATA),) * m
-        fn = self._shard_map(local, (sharding.param_specs(params), sharding.cache_specs(prefix), layer_specs,
-                                     vec, vec, vec, vec), ((P(DATA, MODEL),) * m, layer_specs, vec))
-        return fn(params, prefix, tuple(layers), tuple(lengths), tuple(pos_offset), tokens, tuple(active))
 
     # ------------------------------------------------------------------ jitted entry points
     def prefill_prefixes_jit(self, params: dict, level_tokens: tuple, level_lengths: tuple) -> PrefixCache:
