@@ -298,6 +298,7 @@ def parse_args(argv=None):
     ap.add_argument("--batches", type=int, nargs="*", default=None, help="override the batch sizes")
     ap.add_argument("--prefixes", type=int, nargs="*", default=None, help="override the prefix lengths")
     ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS)
+    ap.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD of this checkout)")
     args = ap.parse_args(argv)
     ec.finish_args(args, dict(layers=16, probe_layers=4, gen_tokens=128),
                    smoke=dict(layers=1, probe_layers=1, gen_tokens=8))
@@ -314,7 +315,9 @@ def main(argv=None) -> dict:
              "definition": "tokens_per_s = batch * (k - 1) / (t(k) - t(1)); t(n) = one call of n greedy decode "
                            "steps (Hydragen D.1: time for k tokens minus time for 1); prefill excluded",
              "none_backend": "attention product skipped (functionally wrong): upper bound, independent of prefix"}
+
     def after(store, bench, counts):
+        store.note("commit", args.commit or ec.commit_of_checkout())
         annotate_roofline(store)
         ec.report_targets(store, e2e_targets)
     return ec.measure_plan(args, NAME, KEY_FIELDS, fixed, plan_points(args), Bench, after=after)

@@ -21,9 +21,9 @@ from pallas_kernels import suffix_stream_mgpu
 from pallas_kernels._common import MAX_ROWS_PER_TILE, cdiv, next_pow2
 from pallas_kernels.prefix_attention_mgpu import mgpu_supported
 
-__all__ = ["query_chunks", "flat_layout", "mosaic_region", "split_region", "joint_region",
-           "one_launch_region", "mosaic_why_not", "build_leaf", "prefix_tiling", "mgpu_splits",
-           "choose_splits", "plan_roles", "DECODE_SUFFIX"]
+__all__ = ["query_chunks", "flat_layout", "flat_own_leaf", "flat_own_tiling", "mosaic_region",
+           "split_region", "joint_region", "one_launch_region", "mosaic_why_not", "build_leaf",
+           "prefix_tiling", "mgpu_splits", "choose_splits", "plan_roles", "DECODE_SUFFIX"]
 
 DECODE_SUFFIX = SuffixTiling(block_k=32, num_warps=2, num_stages=3)   # planner.DECODE_SUFFIX_TILING
 ROW_SUFFIX = SuffixTiling(block_k=64, num_warps=4, num_stages=3)      # row-layout suffix pass
@@ -36,6 +36,15 @@ LARGE_M_TILING = types.MappingProxyType(dict(block_k=64, num_warps=8, num_stages
 # small CTAs (32 keys, 2 warps, 3 stages; B=1024 Hq=32 P=4K: 0.87x the row layout's time).
 FLAT_TILES = ((400, SuffixTiling(128, 4, 2)), (1024, SuffixTiling(64, 4, 2)),
               (None, SuffixTiling(32, 2, 3)))
+# Key splits of the flat own-layout decode when its (sequence, kv head) programs cannot fill the
+# GPU: as many as make two programs per SM, but each split at least FLAT_OWN_MIN_SPLIT_KEYS keys
+# (prefix and suffix together) and at most FLAT_OWN_MAX_SPLITS splits (None: no cap); no key
+# tile longer than a split (see flat_own_tiling).  Below ~10 us a call is latency bound: more splits
+# shorten each program's key loop but add programs and merge operands.
+# bench/flat_decode_sweep.py times every (splits, tiling) at small batch and fits these two
+# constants (its summary's "rule_fit").
+FLAT_OWN_MIN_SPLIT_KEYS = 256
+FLAT_OWN_MAX_SPLITS = None
 # At <= 400 programs each streaming a prefix chunk longer than this, the row layout: the own
 # layout took 1.19-1.32x its time at Hq=32 B=16 and Hq=8 B=64, P=16K, S >= 256 (elsewhere the
 # own layout took 0.73-0.93x the row layout's time).
@@ -109,9 +118,39 @@ def flat_splits(s: Shapes, dev: DeviceInfo) -> int:
                            _two_per_sm(dev))
 
 
+def flat_own_leaf(s: Shapes, dev: DeviceInfo, *, min_split_keys: int = FLAT_OWN_MIN_SPLIT_KEYS,
+                  max_splits: int | None = FLAT_OWN_MAX_SPLITS) -> FlatOwn:
+    """The flat own-layout decode's leaf: key splits enough for ``2 * SMs`` (sequence, kv head,
+    split) programs, at least ``min_split_keys`` keys per split, at most ``max_splits``; the
+    :func:`flat_own_tiling` of its programs and keys per split.  (The keyword arguments let a tuning
+    sweep evaluate other values of the module constants.)"""
+    programs = s.batch * s.heads_kv
+    n = 1
+    if programs < _two_per_sm(dev):
+        n = min(cdiv(_two_per_sm(dev), programs), cdiv(s.prefix_len + s.suffix_len, min_split_keys))
+        n = max(1, n if max_splits is None else min(n, max_splits))
+    return FlatOwn(num_splits=n, tiling=flat_own_tiling(s, n))
+
+
+def flat_own_tiling(s: Shapes, num_splits: int) -> SuffixTiling:
+    """The :data:`FLAT_TILES` tiling of the flat own-layout decode with ``num_splits`` key splits:
+    the one for its ``B * Hkv * num_splits`` programs, or, where that tiling's key tile is longer
+    than a split's keys (prefix and suffix), the tiling with the longest tile that fits one (a
+    split shorter than one tile would leave the last splits without keys)."""
+    programs = s.batch * s.heads_kv * num_splits
+    tiling = next(t for bound, t in FLAT_TILES if bound is None or programs <= bound)
+    split_keys = cdiv(s.prefix_len + s.suffix_len, num_splits)
+    if num_splits == 1 or tiling.block_k <= split_keys:
+        return tiling
+    tiles = sorted((t for _, t in FLAT_TILES), key=lambda t: t.block_k)
+    shorter = [t for t in tiles if t.block_k <= split_keys]
+    return shorter[-1] if shorter else tiles[0]
+
+
 def flat_layout(s: Shapes, dev: DeviceInfo) -> str:
-    """``"own"`` or ``"rows"`` for the flat decode (``Tq == 1``)."""
-    n = flat_splits(s, dev)
+    """``"own"`` or ``"rows"`` for the flat decode (``Tq == 1``): the row layout where the own
+    layout's programs (:func:`flat_own_leaf`) are few and each streams a long prefix chunk."""
+    n = flat_own_leaf(s, dev).num_splits
     programs = s.batch * s.heads_kv * n
     return "rows" if programs <= FLAT_TILES[0][0] and cdiv(s.prefix_len, n) > FLAT_OWN_MAX_CHUNK \
         else "own"
@@ -327,10 +366,7 @@ def build_leaf(path: str, s: Shapes, dev: DeviceInfo, interpret: bool):
     tq = s.tq
     r = tq * s.group
     if path == "flat_own":
-        n = flat_splits(s, dev)
-        programs = s.batch * s.heads_kv * n
-        tiling = next(t for bound, t in FLAT_TILES if bound is None or programs <= bound)
-        return FlatOwn(num_splits=n, tiling=tiling)
+        return flat_own_leaf(s, dev)
     if path == "flat_rows":
         return FlatRows(num_splits=flat_splits(s, dev), block_k=128, num_warps=4, num_stages=2,
                         two_phase=large_m_layout(s.batch, r, s.heads_kv, target))
