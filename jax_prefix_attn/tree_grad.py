@@ -24,7 +24,7 @@ from jax_prefix_attn.planner import suffix_grad_key_splits
 from jax_prefix_attn.tree_drafts import draft_ancestors, draft_suffix_partials
 from jax_prefix_attn.tree_layout import pad_pool, part_cotangents, q_sorted, row_tables
 from jax_prefix_attn.tree_metadata import TreeMetadata
-from jax_prefix_attn.tree_paths import schedule_forward
+from jax_prefix_attn.tree_paths import kernel_smem_bytes, schedule_forward
 from pallas_kernels.suffix_attention_bwd import suffix_part_grads
 from pallas_kernels.tree_attention_bwd import tree_grads
 
@@ -61,7 +61,8 @@ def kernel_grads(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suff
     dq, dk, dv = tree_grads(q_sorted(q, meta, hkv), q_sorted(d_out, meta, hkv), stat(lse), stat(delta), kp, vp,
                             sched.items, sched.tok, sched.chunk_start, sched.parts, jnp.repeat(key, g),
                             jnp.repeat(lim, g), group=g, block_rows=sched.block_rows, block_kv=sched.block_kv,
-                            sm_scale=scale, interpret=interpret, disjoint=not meta.spans_overlap)
+                            sm_scale=scale, interpret=interpret, disjoint=not meta.spans_overlap,
+                            smem_bytes=kernel_smem_bytes())
     dq = dq.reshape(b, tq, hq, d)                                               # (original row order)
     if draft_parents is not None:
         # the draft-masked suffix part (pure JAX, as its forward), through its partial state's

@@ -11,8 +11,10 @@ dtype, lse [B, Tq, Hq] float32)``.
   per row in XLA.  The per-sequence suffix is one more launch: when decoding, the decode suffix
   kernel, which merges the tree's state in its epilogue
   (:func:`jax_prefix_attn.tree_suffix_merge.decode_suffix_merging`); otherwise the tree kernel
-  in node mode over the suffixes (split along the suffix, flash-decoding style), merged with the
-  tree partials in XLA.
+  in node mode over the suffixes (items of at most :data:`SUFFIX_MAX_BLOCK_M` query vectors,
+  split along the suffix flash-decoding style), merged with the tree partials in XLA.  Every
+  kernel launch gets the device's shared memory per CTA (:func:`kernel_smem_bytes`) and picks
+  program tiles that fit it (:mod:`pallas_kernels.tree_attention_tiles`).
 * :func:`hybrid_attention` (decoding): at most three launches, see its docstring.
 * :func:`single_level_attention`, :func:`shallow_attention`: through
   :func:`jax_prefix_attn.shared_prefix_attention` with one prefix group per root.
@@ -23,7 +25,7 @@ from typing import Mapping
 
 import jax.numpy as jnp
 
-from jax_prefix_attn.device import planning_device_info
+from jax_prefix_attn.device import SMEM_PER_BLOCK, planning_device_info
 from jax_prefix_attn.executor import decode_prefix_partials
 from jax_prefix_attn.planner import DECODE_SUFFIX_TILING
 from jax_prefix_attn.shared_prefix import shared_prefix_attention
@@ -31,13 +33,17 @@ from jax_prefix_attn.tree_drafts import draft_ancestors, draft_suffix_partials
 from jax_prefix_attn.tree_layout import gather_parts, merge_states, pad_pool, partial_dtype, q_sorted, row_tables
 from jax_prefix_attn.tree_metadata import TreeMetadata
 from jax_prefix_attn.tree_mirror import mirror_partials
-from jax_prefix_attn.tree_schedule import Schedule
+from jax_prefix_attn.tree_schedule import Schedule, next_pow2
 from jax_prefix_attn.tree_suffix_merge import as_incoming, decode_suffix_merging
 from pallas_kernels.suffix_attention import suffix_decode_merge
 from pallas_kernels.tree_attention import NEVER, tree_partials
 
-__all__ = ["partials", "suffix_partials", "schedule_forward", "root_spans", "single_level_attention",
-           "shallow_attention", "hybrid_attention"]
+__all__ = ["partials", "kernel_smem_bytes", "suffix_partials", "schedule_forward", "root_spans",
+           "single_level_attention", "shallow_attention", "hybrid_attention", "SUFFIX_MAX_BLOCK_M"]
+
+# Query vectors per item of the suffix launch (the schedules' default ``max_block_m``): a
+# sequence's rows beyond it go to more items, so the launch's tiles do not grow with ``Tq``.
+SUFFIX_MAX_BLOCK_M = 128
 
 
 def partials(sched: Schedule, q_hmd, k_nhd, v_nhd, key_m, lim_m, *, group, scale, backend,
@@ -53,12 +59,26 @@ def partials(sched: Schedule, q_hmd, k_nhd, v_nhd, key_m, lim_m, *, group, scale
     return tree_partials(q_hmd, k_nhd, v_nhd, sched.items, sched.tok, sched.chunk_start, key_m, lim_m,
                          mode=sched.mode, group=group, block_rows=sched.block_rows, block_kv=sched.block_kv,
                          sm_scale=scale, interpret=(backend == "interpret"), out_dtype=pdt,
-                         **dict(kernel_options or {}))
+                         smem_bytes=kernel_smem_bytes(), **dict(kernel_options or {}))
+
+
+def kernel_smem_bytes() -> int:
+    """Shared memory (bytes) one program of the tree kernels may allocate: the planning device's
+    ``smem_per_block`` (:func:`jax_prefix_attn.device.planning_device_info`: an H100's off the
+    GPU, so interpret mode runs the GPU's tiles), or the smallest of
+    :data:`~jax_prefix_attn.device.SMEM_PER_BLOCK` on a GPU whose compute capability that table
+    does not list.  The kernels pick their program tiles under it
+    (:mod:`pallas_kernels.tree_attention_tiles`)."""
+    return planning_device_info().smem_per_block or min(SMEM_PER_BLOCK.values())
 
 
 def suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta: TreeMetadata, *, scale, backend,
                     block_kv: int):
-    """Suffix part: node-mode items (sequence, split) over the flattened suffix pool.
+    """Suffix part: node-mode items (sequence, block of its query rows, split of its suffix) over
+    the flattened suffix pool.  A sequence's ``Tq`` rows are cut in blocks of at most
+    :data:`SUFFIX_MAX_BLOCK_M` query vectors (whatever ``Tq``), and each item stops at the last
+    key tile its rows may see (bottom-right causal rule), so long suffixes cost about half the
+    tiles of the full square.
 
     Returns ``o [B, Tq, S, Hkv, G, D]`` and ``lse [B, Tq, S, Hkv, G]`` (``S`` splits)."""
     b, tq, hq, d = q.shape
@@ -66,22 +86,27 @@ def suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta: TreeMetadata, *
     g = hq // hkv
     c = block_kv
     lo_rows = max(1, -(-16 // g))
-    br = 1 << max(0, max(tq, lo_rows) - 1).bit_length()
+    br = min(next_pow2(max(tq, lo_rows)), max(lo_rows, SUFFIX_MAX_BLOCK_M // g))   # rows per item
+    n_rb = -(-tq // br)
     tiles = -(-smax // c)
-    # Split long suffixes when there are few sequences (flash-decoding): aim for ~4 waves of
+    # Split long suffixes when there are few programs (flash-decoding): aim for ~4 waves of
     # programs over the device's SMs.
-    n_split = int(min(tiles, max(1, -(-(4 * planning_device_info().sm_count) // max(1, b * hkv)))))
+    n_split = int(min(tiles, max(1, -(-(4 * planning_device_info().sm_count) // max(1, b * hkv * n_rb)))))
     tiles_per = -(-tiles // n_split)
     n_split = -(-tiles // tiles_per)
     span = tiles_per * c
     s_len = suffix_lengths.astype(jnp.int32)
-    bi = jnp.repeat(jnp.arange(b, dtype=jnp.int32), n_split)
-    si = jnp.tile(jnp.arange(n_split, dtype=jnp.int32), b)
+    per_seq = n_rb * n_split
+    bi = jnp.repeat(jnp.arange(b, dtype=jnp.int32), per_seq)                  # items (sequence, block, split)
+    ri = jnp.tile(jnp.repeat(jnp.arange(n_rb, dtype=jnp.int32), n_split), b)
+    si = jnp.tile(jnp.arange(n_split, dtype=jnp.int32), b * n_rb)
     off0 = si * span
-    remaining = jnp.maximum(s_len[bi] - off0, 0)
+    # keys the block's last row sees: suffix positions j <= s_len - Tq + t
+    seen = jnp.clip(s_len[bi] - tq + jnp.minimum((ri + 1) * br, tq), 0, s_len[bi])
+    remaining = jnp.maximum(seen - off0, 0)
     nt = jnp.minimum(-(-remaining // c), tiles_per)
     z = jnp.zeros_like(bi)
-    items = jnp.stack([bi * smax + off0, nt, bi * tq, bi, bi + 1, z, s_len[bi], off0, z], axis=1)
+    items = jnp.stack([bi * smax + off0, nt, bi * tq + ri * br, bi, bi + 1, z, s_len[bi], off0, z], axis=1)
     n_rows = b * tq
     rb = jnp.arange(n_rows + br, dtype=jnp.int32)
     real = rb < n_rows
@@ -93,14 +118,15 @@ def suffix_partials(q, suffix_k, suffix_v, suffix_lengths, meta: TreeMetadata, *
     qo = jnp.concatenate([q.reshape(n_rows, hkv, g, d), jnp.zeros((br, hkv, g, d), q.dtype)], axis=0)
     q_hmd = jnp.transpose(qo, (1, 0, 2, 3)).reshape(hkv, -1, d)
     sched = Schedule(items=items, tok=jnp.full((1, 3, c), NEVER, jnp.int32), parts=None, mode="node",
-                     block_rows=br, block_kv=c, max_tiles=1 << max(0, tiles_per - 1).bit_length(),
+                     block_rows=br, block_kv=c, max_tiles=next_pow2(tiles_per),
                      chunk_start=jnp.zeros((1,), jnp.int32))
     kf = suffix_k.reshape(b * smax, hkv, d)
     vf = suffix_v.reshape(b * smax, hkv, d)
     o, lse = partials(sched, q_hmd, kf, vf, key_m, lim_m, group=g, scale=scale, backend=backend)
-    o = o.reshape(b, n_split, hkv, br, g, d)[:, :, :, :tq]
-    lse = lse.reshape(b, n_split, hkv, br, g)[:, :, :, :tq]
-    return jnp.transpose(o, (0, 3, 1, 2, 4, 5)), jnp.transpose(lse, (0, 3, 1, 2, 4))
+    o = jnp.transpose(o.reshape(b, n_rb, n_split, hkv, br, g, d), (0, 1, 4, 2, 3, 5, 6))
+    lse = jnp.transpose(lse.reshape(b, n_rb, n_split, hkv, br, g), (0, 1, 4, 2, 3, 5))
+    return (o.reshape(b, n_rb * br, n_split, hkv, g, d)[:, :tq],
+            lse.reshape(b, n_rb * br, n_split, hkv, g)[:, :tq])
 
 
 def schedule_forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths,

@@ -1,10 +1,14 @@
-"""Tree attention partials in Pallas: one program per (work item, kv head).
+"""Tree attention partials in Pallas: one program per (work item, kv head), or per (work item,
+kv head, row slice) when the item's tile does not fit the shared memory it is given.
 
 Public entry: :func:`tree_partials`.  A *work item* pairs a window of a flat KV pool with a
 block of ``block_rows`` query rows (KV-guided grouping, DeFT section 3.3) and produces the
 partial attention state ``(o, lse)`` of those rows over the tokens of the window they may see.
 Partials are merged afterwards by a deterministic gather + log-sum-exp reduction (done by
-the caller with a static reduction map; no atomics).
+the caller with a static reduction map; no atomics).  A program holds the tile of
+:func:`pallas_kernels.tree_attention_tiles.partials_tile`: all of the item's query vectors and
+``block_kv`` keys per step, or, under a shared-memory bound, a slice of the rows and a fraction
+of each chunk / tile per step of the same online softmax.
 
 Item table ``items [W, 9]`` int32, columns
 ``(kv_start, ntiles, row_start, tin, tout, pos0, length, off0, chunk)``.  Two modes (static):
@@ -40,6 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.tree_attention_tiles import partials_tile
+
 __all__ = ["tree_partials", "ITEM_FIELDS", "NEVER", "KV_START", "NTILES", "ROW_START", "TIN", "TOUT", "POS0",
            "LENGTH", "OFF0", "CHUNK"]
 
@@ -56,18 +62,22 @@ def _dot(a, b, fp32: bool, trans_b: bool = False):
 
 
 def _kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-            mode: str, group: int, block_m: int, block_kv: int, scale: float, fp32: bool):
+            mode: str, group: int, rows: int, cols: int, nsub: int, row_split: int, scale: float, fp32: bool):
+    """One (item, kv head[, row slice]): ``rows`` query vectors over the item's tiles, ``cols``
+    keys at a time (``nsub`` steps per ``block_kv`` chunk / tile)."""
     w = pl.program_id(0)
     h = pl.program_id(1)
-    c = block_kv
+    c = cols
     n_pool = k_ref.shape[0]
     kv_start = items_ref[w, KV_START]
     ntiles = items_ref[w, NTILES]
     m0 = items_ref[w, ROW_START] * group
-    q = q_ref[h, pl.ds(m0, block_m), :]                      # [M, D]
-    key = key_ref[pl.ds(m0, block_m)][:, None]                # [M, 1]
-    lim = lim_ref[pl.ds(m0, block_m)][:, None]
-    cols = lax.broadcasted_iota(jnp.int32, (1, c), 1)         # [1, C]
+    if row_split > 1:
+        m0 = m0 + pl.program_id(2) * rows
+    q = q_ref[h, pl.ds(m0, rows), :]                          # [M, D]
+    key = key_ref[pl.ds(m0, rows)][:, None]                   # [M, 1]
+    lim = lim_ref[pl.ds(m0, rows)][:, None]
+    cols_c = lax.broadcasted_iota(jnp.int32, (1, c), 1)       # [1, C]
 
     if mode == "flatten":
         chunk0 = items_ref[w, CHUNK]
@@ -84,13 +94,19 @@ def _kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o
     def body(t, carry):
         acc, m, l = carry
         if mode == "flatten":
-            chunk = chunk0 + t
-            start = cs_ref[chunk]
-            t_tin = tok_ref[chunk, 0, :][None, :]
-            t_tout = tok_ref[chunk, 1, :][None, :]
-            t_pos = tok_ref[chunk, 2, :][None, :]
-            v_ok = (tok_ref[chunk, 0, :] != NEVER)[:, None]  # [C, 1] tokens of this chunk
-        else:
+            if nsub == 1:
+                chunk, cut = chunk0 + t, slice(None)
+                start = cs_ref[chunk]
+            else:  # step t: keys [j0, j0 + C) of the item's chunk t // nsub
+                chunk = chunk0 + lax.div(t, jnp.int32(nsub))            # (t >= 0: truncation is floor)
+                j0 = lax.rem(t, jnp.int32(nsub)) * c
+                cut = pl.ds(j0, c)
+                start = cs_ref[chunk] + j0
+            t_tin = tok_ref[chunk, 0, cut][None, :]
+            t_tout = tok_ref[chunk, 1, cut][None, :]
+            t_pos = tok_ref[chunk, 2, cut][None, :]
+            v_ok = (tok_ref[chunk, 0, cut] != NEVER)[:, None]  # [C, 1] tokens of this chunk
+        else:  # (C-key tiles: nsub per block_kv tile, the same node offsets)
             start = jnp.minimum(kv_start + t * c, n_pool - c)
         k = k_ref[pl.ds(start, c), h, :]                       # [C, D]
         v = v_ref[pl.ds(start, c), h, :]
@@ -99,7 +115,7 @@ def _kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o
             vis = (t_tin <= key) & (key < t_tout) & (t_pos <= lim)
             tok_ok = v_ok
         else:
-            off = start - base + cols                          # node offsets of the window
+            off = start - base + cols_c                        # node offsets of the window
             lo = off0 + t * c
             hi = jnp.minimum(lo + c, length)
             ok = (off >= lo) & (off < hi)
@@ -118,9 +134,9 @@ def _kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o
         return acc, m_new, l
 
     d = q_ref.shape[-1]
-    carry = (jnp.zeros((block_m, d), jnp.float32), jnp.full((block_m,), -jnp.inf, jnp.float32),
-             jnp.zeros((block_m,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, ntiles, body, carry)
+    carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, ntiles * nsub if nsub > 1 else ntiles, body, carry)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
@@ -129,8 +145,14 @@ def _kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, k_ref, v_ref, o
 
 def tree_partials(q_hmd, k_nhd, v_nhd, items_w9, tok_c3c, chunk_start_c, row_key_m, row_limit_m, *, mode: str,
                   group: int, block_rows: int, block_kv: int, sm_scale: float, interpret: bool = False,
-                  num_warps: int | None = None, num_stages: int = 2, out_dtype=jnp.float32):
+                  num_warps: int | None = None, num_stages: int = 2, out_dtype=jnp.float32,
+                  smem_bytes: int | None = None):
     """Partial states of every (work item, kv head); see the module docstring for layouts.
+
+    ``smem_bytes`` (the device's shared memory per CTA; None: no bound): each program holds the
+    tile :func:`pallas_kernels.tree_attention_tiles.partials_tile` picks, so that its estimated
+    shared memory fits: an item's rows are then split over several programs (a third grid
+    axis) and its chunks walked in steps of fewer keys.  The outputs are the same either way.
 
     Requirements (checked): ``block_kv`` and ``block_rows * group`` powers of two >= 16;
     ``N >= block_kv``; ``q`` has at least ``max(row_start) + block_rows`` rows; every
@@ -149,20 +171,30 @@ def tree_partials(q_hmd, k_nhd, v_nhd, items_w9, tok_c3c, chunk_start_c, row_key
     if k_nhd.shape != (n, hkv, d) or v_nhd.shape != k_nhd.shape:
         raise ValueError(f"k/v must have shape {(n, hkv, d)}, got {k_nhd.shape} and {v_nhd.shape}")
     w = items_w9.shape[0]
+    rows, cols = partials_tile(block_m, block_kv, d, q_hmd.dtype, smem_bytes)
+    row_split = block_m // rows
     if num_warps is None:  # [M, C] scores and [M, D] accumulator live in registers
-        num_warps = 8 if max(block_m * block_kv, block_m * d) >= 128 * 128 else 4
+        num_warps = 8 if max(rows * cols, rows * d) >= 128 * 128 else 4
     fp32 = jnp.dtype(q_hmd.dtype) == jnp.float32
-    kernel = functools.partial(_kernel, mode=mode, group=group, block_m=block_m, block_kv=block_kv,
-                               scale=float(sm_scale), fp32=fp32)
-    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
+    kernel = functools.partial(_kernel, mode=mode, group=group, rows=rows, cols=cols, nsub=block_kv // cols,
+                               row_split=row_split, scale=float(sm_scale), fp32=fp32)
+    if row_split == 1:
+        grid = (w, hkv)
+        full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
+        out_specs = [pl.BlockSpec((None, None, rows, d), lambda i, j: (i, j, 0, 0)),
+                     pl.BlockSpec((None, None, rows), lambda i, j: (i, j, 0))]
+    else:
+        grid = (w, hkv, row_split)
+        full = lambda shape: pl.BlockSpec(shape, lambda i, j, r: (0,) * len(shape))  # noqa: E731
+        out_specs = [pl.BlockSpec((None, None, rows, d), lambda i, j, r: (i, j, r, 0)),
+                     pl.BlockSpec((None, None, rows), lambda i, j, r: (i, j, r))]
     return pl.pallas_call(
         kernel,
-        grid=(w, hkv),
+        grid=grid,
         in_specs=[full(items_w9.shape), full(tok_c3c.shape), full(chunk_start_c.shape), full(row_key_m.shape),
                   full(row_limit_m.shape),
                   full(q_hmd.shape), full(k_nhd.shape), full(v_nhd.shape)],
-        out_specs=[pl.BlockSpec((None, None, block_m, d), lambda i, j: (i, j, 0, 0)),
-                   pl.BlockSpec((None, None, block_m), lambda i, j: (i, j, 0))],
+        out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((w, hkv, block_m, d), out_dtype),
                    jax.ShapeDtypeStruct((w, hkv, block_m), jnp.float32)],
         interpret=interpret,

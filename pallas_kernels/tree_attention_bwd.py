@@ -15,11 +15,14 @@ visible to a row by the interval test on depth-first numbers plus the path-posit
   (consecutive chunks with the same rows) consecutively, one per row block, so a chunk's items
   are a contiguous range of the item table (:func:`chunk_item_ranges`); a chunk of the root is
   read by every row block below it, and its gradient is summed over all of them inside the
-  program.  Outputs ``[NC, Hkv, C, D]`` in k's dtype, gathered into the pool by XLA through
+  program (a row block per loop step, or a slice of one when a step's tile does not fit the
+  shared memory it is given).  Outputs ``[NC, Hkv, C, D]`` in k's dtype, gathered into the pool by XLA through
   the inverse of the chunk windows when each pool token is at most one chunk's (no two nodes'
   spans overlap: ``disjoint``), else summed into it by a scatter-add; the columns of a window
   that are not its chunk's tokens are dropped.
-* ``dQ``: one program per (item, kv head) loops over the item's chunks, as the forward does,
+* ``dQ``: one program per (item, kv head) loops over the item's chunks, as the forward does
+  (per row slice of the item, and in steps of part of a chunk, when its tile does not fit the
+  shared memory it is given: :mod:`pallas_kernels.tree_attention_tiles`),
   and writes a partial ``[W, Hkv, M, D]`` (float32, or the inputs' dtype when 16-bit); XLA sums
   each row's partials through the schedule's reduction map ``parts`` (a gather, as the
   forward's merge: a row block's partials come from the items of every chunk group above it).
@@ -58,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.tree_attention import CHUNK, NEVER, NTILES, ROW_START
+from pallas_kernels.tree_attention_tiles import dkv_rows, dq_tile
 
 __all__ = ["tree_grads", "tree_grads_reference", "chunk_item_ranges"]
 
@@ -97,9 +101,10 @@ def chunk_item_ranges(items_w9, n_chunks: int):
 
 def _dkv_kernel(first_ref, count_ref, items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, do_ref,
                 lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref, *, group: int, block_m: int,
-                bk: int, scale: float, fp32: bool):
+                rows: int, bk: int, scale: float, fp32: bool):
     """One (chunk, kv head, column slice): ``k/v [bk, D]`` of the slice; loops over the items
-    (row blocks) that read the chunk."""
+    (row blocks of ``block_m`` query vectors) that read the chunk, ``rows`` query vectors per
+    step."""
     c = pl.program_id(0)
     h = pl.program_id(1)
     j0 = pl.program_id(2) * bk
@@ -120,13 +125,13 @@ def _dkv_kernel(first_ref, count_ref, items_ref, tok_ref, cs_ref, key_ref, lim_r
 
     def body(i, carry):
         dk, dv = carry
-        m0 = m_first + i * block_m
-        q = q_ref[h, pl.ds(m0, block_m), :]                        # [M, D]
-        do = do_ref[h, pl.ds(m0, block_m), :]
-        lse2 = lse_ref[h, pl.ds(m0, block_m)][None, :] * _LOG2E   # [1, M]
-        delta = delta_ref[h, pl.ds(m0, block_m)][None, :]
-        key = key_ref[pl.ds(m0, block_m)][None, :]
-        lim = lim_ref[pl.ds(m0, block_m)][None, :]
+        m0 = m_first + i * rows                                    # (the items' rows are contiguous)
+        q = q_ref[h, pl.ds(m0, rows), :]                           # [M, D]
+        do = do_ref[h, pl.ds(m0, rows), :]
+        lse2 = lse_ref[h, pl.ds(m0, rows)][None, :] * _LOG2E      # [1, M]
+        delta = delta_ref[h, pl.ds(m0, rows)][None, :]
+        key = key_ref[pl.ds(m0, rows)][None, :]
+        lim = lim_ref[pl.ds(m0, rows)][None, :]
         vis = (t_tin <= key) & (key < t_tout) & (t_pos <= lim)     # [bk, M]
         s_t = _dot(k, q, fp32, trans_b=True)                       # [bk, M]
         p_t = jnp.where(vis, jnp.exp2(s_t * scale2 - lse2), 0.0)
@@ -138,7 +143,8 @@ def _dkv_kernel(first_ref, count_ref, items_ref, tok_ref, cs_ref, key_ref, lim_r
 
     d = k_ref.shape[-1]
     carry = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32))
-    dk, dv = lax.fori_loop(0, count_ref[c], body, carry)
+    steps = count_ref[c] * (block_m // rows) if rows < block_m else count_ref[c]
+    dk, dv = lax.fori_loop(0, steps, body, carry)
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -146,28 +152,35 @@ def _dkv_kernel(first_ref, count_ref, items_ref, tok_ref, cs_ref, key_ref, lim_r
 # ----------------------------------------------------------------------------- dq
 
 def _dq_kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, do_ref, lse_ref, delta_ref,
-               k_ref, v_ref, dq_ref, *, group: int, block_m: int, block_kv: int, bk: int,
-               scale: float, fp32: bool):
-    """One (item, kv head): its rows ``[M, D]`` over its ``ntiles`` chunks, ``bk`` columns at a
-    time."""
+               k_ref, v_ref, dq_ref, *, group: int, rows: int, row_split: int, block_kv: int, step: int,
+               bk: int, scale: float, fp32: bool):
+    """One (item, kv head[, row slice]): ``rows`` query vectors ``[M, D]`` over the item's
+    ``ntiles`` chunks, ``step`` keys per loop step in ``bk``-column slices."""
     w = pl.program_id(0)
     h = pl.program_id(1)
     scale2 = scale * _LOG2E
     m0 = items_ref[w, ROW_START] * group
+    if row_split > 1:
+        m0 = m0 + pl.program_id(2) * rows
     chunk0 = items_ref[w, CHUNK]
-    q = q_ref[h, pl.ds(m0, block_m), :]
-    do = do_ref[h, pl.ds(m0, block_m), :]
-    lse2 = lse_ref[h, pl.ds(m0, block_m)][:, None] * _LOG2E        # [M, 1]
-    delta = delta_ref[h, pl.ds(m0, block_m)][:, None]
-    key = key_ref[pl.ds(m0, block_m)][:, None]
-    lim = lim_ref[pl.ds(m0, block_m)][:, None]
+    q = q_ref[h, pl.ds(m0, rows), :]
+    do = do_ref[h, pl.ds(m0, rows), :]
+    lse2 = lse_ref[h, pl.ds(m0, rows)][:, None] * _LOG2E           # [M, 1]
+    delta = delta_ref[h, pl.ds(m0, rows)][:, None]
+    key = key_ref[pl.ds(m0, rows)][:, None]
+    lim = lim_ref[pl.ds(m0, rows)][:, None]
+    nsub = block_kv // step
 
     start0 = cs_ref[chunk0]  # an item's chunks are adjacent pool windows: affine starts
 
     def body(t, dq):
-        chunk = chunk0 + t
-        for j0 in range(0, block_kv, bk):                          # static column slices
-            start = start0 + t * block_kv + j0
+        if nsub == 1:
+            chunk, s0 = chunk0 + t, 0
+        else:  # step t: keys [s0, s0 + step) of the item's chunk t // nsub
+            chunk, s0 = chunk0 + lax.div(t, jnp.int32(nsub)), lax.rem(t, jnp.int32(nsub)) * step
+        for j in range(0, step, bk):                               # static column slices
+            j0 = s0 + j
+            start = start0 + t * step + j
             t_tin = tok_ref[chunk, 0, pl.ds(j0, bk)]
             t_tout = tok_ref[chunk, 1, pl.ds(j0, bk)][None, :]
             t_pos = tok_ref[chunk, 2, pl.ds(j0, bk)][None, :]
@@ -185,7 +198,8 @@ def _dq_kernel(items_ref, tok_ref, cs_ref, key_ref, lim_ref, q_ref, do_ref, lse_
         return dq
 
     d = q_ref.shape[-1]
-    dq = lax.fori_loop(0, items_ref[w, NTILES], body, jnp.zeros((block_m, d), jnp.float32))
+    steps = items_ref[w, NTILES] * nsub if nsub > 1 else items_ref[w, NTILES]
+    dq = lax.fori_loop(0, steps, body, jnp.zeros((rows, d), jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -213,14 +227,14 @@ def _full(shape, nd: int):
 
 
 def _dkv_call(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, *,
-              group, block_m, bk, block_kv, scale, fp32, interpret, params):
+              group, block_m, rows, bk, block_kv, scale, fp32, interpret, params):
     """The dK/dV kernel: ``[NC, Hkv, C, D]`` per-chunk ``(dk, dv)`` in k's dtype (a token's
     gradient within one chunk is complete; only tokens that several nodes' spans share are
     summed afterwards, by :func:`_chunks_to_pool`)."""
     nc, hkv, d = tok.shape[0], q_hmd.shape[0], q_hmd.shape[-1]
     ins = (first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, group=group, block_m=block_m, bk=bk, scale=scale, fp32=fp32),
+        functools.partial(_dkv_kernel, group=group, block_m=block_m, rows=rows, bk=bk, scale=scale, fp32=fp32),
         grid=(nc, hkv, block_kv // bk),
         in_specs=[_full(x.shape, 3) for x in ins],
         out_specs=[pl.BlockSpec((None, None, bk, d), lambda i, j, l: (i, j, l, 0))] * 2,
@@ -230,17 +244,23 @@ def _dkv_call(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta,
 
 
 def _dq_call(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, *, group, block_m,
-             bk, block_kv, scale, fp32, interpret, params):
+             rows, step, bk, block_kv, scale, fp32, interpret, params):
     """The dQ kernel: ``[W, Hkv, M, D]`` per-item partials (float32, or q's dtype when it is
-    16-bit: half the traffic, one more rounding per partial, as the forward's partials)."""
+    16-bit: half the traffic, one more rounding per partial, as the forward's partials); an
+    item's rows over ``block_m // rows`` programs."""
     w, hkv, d = items.shape[0], q_hmd.shape[0], q_hmd.shape[-1]
     ins = (items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd)
+    row_split = block_m // rows
+    if row_split == 1:
+        grid, nd, out_index = (w, hkv), 2, (lambda i, j: (i, j, 0, 0))
+    else:
+        grid, nd, out_index = (w, hkv, row_split), 3, (lambda i, j, r: (i, j, r, 0))
     return pl.pallas_call(
-        functools.partial(_dq_kernel, group=group, block_m=block_m, block_kv=block_kv, bk=bk, scale=scale,
-                          fp32=fp32),
-        grid=(w, hkv),
-        in_specs=[_full(x.shape, 2) for x in ins],
-        out_specs=pl.BlockSpec((None, None, block_m, d), lambda i, j: (i, j, 0, 0)),
+        functools.partial(_dq_kernel, group=group, rows=rows, row_split=row_split, block_kv=block_kv, step=step,
+                          bk=bk, scale=scale, fp32=fp32),
+        grid=grid,
+        in_specs=[_full(x.shape, nd) for x in ins],
+        out_specs=pl.BlockSpec((None, None, rows, d), out_index),
         out_shape=jax.ShapeDtypeStruct((w, hkv, block_m, d), jnp.float32 if fp32 else q_hmd.dtype),
         interpret=interpret, compiler_params=params, name="tree_grads_dq",
     )(*ins)
@@ -250,14 +270,19 @@ def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c,
                parts_rp, row_key_m, row_limit_m, *, group: int, block_rows: int, block_kv: int,
                sm_scale: float, block_k: int | None = None, dq_block_k: int | None = None,
                interpret: bool = False, num_warps: int = 4, dq_num_warps: int = 8,
-               num_stages: int = 2, disjoint: bool = False):
+               num_stages: int = 2, disjoint: bool = False, smem_bytes: int | None = None):
     """Gradients of the tree part (flatten schedule); see the module docstring for layouts.
 
     ``block_k`` / ``dq_block_k``: key columns per step of the dK/dV / dQ kernel (divisors of
     ``block_kv``, powers of two >= 16; None: 32, or ``block_kv`` if smaller).  ``disjoint``
     (static): no two nodes' spans share a pool token (``not PrefixTree.spans_overlap``), so the
     per-chunk ``dK``/``dV`` reach the pool by a gather; otherwise (the safe default) by a
-    scatter-add that sums a shared token's gradients.  Returns ``(dq, dk, dv)``."""
+    scatter-add that sums a shared token's gradients.  ``smem_bytes`` (the device's shared
+    memory per CTA; None: no bound): the programs hold the tiles of
+    :mod:`pallas_kernels.tree_attention_tiles` (:func:`~pallas_kernels.tree_attention_tiles.dkv_rows`,
+    :func:`~pallas_kernels.tree_attention_tiles.dq_tile`) so that their estimated shared memory
+    fits: fewer query vectors per dK/dV step, dQ rows over several programs and fewer keys per dQ
+    step.  Returns ``(dq, dk, dv)``."""
     hkv, mq, d = q_hmd.shape
     n = k_nhd.shape[0]
     block_m = block_rows * group
@@ -291,10 +316,12 @@ def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c,
     first, count, _ = chunk_item_ranges(items, nc)
     static = dict(group=group, block_m=block_m, block_kv=block_kv, scale=float(sm_scale), fp32=fp32,
                   interpret=interpret)
+    dkv_m = dkv_rows(block_m, bk, d, q_hmd.dtype, smem_bytes)
+    dq_m, dq_step = dq_tile(block_m, block_kv, bq, d, q_hmd.dtype, smem_bytes)
     dk_c, dv_c = _dkv_call(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd,
-                           v_nhd, bk=bk, params=params(num_warps), **static)
-    dq_w = _dq_call(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, bk=bq,
-                    params=params(dq_num_warps), **static)
+                           v_nhd, rows=dkv_m, bk=bk, params=params(num_warps), **static)
+    dq_w = _dq_call(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, rows=dq_m, step=dq_step,
+                    bk=bq, params=params(dq_num_warps), **static)
 
     # item partials -> original rows through the schedule's reduction map (a gather and a sum
     # over each row's parts, as the forward's merge: no scatter)
