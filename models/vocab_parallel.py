@@ -12,9 +12,10 @@ are padding: their logits are masked to ``-inf``).
   ``psum`` of ``[B, T, H]`` assembles the embeddings (exactly: one shard contributes each row).
   Ids outside ``[0, V')`` get a zero row (the one-device lookup clips them; callers validate
   token ids against the vocabulary).
-* :func:`greedy_tokens` -- local ``max`` and ``argmax``, then ``pmax`` of the maxima and
-  ``pmin`` of the global ids that reach it: the lowest id among the largest logits, as
-  ``jnp.argmax`` over the whole row.  Two ``[B]`` collectives instead of ``[B, V]``.
+* :func:`greedy_tokens` -- local ``max`` and ``argmax``, then ``pmax`` of the maxima (and of
+  a NaN flag) and ``pmin`` of the global ids that reach it: the lowest id among the largest
+  logits, or the first NaN of a row holding one, as ``jnp.argmax`` over the whole row.  Two
+  small collectives instead of ``[B, V]``.
 * :func:`token_logprobs` -- ``log_softmax`` at chosen ids from a sharded ``logsumexp`` (``pmax``
   then ``psum`` of ``[B]``) and the picked logit (``psum`` of ``[B]``).
 * :func:`sample_tokens` -- greedy through :func:`greedy_tokens`; temperature / top-k / top-p
@@ -54,12 +55,18 @@ def masked_logits(logits_bv: jax.Array, vocab_size: int, axis: str) -> jax.Array
 
 
 def greedy_tokens(logits_bv: jax.Array, vocab_size: int, axis: str) -> jax.Array:
-    """``argmax`` ``[B]`` int32 over the whole vocabulary (lowest id among ties)."""
+    """``argmax`` ``[B]`` int32 over the whole vocabulary, as ``jnp.argmax`` of the whole rows:
+    the lowest id among the largest logits, or the lowest id holding a NaN in a row with one."""
     x = masked_logits(logits_bv, vocab_size, axis)
-    best = jnp.max(x, axis=-1)
-    arg = jnp.argmax(x, axis=-1).astype(jnp.int32) + jax.lax.axis_index(axis).astype(jnp.int32) * x.shape[-1]
-    top = jax.lax.pmax(best, axis)
-    return jax.lax.pmin(jnp.where(best == top, arg, jnp.iinfo(jnp.int32).max), axis)
+    offset = jax.lax.axis_index(axis).astype(jnp.int32) * x.shape[-1]
+    nan = jnp.isnan(x)
+    has_nan = jnp.any(nan, axis=-1)
+    clean = jnp.where(nan, -jnp.inf, x)
+    best = jnp.max(clean, axis=-1)
+    arg = jnp.where(has_nan, jnp.argmax(nan, axis=-1), jnp.argmax(clean, axis=-1)).astype(jnp.int32) + offset
+    top, row_nan = jax.lax.pmax(jnp.stack([best, has_nan.astype(jnp.float32)]), axis)
+    mine = jnp.where(row_nan > 0, has_nan, best == top)
+    return jax.lax.pmin(jnp.where(mine, arg, jnp.iinfo(jnp.int32).max), axis)
 
 
 def token_logprobs(logits_bv: jax.Array, tokens_b: jax.Array, vocab_size: int, axis: str) -> jax.Array:
