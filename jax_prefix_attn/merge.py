@@ -20,23 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_prefix_attn._validation import check_array, check_same_dtype
-from pallas_kernels._common import flag_nonfinite
+from pallas_kernels._common import flag_nonfinite, merge_stacked
 
 __all__ = ["merge_attention_states", "merge_two"]
 
 
 def _merge_stacked(outs_nbthd: jax.Array, lses_nbth: jax.Array) -> tuple[jax.Array, jax.Array]:
-    lses = lses_nbth.astype(jnp.float32)
-    m = jax.lax.stop_gradient(jnp.max(lses, axis=0))  # (NaN where a part's lse is NaN)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    w = jnp.exp(lses - m)  # exp(-inf) = 0 with zero gradient
-    total = jnp.sum(w, axis=0)
-    empty = total == 0
-    total_safe = jnp.where(empty, 1.0, total)
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(total_safe))
-    # Ignore whatever an empty partial holds (it may be garbage) so 0 * NaN cannot leak.
-    outs = jnp.where((w > 0)[..., None], outs_nbthd.astype(jnp.float32), 0.0)
-    out = jnp.sum(w[..., None] * outs, axis=0) / total_safe[..., None]
+    out, lse = merge_stacked(outs_nbthd.astype(jnp.float32), lses_nbth.astype(jnp.float32))
     return out.astype(outs_nbthd.dtype), flag_nonfinite(jax.lax.stop_gradient(out), lse)
 
 

@@ -256,8 +256,9 @@ def merge_partials(o_nhmd: jax.Array, lse_nhm: jax.Array, *, unroll: int = UNROL
 
 def merge_stacked(o_nhmd, lse_nhm):
     """Merge float32 partial states ``(o [n, ..., D], lse [n, ...])`` over axis 0 by reductions
-    (the NaN rules of :func:`merge_tile_states`)."""
-    m = jnp.max(lse_nhm, axis=0)
+    (the NaN rules of :func:`merge_tile_states`).  The running maximum is a constant to autodiff
+    (it cancels in the result), so gradients stay finite when every part is empty."""
+    m = jax.lax.stop_gradient(jnp.max(lse_nhm, axis=0))
     m = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.exp(lse_nhm - m)
     tot = jnp.sum(w, axis=0)
