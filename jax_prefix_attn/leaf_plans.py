@@ -42,11 +42,13 @@ FLAT_TILES = ((400, SuffixTiling(128, 4, 2)), (1024, SuffixTiling(64, 4, 2)),
 # tile longer than a split (see flat_own_tiling).  Below ~10 us a call is latency bound: more splits
 # shorten each program's key loop but add programs and merge operands.
 # bench/flat_decode_sweep.py times every (splits, tiling) at small batch and fits these two
-# constants (its summary's "rule_fit"): on an H200, 64 keys / 32 splits ran within 1.03x (geometric
-# mean; worst 1.09x) of the best configuration at B = 1 and 8, where 256 keys / no cap took 1.12x
-# (worst 1.25x: 5 splits at B = 1, P = 1K, Hkv = 8, 8.97 us against 7.21 us with 16).
+# constants (its summary's "rule_fit"): on an H200, 64 keys / 64 splits ran within 1.04x (geometric
+# mean; worst 1.11x) of the best configuration at B = 1 and 8, where 256 keys / no cap took 1.12x
+# (worst 1.25x: 5 splits at B = 1, P = 1K, Hkv = 8, 8.97 us against 7.21 us with 16).  A cap of 32
+# fitted those points slightly better (1.03x) but moves the cost model's choice at B <= 4,
+# P = 16K, Hkv <= 2 from this leaf (64 splits measured best there) to the shared family.
 FLAT_OWN_MIN_SPLIT_KEYS = 64
-FLAT_OWN_MAX_SPLITS = 32
+FLAT_OWN_MAX_SPLITS = 64
 # At <= 400 programs each streaming a prefix chunk longer than this, the row layout: the own
 # layout took 1.19-1.32x its time at Hq=32 B=16 and Hq=8 B=64, P=16K, S >= 256 (elsewhere the
 # own layout took 0.73-0.93x the row layout's time).

@@ -107,8 +107,8 @@ def test_flat_decode_layout_and_tiling_rules():
                                   impl="flat", device=H100_SXM).chunks[0].leaf
     own = flat(16, 8, 1, 1024, 128)          # 16 x 17 splits of 68 keys (>= 64 keys, 2 per SM of 132)
     assert own.path == "flat_own" and own.num_splits == 17 and own.tiling.block_k == 64
-    one = flat(1, 32, 8, 16384, 64)          # 8 programs: the 32-split cap
-    assert one.path == "flat_own" and one.num_splits == 32 and one.tiling.block_k == 128
+    one = flat(1, 8, 1, 16384, 64)           # 1 program: 257 splits of 64 keys capped at 64
+    assert one.path == "flat_own" and one.num_splits == 64 and one.tiling.block_k == 128
     assert flat(16, 32, 8, 16384, 256).path == "flat_rows"   # 3 splits of a 16K prefix
     wide = flat(64, 32, 8, 8192, 128)                        # 512 programs: 64-key tiles
     assert wide.path == "flat_own" and wide.tiling.block_k == 64
