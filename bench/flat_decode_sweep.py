@@ -49,7 +49,7 @@ from jax_prefix_attn import leaf_plans as lp  # noqa: E402
 from jax_prefix_attn import plan_shared_prefix, shared_prefix_attention  # noqa: E402
 from jax_prefix_attn.device import planning_device_info  # noqa: E402
 from jax_prefix_attn.plans import ChunkPlan, FlatOwn, Shapes  # noqa: E402
-from pallas_kernels._common import cdiv, split_chunk  # noqa: E402
+from pallas_kernels._common import split_chunk  # noqa: E402
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 TILINGS = tuple(t for _, t in lp.FLAT_TILES)
@@ -105,12 +105,6 @@ def point_plan(pt, dev, interpret=False, **kw):
                               interpret=interpret, **kw)
 
 
-def held_splits(p, s, n, block_k):
-    """Splits that hold keys when the prefix and the suffix are each cut into ``n`` chunks of whole
-    ``block_k`` tiles (``suffix_decode_merge``'s chunking: program ``i`` takes chunk ``i`` of each)."""
-    return max(cdiv(k, split_chunk(k, n, block_k)) for k in (p, s) if k > 0)
-
-
 def configs(points, splits, tilings, dev):
     """``[(point, n, tiling, planned)]`` in sweep order: each point's planned tiling, then the rest."""
     first, rest = [], []
@@ -120,7 +114,7 @@ def configs(points, splits, tilings, dev):
         for n in sorted(set(splits) | {leaf.num_splits}):
             for t in tilings + tuple(x for x in (leaf.tiling,) if x not in tilings):
                 planned = (n, t) == (leaf.num_splits, leaf.tiling)
-                fits = n == 1 or (held_splits(p, s, n, t.block_k) == n
+                fits = n == 1 or (lp.busy_splits(p, s, n, t.block_k) == n
                                   and b * hkv * n <= MAX_PROGRAMS_PER_SM * dev.sm_count)
                 if planned or (n in splits and fits):
                     phase = first if planned or t == lp.flat_own_tiling(point_shapes(pt), n) else rest
@@ -157,7 +151,7 @@ def measure(pt, n, tiling, planned, ref, inputs, dev, args, harness_us):
                planned_tiling=tiling == lp.flat_own_tiling(point_shapes(pt), n),
                programs=b * hkv * n,
                keys_per_split=split_chunk(p, n, tiling.block_k),
-               empty_splits=n - held_splits(p, s, n, tiling.block_k))
+               empty_splits=n - lp.busy_splits(p, s, n, tiling.block_k))
     fn = call_fn(plan, interp)
     q, rest = inputs
     try:

@@ -18,10 +18,10 @@ from jax_prefix_attn.plans import (FlatOwn, FlatRows, MgpuJoint, MgpuOneLaunch, 
                                    TritonOverlap, TritonTwoLaunch)
 from pallas_kernels import joint_decode_mgpu, shared_decode_mgpu, split_decode_mgpu
 from pallas_kernels import suffix_stream_mgpu
-from pallas_kernels._common import MAX_ROWS_PER_TILE, cdiv, next_pow2
+from pallas_kernels._common import MAX_ROWS_PER_TILE, cdiv, next_pow2, split_chunk
 from pallas_kernels.prefix_attention_mgpu import mgpu_supported
 
-__all__ = ["query_chunks", "flat_layout", "flat_own_leaf", "flat_own_tiling", "mosaic_region",
+__all__ = ["query_chunks", "flat_layout", "flat_own_leaf", "flat_own_tiling", "busy_splits", "mosaic_region",
            "split_region", "joint_region", "one_launch_region", "mosaic_why_not", "build_leaf",
            "prefix_tiling", "mgpu_splits", "choose_splits", "plan_roles", "DECODE_SUFFIX"]
 
@@ -47,6 +47,7 @@ FLAT_TILES = ((400, SuffixTiling(128, 4, 2)), (1024, SuffixTiling(64, 4, 2)),
 # (worst 1.25x: 5 splits at B = 1, P = 1K, Hkv = 8, 8.97 us against 7.21 us with 16).  A cap of 32
 # fitted those points slightly better (1.03x) but moves the cost model's choice at B <= 4,
 # P = 16K, Hkv <= 2 from this leaf (64 splits measured best there) to the shared family.
+# Splits the kernel would leave without keys are dropped (busy_splits).
 FLAT_OWN_MIN_SPLIT_KEYS = 64
 FLAT_OWN_MAX_SPLITS = 64
 # At <= 400 programs each streaming a prefix chunk longer than this, the row layout: the own
@@ -133,7 +134,20 @@ def flat_own_leaf(s: Shapes, dev: DeviceInfo, *, min_split_keys: int = FLAT_OWN_
     if programs < _two_per_sm(dev):
         n = min(cdiv(_two_per_sm(dev), programs), cdiv(s.prefix_len + s.suffix_len, min_split_keys))
         n = max(1, n if max_splits is None else min(n, max_splits))
-    return FlatOwn(num_splits=n, tiling=flat_own_tiling(s, n))
+    tiling = flat_own_tiling(s, n)
+    while n > 1 and (used := busy_splits(s.prefix_len, s.suffix_len, n, tiling.block_k)) < n:
+        n = used                       # (splits past the last key would run idle programs)
+        tiling = flat_own_tiling(s, n)
+    return FlatOwn(num_splits=n, tiling=tiling)
+
+
+def busy_splits(prefix_len: int, suffix_len: int, num_splits: int, block_k: int) -> int:
+    """How many of ``num_splits`` key splits hold keys: the decode kernel cuts the prefix and the
+    suffix separately into chunks of whole ``block_k`` tiles (``_common.split_chunk``), so the
+    last splits can be empty when a split's share is not a whole number of tiles."""
+    def used(n: int) -> int:
+        return cdiv(n, split_chunk(n, num_splits, block_k)) if n else 0
+    return max(1, used(prefix_len), used(suffix_len))
 
 
 def flat_own_tiling(s: Shapes, num_splits: int) -> SuffixTiling:

@@ -7,6 +7,7 @@ from pallas_kernels._common import merge_partial_list, merge_partials, pad_rows,
 from pallas_kernels.decode_attention import Source, ragged_attention
 from jax_prefix_attn import plan_shared_prefix, shared_prefix_attention
 from jax_prefix_attn.device import H100_SXM
+from jax_prefix_attn.leaf_plans import busy_splits
 from helpers import check, check_rows, forced_plan, kv_pool, make_case, oracle, rel_err, rows_oracle
 
 
@@ -105,8 +106,11 @@ def test_flat_decode_layout_and_tiling_rules():
         return plan_shared_prefix(batch=b, tq=1, heads_q=hq, heads_kv=hkv, head_dim=128,
                                   groups=1, prefix_len=p, suffix_len=s, dtype=jnp.bfloat16,
                                   impl="flat", device=H100_SXM).chunks[0].leaf
-    own = flat(16, 8, 1, 1024, 128)          # 16 x 17 splits of 68 keys (>= 64 keys, 2 per SM of 132)
-    assert own.path == "flat_own" and own.num_splits == 17 and own.tiling.block_k == 64
+    # 16 programs: 17 splits (>= 64 keys each, 2 programs per SM of 132) of 64-key tiles, of
+    # which the kernel fills 16 (a 1024-key prefix in 64-key chunks): 16 splits
+    own = flat(16, 8, 1, 1024, 128)
+    assert own.path == "flat_own" and own.num_splits == 16 and own.tiling.block_k == 64
+    assert busy_splits(1024, 128, 17, 64) == 16 and busy_splits(1024, 128, 16, 64) == 16
     one = flat(1, 8, 1, 16384, 64)           # 1 program: 257 splits of 64 keys capped at 64
     assert one.path == "flat_own" and one.num_splits == 64 and one.tiling.block_k == 128
     assert flat(16, 32, 8, 16384, 256).path == "flat_rows"   # 3 splits of a 16K prefix
