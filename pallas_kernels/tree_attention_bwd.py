@@ -281,8 +281,8 @@ def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c,
     memory per CTA; None: no bound): the programs hold the tiles of
     :mod:`pallas_kernels.tree_attention_tiles` (:func:`~pallas_kernels.tree_attention_tiles.dkv_rows`,
     :func:`~pallas_kernels.tree_attention_tiles.dq_tile`) so that their estimated shared memory
-    fits: fewer query vectors per dK/dV step, dQ rows over several programs and fewer keys per dQ
-    step.  Returns ``(dq, dk, dv)``."""
+    fits: fewer query vectors per dK/dV step, dQ rows over several programs, fewer keys per dQ
+    step and, last, narrower dQ column slices.  Returns ``(dq, dk, dv)``."""
     hkv, mq, d = q_hmd.shape
     n = k_nhd.shape[0]
     block_m = block_rows * group
@@ -317,7 +317,7 @@ def tree_grads(q_hmd, do_hmd, lse_hm, delta_hm, k_nhd, v_nhd, items_w9, tok_c3c,
     static = dict(group=group, block_m=block_m, block_kv=block_kv, scale=float(sm_scale), fp32=fp32,
                   interpret=interpret)
     dkv_m = dkv_rows(block_m, bk, d, q_hmd.dtype, smem_bytes)
-    dq_m, dq_step = dq_tile(block_m, block_kv, bq, d, q_hmd.dtype, smem_bytes)
+    dq_m, dq_step, bq = dq_tile(block_m, block_kv, bq, d, q_hmd.dtype, smem_bytes)
     dk_c, dv_c = _dkv_call(first, count, items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd,
                            v_nhd, rows=dkv_m, bk=bk, params=params(num_warps), **static)
     dq_w = _dq_call(items, tok, cs, key, lim, q_hmd, do_hmd, lse, delta, k_nhd, v_nhd, rows=dq_m, step=dq_step,

@@ -98,18 +98,20 @@ def dkv_rows(block_m: int, block_k: int, head_dim: int, dtype, smem_bytes: int |
 
 
 def dq_tile(block_m: int, block_kv: int, block_k: int, head_dim: int, dtype,
-            smem_bytes: int | None) -> tuple[int, int]:
-    """``(rows, step)`` of a dQ program: the item's rows and its whole chunk per loop step when
-    ``smem_bytes`` is None or it fits; else the step halved down to ``block_k`` first, then the
-    rows."""
-    rows, step = block_m, block_kv
+            smem_bytes: int | None) -> tuple[int, int, int]:
+    """``(rows, step, bq)`` of a dQ program: the item's rows, its whole chunk per loop step and
+    ``block_k``-column slices when ``smem_bytes`` is None or they fit; else the step halved down to
+    the slice first, then the rows, then the slice (down to :data:`MIN_TILE`)."""
+    rows, step, bq = block_m, block_kv, block_k
     if smem_bytes is None:
-        return rows, step
-    while dq_smem(rows, step, block_k, head_dim, dtype) > smem_bytes:
-        if step > block_k:
+        return rows, step, bq
+    while dq_smem(rows, step, bq, head_dim, dtype) > smem_bytes:
+        if step > bq:
             step //= 2
         elif rows > MIN_TILE:
             rows //= 2
+        elif bq > MIN_TILE:
+            bq //= 2
         else:
-            raise _too_big("dQ", smem_bytes, dq_smem(rows, step, block_k, head_dim, dtype))
-    return rows, step
+            raise _too_big("dQ", smem_bytes, dq_smem(rows, step, bq, head_dim, dtype))
+    return rows, step, bq

@@ -198,20 +198,24 @@ def test_tree_grads_lower_for_cuda():
 
 def test_tree_grads_split_tiles_match_the_whole_tiles():
     """A small shared-memory budget: dK/dV steps of fewer query vectors than an item's, dQ rows
-    over several programs and dQ steps of 32 of a chunk's 64 keys give the whole tiles'
-    gradients; the split kernels lower for CUDA."""
+    over several programs and dQ steps of 32 of a chunk's 64 keys (and, smaller still, 16-column
+    dQ slices) give the whole tiles' gradients; the split kernels lower for CUDA."""
     tree = PrefixTree.from_nested([[37, [20, 3, 9], 6], 25], seqs_per_leaf=3)
     args, tables, static, _ = _sorted_case(tree, tq=4, hq=8, hkv=2, d=16, seed=4, block_kv=64)
     block_m = static["block_rows"] * 4
     small = dq_smem(16, 32, 32, 16, jnp.float32)
     assert dkv_rows(block_m, 32, 16, jnp.float32, small) < block_m
-    assert dq_tile(block_m, 64, 32, 16, jnp.float32, small) == (16, 32) and block_m > 16
+    assert dq_tile(block_m, 64, 32, 16, jnp.float32, small) == (16, 32, 32) and block_m > 16
+    tiny = 10000                      # dQ in 16-column slices as well
+    assert dq_tile(block_m, 64, 32, 16, jnp.float32, tiny) == (16, 16, 16)
     f = jax.jit(lambda *a: (tree_grads(*a, **static, interpret=True),
-                            tree_grads(*a, **static, interpret=True, smem_bytes=small)))
-    whole, split = f(*args, *tables)
-    for a, w in zip(split, whole):
+                            tree_grads(*a, **static, interpret=True, smem_bytes=small),
+                            tree_grads(*a, **static, interpret=True, smem_bytes=tiny)))
+    whole, split, split16 = f(*args, *tables)
+    for a, b, w in zip(split, split16, whole):
         assert np.isfinite(np.asarray(w)).all() and np.abs(np.asarray(w)).max() > 0
         assert rel_err(a, w) < 1e-6, rel_err(a, w)
+        assert rel_err(b, w) < 1e-6, rel_err(b, w)
     text = jax.jit(lambda *a: tree_grads(*a, **static, smem_bytes=small)).trace(*args, *tables).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "tree_grads_dq" in text and "tree_grads_dkv" in text

@@ -62,9 +62,9 @@ def test_tiles_fit_divide_and_keep_the_item_tile_when_it_fits():
                     assert dkv_smem(r, 32, d, dtype) <= SMEM and bm % r == 0
                     assert r == bm or dkv_smem(2 * r, 32, d, dtype) > SMEM
                     if c >= 32:
-                        rq, step = dq_tile(bm, c, 32, d, dtype, SMEM)
-                        assert dq_smem(rq, step, 32, d, dtype) <= SMEM and bm % rq == 0 and c % step == 0
-                        assert (rq, step) == (bm, c) or dq_smem(bm, c, 32, d, dtype) > SMEM
+                        rq, step, bq = dq_tile(bm, c, 32, d, dtype, SMEM)
+                        assert dq_smem(rq, step, bq, d, dtype) <= SMEM and bm % rq == 0 and c % step == 0
+                        assert (rq, step, bq) == (bm, c, 32) or dq_smem(bm, c, 32, d, dtype) > SMEM
     assert partials_tile(4096, 128, 64, F32, None) == (4096, 128)
     assert partials_tile(4096, 128, 64, F32, SMEM) == (128, 128)      # the rows of a whole 640-token node
     assert partials_tile(128, 128, 128, F32, SMEM) == (128, 64)
@@ -74,6 +74,10 @@ def test_tiles_fit_divide_and_keep_the_item_tile_when_it_fits():
         dkv_rows(64, 32, 64, F32, 1000)
     with pytest.raises(ValueError, match="no dQ tile fits"):
         dq_tile(64, 64, 32, 64, F32, 1000)
+    # 101,376 bytes per CTA (compute capability 8.6 / 8.9 / 12.0): float32 head_dim 256 fits with
+    # 16-column dQ slices
+    assert dq_tile(128, 64, 32, 256, F32, 101376) == (16, 16, 16)
+    assert dq_smem(16, 16, 16, 256, F32) <= 101376 < dq_smem(16, 32, 32, 256, F32)
 
 
 # ----------------------------------------------------------------- every kernel of a long-node layout
