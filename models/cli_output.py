@@ -73,14 +73,20 @@ def run_fields(args: argparse.Namespace) -> dict:
                                             "stop": args.stop or []}}
 
 
+def mesh_fields(llm: LLM) -> dict:
+    """A record's ``mesh``: the devices each model is split over and the data-parallel groups."""
+    return {"tensor_parallel": llm.tensor_parallel, "data_parallel": llm.data_parallel}
+
+
 def jsonl_record(llm: LLM, args: argparse.Namespace, j: int, i: int, c: Completion, prompt_text: str | None,
                  question: str | None, result: Generation | None, load_s: float) -> dict:
     """The JSONL record of sample ``i`` of prompt ``j``: model identity, prompt, completion,
-    seed, sampling settings, log-probs (``--logprobs``), layout, device and timings."""
+    seed, sampling settings, log-probs (``--logprobs``), layout, device, mesh and timings."""
     rec = {"model": llm.info, "prompt_index": j, "sample": i, "question": question, "prompt": prompt_text}
     rec |= completion_fields(c, args.logprobs) | run_fields(args)
     rec["attention"] = result.sharing.attention if result is not None else None
     rec["device"] = jax.default_backend()
+    rec["mesh"] = mesh_fields(llm)
     t = result.timings if result is not None else None
     rec["timings"] = {"load_s": round(load_s, 4)} | ({} if t is None else {
         k: round(getattr(t, k), 4) for k in ("compile_s", "prefill_s", "first_token_s", "decode_s", "total_s")})

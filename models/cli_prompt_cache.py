@@ -41,7 +41,7 @@ import numpy as np
 
 from models.cli_args import UsageError
 from models.cli_inputs import check_writable, read_text
-from models.cli_output import completion_fields, printable, run_fields
+from models.cli_output import completion_fields, mesh_fields, printable, run_fields
 from models.cli_progress import Progress
 from models.compile_watch import CompileWatch
 from models.llm import LLM
@@ -223,6 +223,7 @@ def _record(llm, args, inputs: PmlInputs, run: PmlRun, j: int, i: int, cached: P
     rec |= completion_fields(c, args.logprobs) | run_fields(args)
     rec["attention"] = "prompt_cache"
     rec["device"] = jax.default_backend()
+    rec["mesh"] = mesh_fields(llm)
     s = run.stats
     rec["cache"] = {"dir": args.cache_dir, "modules": run.source, "hits": s.hits, "misses": s.misses,
                     "bytes": s.bytes, "bytes_per_token": s.bytes_per_token}

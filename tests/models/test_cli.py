@@ -117,7 +117,7 @@ def _naive_greedy(model_path, prompt_ids, steps):
 
 
 RECORD_KEYS = {"model", "prompt_index", "sample", "question", "prompt", "completion", "token_ids", "finish_reason",
-               "seed", "sampling", "attention", "device", "timings"}
+               "seed", "sampling", "attention", "device", "mesh", "timings"}
 
 
 def _texts(recs):
@@ -144,6 +144,7 @@ def test_tiny_model_sampling_jsonl_and_seed(tiny_model, tmp_path, capsys):
         assert r["model"]["path"] == os.path.abspath(tiny_model) and r["model"]["format"] == "gguf"
         assert r["model"]["bytes"] == os.path.getsize(tiny_model) and len(r["model"]["config_sha256"]) == 64
         assert r["attention"] == "shared" and r["device"] == jax.default_backend()
+        assert r["mesh"] == {"tensor_parallel": 1, "data_parallel": 1}
         assert set(r["timings"]) == {"load_s", "compile_s", "prefill_s", "first_token_s", "decode_s", "total_s"}
     assert "3 sequences (1 prompt x 3 samples)" in err and "tok/s" in err and "KV cache" in err
     assert "first token" in err and "stored once" in err
@@ -542,6 +543,7 @@ def test_tensor_and_data_parallel_flags_give_one_devices_completions(tiny_model,
     assert rc == 0, err
     assert "tensor_parallel=2 data_parallel=2" in err and "3 sequences (1 prompt x 3 samples)" in err
     assert _texts(_records(mesh)) == _texts(_records(one)) and len(_records(one)) == 3
+    assert all(r["mesh"] == {"tensor_parallel": 2, "data_parallel": 2} for r in _records(mesh))
     assert len({tuple(r["token_ids"]) for r in _records(one)}) > 1, "samples of one prompt should differ"
 
 
@@ -581,7 +583,7 @@ def pml_files(tmp_path_factory):
 
 PML_RECORD_KEYS = {"model", "schema", "schema_file", "prompt_file", "prompt_index", "sample", "prompt",
                    "prompt_token_ids", "cached_tokens", "new_tokens", "completion", "token_ids", "finish_reason",
-                   "logprobs", "seed", "sampling", "attention", "device", "cache", "timings", "compare"}
+                   "logprobs", "seed", "sampling", "attention", "device", "mesh", "cache", "timings", "compare"}
 
 
 def test_pml_records_exact_case_compare_and_disk_cache(tiny_model, pml_files, tmp_path, capsys):
