@@ -64,36 +64,36 @@ def _too_big(what: str, smem_bytes: int, need: int):
                       f"{need} bytes of shared memory (head_dim too large for this device)")
 
 
+def _shrink(tile: tuple, need, pick, what: str, smem_bytes: int | None) -> tuple:
+    """``tile`` with one size halved at a time -- the one whose index ``pick(*tile)`` names (None:
+    none may shrink) -- until ``need(*tile)`` bytes fit ``smem_bytes`` (None: no bound)."""
+    tile = list(tile)
+    while smem_bytes is not None and need(*tile) > smem_bytes:
+        i = pick(*tile)
+        if i is None:
+            raise _too_big(what, smem_bytes, need(*tile))
+        tile[i] //= 2
+    return tuple(tile)
+
+
 def partials_tile(block_m: int, block_kv: int, head_dim: int, dtype, smem_bytes: int | None) -> tuple[int, int]:
     """``(rows, cols)`` of a forward program for items of ``block_m`` query vectors and
     ``block_kv``-key chunks: the item's own when ``smem_bytes`` is None or it fits; else the
     larger of the two halved (keys on a tie: a key step costs no extra reads, a row cut re-reads
     the keys) until the estimate fits.  Powers of two dividing the item's, >= :data:`MIN_TILE`."""
-    rows, cols = block_m, block_kv
-    if smem_bytes is None:
-        return rows, cols
-    while partials_smem(rows, cols, head_dim, dtype) > smem_bytes:
+    def pick(rows, cols):
         if cols >= rows and cols > MIN_TILE:
-            cols //= 2
-        elif rows > MIN_TILE:
-            rows //= 2
-        elif cols > MIN_TILE:
-            cols //= 2
-        else:
-            raise _too_big("forward", smem_bytes, partials_smem(rows, cols, head_dim, dtype))
-    return rows, cols
+            return 1
+        return 0 if rows > MIN_TILE else 1 if cols > MIN_TILE else None
+    return _shrink((block_m, block_kv), lambda r, c: partials_smem(r, c, head_dim, dtype), pick, "forward",
+                   smem_bytes)
 
 
 def dkv_rows(block_m: int, block_k: int, head_dim: int, dtype, smem_bytes: int | None) -> int:
     """Query vectors per loop step of a dK/dV program: ``block_m`` (one item's rows) when
     ``smem_bytes`` is None or it fits, else halved until the estimate fits."""
-    rows = block_m
-    if smem_bytes is None:
-        return rows
-    while dkv_smem(rows, block_k, head_dim, dtype) > smem_bytes:
-        if rows <= MIN_TILE:
-            raise _too_big("dK/dV", smem_bytes, dkv_smem(rows, block_k, head_dim, dtype))
-        rows //= 2
+    (rows,) = _shrink((block_m,), lambda r: dkv_smem(r, block_k, head_dim, dtype),
+                      lambda r: 0 if r > MIN_TILE else None, "dK/dV", smem_bytes)
     return rows
 
 
@@ -102,16 +102,7 @@ def dq_tile(block_m: int, block_kv: int, block_k: int, head_dim: int, dtype,
     """``(rows, step, bq)`` of a dQ program: the item's rows, its whole chunk per loop step and
     ``block_k``-column slices when ``smem_bytes`` is None or they fit; else the step halved down to
     the slice first, then the rows, then the slice (down to :data:`MIN_TILE`)."""
-    rows, step, bq = block_m, block_kv, block_k
-    if smem_bytes is None:
-        return rows, step, bq
-    while dq_smem(rows, step, bq, head_dim, dtype) > smem_bytes:
-        if step > bq:
-            step //= 2
-        elif rows > MIN_TILE:
-            rows //= 2
-        elif bq > MIN_TILE:
-            bq //= 2
-        else:
-            raise _too_big("dQ", smem_bytes, dq_smem(rows, step, bq, head_dim, dtype))
-    return rows, step, bq
+    def pick(rows, step, bq):
+        return 1 if step > bq else 0 if rows > MIN_TILE else 2 if bq > MIN_TILE else None
+    return _shrink((block_m, block_kv, block_k), lambda r, st, q: dq_smem(r, st, q, head_dim, dtype), pick, "dQ",
+                   smem_bytes)
