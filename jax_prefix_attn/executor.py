@@ -27,6 +27,7 @@ from pallas_kernels._common import (cdiv, check_rows_per_tile, merge_partials, m
                                     next_pow2, pad_rows, q_rows_layout, row_meta, rows_from_q,
                                     rows_to_out, seq_rows)
 from pallas_kernels.decode_attention import Source, ragged_attention
+from pallas_kernels.merge_splits import merge_splits
 from pallas_kernels.overlap_attention import overlap_partials
 from pallas_kernels.prefix_attention import prefix_partials
 from pallas_kernels.suffix_attention import suffix_decode_merge
@@ -93,8 +94,11 @@ def _flat_chunk(leaf, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, 
                                      num_splits=leaf.num_splits, scale=scale, interpret=interpret,
                                      block_k=t.block_k, num_warps=t.num_warps,
                                      num_stages=t.num_stages)
-        if leaf.num_splits > 1:
-            o, lse = merge_partials(o, lse)
+        if leaf.num_splits > 1:   # one launch for the whole merge (latency-bound sizes)
+            n = leaf.num_splits
+            o, lse = merge_splits(o.reshape(n, b * hq, d), lse.reshape(n, b * hq), out_dtype=q.dtype,
+                                  interpret=interpret)
+            o, lse = o.reshape(b, hq, d), lse.reshape(b, hq)
         return o.astype(q.dtype)[:, None], lse[:, None]
     assert isinstance(leaf, FlatRows), leaf
     q_rows = rows_from_q(q.astype(prefix_k.dtype), hkv, r_pad)

@@ -78,7 +78,7 @@ def test_flat_forward_tq4_gqa(num_splits):
 
 
 @pytest.mark.parametrize("layout", ["own", "rows", "auto"])
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, 17])
 @pytest.mark.parametrize("hq,hkv,g", [(8, 2, 2), (8, 1, 0), (6, 6, 3)])
 def test_flat_forward_decode_layouts(layout, num_splits, hq, hkv, g):
     """Decoding (Tq=1) on the flat path in both layouts and by the planner's rule: one prefix or
