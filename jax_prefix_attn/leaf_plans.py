@@ -23,7 +23,7 @@ from pallas_kernels.prefix_attention_mgpu import mgpu_supported
 
 __all__ = ["query_chunks", "flat_layout", "flat_own_leaf", "flat_own_tiling", "busy_splits", "mosaic_region",
            "split_region", "joint_region", "one_launch_region", "mosaic_why_not", "build_leaf",
-           "prefix_tiling", "mgpu_splits", "choose_splits", "plan_roles", "DECODE_SUFFIX"]
+           "prefix_tiling", "mgpu_splits", "choose_splits", "even_enough", "plan_roles", "DECODE_SUFFIX"]
 
 DECODE_SUFFIX = SuffixTiling(block_k=32, num_warps=2, num_stages=3)   # planner.DECODE_SUFFIX_TILING
 ROW_SUFFIX = SuffixTiling(block_k=64, num_warps=4, num_stages=3)      # row-layout suffix pass
@@ -60,9 +60,14 @@ FLAT_OWN_MAX_CHUNK = 1024
 MGPU_MIN_CTAS = 64
 MGPU_MIN_REAL_ROWS = 0.75
 # choose_splits: below FEW_CTAS (kv head, 128-row block) CTAs split to about one wave; from
-# LONG_TILES key tiles (a 16K prefix) at most 2 splits with >= FEW_CTAS CTAs.
+# LONG_TILES key tiles (a 14K prefix; 4 splits measured best at 64 tiles, 2 at 128) at most 2
+# splits with >= FEW_CTAS CTAs.
 FEW_CTAS = 48
-LONG_TILES = 128
+LONG_TILES = 112
+# Prefix splits need not divide the key tiles: the last split may run up to 1 / SPLIT_WASTE of
+# the tiles past the end (fully masked re-reads of the last tile).  A 16256-key prefix (127
+# tiles, a prime) then gets 2 splits rather than 1 (64 CTAs on 132 SMs at Hq=32/Hkv=8, B=256).
+SPLIT_WASTE = 16
 # Beside the Mosaic GPU prefix kernel the suffix is split only below this many (sequence, kv
 # head) programs: at 256 (Hq=8/Hkv=1 B=256) the unsplit suffix + one merge took 0.77-0.92x the
 # split suffix's time at S=256/1024, P=4K/16K.
@@ -203,23 +208,30 @@ def suffix_splits(s: Shapes, dev: DeviceInfo) -> int:
     return _splits_to_fill(s.batch * s.heads_kv, s.suffix_len, 64, _two_per_sm(dev))
 
 
+def even_enough(n_tiles: int, splits: int) -> bool:
+    """Whether ``splits`` prefix splits of ``ceil(n_tiles / splits)`` tiles each cover
+    ``n_tiles`` tiles with every split holding one and at most ``n_tiles / SPLIT_WASTE`` tile
+    steps past the last (the kernel re-reads the last tile there, all keys masked)."""
+    per = cdiv(n_tiles, splits)
+    return (splits - 1) * per < n_tiles and SPLIT_WASTE * (per * splits - n_tiles) <= n_tiles
+
+
 def choose_splits(n_tiles: int, ctas: int, sms: int) -> int:
     """Prefix splits of the Mosaic GPU prefix kernel for ``ctas`` (kv head, 128-row block) CTAs
-    (a divisor of its ``n_tiles`` key tiles): 1 when the CTAs fill most of a wave; with at least
-    FEW_CTAS, the largest divisor up to 4 (2 from LONG_TILES tiles) within two waves; with
-    fewer, the largest divisor up to 16 within one wave and at least 2 tiles per split.  At 64
-    CTAs 4 splits were fastest (1 split 37% slower, 8 13-19% slower), at 16 CTAs 8 splits
+    over ``n_tiles`` key tiles: 1 when the CTAs fill most of a wave; with at least FEW_CTAS, the
+    largest count up to 4 (2 from LONG_TILES tiles) within two waves; with fewer, the largest up
+    to 16 within one wave and at least 2 tiles per split.  Divisors of ``n_tiles`` first; where
+    none above 1 qualifies, the largest :func:`even_enough` count (e.g. 127 tiles: 2).  At
+    64 CTAs 4 splits were fastest (1 split 37% slower, 8 13-19% slower), at 16 CTAs 8 splits
     (1.0-1.6x faster than 4), at 4 CTAs 16; at 64 CTAs and a 16K prefix 2 splits took 0.95-0.97x
     the time of 4."""
     if 4 * ctas >= 3 * sms:
         return 1
     few = ctas < FEW_CTAS
     max_splits, limit = (16, sms) if few else (2 if n_tiles >= LONG_TILES else 4, 2 * sms)
-    best = 1
-    for c in range(1, min(n_tiles, max_splits) + 1):
-        if n_tiles % c == 0 and ctas * c <= limit and (not few or c == 1 or n_tiles // c >= 2):
-            best = c
-    return best
+    fits = [c for c in range(2, min(n_tiles, max_splits) + 1)
+            if ctas * c <= limit and (not few or n_tiles // c >= 2)]
+    return max([c for c in fits if n_tiles % c == 0] or [c for c in fits if even_enough(n_tiles, c)] or [1])
 
 
 def _mgpu_ctas(s: Shapes) -> tuple[int, int]:

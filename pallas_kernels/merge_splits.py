@@ -6,9 +6,10 @@ with up to :data:`pallas_kernels._common.UNROLL_MERGE` parts, a fusion for the r
 and one for the weighted sum and the cast; beyond it, two reductions and two elementwise passes.
 At small batch a decode call is latency bound (a few microseconds per dependent launch inside a
 CUDA graph), so this kernel does the whole merge -- maximum, weights, weighted sum, normalisation,
-the cast to the output dtype and the merged LSE -- in one launch: program ``i`` owns rows
-``[i * block_r, (i + 1) * block_r)`` and reads their ``n`` partial tiles, unrolled over the
-static ``n`` (the loads are independent, so they are all in flight at once).
+the cast to the output dtype and the merged LSE -- in one launch.  Program ``(r, c)`` owns row
+``r`` and columns ``[c * block_d, +block_d)``: it reads the row's ``n`` LSEs and its
+``[n, block_d]`` slab of partial outputs as one masked load each, so even a single row
+(``B = 1``) spreads over ``D / block_d`` SMs and no program waits on a chain of loads.
 
 The NaN and empty-row rules are those of :func:`pallas_kernels._common.merge_tile_states`: a
 part is empty only where its ``lse`` is exactly ``-inf``; a row whose parts are all empty gets
@@ -24,16 +25,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import cdiv, merge_tile_states
+from pallas_kernels._common import next_pow2
 
 __all__ = ["MAX_PARTS", "merge_splits", "supported"]
 
-# Parts one program unrolls.  Split-KV decoding uses at most 64 splits (the planner's cap).
+# Parts one program reads (as one [parts, block_d] tile).  Split-KV decoding uses at most 64.
 MAX_PARTS = 128
-# Rows per program: the 16-row minimum of a Triton tile, more when there are rows to spare, so
-# that a program's n loads of [block_r, D] float32 stay within the registers of 4 warps.
-MIN_BLOCK_R = 16
-MAX_TILE_ELEMS = 1 << 13
+# Columns of D per program: halved from D down to MIN_BLOCK_D while the grid has fewer than
+# MIN_PROGRAMS programs, so that even one row (B = 1) spreads over several SMs.
+MIN_BLOCK_D = 32
+MIN_PROGRAMS = 512
 
 
 def supported(*, parts: int, head_dim: int) -> str | None:
@@ -46,28 +47,28 @@ def supported(*, parts: int, head_dim: int) -> str | None:
     return None
 
 
-def block_rows(rows: int, head_dim: int) -> int:
-    """Rows per program: ``MIN_BLOCK_R``, doubled while a ``[block_r, D]`` tile stays under
-    ``MAX_TILE_ELEMS`` elements and the grid keeps at least 64 programs."""
-    br = MIN_BLOCK_R
-    while 2 * br * head_dim <= MAX_TILE_ELEMS and cdiv(rows, 2 * br) >= 64:
-        br *= 2
-    return br
+def _kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, parts, parts_pad, block_d):
+    r, c = pl.program_id(0), pl.program_id(1)
+    live = jnp.arange(parts_pad) < parts
+    lse = plgpu.load(lse_ref.at[pl.ds(0, parts_pad), r], mask=live, other=-jnp.inf)       # [n]
+    o = plgpu.load(o_ref.at[pl.ds(0, parts_pad), r, pl.ds(c * block_d, block_d)], mask=live[:, None],
+                   other=0.0)                                                               # [n, bd]
+    m = jnp.max(lse)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lse - m)
+    tot = jnp.sum(w)
+    empty = tot == 0  # (a NaN part makes tot NaN: the row is NaN, not empty)
+    tot_safe = jnp.where(empty, 1.0, tot)
+    out = jnp.sum(w[:, None] * jnp.where((w > 0)[:, None], o.astype(jnp.float32), 0.0), axis=0) / tot_safe
+    plgpu.store(out_ref.at[r, pl.ds(c * block_d, block_d)], out.astype(out_ref.dtype))
 
-
-def _kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, parts, rows, block_r):
-    start = pl.program_id(0) * block_r
-    ok = start + jnp.arange(block_r) < rows
-    r = pl.ds(start, block_r)
-    o_parts = [plgpu.load(o_ref.at[jnp.int32(i), r, :], mask=ok[:, None], other=0.0) for i in range(parts)]
-    l_parts = [plgpu.load(lse_ref.at[jnp.int32(i), r], mask=ok, other=-jnp.inf) for i in range(parts)]
-    out, lse = merge_tile_states(o_parts, l_parts)
-    plgpu.store(out_ref.at[r, :], out.astype(out_ref.dtype), mask=ok[:, None])
-    plgpu.store(lse_out_ref.at[r], lse, mask=ok)
+    @pl.when(c == 0)
+    def _():
+        lse_out_ref[r] = jnp.where(empty, -jnp.inf, m + jnp.log(tot_safe))
 
 
 def merge_splits(o_nrd: jax.Array, lse_nr: jax.Array, *, out_dtype, interpret: bool = False,
-                 num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+                 block_d: int | None = None, num_warps: int = 1) -> tuple[jax.Array, jax.Array]:
     """Merge ``n`` partial states per row.
 
     Args:
@@ -75,6 +76,8 @@ def merge_splits(o_nrd: jax.Array, lse_nr: jax.Array, *, out_dtype, interpret: b
         kernels).
       lse_nr: ``[n, R]`` float32 natural-log LSE of each part, ``-inf`` where the part saw no key.
       out_dtype: dtype of the merged output.
+      block_d: columns of ``D`` per program (grid ``(R, D / block_d)``; default: see
+        ``MIN_PROGRAMS``).
 
     Returns ``(out [R, D] out_dtype, lse [R] float32)``.
     """
@@ -84,22 +87,19 @@ def merge_splits(o_nrd: jax.Array, lse_nr: jax.Array, *, out_dtype, interpret: b
     reason = supported(parts=n, head_dim=d)
     if reason:
         raise ValueError(reason)
-    br = block_rows(rows, d)
-    grid = cdiv(rows, br)
+    bd = d if block_d is None else min(block_d, d)
+    while block_d is None and bd > MIN_BLOCK_D and rows * (d // bd) < MIN_PROGRAMS:
+        bd //= 2
+    n_pad = max(2, next_pow2(n))
     o_in, lse_in = o_nrd, lse_nr.astype(jnp.float32)
     if interpret:  # the CPU interpreter clamps a slice that runs past an array instead of masking it
-        pad = grid * br - rows
-        o_in = jnp.pad(o_in, ((0, 0), (0, pad), (0, 0)))
-        lse_in = jnp.pad(lse_in, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda i, nd=x.ndim: (0,) * nd)  # noqa: E731
-    out_rows = grid * br if interpret else rows
-    out_shape = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), jax.ShapeDtypeStruct((out_rows,), jnp.float32)]
-    out, lse = pl.pallas_call(
-        functools.partial(_kernel, parts=n, rows=rows, block_r=br), grid=(grid,),
+        o_in = jnp.pad(o_in, ((0, n_pad - n), (0, 0), (0, 0)))
+        lse_in = jnp.pad(lse_in, ((0, n_pad - n), (0, 0)), constant_values=-jnp.inf)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, j, nd=x.ndim: (0,) * nd)  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((rows, d), out_dtype), jax.ShapeDtypeStruct((rows,), jnp.float32)]
+    return pl.pallas_call(
+        functools.partial(_kernel, parts=n, parts_pad=n_pad, block_d=bd), grid=(rows, d // bd),
         in_specs=[whole(o_in), whole(lse_in)], out_specs=[whole(out_shape[0]), whole(out_shape[1])],
         out_shape=out_shape, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), name="merge_splits",
     )(o_in, lse_in)
-    if interpret:
-        out, lse = out[:rows], lse[:rows]
-    return out, lse

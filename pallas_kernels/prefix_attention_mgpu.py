@@ -121,7 +121,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
                          _cpu_check: bool = False):
     """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
 
-    ``num_splits`` (a divisor of the ``P / block_kv`` key tiles): prefix splits, one CTA each.
+    ``num_splits``: prefix splits, one CTA each, of ``ceil(n_tiles / num_splits)`` of the
+    ``n_tiles = P / block_kv`` key tiles each (every split must get at least one).
     Returns ``(o, lse)``: ``o [splits, Hkv, M, D]`` in q's dtype (normalised) and
     ``lse [splits, Hkv, M]`` float32; see the module docstring for the layouts and the
     conditions (:func:`mgpu_supported`).  ``interpret`` runs Mosaic GPU's CPU interpreter and
@@ -158,9 +159,10 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     n_tiles = p // block_kv
     m_blocks = m // (2 * block_q)
     splits = int(num_splits)
-    if n_tiles % splits:
-        raise ValueError(f"num_splits={splits} must divide the {n_tiles} key tiles")
-    tiles_per_split = n_tiles // splits
+    tiles_per_split = -(-n_tiles // max(splits, 1))
+    if not 1 <= splits <= n_tiles or (splits - 1) * tiles_per_split >= n_tiles:
+        raise ValueError(f"num_splits={splits} must leave every split some of the {n_tiles} key tiles "
+                         f"(each takes {tiles_per_split})")
     stages = PIPELINE_STAGES if max_concurrent_steps is None else int(max_concurrent_steps)
     steps = max(1, min(stages, tiles_per_split))
     # The LSE goes through a [2, block_q] shared buffer and TMA with up to 2 stages; with more it
@@ -175,7 +177,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, *rest):
         lse_smem2, q_barriers, sched_barrier, *maybe_p = rest if lse_in_smem else (None, *rest)
         task = functools.partial(
-            prefix_task, n_keys=len_ref[0], q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref,
+            prefix_task, n_keys=jnp.minimum(len_ref[0], p), n_tiles=n_tiles, q_ref=q_ref,
+            k_ref=k_ref, v_ref=v_ref, o_ref=o_ref,
             lse_ref=lse_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers,
             sched_barrier=sched_barrier, p_smem2=maybe_p[0] if _cpu_check else None,
             tiles_per_split=tiles_per_split, steps=steps, block_q=block_q, block_kv=block_kv,
@@ -186,7 +189,7 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
         # Persistent: CTA c runs tasks c, c + n, c + 2n, ... (split fastest, then row block,
         # then kv head) through one set of pipeline buffers and barriers.
         allocs = prefix_pipeline(None, None, first_tile=0, tiles_per_split=tiles_per_split,
-                                 steps=steps, d=d, block_kv=block_kv,
+                                 n_tiles=n_tiles, steps=steps, d=d, block_kv=block_kv,
                                  cpu_check=_cpu_check).get_allocations(
                                      *head_refs(k_ref, v_ref, 0, _cpu_check))
 
@@ -382,12 +385,14 @@ def wg_pipeline(tile_body, *, n_steps, steps, compute_context, in_specs):
         compute_context=compute_context, in_specs=in_specs, out_specs=[])
 
 
-def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2,
+def prefix_task(*, h, mb, sp, n_keys, n_tiles, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2,
                 q_barriers, sched_barrier, p_smem2, tiles_per_split, steps, block_q, block_kv,
                 scale_log2, schedule_barrier, cpu_check, allocations=None):
     """One CTA of the prefix kernel: rows ``[mb * 2 * block_q, +2 * block_q)`` of kv head ``h``
     (one ``block_q``-row block per compute warpgroup) against key tiles
-    ``[sp * tiles_per_split, +tiles_per_split)`` of the prefix (keys ``>= n_keys`` masked),
+    ``[sp * tiles_per_split, +tiles_per_split)`` of the prefix (keys ``>= n_keys`` masked; steps
+    past the last of the ``n_tiles`` tiles re-read it and mask all of its keys, so
+    ``tiles_per_split`` need not divide ``n_tiles``; ``n_keys <= n_tiles * block_kv``),
     partial state written to split ``sp`` of ``o_ref [splits, Hkv, M, D]`` / ``lse_ref``.
     ``k_ref/v_ref [P, Hkv, D]`` (``k_ref [Hkv, D, P]`` with ``cpu_check``).  ``allocations``: the
     pipeline's shared-memory buffers and barriers allocated once by the caller
@@ -416,7 +421,7 @@ def prefix_task(*, h, mb, sp, n_keys, q_ref, k_ref, v_ref, o_ref, lse_ref, q_sme
             cpu_check=cpu_check)
 
     pipeline = prefix_pipeline(tile_body, compute_context, first_tile=first_tile,
-                               tiles_per_split=tiles_per_split, steps=steps, d=d,
+                               tiles_per_split=tiles_per_split, n_tiles=n_tiles, steps=steps, d=d,
                                block_kv=block_kv, cpu_check=cpu_check)
     pipeline(*head_refs(k_ref, v_ref, h, cpu_check), allocations=allocations)
 
@@ -426,12 +431,15 @@ def head_refs(k_ref, v_ref, h, cpu_check: bool):
     return (k_ref.at[h] if cpu_check else k_ref.at[:, h, :]), v_ref.at[:, h, :]
 
 
-def prefix_pipeline(tile_body, compute_context, *, first_tile, tiles_per_split, steps, d, block_kv,
-                    cpu_check):
-    """The prefix task's K/V pipeline over ``tiles_per_split`` tiles from ``first_tile``."""
+def prefix_pipeline(tile_body, compute_context, *, first_tile, tiles_per_split, n_tiles, steps, d,
+                    block_kv, cpu_check):
+    """The prefix task's K/V pipeline over ``tiles_per_split`` tiles from ``first_tile``; a step
+    past the last of the ``n_tiles`` tiles loads the last one again (the caller masks its keys)."""
+    def tile(t):
+        return jnp.minimum(first_tile + t, n_tiles - 1)
     return wg_pipeline(
         tile_body, n_steps=tiles_per_split, steps=steps, compute_context=compute_context,
-        in_specs=[plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, first_tile + t))
+        in_specs=[plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, tile(t)))
                   if cpu_check else
-                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0)),
-                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (first_tile + t, 0))])
+                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (tile(t), 0)),
+                  plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (tile(t), 0))])

@@ -228,7 +228,7 @@ def shared_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, 
     suf_blocks = m_blocks
     n_suf = hkv * suf_blocks * suffix_splits
     n_suf_out = suffix_splits
-    pre_cfg = dict(tiles_per_split=n_tiles // splits,
+    pre_cfg = dict(tiles_per_split=n_tiles // splits, n_tiles=n_tiles,
                    steps=max(1, min(prefix_steps, n_tiles // splits)), block_q=64, block_kv=128,
                    scale_log2=float(scale) * LOG2E, schedule_barrier=schedule_barrier,
                    cpu_check=_cpu_check)

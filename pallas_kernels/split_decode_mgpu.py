@@ -197,11 +197,11 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                     pm.prefix_task, n_keys=plen_ref[0], q_ref=q_ref, k_ref=pk_ref, v_ref=pv_ref,
                     o_ref=o_pre_ref, lse_ref=lse_pre_ref, q_smem2=q_smem2, lse_smem2=lse_smem2,
                     q_barriers=q_barriers, sched_barrier=sched_barrier,
-                    p_smem2=maybe_p[0] if cpu else None, tiles_per_split=tiles_per_split,
+                    p_smem2=maybe_p[0] if cpu else None, tiles_per_split=tiles_per_split, n_tiles=n_tiles,
                     steps=steps, block_q=block_q, block_kv=block_kv, scale_log2=scale_log2,
                     schedule_barrier=schedule_barrier, cpu_check=cpu)
                 allocs = pm.prefix_pipeline(
-                    None, None, first_tile=0, tiles_per_split=tiles_per_split, steps=steps, d=d,
+                    None, None, first_tile=0, tiles_per_split=tiles_per_split, n_tiles=n_tiles, steps=steps, d=d,
                     block_kv=block_kv, cpu_check=cpu).get_allocations(
                         *pm.head_refs(pk_ref, pv_ref, 0, cpu))
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.merge_splits import block_rows, merge_splits, supported
+from pallas_kernels.merge_splits import merge_splits, supported
 
 
 def _np_merge(o, lse):
@@ -75,9 +75,7 @@ def test_gpu_matches_float64(n, rows, d, out_dtype):
     _check(n, rows, d, out_dtype, interpret=False)
 
 
-def test_block_rows_and_limits():
-    assert block_rows(8, 128) == 16
-    assert block_rows(1 << 16, 32) == 256 and block_rows(1 << 16, 128) == 64
+def test_limits():
     assert supported(parts=64, head_dim=128) is None
     assert "parts" in supported(parts=0, head_dim=128)
     assert "head_dim" in supported(parts=4, head_dim=96)

@@ -19,7 +19,7 @@ import pytest
 from helpers import forced_plan, lower_for_cuda
 from jax_prefix_attn import DeviceInfo, device_info, plan_shared_prefix, shared_prefix_attention
 from jax_prefix_attn.device import H100_PCIE, H100_SXM
-from jax_prefix_attn.leaf_plans import choose_splits, mosaic_region, suffix_splits
+from jax_prefix_attn.leaf_plans import choose_splits, even_enough, mosaic_region, suffix_splits
 from jax_prefix_attn.plans import Shapes
 from pallas_kernels._common import merge_partials
 from pallas_kernels.prefix_attention_mgpu import mgpu_supported, prefix_partials_mgpu
@@ -50,10 +50,12 @@ def test_supported_shapes_and_splits():
     assert choose_splits(64, 8 * 16, sms) == 1       # 128 CTAs: one wave already
     assert choose_splits(32, 8 * 32, sms) == 1
     assert choose_splits(128, 8 * 8, sms) == 2       # 16K prefix: at most 2 splits
+    assert choose_splits(127, 8 * 8, sms) == 2       # 16256 keys, 127 tiles (a prime): 64 + 63
     assert choose_splits(64, 8 * 8, sms) == 4        # 8K prefix: still 4
     assert choose_splits(128, 16, sms) == 8          # fewer than FEW_CTAS: unchanged
     assert choose_splits(30, 48, sms) == 3           # largest divisor of the tile count up to 4
-    assert choose_splits(7, 48, sms) == 1            # 7 tiles: no divisor in 2..4
+    assert choose_splits(7, 48, sms) == 1            # 7 tiles: no split count wastes <= 1/16
+    assert even_enough(127, 2) and even_enough(128, 4) and not even_enough(9, 4)  # (4th split empty)
     assert choose_splits(2, 48, sms) == 2
     # fewer than FEW_CTAS CTAs: up to 16 splits within one wave, >= 2 tiles per split
     assert choose_splits(32, 16, sms) == 8           # 16 CTAs -> 128
@@ -64,9 +66,9 @@ def test_supported_shapes_and_splits():
     # an H100 PCIe (114 SMs): 64 CTAs x 4 splits would pass two waves there, 2 fit
     assert choose_splits(32, 8 * 8, H100_PCIE.sm_count) == 2
     assert choose_splits(32, 16, H100_PCIE.sm_count) == 4     # 16 x 8 > 114
-    for n_tiles, ctas in [(32, 64), (32, 16), (128, 4), (30, 1), (7, 48)]:
+    for n_tiles, ctas in [(32, 64), (32, 16), (128, 4), (30, 1), (7, 48), (127, 64), (61, 16)]:
         c = choose_splits(n_tiles, ctas, H100_PCIE.sm_count)
-        assert n_tiles % c == 0 and (c == 1 or ctas * c <= 2 * H100_PCIE.sm_count)
+        assert even_enough(n_tiles, c) and (c == 1 or ctas * c <= 2 * H100_PCIE.sm_count)
     with pytest.raises(ValueError, match="head_dim"):
         prefix_partials_mgpu(jnp.zeros((1, 128, 96), jnp.bfloat16), jnp.zeros((128, 1, 96), jnp.bfloat16),
                              jnp.zeros((128, 1, 96), jnp.bfloat16), 128, scale=0.1)
@@ -155,7 +157,9 @@ def test_shared_path_with_mgpu_backend_lowers_for_cuda():
     (1, 128, 64, 256, 200, 2, True, None, 2), (2, 256, 128, 512, 300, 2, True, 268, 2),
     (1, 128, 64, 256, 0, 1, True, None, 2), (1, 128, 64, 384, 384, 1, False, None, 2),
     (2, 128, 128, 768, 700, 1, True, None, 3),   # 3 stages: the LSE stored from registers
-    (1, 256, 64, 768, 0, 2, True, 260, 3)])
+    (1, 256, 64, 768, 0, 2, True, 260, 3),
+    (1, 128, 64, 384, 384, 2, True, None, 2),     # 3 tiles in 2 splits: one masked re-read
+    (1, 128, 64, 1280, 5000, 4, True, None, 2)])  # 10 tiles in 4 splits; length past P clamps
 def test_kernel_in_cpu_interpreter_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, stages):
     rng = np.random.default_rng(m + p + n)
     q = jnp.asarray(rng.standard_normal((hkv, m, d), np.float32), jnp.bfloat16)
@@ -253,7 +257,9 @@ def _reference_partials(q_hmd, k, v, n, scale):
     (1, 128, 64, 512, 512, 1, True, None), (2, 384, 128, 1024, 0, 2, True, None),
     (8, 1024, 128, 4096, 3000, None, False, 1036), (1, 256, 64, 1024, 1024, 2, False, None),
     (1, 512, 128, 16384, 16000, 16, True, None), (8, 256, 128, 4096, 4000, 8, True, 268),
-    (8, 1024, 128, 16384, 16384, None, True, None)])  # 64 CTAs, 16K prefix: 2 splits
+    (8, 1024, 128, 16384, 16384, None, True, None),   # 64 CTAs, 16K prefix: 2 splits
+    (8, 1024, 128, 16256, 16256, None, True, None),   # 127 tiles (prime): 2 uneven splits
+    (1, 256, 64, 1280, 5000, 4, True, None)])         # 10 tiles in 4 splits; length past P
 @pytest.mark.parametrize("stages", [2, 3])  # 3: the LSE stored from registers
 def test_gpu_kernel_matches_reference(hkv, m, d, p, n, splits, sched, out_rows, stages):
     """(``splits=None``: the planner's prefix splits for these CTAs on this GPU)"""
