@@ -13,12 +13,6 @@ upper bound of the in-loop time when launches could overlap (they do not in one 
 
 ``--points B:P:S:HQ ...`` (both steps) profiles those shared-path points instead of the three
 probe points (``HKV`` = 8 for ``HQ`` = 32, else 1; ``D`` = 128).
-
-``--e2e B:P ...`` (both steps) profiles one whole decode step of ``bench/e2e_decode.py``'s model
-(Llama-3.1-8B shapes, ``--layers`` layers, default 2) at batch ``B`` and prefix ``P``, once with
-the ``shared`` backend and once with ``none``, with the suffix buffers holding
-``E2E_SUFFIX`` tokens (the mean suffix of that benchmark's timed steps): the per-kernel list
-shows what a layer spends beyond the attention kernels.
 """
 from __future__ import annotations
 
@@ -34,10 +28,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POINTS = [(256, 4096, 128, 32, 8, 128), (512, 8192, 128, 32, 8, 128), (1024, 4096, 128, 32, 8, 128)]
 
 
-E2E_BACKENDS = ("shared", "none")
-E2E_SUFFIX = 65     # (k + 2) / 2 for e2e_decode's k = 128 generated tokens
-
-
 TREE_POINTS = [("apps8", "auto"), ("apps8", "levelwise"), ("tot", "auto"), ("tot", "levelwise"),
                ("spec_t64", "auto")]
 
@@ -51,39 +41,6 @@ def _points(specs):
         b, p, s, hq = (int(x) for x in spec.split(":"))
         out.append((b, p, s, hq, 8 if hq == 32 else 1, 128))
     return out
-
-
-def _e2e_specs(specs):
-    """``(B, P)`` pairs from ``B:P`` strings."""
-    return [tuple(int(x) for x in spec.split(":")) for spec in specs]
-
-
-def _e2e_labels(specs, layers: int):
-    return [dict(model="llama3.1-8b", layers=layers, batch=b, prefix=p, suffix=E2E_SUFFIX, backend=backend)
-            for b, p in specs for backend in E2E_BACKENDS]
-
-
-def _e2e_calls(specs, layers: int):
-    """One stateful decode-step call per ``(B, P, backend)`` (the runner donates the suffix
-    buffers, so each call feeds the next the buffers it returned)."""
-    import jax.numpy as jnp
-    from bench import e2e_decode as ed
-    bench = ed.Bench(ed.parse_args(["--layers", str(layers)]))
-    for label in _e2e_labels(specs, layers):
-        point = dict(part="gqa", model=label["model"], layers=layers, batch=label["batch"],
-                     prefix=label["prefix"] if label["backend"] == "shared" else ed.NONE_PREFIX,
-                     backend=label["backend"])
-        model = bench.model(point)
-        prefix, layers_kv, lengths0, pos0, tokens0 = bench.caches(point, model.config)
-        state = dict(layers=layers_kv, lengths=lengths0 + E2E_SUFFIX - 1, pos=pos0 + E2E_SUFFIX - 1)
-
-        def step(state=state, prefix=prefix, tokens0=tokens0, backend=label["backend"]):
-            out = bench.runner(bench.params, prefix, state["layers"], state["lengths"], state["pos"], tokens0,
-                               jnp.int32(1), backend=backend)
-            state["layers"] = out[0]
-            return out
-
-        yield label, step, ()
 
 
 def _calls(tree: bool, points=POINTS):
@@ -108,13 +65,12 @@ def _calls(tree: bool, points=POINTS):
         yield label, f, (q, meta, kp, vp, sk, sv, sl)
 
 
-def run(tree: bool = False, points=POINTS, e2e=None, layers: int = 2):
+def run(tree: bool = False, points=POINTS):
     import jax
     import jax.numpy as jnp
     marker = jax.jit(jnp.sin)
     x = jnp.ones((8,), jnp.float32)
-    calls = _e2e_calls(e2e, layers) if e2e else _calls(tree, points)
-    for label, f, args in calls:
+    for label, f, args in _calls(tree, points):
         for _ in range(2):
             jax.block_until_ready(f(*args))
         jax.block_until_ready(marker(x))
@@ -123,7 +79,7 @@ def run(tree: bool = False, points=POINTS, e2e=None, layers: int = 2):
         print("profiled", label, flush=True)
 
 
-def parse(path, tree: bool = False, points=POINTS, e2e=None, layers: int = 2):
+def parse(path, tree: bool = False, points=POINTS):
     text = open(path).read()
     start = text.find('"ID"')
     rows = list(csv.DictReader(io.StringIO(text[start:])))
@@ -139,12 +95,8 @@ def parse(path, tree: bool = False, points=POINTS, e2e=None, layers: int = 2):
     marks = [i for i, (_, name, _) in enumerate(kernels) if "sine" in name.lower()]
     out = []
     # markers come in pairs per point, after the warm-up calls
-    if e2e:
-        labels = _e2e_labels(e2e, layers)
-    elif tree:
-        labels = [dict(workload=w, impl=i) for w, i in TREE_POINTS]
-    else:
-        labels = [dict(zip(("batch", "prefix", "suffix", "heads_q", "heads_kv", "head_dim"), pt)) for pt in points]
+    labels = ([dict(workload=w, impl=i) for w, i in TREE_POINTS] if tree else
+              [dict(zip(("batch", "prefix", "suffix", "heads_q", "heads_kv", "head_dim"), pt)) for pt in points])
     for pi, label in enumerate(labels):
         if len(marks) < 2 * (pi + 1):
             break
@@ -160,14 +112,11 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--tree", action="store_true", help="tree_attention workloads instead")
     ap.add_argument("--points", nargs="+", default=None, metavar="B:P:S:HQ")
-    ap.add_argument("--e2e", nargs="+", default=None, metavar="B:P", help="whole decode steps instead")
-    ap.add_argument("--layers", type=int, default=2, help="layers of the --e2e model")
     a = ap.parse_args()
-    e2e = _e2e_specs(a.e2e) if a.e2e else None
     if not a.parse:
-        run(a.tree, _points(a.points), e2e, a.layers)
+        run(a.tree, _points(a.points))
         return
-    res = parse(a.parse, a.tree, _points(a.points), e2e, a.layers)
+    res = parse(a.parse, a.tree, _points(a.points))
     for r in res:
         print(r["point"], f"total {r['total_us']:.1f} us")
         for k in r["kernels"]:
