@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax_prefix_attn  # noqa: E402
 from bench import roofline  # noqa: E402
+from bench.e2e_common import commit_of_checkout  # noqa: E402
 from bench.timing import device_info, is_oom  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 from models.kv_cache import KVCache, PrefixCache, empty_prefix_cache  # noqa: E402
@@ -153,6 +154,7 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip further experiments after this")
     ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    ap.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD of this checkout)")
     args = ap.parse_args()
 
     cfg0 = LlamaConfig.preset("Llama-3.1-8B")
@@ -171,7 +173,8 @@ def main():
               "config": {k: getattr(cfg0, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                                        "num_key_value_heads", "head_dim", "vocab_size")},
               "batch": b, "prefix_len": p, "suffix_len": s, "steps_per_call": args.steps, "iters": args.iters,
-              "device_info": device_info(), "memory_limit_bytes": mem_limit, "runs": [], "errors": [],
+              "device_info": device_info(), "commit": args.commit or commit_of_checkout(),
+              "memory_limit_bytes": mem_limit, "runs": [], "errors": [],
               "notes": ("'none' skips the attention product (functionally wrong, upper bound). Every backend is "
                         "measured at the same reduced layer counts (per_layer_ms = difference between two layer "
                         "counts: embedding + LM head cancel), and at the full depth where it fits (32 layers of 8B "

@@ -162,6 +162,7 @@ def parse_args(argv=None):
     ap.add_argument("--answer-tokens", type=int, default=None, help="tokens per answer (default 32)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS)
+    ap.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD of this checkout)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.reps = min(args.reps, 2)
@@ -179,6 +180,7 @@ def main(argv=None) -> dict:
              "definition": "time_s = one generate() call with the prefilled document cache: question prefill + "
                            "answer decoding (document prefill excluded, as in Hydragen Figure 5)"}
     def after(store, bench, counts):
+        store.note("commit", args.commit or ec.commit_of_checkout())
         roofline.annotate(store.data["points"], time_key="time_s", group=("model", "layers", "questions"),
                           scale=1e3)
         store.save()
