@@ -371,18 +371,20 @@ def plot_e2e_roofline(data, slug: str, plots_dir: str) -> list[str]:
     plt = _plt()
     fig, axes = plt.subplots(1, len(have), figsize=(5.5 * len(have), 4), squeeze=False)
     for ax, (part, d) in zip(axes[0], sorted(have.items(), key=_part_order)):
+        top = 1.0
         for b in d["batches"]:
             ok = [(p, d["pts"][(b, p, "shared")]["roofline_fraction"]) for p in d["prefixes"]
                   if _ok(d["pts"].get((b, p, "shared"))) and d["pts"][(b, p, "shared")].get("roofline_fraction")]
             if ok:
                 ax.plot(*zip(*ok), "o-", label=f"batch {b}")
+                top = max(top, *(f for _, f in ok))
         ax.axhline(TARGET_ROOFLINE, color="k", linestyle="--", linewidth=0.8, label=f"target {TARGET_ROOFLINE}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(d["prefixes"])
         ax.set_xticklabels([_prefix_label(p) for p in d["prefixes"]])
         ax.set_xlabel("shared prefix length")
         ax.set_ylabel("roofline / measured step time")
-        ax.set_ylim(0, 1.05)
+        ax.set_ylim(0, top + 0.05)   # (above 1 where the floor's copy rate is no bound: read-only streams)
         ax.set_title(f"{PART_TITLES.get(d['part'], part)}, {d['layers']} layers", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -473,7 +475,8 @@ def _header(data) -> str:
     runs = data.get("runs", [])
     jaxv = sorted({r.get("jax", info.get("jax")) for r in runs} or {info.get("jax")})
     smoke = " **(CPU smoke run, not a measurement)**" if data.get("fixed", {}).get("smoke") else ""
-    commit = _commit(data.get("meta", {}))
+    commit = _commit(data.get("meta", {})) or ", ".join(dict.fromkeys(str(r["commit"]) for r in runs
+                                                                       if r.get("commit")))
     commit = f", commit {commit}" if commit else ""
     return f"Device: **{info['device']}**, jax {', '.join(map(str, jaxv))}{commit}{smoke}."
 
