@@ -14,7 +14,8 @@ the cast to the output dtype and the merged LSE -- in one launch.  Program ``(r,
 The NaN and empty-row rules are those of :func:`pallas_kernels._common.merge_tile_states`: a
 part is empty only where its ``lse`` is exactly ``-inf``; a row whose parts are all empty gets
 ``out = 0``, ``lse = -inf``; a NaN ``lse`` makes the row NaN, and a NaN in the ``o`` of a part
-that is not empty makes that element NaN.  ``interpret=True`` runs the kernel in Pallas interpret mode (CPU).
+that is not empty makes that element NaN.  ``interpret=True`` runs the kernel in Pallas
+interpret mode (CPU).
 """
 from __future__ import annotations
 
