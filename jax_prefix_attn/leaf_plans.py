@@ -216,12 +216,13 @@ def even_enough(n_tiles: int, splits: int) -> bool:
     return (splits - 1) * per < n_tiles and SPLIT_WASTE * (per * splits - n_tiles) <= n_tiles
 
 
-def choose_splits(n_tiles: int, ctas: int, sms: int) -> int:
+def choose_splits(n_tiles: int, ctas: int, sms: int, *, uneven: bool = True) -> int:
     """Prefix splits of the Mosaic GPU prefix kernel for ``ctas`` (kv head, 128-row block) CTAs
     over ``n_tiles`` key tiles: 1 when the CTAs fill most of a wave; with at least FEW_CTAS, the
     largest count up to 4 (2 from LONG_TILES tiles) within two waves; with fewer, the largest up
     to 16 within one wave and at least 2 tiles per split.  Divisors of ``n_tiles`` first; where
-    none above 1 qualifies, the largest :func:`even_enough` count (e.g. 127 tiles: 2).  At
+    none above 1 qualifies and ``uneven``, the largest :func:`even_enough` count (e.g. 127
+    tiles: 2).  At
     64 CTAs 4 splits were fastest (1 split 37% slower, 8 13-19% slower), at 16 CTAs 8 splits
     (1.0-1.6x faster than 4), at 4 CTAs 16; at 64 CTAs and a 16K prefix 2 splits took 0.95-0.97x
     the time of 4."""
@@ -231,7 +232,8 @@ def choose_splits(n_tiles: int, ctas: int, sms: int) -> int:
     max_splits, limit = (16, sms) if few else (2 if n_tiles >= LONG_TILES else 4, 2 * sms)
     fits = [c for c in range(2, min(n_tiles, max_splits) + 1)
             if ctas * c <= limit and (not few or n_tiles // c >= 2)]
-    return max([c for c in fits if n_tiles % c == 0] or [c for c in fits if even_enough(n_tiles, c)] or [1])
+    return max([c for c in fits if n_tiles % c == 0]
+               or [c for c in fits if uneven and even_enough(n_tiles, c)] or [1])
 
 
 def _mgpu_ctas(s: Shapes) -> tuple[int, int]:
@@ -240,9 +242,9 @@ def _mgpu_ctas(s: Shapes) -> tuple[int, int]:
     return m128, s.heads_kv * (m128 // 128)
 
 
-def mgpu_splits(s: Shapes, dev: DeviceInfo) -> int:
+def mgpu_splits(s: Shapes, dev: DeviceInfo, *, uneven: bool = True) -> int:
     m128, ctas = _mgpu_ctas(s)
-    return choose_splits(max(1, s.prefix_len // 128), ctas, dev.sm_count)
+    return choose_splits(max(1, s.prefix_len // 128), ctas, dev.sm_count, uneven=uneven)
 
 
 def _mosaic_base(s: Shapes, dev: DeviceInfo, interpret: bool) -> str | None:
@@ -260,7 +262,9 @@ def mosaic_region(s: Shapes, dev: DeviceInfo, interpret: bool) -> bool:
     if interpret or _mosaic_base(s, dev, interpret) is not None:
         return False
     m128, ctas = _mgpu_ctas(s)
-    return (ctas * mgpu_splits(s, dev) >= MGPU_MIN_CTAS
+    # (the region counts divisor splits only: where the CTAs reach MGPU_MIN_CTAS only through
+    # uneven splits, the Mosaic GPU leaves' choice against the Triton ones was never timed)
+    return (ctas * mgpu_splits(s, dev, uneven=False) >= MGPU_MIN_CTAS
             and s.batch * next_pow2(s.group) / m128 >= MGPU_MIN_REAL_ROWS)
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from helpers import forced_plan, lower_for_cuda
 from jax_prefix_attn import DeviceInfo, device_info, plan_shared_prefix, shared_prefix_attention
-from jax_prefix_attn.device import H100_PCIE, H100_SXM
+from jax_prefix_attn.device import H100_PCIE, H100_SXM, H200
 from jax_prefix_attn.leaf_plans import choose_splits, even_enough, mosaic_region, suffix_splits
 from jax_prefix_attn.plans import Shapes
 from pallas_kernels._common import merge_partials
@@ -78,6 +78,18 @@ def test_supported_shapes_and_splits():
     with pytest.raises(ValueError, match="num_splits=3"):
         prefix_partials_mgpu(jnp.ones((1, 128, 64), jnp.bfloat16), jnp.ones((256, 1, 64), jnp.bfloat16),
                              jnp.ones((256, 1, 64), jnp.bfloat16), 256, scale=0.1, num_splits=3)
+
+
+def test_uneven_prefix_splits_in_the_plan_not_in_the_region():
+    """A prefix of a prime number of key tiles: the two-launch leaf splits it unevenly, but the
+    Mosaic GPU region counts divisor splits only, so the leaf chosen is the same as without
+    uneven splits."""
+    big = _plan(256, 32, 8, 16256, 128, device=H200)      # 64 CTAs: in the region unsplit
+    assert big.chunks[0].leaf.path == "mgpu_two_launch" and big.chunks[0].leaf.num_splits == 2
+    small = _shapes(32, 32, 8, 3968)                      # 8 CTAs x 31 tiles
+    assert choose_splits(31, 8, H200.sm_count) == 8 and choose_splits(31, 8, H200.sm_count, uneven=False) == 1
+    assert not mosaic_region(small, H200, interpret=False)
+    assert mosaic_region(_shapes(32, 32, 8, 4096), H200, interpret=False)   # 32 tiles: 16 splits
 
 
 def test_decode_plan_and_cost_model_with_mgpu():
