@@ -11,7 +11,8 @@ the cast to the output dtype and the merged LSE -- in one launch.  Program ``(r,
 ``[n, block_d]`` slab of partial outputs as one masked load each, so even a single row
 (``B = 1``) spreads over ``D / block_d`` SMs and no program waits on a chain of loads.
 
-The NaN and empty-row rules are those of :func:`pallas_kernels._common.merge_tile_states`: a
+The arithmetic is :func:`pallas_kernels._common.merge_stacked` on the loaded tile, so the NaN
+and empty-row rules are those of :func:`pallas_kernels._common.merge_tile_states`: a
 part is empty only where its ``lse`` is exactly ``-inf``; a row whose parts are all empty gets
 ``out = 0``, ``lse = -inf``; a NaN ``lse`` makes the row NaN, and a NaN in the ``o`` of a part
 that is not empty makes that element NaN.  ``interpret=True`` runs the kernel in Pallas
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import next_pow2
+from pallas_kernels._common import merge_stacked, next_pow2
 
 __all__ = ["MAX_PARTS", "merge_splits", "supported"]
 
@@ -54,18 +55,12 @@ def _kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, parts, parts_pad, block_d):
     lse = plgpu.load(lse_ref.at[pl.ds(0, parts_pad), r], mask=live, other=-jnp.inf)       # [n]
     o = plgpu.load(o_ref.at[pl.ds(0, parts_pad), r, pl.ds(c * block_d, block_d)], mask=live[:, None],
                    other=0.0)                                                               # [n, bd]
-    m = jnp.max(lse)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    w = jnp.exp(lse - m)
-    tot = jnp.sum(w)
-    empty = tot == 0  # (a NaN part makes tot NaN: the row is NaN, not empty)
-    tot_safe = jnp.where(empty, 1.0, tot)
-    out = jnp.sum(w[:, None] * jnp.where((w > 0)[:, None], o.astype(jnp.float32), 0.0), axis=0) / tot_safe
+    out, lse_r = merge_stacked(o.astype(jnp.float32), lse)                               # [bd], []
     plgpu.store(out_ref.at[r, pl.ds(c * block_d, block_d)], out.astype(out_ref.dtype))
 
     @pl.when(c == 0)
     def _():
-        lse_out_ref[r] = jnp.where(empty, -jnp.inf, m + jnp.log(tot_safe))
+        lse_out_ref[r] = lse_r
 
 
 def merge_splits(o_nrd: jax.Array, lse_nr: jax.Array, *, out_dtype, interpret: bool = False,

@@ -1,9 +1,11 @@
 """One-launch merge of split partial states (interpret mode on the CPU, the real kernel with
 marker ``gpu``), against a float64 NumPy merge."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import lower_for_cuda
 from pallas_kernels.merge_splits import merge_splits, supported
 
 
@@ -73,6 +75,14 @@ def test_matches_float64(n, rows, d, out_dtype):
                                                 (64, 8, 128, jnp.bfloat16), (64, 4096, 64, jnp.float16)])
 def test_gpu_matches_float64(n, rows, d, out_dtype):
     _check(n, rows, d, out_dtype, interpret=False)
+
+
+@pytest.mark.parametrize("n,rows,d", [(64, 8, 128), (17, 256, 128), (2, 4096, 64)])
+def test_lowers_for_cuda(n, rows, d):
+    s = jax.ShapeDtypeStruct
+    txt = lower_for_cuda(lambda o, l: merge_splits(o, l, out_dtype=jnp.bfloat16),
+                         s((n, rows, d), jnp.float32), s((n, rows), jnp.float32))
+    assert "merge_splits" in txt and "triton" in txt
 
 
 def test_limits():
