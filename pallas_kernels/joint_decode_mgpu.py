@@ -64,7 +64,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels import shared_decode_mgpu as sd
 from pallas_kernels._common import LOG2E, partial_state_types
-from pallas_kernels.prefix_attention_mgpu import plgpu
+from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu
 
 __all__ = ["joint_supported", "joint_decode_mgpu", "joint_tiles"]
 
@@ -235,6 +235,6 @@ def joint_decode_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s_len, *, 
                          if _cpu_check else ()),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": pm.gpu_interpret_params()} if interpret else {}),
+        **({"interpret": gpu_interpret_params()} if interpret else {}),
     )(jnp.asarray(p_len, jnp.int32).reshape(1), jnp.asarray(s_len, jnp.int32).reshape(b), q_hmd,
       pk_phd, pv_phd, sk_bshd, sv_bshd)

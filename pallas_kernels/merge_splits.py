@@ -87,15 +87,16 @@ def merge_splits(o_nrd: jax.Array, lse_nr: jax.Array, *, out_dtype, interpret: b
     while block_d is None and bd > MIN_BLOCK_D and rows * (d // bd) < MIN_PROGRAMS:
         bd //= 2
     n_pad = max(2, next_pow2(n))
-    o_in, lse_in = o_nrd, lse_nr.astype(jnp.float32)
-    if interpret:  # the CPU interpreter clamps a slice that runs past an array instead of masking it
-        o_in = jnp.pad(o_in, ((0, n_pad - n), (0, 0), (0, 0)))
-        lse_in = jnp.pad(lse_in, ((0, n_pad - n), (0, 0)), constant_values=-jnp.inf)
+    # The part axis is read as one [n_pad] block (a power of two, as Triton's tensors need);
+    # parts >= n lie past the array and are masked (out of bounds and by ``live``).
+    lse_in = lse_nr.astype(jnp.float32)
+    padded = lambda x: pl.BlockSpec((n_pad,) + x.shape[1:],  # noqa: E731
+                                    lambda i, j, nd=x.ndim: (0,) * nd)
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j, nd=x.ndim: (0,) * nd)  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((rows, d), out_dtype), jax.ShapeDtypeStruct((rows,), jnp.float32)]
     return pl.pallas_call(
         functools.partial(_kernel, parts=n, parts_pad=n_pad, block_d=bd), grid=(rows, d // bd),
-        in_specs=[whole(o_in), whole(lse_in)], out_specs=[whole(out_shape[0]), whole(out_shape[1])],
+        in_specs=[padded(o_nrd), padded(lse_in)], out_specs=[whole(out_shape[0]), whole(out_shape[1])],
         out_shape=out_shape, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), name="merge_splits",
-    )(o_in, lse_in)
+    )(o_nrd, lse_in)

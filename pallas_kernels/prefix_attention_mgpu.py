@@ -48,24 +48,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LN2, LOG2E, partial_state_types
+from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu
 
-try:  # Mosaic GPU is part of jax; guarded so that an unusual build still imports this package
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # pragma: no cover
-    plgpu = None
-
-__all__ = ["prefix_partials_mgpu", "mgpu_supported", "gpu_interpret_params", "head_refs"]
+__all__ = ["prefix_partials_mgpu", "mgpu_supported", "head_refs"]
 
 # K/V pipeline stages (``max_concurrent_steps``) when the caller does not say; at D = 128 a
 # third stage fits only with the LSE stored from registers (see ``prefix_partials_mgpu``).
 PIPELINE_STAGES = 2
-
-
-def gpu_interpret_params():
-    """Mosaic GPU's own interpreter (simulated shared memory, warpgroups, barriers, TMA, wgmma)
-    on the CPU; a JAX-internal class (jax >= 0.10), so looked up lazily."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
-    return InterpretGPUParams()
 
 
 def mgpu_supported(*, rows: int, prefix_len: int, head_dim: int, dtype, block_q: int = 64,

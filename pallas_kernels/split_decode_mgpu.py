@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels import suffix_stream_mgpu as ss
 from pallas_kernels._common import LOG2E, partial_state_types
-from pallas_kernels.prefix_attention_mgpu import plgpu
+from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu
 
 __all__ = ["split_decode_partials_mgpu", "split_supported", "stream_smem_limit", "STREAM_WGS"]
 
@@ -339,7 +339,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
                   jax.ShapeDtypeStruct((n_out, cols), jnp.float32)),
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=red,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": pm.gpu_interpret_params()} if interpret else {}),
+        **({"interpret": gpu_interpret_params()} if interpret else {}),
     )(jnp.asarray(p_len, jnp.int32).reshape(1), s_len, q_hmd, qs, pk_phd, pv_phd, sk_bshd,
       sv_bshd)
     # suffix task i = block i // Hkv of kv head i % Hkv -> the row layout [1, Hkv, B * G(, D)]

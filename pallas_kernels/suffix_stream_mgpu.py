@@ -38,7 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LN2
-from pallas_kernels.prefix_attention_mgpu import plgpu, wg_accumulate, wgmma_iota
+from pallas_kernels.mgpu_compat import plgpu, store_gmem
+from pallas_kernels.prefix_attention_mgpu import wg_accumulate, wgmma_iota
 
 __all__ = ["stream_supported", "BLOCK_S", "cols_for", "StreamGeometry", "stream_step_geometry",
            "stream_fresh", "stream_attend", "stream_finish", "stream_issue_loads", "last_tile",
@@ -224,11 +225,11 @@ def stream_finish(state, *, o_dst, lse_dst, o_stage, geo: StreamGeometry, before
     l_safe = jnp.where(empty, 1.0, l_i)
     o_val = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])).astype(geo.dtype)
     if o_stage is None:   # no staging buffer: from registers
-        o_dst[...] = o_val
+        store_gmem(o_dst, o_val)
     else:
         plgpu.wait_smem_to_gmem(0)     # the staging buffer's previous store
         o_stage[...] = o_val
-    lse_dst[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+    store_gmem(lse_dst, jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2))
     if o_stage is not None:
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_stage, o_dst)

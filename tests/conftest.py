@@ -1,61 +1,40 @@
 import os
 import shutil
+from importlib import metadata
 
-# On machines without a GPU (CI), kernels run in Pallas interpret mode and the suite is
-# dominated by XLA:CPU compilation of many small programs: compile them with cheap passes.
-if shutil.which("nvidia-smi") is None and "XLA_FLAGS" not in os.environ:
-    # (the classic fusion emitters compile these programs ~3x faster; 4 devices: the mesh tests)
-    os.environ["XLA_FLAGS"] = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                               "--xla_cpu_use_fusion_emitters=false --xla_force_host_platform_device_count=4")
+_ON_CPU = shutil.which("nvidia-smi") is None
+
+
+def _cpu_xla_flags() -> str:
+    """XLA flags for a CPU run, each valid for the installed jaxlib: the suite is dominated by
+    XLA:CPU compilation of many small programs, so compile them with cheap passes; 4 host
+    devices for the mesh tests.  jaxlib < 0.11 also takes the classic (non-emitter) fusion
+    code generator, which compiles these programs about 3x faster; jaxlib 0.11 removed that flag
+    (and aborts on an unknown one)."""
+    flags = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+             "--xla_force_host_platform_device_count=4"]
+    major_minor = tuple(int(x) for x in metadata.version("jaxlib").split(".")[:2])
+    if major_minor < (0, 11):
+        flags.append("--xla_cpu_use_fusion_emitters=false")
+    return " ".join(flags)
+
+
+if _ON_CPU and "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = _cpu_xla_flags()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
-
-def _compile_interpreter_threads_once() -> None:
-    """Mosaic GPU's CPU interpreter runs each CTA as threads (one per warpgroup) that each trace
-    and compile the kernel's per-thread program anew: ``CTAs x warpgroups`` identical XLA
-    compilations of seconds each per launch, most of an interpreter test's time.  Keyed by the
-    program (the same jaxpr object for every thread and CTA of a launch) and its argument types,
-    one compiled executable serves them all; the computation is unchanged.  A no-op where the
-    interpreter's internals differ (other jax versions)."""
-    try:
-        from jax._src.pallas.mosaic.interpret import thread_map
-    except ImportError:
-        return
-    if not callable(getattr(thread_map, "_run_jaxpr", None)):
-        return
-    import collections
-    import threading
-
-    import numpy as np
-
-    cache: collections.OrderedDict = collections.OrderedDict()
-    lock = threading.Lock()
-
-    def run(jaxpr, consts, *args):
-        jax.core.eval_jaxpr(jaxpr, consts, *args)
-
-    def run_jaxpr(jaxpr, consts, *args):
-        key = (id(jaxpr), tuple((np.shape(x), np.asarray(x).dtype.str)
-                                for x in jax.tree.leaves((consts, args))))
-        with lock:
-            hit = cache.get(key)
-            if hit is None or hit[0] is not jaxpr:
-                compiled = jax.jit(run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
-                hit = cache[key] = (jaxpr, compiled)
-                while len(cache) > 32:
-                    cache.popitem(last=False)
-            cache.move_to_end(key)
-        hit[1](consts, *args)
-
-    thread_map._run_jaxpr = run_jaxpr
-
-
-if shutil.which("nvidia-smi") is None:
-    _compile_interpreter_threads_once()
+# JAX's persistent compilation cache, in one folder per jax version that every run reuses: a
+# program compiled once (a GPU kernel, or one of the many identical per-thread programs of Mosaic
+# GPU's CPU interpreter) is read back instead of compiled again.
+_CACHE_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache", jax.__version__)
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _has_gpu() -> bool:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import rel_err
+from helpers import lower_for_cuda, rel_err
 from helpers import TREE_FORESTS as FORESTS
 from helpers import poison_outside_tree, random_forest
 from helpers import tree_inputs as make_inputs
@@ -191,8 +191,7 @@ def test_tree_grads_lower_for_cuda():
     tree = _tree("random0")
     args, tables, static, _ = _sorted_case(tree, tq=1, hq=8, hkv=2, d=64, seed=1, dtype=jnp.bfloat16,
                                            block_kv=64)
-    text = jax.jit(lambda *a: tree_grads(*a, **static)).trace(*args, *tables).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(lambda *a: tree_grads(*a, **static), *args, *tables)
     assert "tree_grads_dq" in text and "tree_grads_dkv" in text
 
 
@@ -216,8 +215,7 @@ def test_tree_grads_split_tiles_match_the_whole_tiles():
         assert np.isfinite(np.asarray(w)).all() and np.abs(np.asarray(w)).max() > 0
         assert rel_err(a, w) < 1e-6, rel_err(a, w)
         assert rel_err(b, w) < 1e-6, rel_err(b, w)
-    text = jax.jit(lambda *a: tree_grads(*a, **static, smem_bytes=small)).trace(*args, *tables).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(lambda *a: tree_grads(*a, **static, smem_bytes=small), *args, *tables)
     assert "tree_grads_dq" in text and "tree_grads_dkv" in text
 
 
@@ -435,7 +433,6 @@ def test_gpu_lowering_of_the_gradient_has_no_xla_loops():
     q, kp, vp, sk, sv, sl = make_inputs(tree, tq=1, hq=8, hkv=2, d=64, smax=60, seed=1, dtype=jnp.bfloat16)
     f = lambda q, kp, vp, sk, sv: jnp.sum(tree_attention(q, tree, kp, vp, sk, sv, suffix_lengths=sl,  # noqa: E731
                                                          impl="flatten", platform="gpu").astype(jnp.float32))
-    text = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4))).trace(q, kp, vp, sk, sv).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(jax.grad(f, argnums=(0, 1, 2, 3, 4)), q, kp, vp, sk, sv)
     assert "tree_grads_dkv" in text and "tree_grads_dq" in text
     assert not re.findall(r"stablehlo\.while", text)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import rel_err
+from helpers import lower_for_cuda, rel_err
 from pallas_kernels.flash_attention import flash_attention, flash_attention_bwd
 from jax_prefix_attn.planner import row_splits as choose_row_splits
 from pallas_kernels.prefix_attention_bwd import (prefix_grads,
@@ -132,9 +132,9 @@ def test_prefix_grads_lower_for_cuda():
         q, do, lse, delta, pk, pv, s2p, lim, plen, scale = _case(tq, b=8, tq=tq, hq=8, hkv=2,
                                                                d=64, g=g, p=200,
                                                                dtype=jnp.bfloat16)
-        f = jax.jit(lambda *a: prefix_grads(*a, scale=scale, row_splits=rs or 1, key_splits=rs or 1))
-        text = f.trace(q, do, lse, delta, pk, pv, s2p, lim, plen).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = lower_for_cuda(
+            lambda *a: prefix_grads(*a, scale=scale, row_splits=rs or 1, key_splits=rs or 1),
+            q, do, lse, delta, pk, pv, s2p, lim, plen)
         assert "prefix_bwd_dq" in text and "prefix_bwd_dkv" in text
 
 

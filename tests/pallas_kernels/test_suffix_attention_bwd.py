@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import rel_err
+from helpers import lower_for_cuda, rel_err
 from pallas_kernels.suffix_attention_bwd import (MAX_ROWS, suffix_grads, suffix_grads_reference,
                                                  suffix_grads_supported)
 
@@ -75,8 +75,8 @@ def test_suffix_grads_lower_for_cuda():
     """The Triton lowering (transposed products included) on the CPU."""
     q, do, lse, delta, sk, sv, lim, _ = _case(2, 4, 2, 8, 2, 64, 100, jnp.bfloat16)
     for ks in (1, 3):
-        f = jax.jit(lambda *a: suffix_grads(*a, lim, scale=0.125, key_splits=ks or 1))
-        text = f.trace(q, do, lse, delta, sk, sv).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_cuda(lambda *a: suffix_grads(*a, lim, scale=0.125, key_splits=ks or 1),
+                              q, do, lse, delta, sk, sv)
         assert "suffix_bwd" in text
 
 
