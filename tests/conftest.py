@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 from importlib import metadata
@@ -50,6 +51,44 @@ def pytest_addoption(parser):
                           "CPU, 1000 on the GPU)")
     parser.addoption("--fuzz-summary", default=None,
                      help="write the fuzz run's summary (JSON) here")
+    parser.addoption("--results-log", default=None,
+                     help="append one JSON line per finished test (id, outcome, seconds) and the "
+                          "records tests add through the results_log fixture to this file, as "
+                          "they happen (a run cut short keeps what finished)")
+
+
+def _append_record(path: str | None, record: dict) -> None:
+    if path:
+        line = json.dumps(record, sort_keys=True) + "\n"
+        with open(path, "a", encoding="utf-8") as f:   # one write per line: whole lines
+            f.write(line)
+
+
+class _ResultsLog:
+    """Appends each test's outcome and duration to ``--results-log`` as the report arrives (in
+    the controlling process, where pytest-xdist relays its workers' reports)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            _append_record(self.path, {"test": report.nodeid, "when": report.when,
+                                       "outcome": report.outcome,
+                                       "seconds": round(report.duration, 3)})
+
+
+def pytest_configure(config):
+    path = config.getoption("--results-log")
+    if path and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_ResultsLog(path), "results_log")
+
+
+@pytest.fixture
+def results_log(request):
+    """``results_log(**fields)`` appends a record for this test to ``--results-log``."""
+    path = request.config.getoption("--results-log")
+    return lambda **fields: _append_record(path, {"test": request.node.nodeid, **fields})
 
 
 def pytest_collection_modifyitems(config, items):
