@@ -3,9 +3,10 @@ least-recently-used eviction.
 
 * `device`: K/V as device arrays, ready for cached inference;
 * `host`: K/V as NumPy arrays in host memory (cached inference copies them to the device);
-* `disk` (optional `directory`): one safetensors file per schema, `<schema name>.safetensors`,
-  and `manifest.json` with the cache's identity (model, dtype, tokenizer hashes, see
-  `models.prompt_cache.identity`) and per schema its file, schema hash and size. Only
+* `disk` (optional `directory`): one safetensors file per schema, `<schema name>.safetensors`
+  (`models.prompt_cache.schema_file`: the digest of every tensor in its header), and
+  `manifest.json` (`models.prompt_cache.manifest`: the cache's identity, per schema its file's
+  schema hash, size, tokens and header digest, and a digest of the manifest itself). Only
   safetensors and JSON are read and written, never pickle.
 
 Device and host hold an entry in at most one of them: a lookup that hits the host tier moves the
@@ -15,6 +16,24 @@ so encodings outlive the process; an entry evicted from the host is dropped from
 written to disk first if its disk copy was evicted). Each tier evicts its least recently used
 entries while it holds more bytes than its budget (`CacheBudgets`, None = unlimited); an entry
 larger than a tier's budget passes through to the next tier.
+
+The disk verifies itself. Every file is written atomically (`models.prompt_cache.atomic`: a
+temporary file in the directory, fsync, rename). A schema file is verified completely when it
+is read (structure, header digest against the manifest, every tensor's digest, identity and
+schema); one that fails, is truncated, empty or unreadable is logged in one line (logger
+`models.prompt_cache`, level WARNING), renamed to `NAME.corrupt-<UTC time>` and treated as a
+miss, so `encode_or_load` encodes the schema again. A manifest that fails its digest or is not
+JSON is kept aside the same way and rebuilt from the schema files whose headers verify. A file
+the manifest does not list is adopted when the directory is opened if its header verifies (a
+writer stopped between the file's rename and the manifest's), and otherwise kept aside before
+the cache writes that name. `stats().verification_failures` counts the files and manifests
+kept aside.
+
+Processes may share a directory: every read-modify-write of it (a lookup that reads a file, a
+write, an eviction, a removal) holds an exclusive `fcntl.flock` on `directory/.lock` and starts
+by reading the manifest again, so records written by other processes are merged, never lost;
+the directory view (`names("disk")`, `stats()`) is the one of this process's last operation on
+it.
 
 A cache is bound to one model, dtype and tokenizer: a directory or file made for another one,
 or an entry encoded from other schema text or options, is refused with a ValueError naming
@@ -27,29 +46,28 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
+import logging
 import os
 from typing import Mapping
 
 import jax
 import numpy as np
-import safetensors.numpy
-from safetensors import safe_open
 
 from models.config import LlamaConfig
 from models.llama import Llama
+from models.prompt_cache.atomic import DirectoryLock, keep_aside, remove_temporaries
 from models.prompt_cache.encode import EncodedSchema, check_encoded, encode_schema
 from models.prompt_cache.identity import CacheIdentity, model_identity, schema_identity, tokenizer_identity
 from models.prompt_cache.layout import SchemaLayout, TokenEncoder, layout_schema
+from models.prompt_cache.manifest import MANIFEST, read_manifest, schema_file, write_manifest
 from models.prompt_cache.pml import Schema, check_schema
+from models.prompt_cache.schema_file import ARRAYS, CorruptFile, FileRecord, load_encoded, read_record, save_encoded
 
 __all__ = ["TIERS", "CacheBudgets", "CacheStats", "PromptCache", "encoded_nbytes", "kv_bytes_per_token",
            "load_encoded", "save_encoded"]
 
 TIERS = ("device", "host", "disk")
-FORMAT = "jax-prefix-attn prompt cache 2"
-MANIFEST = "manifest.json"
-_ARRAYS = ("k", "v", "positions", "token_ids", "keep", "offsets")
+_log = logging.getLogger("models.prompt_cache")
 
 
 def kv_bytes_per_token(config: LlamaConfig, dtype) -> int:
@@ -60,38 +78,7 @@ def kv_bytes_per_token(config: LlamaConfig, dtype) -> int:
 def encoded_nbytes(encoded: EncodedSchema) -> int:
     """Bytes an `EncodedSchema` holds: its packed K/V (real tokens only) and its index arrays
     (positions, token ids, keep mask: 9 bytes per token; 8 bytes per row offset)."""
-    return int(sum(getattr(encoded, a).nbytes for a in _ARRAYS))
-
-
-def save_encoded(path: str, encoded: EncodedSchema, identity: CacheIdentity, schema_hash: str) -> int:
-    """Write `encoded` to the safetensors file `path` (atomically), its identity, schema name
-    and hash as metadata; returns the file's size in bytes."""
-    tensors = {a: np.asarray(jax.device_get(getattr(encoded, a))) for a in _ARRAYS}
-    meta = {"format": FORMAT, **identity.as_dict(), "schema": encoded.schema, "schema_hash": schema_hash,
-            "names": json.dumps(list(encoded.names))}
-    tmp = path + ".tmp"
-    safetensors.numpy.save_file(tensors, tmp, metadata=meta)
-    os.replace(tmp, path)
-    return os.path.getsize(path)
-
-
-def load_encoded(path: str, identity: CacheIdentity, schema: str, schema_hash: str) -> EncodedSchema:
-    """Read an `EncodedSchema` (NumPy K/V) written by `save_encoded`; a file made for another
-    model, dtype, tokenizer or schema raises ValueError naming what differs."""
-    with safe_open(path, "np") as f:
-        meta = f.metadata() or {}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    got = CacheIdentity(meta.get("model", ""), meta.get("dtype", ""), meta.get("tokenizer", ""))
-    bad = identity.mismatches(got)
-    if bad:
-        raise ValueError(f"{path}: made for another model, dtype or tokenizer: {'; '.join(bad)}")
-    if meta.get("schema") != schema or meta.get("schema_hash") != schema_hash:
-        raise ValueError(f"{path}: holds schema {meta.get('schema')!r} hash {str(meta.get('schema_hash'))[:12]}, "
-                         f"expected schema {schema!r} hash {schema_hash[:12]} (other schema text or options)")
-    t = safetensors.numpy.load_file(path)
-    return EncodedSchema(schema, tuple(json.loads(meta["names"])), t["k"], t["v"], t["positions"], t["token_ids"],
-                         t["keep"], t["offsets"])
+    return int(sum(getattr(encoded, a).nbytes for a in ARRAYS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +100,9 @@ class CacheStats:
     """Per tier (`TIERS`): lookups that hit / missed it, entries evicted from it, bytes, entries
     and tokens (module and scaffold rows, unpadded) it holds; `bytes_per_token`: K/V bytes of
     one cached token (`kv_bytes_per_token`). `bytes[t] / tokens[t]` is what tier `t` spends per
-    stored token: the K/V plus the index arrays (and on disk the file headers)."""
+    stored token: the K/V plus the index arrays (and on disk the file headers).
+    `verification_failures`: schema files and manifests of the directory that failed their
+    check (damaged, truncated, empty, unreadable, swapped) and were kept aside."""
     hits: Mapping[str, int]
     misses: Mapping[str, int]
     evictions: Mapping[str, int]
@@ -121,6 +110,7 @@ class CacheStats:
     entries: Mapping[str, int]
     tokens: Mapping[str, int]
     bytes_per_token: int
+    verification_failures: int
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -167,13 +157,19 @@ class PromptCache:
                                       tokenizer_id if tokenizer_id is not None else tokenizer_identity(tokenizer))
         self.bytes_per_token = kv_bytes_per_token(model.config, dtype)
         self._mem = {"device": collections.OrderedDict(), "host": collections.OrderedDict()}
-        self._disk: collections.OrderedDict = collections.OrderedDict()   # name -> (schema hash, file bytes, tokens)
+        self._disk: collections.OrderedDict = collections.OrderedDict()   # name -> FileRecord, LRU first
+        self._touched: list[str] = []        # disk entries used from memory since the manifest was written
         self._layouts: dict = {}
         zero = lambda: dict.fromkeys(TIERS, 0)
         self._hits, self._misses, self._evictions = zero(), zero(), zero()
+        self._failures = 0
         self.directory = None if directory is None else os.fspath(directory)
         if self.directory is not None:
-            self._open_directory()
+            os.makedirs(self.directory, exist_ok=True)
+            self._lock = DirectoryLock(self.directory)
+            with self._lock:
+                remove_temporaries(self.directory)
+                self._sync(adopt=True)
 
     # ------------------------------------------------------------------ keys and layouts
     def schema_key(self, schema: Schema, scaffolds=()) -> str:
@@ -195,7 +191,8 @@ class PromptCache:
 
         A host or disk hit moves the entry to the device tier with `promote` (else a disk hit
         goes to the host tier and a host hit stays there, with NumPy K/V). An entry stored for
-        other schema text or options raises ValueError."""
+        other schema text or options raises ValueError. A disk file that fails verification is
+        logged, kept aside and counted (module docstring); the lookup is then a disk miss."""
         name, key = schema.name, self.schema_key(schema, scaffolds)
         for tier in ("device", "host"):
             entry = self._mem[tier].get(name)
@@ -214,15 +211,22 @@ class PromptCache:
             return entry.encoded
         if self.directory is None:
             return None
-        rec = self._disk.get(name)
-        if rec is None:
-            self._misses["disk"] += 1
-            return None
-        self._check_key(name, rec[0], key, "disk")
-        enc = load_encoded(self._file(name), self.identity, name, key)
-        self._hits["disk"] += 1
-        self._touch_disk(name)
-        self._write_manifest()
+        with self._lock:
+            self._sync()
+            rec = self._disk.get(name)
+            if rec is not None:
+                self._check_key(name, rec.schema_hash, key, "disk")
+                try:
+                    enc = load_encoded(self._file(name), self.identity, name, key, digest=rec.digest)
+                except (ValueError, OSError) as e:
+                    self._set_aside(name, e, f"encoding schema {name!r} again")
+                    rec = None
+            if rec is None:
+                self._misses["disk"] += 1
+                return None
+            self._hits["disk"] += 1
+            self._touch_disk(name)
+            self._write_manifest()
         entry = _Entry(key, _on_device(enc) if promote else enc, encoded_nbytes(enc))
         self._place("device" if promote else "host", name, entry)
         return entry.encoded
@@ -248,7 +252,10 @@ class PromptCache:
         if replace:
             key = self.schema_key(schema, scaffolds)
             held = [self._mem[t][schema.name].schema_hash for t in ("device", "host") if schema.name in self._mem[t]]
-            held += [self._disk[schema.name][0]] if schema.name in self._disk else []
+            if self.directory is not None:
+                with self._lock:
+                    self._sync()
+                    held += [self._disk[schema.name].schema_hash] if schema.name in self._disk else []
             if any(h != key for h in held):
                 self.remove(schema.name)
         enc = self.lookup(schema, scaffolds, promote=promote)
@@ -263,8 +270,11 @@ class PromptCache:
         """Drop schema `name` from every tier (its file too)."""
         for tier in ("device", "host"):
             self._mem[tier].pop(name, None)
-        if name in self._disk:
-            self._delete_file(name)
+        if self.directory is not None:
+            with self._lock:
+                self._sync()
+                if name in self._disk:
+                    self._delete_file(name)
 
     # ------------------------------------------------------------------ introspection
     def names(self, tier: str) -> tuple[str, ...]:
@@ -276,12 +286,12 @@ class PromptCache:
     def stats(self) -> CacheStats:
         """Hits, misses, evictions, bytes and entries per tier (module docstring)."""
         held = {t: [e.nbytes for e in self._mem[t].values()] for t in ("device", "host")}
-        held["disk"] = [n for _, n, _ in self._disk.values()]
+        held["disk"] = [r.bytes for r in self._disk.values()]
         tokens = {t: sum(e.encoded.tokens for e in self._mem[t].values()) for t in ("device", "host")}
-        tokens["disk"] = sum(n for _, _, n in self._disk.values())
+        tokens["disk"] = sum(r.tokens for r in self._disk.values())
         return CacheStats(dict(self._hits), dict(self._misses), dict(self._evictions),
                           {t: int(sum(held[t])) for t in TIERS}, {t: len(held[t]) for t in TIERS}, tokens,
-                          self.bytes_per_token)
+                          self.bytes_per_token, self._failures)
 
     # ------------------------------------------------------------------ tiers
     def _check_key(self, name: str, stored: str, key: str, tier: str) -> None:
@@ -299,32 +309,42 @@ class PromptCache:
             self._evictions[tier] += 1
             if tier == "device":
                 self._place("host", old, _Entry(e.schema_hash, _on_host(e.encoded), e.nbytes))
-            elif self.directory is not None and old not in self._disk:
-                self._write_disk(old, e)
+            elif self.directory is not None:
+                with self._lock:
+                    self._sync()
+                    if old not in self._disk:
+                        self._write_disk(old, e)
 
     def _file(self, name: str) -> str:
-        return os.path.join(self.directory, f"{name}.safetensors")
+        return os.path.join(self.directory, schema_file(name))
 
     def _touch_disk(self, name: str) -> None:
         if name in self._disk:
             self._disk.move_to_end(name)
+            self._touched.append(name)
 
     def _write_disk(self, name: str, entry: _Entry) -> None:
         budget = self.budgets.disk
         if budget is not None and entry.nbytes > budget:
             return
-        size = save_encoded(self._file(name), entry.encoded, self.identity, entry.schema_hash)
-        self._disk[name] = (entry.schema_hash, size, entry.encoded.tokens)
-        if budget is not None and size > budget:     # the file (K/V plus header) alone exceeds the budget
-            self._delete_file(name)
-            return
-        self._disk.move_to_end(name)
-        while budget is not None and len(self._disk) > 1 and sum(r[1] for r in self._disk.values()) > budget:
-            self._evictions["disk"] += 1
-            self._delete_file(next(iter(self._disk)), write=False)
-        self._write_manifest()
+        with self._lock:
+            self._sync()
+            path = self._file(name)
+            if name not in self._disk and os.path.lexists(path):
+                self._set_aside(name, CorruptFile(path, "not listed in the manifest"), "writing a new one")
+            size = save_encoded(path, entry.encoded, self.identity, entry.schema_hash)
+            self._disk[name] = read_record(path, self.identity, name)
+            if budget is not None and size > budget:     # the file (K/V plus header) alone exceeds the budget
+                self._delete_file(name)
+                return
+            self._disk.move_to_end(name)
+            while budget is not None and len(self._disk) > 1 and sum(r.bytes for r in self._disk.values()) > budget:
+                self._evictions["disk"] += 1
+                self._delete_file(next(iter(self._disk)), write=False)
+            self._write_manifest()
 
     def _delete_file(self, name: str, write: bool = True) -> None:
+        """Drop `name` from the directory; the caller holds the lock and has synced."""
         self._disk.pop(name, None)
         try:
             os.remove(self._file(name))
@@ -333,35 +353,59 @@ class PromptCache:
         if write:
             self._write_manifest()
 
-    def _open_directory(self) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        path = os.path.join(self.directory, MANIFEST)
-        if not os.path.exists(path):
+    def _set_aside(self, name: str | None, error: Exception, then: str) -> None:
+        """Report `error` of a damaged file in one line, keep the file aside and count it; `name`:
+        the schema whose file it is (its record is dropped), None for the manifest."""
+        path = os.path.join(self.directory, MANIFEST) if name is None else self._file(name)
+        self._failures += 1
+        if isinstance(error, CorruptFile):
+            reason = error.reason
+        elif isinstance(error, OSError):
+            reason = error.strerror or str(error)
+        else:
+            reason = str(error).removeprefix(f"{path}: ")
+        try:
+            aside = f"kept as {os.path.basename(keep_aside(path))}"
+        except FileNotFoundError:
+            aside = "already gone"
+        _log.warning("prompt cache: %s: %s; %s; %s", path, reason, aside, then)
+        if name is not None:
+            self._disk.pop(name, None)
             self._write_manifest()
-            return
-        with open(path, encoding="utf-8") as f:
-            try:
-                manifest = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not a prompt cache manifest ({e})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise ValueError(f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
-                             f"expected {FORMAT!r}")
-        ident = manifest.get("identity") or {}
-        got = CacheIdentity(ident.get("model", ""), ident.get("dtype", ""), ident.get("tokenizer", ""))
-        bad = self.identity.mismatches(got)
-        if bad:
-            raise ValueError(f"cache directory {self.directory}: made for another model, dtype or tokenizer: "
-                             f"{'; '.join(bad)}")
-        schemas = manifest.get("schemas") or {}
-        for name, rec in sorted(schemas.items(), key=lambda kv: kv[1].get("used", 0)):
-            if os.path.exists(self._file(name)):
-                self._disk[name] = (rec["schema_hash"], int(rec["bytes"]), int(rec["tokens"]))
+
+    def _sync(self, adopt: bool = False) -> None:
+        """Read the manifest again (other processes may have written it) into the directory view,
+        keeping this process's uses since its last write as the most recent; the caller holds
+        the lock. A damaged manifest is kept aside and rebuilt; with `adopt`, or when rebuilding,
+        schema files the manifest does not list are adopted if their headers verify."""
+        try:
+            records = read_manifest(self.directory, self.identity)
+        except FileNotFoundError:
+            records, adopt = None, True
+        except CorruptFile as e:
+            self._set_aside(None, e, "rebuilding it from the schema files that verify")
+            records, adopt = None, True
+        disk = collections.OrderedDict((n, r) for n, r in (records or {}).items() if os.path.exists(self._file(n)))
+        changed = records is None or len(disk) != len(records)
+        if adopt:
+            found = collections.OrderedDict()
+            for fname in sorted(os.listdir(self.directory)):
+                name = fname[:-len(".safetensors")]
+                if not fname.endswith(".safetensors") or name in disk:
+                    continue
+                try:
+                    found[name] = read_record(self._file(name), self.identity, name)
+                except (ValueError, OSError):
+                    continue                       # not a file of this cache: left as it is
+            changed |= bool(found)
+            disk = collections.OrderedDict([*found.items(), *disk.items()])
+        for name in self._touched:
+            if name in disk:
+                disk.move_to_end(name)
+        self._disk = disk
+        if changed:
+            self._write_manifest()
 
     def _write_manifest(self) -> None:
-        schemas = {name: {"file": os.path.basename(self._file(name)), "schema_hash": h, "bytes": n, "tokens": t,
-                          "used": i} for i, (name, (h, n, t)) in enumerate(self._disk.items())}
-        path = os.path.join(self.directory, MANIFEST)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "identity": self.identity.as_dict(), "schemas": schemas}, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_manifest(self.directory, self.identity, self._disk)
+        self._touched = []
