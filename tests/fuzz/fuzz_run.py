@@ -138,9 +138,10 @@ def check(out, lse, exp, dtype: str) -> dict:
 
 # ----------------------------------------------------------------------------- the run
 
-def schedule(n_cases: int, platform: str):
+def schedule(n_cases: int, platform: str, shard: tuple[int, int] = (0, 1)):
     """``[(case index, bucket)]``: families in the proportions of ``fuzz_buckets.SHARE``, buckets
-    of a family round robin."""
+    of a family round robin; of those, the cases ``i`` with ``i % n == k`` for ``shard = (k,
+    n)`` (the shards of a run together hold its cases once each)."""
     by_family = fuzz_buckets.buckets(platform)
     pattern = [f for f, k in fuzz_buckets.SHARE for _ in range(k)]
     seen = collections.Counter()
@@ -148,18 +149,22 @@ def schedule(n_cases: int, platform: str):
     for i in range(n_cases):
         fam = pattern[i % len(pattern)]
         lst = by_family[fam]
-        out.append((i, lst[seen[fam] % len(lst)]))
+        if i % shard[1] == shard[0]:
+            out.append((i, lst[seen[fam] % len(lst)]))
         seen[fam] += 1
     return out
 
 
-def run(n_cases: int, platform: str = "cpu", seed: int = 0, log=None) -> dict:
-    """Run ``n_cases`` seeded cases; returns the summary (JSON-ready)."""
+def run(n_cases: int, platform: str = "cpu", seed: int = 0, log=None,
+        shard: tuple[int, int] = (0, 1)) -> dict:
+    """Run shard ``shard = (k, n)`` of ``n_cases`` seeded cases (:func:`schedule`); returns the
+    summary (JSON-ready)."""
     t0 = time.time()
     stats = {}
     failures = []
     fam_cases, modes = collections.Counter(), collections.Counter()
-    for i, bk in schedule(n_cases, platform):
+    cases = schedule(n_cases, platform, shard)
+    for i, bk in cases:
         rng = np.random.default_rng([seed, i])
         case = fc.DRAW[bk.family](rng, bk, fc.default_scale)
         fam_cases[bk.family] += 1
@@ -186,7 +191,7 @@ def run(n_cases: int, platform: str = "cpu", seed: int = 0, log=None) -> dict:
                     log(f"FAIL case {i} {name} {bk} {case.notes} {res}")
     total = lambda k: sum(s[k] for s in stats.values())  # noqa: E731
     return dict(platform=platform, device=str(jax.devices()[0].device_kind),
-                jax_version=jax.__version__, seed=seed, cases=n_cases,
+                jax_version=jax.__version__, seed=seed, cases=len(cases), shard=list(shard),
                 checks=total("checks"), families=dict(fam_cases), modes=dict(sorted(modes.items())),
                 mismatches=total("mismatches"), unexpected_nan=total("unexpected_nan"),
                 missing_nan=total("missing_nan"), wall_s=round(time.time() - t0, 1),

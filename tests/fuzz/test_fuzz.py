@@ -3,17 +3,21 @@ seeded random cases (:mod:`fuzz_run`; buckets in :mod:`fuzz_buckets`, draws in
 :mod:`fuzz_cases`).  ``--fuzz-cases N`` runs more cases, ``--fuzz-summary PATH`` writes the
 summary JSON."""
 import json
+import os
 
 import pytest
 
 import fuzz_run
 
 
-def _run(request, platform: str, default: int) -> dict:
+def _run(request, platform: str, default: int, shard: tuple[int, int] = (0, 1)) -> dict:
     n = request.config.getoption("--fuzz-cases") or default
-    summary = fuzz_run.run(n, platform)
+    summary = fuzz_run.run(n, platform, shard=shard)
     path = request.config.getoption("--fuzz-summary")
     if path:
+        if shard[1] > 1:
+            root, ext = os.path.splitext(path)
+            path = f"{root}_shard{shard[0]}{ext}"
         with open(path, "w") as f:
             json.dump(summary, f, indent=1)
     return summary
@@ -32,8 +36,13 @@ def test_fuzz_interpret(request):
     _assert_clean(summary)
 
 
+GPU_SHARDS = 4
+
+
 @pytest.mark.gpu
-def test_fuzz_gpu(request):
-    """The compiled default paths at realistic sizes: 1000 cases by default."""
-    summary = _run(request, "gpu", 1000)
+@pytest.mark.parametrize("shard", range(GPU_SHARDS))
+def test_fuzz_gpu(request, shard):
+    """The compiled default paths at realistic sizes: 400 cases by default, in four shards that
+    pytest-xdist runs side by side (``--fuzz-summary PATH`` writes ``PATH_shardK``)."""
+    summary = _run(request, "gpu", 400, shard=(shard, GPU_SHARDS))
     _assert_clean(summary)
