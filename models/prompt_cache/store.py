@@ -239,10 +239,11 @@ class PromptCache:
         if encoded.schema != schema.name:
             raise ValueError(f"encoded: encodes schema {encoded.schema!r}, expected {schema.name!r}")
         check_encoded(self.model.config, self.identity.dtype, encoded)
-        self.remove(schema.name)
+        for tier in ("device", "host"):
+            self._mem[tier].pop(schema.name, None)
         entry = _Entry(self.schema_key(schema, scaffolds), _on_device(encoded), encoded_nbytes(encoded))
         if self.directory is not None:
-            self._write_disk(schema.name, entry)
+            self._write_disk(schema.name, entry)     # replaces its file atomically: a failed write keeps it
         self._place("device", schema.name, entry)
 
     def encode_or_load(self, schema: Schema, scaffolds=(), *, replace: bool = False,
@@ -324,11 +325,15 @@ class PromptCache:
             self._touched.append(name)
 
     def _write_disk(self, name: str, entry: _Entry) -> None:
+        """Store `entry` as schema `name`'s file, replacing the one there (dropped instead when
+        the entry exceeds the disk budget), then evict files beyond the budget."""
         budget = self.budgets.disk
-        if budget is not None and entry.nbytes > budget:
-            return
         with self._lock:
             self._sync()
+            if budget is not None and entry.nbytes > budget:
+                if name in self._disk:
+                    self._delete_file(name)
+                return
             path = self._file(name)
             if name not in self._disk and os.path.lexists(path):
                 self._set_aside(name, CorruptFile(path, "not listed in the manifest"), "writing a new one")

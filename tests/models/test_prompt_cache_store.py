@@ -121,6 +121,7 @@ def test_mismatched_model_tokenizer_or_schema_is_refused(setup, tmp_path):
     with pytest.raises(ValueError, match="tokenizer: stored mod, expected other") as err:
         PromptCache(model, params, tok, directory=tmp_path, tokenizer_id="other")
     assert "model:" not in str(err.value) and "dtype:" not in str(err.value)
+    assert not [f for f in os.listdir(tmp_path) if ".corrupt-" in f]      # refused, not repaired
     cache = PromptCache(model, params, tok, directory=tmp_path, tokenizer_id="mod")
     edited = make_schema(0, extra=" (edited)")                    # same name, other text
     with pytest.raises(ValueError, match="schema 's0': the disk tier holds an encoding of other schema text"):
