@@ -9,8 +9,10 @@ replaced file, and the lock that serializes the processes sharing the directory.
   that name exists), so that nothing a user stored is deleted or overwritten.
 * `remove_temporaries(directory)`: deletes the temporary files that writers killed part-way left
   behind; call it only while holding the `DirectoryLock`, under which no writer is active.
-* `DirectoryLock(directory)`: an exclusive `fcntl.flock` on `directory/.lock`, re-entrant within
-  one holder. `PromptCache` holds it across every read-modify-write of the directory.
+* `DirectoryLock(directory)`: an exclusive `fcntl.flock` on the directory itself (no lock file),
+  re-entrant within one holder. `PromptCache` holds it across every read-modify-write of the
+  directory. The kernel drops the lock when its holder dies, so a killed process never leaves
+  the directory locked.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ from typing import Callable
 
 __all__ = ["DirectoryLock", "keep_aside", "remove_temporaries", "write_atomic"]
 
-LOCK_FILE = ".lock"
 _TEMPORARY = re.compile(r"\..+\.tmp\Z")
 
 
@@ -81,7 +82,7 @@ def remove_temporaries(directory: str) -> list[str]:
     """Delete `.NAME.<random>.tmp` files of killed writers in `directory`; returns their names."""
     gone = []
     for name in os.listdir(directory):
-        if _TEMPORARY.match(name) and name != LOCK_FILE:
+        if _TEMPORARY.match(name):
             try:
                 os.remove(os.path.join(directory, name))
                 gone.append(name)
@@ -91,17 +92,17 @@ def remove_temporaries(directory: str) -> list[str]:
 
 
 class DirectoryLock:
-    """Exclusive lock of a cache directory (`fcntl.flock` on `directory/.lock`), used as
+    """Exclusive lock of a cache directory (`fcntl.flock` on the directory), used as
     `with lock: ...`; nested `with` blocks of one holder take it once."""
 
     def __init__(self, directory: str):
-        self.path = os.path.join(os.fspath(directory), LOCK_FILE)
+        self.path = os.fspath(directory)
         self._fd: int | None = None
         self._depth = 0
 
     def __enter__(self) -> "DirectoryLock":
         if self._depth == 0:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except BaseException:

@@ -16,7 +16,8 @@ Prompt layout (`layout_prompt`):
 
 * `modules`: the imported modules plus all anonymous ones, in schema order.
 * `arguments`: each argument's tokens at the first positions of its parameter's placeholders
-  (an argument longer than its `len` in tokens is a ValueError; a missing one is empty).
+  (an argument longer than its `len` in tokens is a ValueError; `check_prompt` requires one per
+  parameter, an empty one is written `name=""`).
 * `texts`: each new-text segment continues the position counter after every included module
   that lies before the next import of the prompt (after all of them for trailing text), and
   after the previous new text. Text placed after module A and before B starts where A ends,

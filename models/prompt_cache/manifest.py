@@ -3,10 +3,11 @@ file's `FileRecord` (schema hash, bytes, tokens, header digest), least recently 
 
 The manifest carries `digest`: the SHA-256 of its other fields as canonical JSON (sorted keys,
 no whitespace), so a manifest that was changed, truncated or replaced by other bytes fails
-`read_manifest` with `CorruptFile`, as does one of another format. A manifest that verifies but
-was made for another model, dtype or tokenizer raises a plain ValueError naming what differs:
-that directory belongs to another cache and is refused, not repaired. `write_manifest` writes
-atomically (`write_atomic`).
+`read_manifest` with `CorruptFile`, as does one of another format. The identity is checked
+before the digest: a manifest that names another model, dtype or tokenizer raises a plain
+ValueError naming what differs, whatever else it holds, because that directory belongs to
+another cache and is refused, never repaired. `write_manifest` writes atomically
+(`write_atomic`).
 """
 from __future__ import annotations
 
@@ -63,14 +64,16 @@ def read_manifest(directory: str, identity: CacheIdentity) -> dict:
         raise CorruptFile(path, f"not a prompt cache manifest (a JSON {type(manifest).__name__})")
     if manifest.get("format") != FORMAT:
         raise CorruptFile(path, f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+    ident = manifest.get("identity")
+    fields = ("model", "dtype", "tokenizer")
+    if not isinstance(ident, dict) or not all(isinstance(ident.get(k), str) for k in fields):
+        raise CorruptFile(path, f"garbled identity {ident!r}")
+    bad = identity.mismatches(CacheIdentity(*(ident[k] for k in fields)))
+    if bad:
+        raise ValueError(f"cache directory {directory}: made for another model, dtype or tokenizer: {'; '.join(bad)}")
     body = {k: v for k, v in manifest.items() if k != "digest"}
     if manifest.get("digest") != _digest(body):
         raise CorruptFile(path, "fails its SHA-256 digest (changed bytes)")
-    ident = manifest.get("identity") or {}
-    got = CacheIdentity(ident.get("model", ""), ident.get("dtype", ""), ident.get("tokenizer", ""))
-    bad = identity.mismatches(got)
-    if bad:
-        raise ValueError(f"cache directory {directory}: made for another model, dtype or tokenizer: {'; '.join(bad)}")
     try:
         items = sorted(manifest["schemas"].items(), key=lambda kv: kv[1]["used"])
         return {name: FileRecord(str(r["schema_hash"]), int(r["bytes"]), int(r["tokens"]), str(r["digest"]))

@@ -20,13 +20,17 @@ Prompt::
 
     <prompt schema="trip"><plan duration="3"/><miami/> Highlight the surf spots.</prompt>
 
-* `<name/>` imports module `name`, `<name param="value"/>` also gives an argument; a nested
-  module is imported inside its parent's element (`<outer><inner/></outer>`).
+* `<name/>` imports module `name`; a module with parameters needs an argument for each,
+  `<name param="value"/>` (`param=""` for an empty one); a nested module is imported inside its
+  parent's element (`<outer><inner/></outer>`).
 * Imports follow the schema's order; free text anywhere between them is new (uncached) text.
 
-Parsing uses `xml.parsers.expat` with everything that makes XML unsafe refused: a DOCTYPE, any
-entity declaration, external entities and processing instructions raise; documents are capped
-in size and element depth. Every error is a `ValueError` naming the element and its line.
+Parsing (`models.prompt_cache.pml_xml`) uses `xml.parsers.expat` with everything that makes XML
+unsafe refused: a DOCTYPE, any entity declaration, external entities and processing
+instructions raise; documents are capped in size and element depth. Every error is a
+`ValueError` naming the element and its line; a `<` or `&` that starts no markup (a chat
+template's `<|im_start|>` written into text) says how to escape it (`&lt;|im_start|&gt;`, or a
+CDATA section).
 Argument lengths are counted in tokens, so they are checked by `models.prompt_cache.layout`
 when a tokenizer is at hand.
 """
@@ -35,8 +39,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from typing import Mapping
-from xml.parsers import expat
 from xml.sax.saxutils import escape, quoteattr
+
+from models.prompt_cache.pml_xml import ParseLimits, XmlElement, parse_xml, where
 
 __all__ = ["Text", "Param", "Module", "Union", "Schema", "Import", "Prompt", "ParseLimits", "XmlElement",
            "parse_schema", "parse_prompt", "parse_xml", "check_name", "check_schema", "check_prompt", "schema_to_pml",
@@ -45,15 +50,6 @@ __all__ = ["Text", "Param", "Module", "Union", "Schema", "Import", "Prompt", "Pa
 NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_.\-]*"
 _NAME_RE = re.compile(NAME_PATTERN + r"\Z")
 _RESERVED = frozenset({"schema", "module", "param", "union", "prompt"})
-
-
-@dataclasses.dataclass(frozen=True)
-class ParseLimits:
-    """Size caps of one PML document: characters, element nesting depth, elements, `len` value."""
-    max_chars: int = 4_000_000
-    max_depth: int = 32
-    max_elements: int = 100_000
-    max_param_len: int = 1 << 20
 
 
 # ------------------------------------------------------------------ the schema and prompt objects
@@ -112,11 +108,6 @@ class Prompt:
     line: int | None = dataclasses.field(default=None, compare=False)
 
 
-
-
-def where(element: str, line: int | None) -> str:
-    """`"<element> (line N)"`, or `"<element>"` for objects built in Python (no line)."""
-    return f"<{element}>" if line is None else f"<{element}> (line {line})"
 
 
 def normalize_children(children) -> tuple:
@@ -185,70 +176,6 @@ def check_schema(schema: Schema, limits: ParseLimits = ParseLimits()) -> Schema:
 
     visit(schema.children, None)
     return schema
-
-
-# ------------------------------------------------------------------ safe XML to a small tree
-@dataclasses.dataclass
-class XmlElement:
-    """An element of a parsed PML document: `children` holds `XmlElement`s and `(text, line)` pairs."""
-    tag: str
-    attrs: dict
-    line: int
-    children: list = dataclasses.field(default_factory=list)   # XmlElement or (text, line)
-
-
-def parse_xml(document: str, limits: ParseLimits = ParseLimits()) -> XmlElement:
-    """Parse `document` into a tree of elements with line numbers; DTDs, entity declarations,
-    external entities and processing instructions are refused; size and depth are capped."""
-    if not isinstance(document, str):
-        raise TypeError(f"document: received {type(document).__name__}, expected str")
-    if len(document) > limits.max_chars:
-        raise ValueError(f"document: {len(document)} characters, the limit is {limits.max_chars}")
-    parser = expat.ParserCreate()
-    parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
-    parser.buffer_text = True
-    stack: list[XmlElement] = []
-    root: list[XmlElement] = []
-    count = [0]
-
-    def start(tag, attrs):
-        line = parser.CurrentLineNumber
-        count[0] += 1
-        if len(stack) >= limits.max_depth:
-            raise ValueError(f"{where(tag, line)}: elements nested deeper than {limits.max_depth}")
-        if count[0] > limits.max_elements:
-            raise ValueError(f"{where(tag, line)}: more than {limits.max_elements} elements")
-        el = XmlElement(tag, dict(attrs), line)
-        (stack[-1].children if stack else root).append(el)
-        stack.append(el)
-
-    def end(_tag):
-        stack.pop()
-
-    def chars(data):
-        if stack:
-            stack[-1].children.append((data, parser.CurrentLineNumber))
-
-    def refuse(what: str):
-        def handler(*_args):
-            raise ValueError(f"line {parser.CurrentLineNumber}: PML refuses {what}")
-        return handler
-
-    parser.StartElementHandler = start
-    parser.EndElementHandler = end
-    parser.CharacterDataHandler = chars
-    parser.StartDoctypeDeclHandler = refuse("a DOCTYPE declaration")
-    parser.EntityDeclHandler = refuse("entity declarations")
-    parser.UnparsedEntityDeclHandler = refuse("entity declarations")
-    parser.NotationDeclHandler = refuse("notation declarations")
-    parser.ExternalEntityRefHandler = refuse("external entities")
-    parser.ProcessingInstructionHandler = refuse("processing instructions")
-    try:
-        parser.Parse(document, True)
-    except expat.ExpatError as e:
-        raise ValueError(f"malformed PML at line {e.lineno}, column {e.offset}: "
-                         f"{expat.ErrorString(e.code)}") from None
-    return root[0]
 
 
 def _attrs(el: XmlElement, required: tuple, optional: tuple = ()) -> dict:
@@ -358,7 +285,8 @@ def parse_prompt(document: str, schema: Schema | None = None, limits: ParseLimit
 
 def check_prompt(prompt: Prompt, schema: Schema) -> Prompt:
     """Check that `prompt` imports only modules of `schema`, each at most once, nested ones inside
-    their parent, in schema order, at most one member per union, with known parameters only.
+    their parent, in schema order, at most one member per union, with an argument for every
+    parameter of an imported module (an empty one is written `name=""`) and no other.
     Argument lengths are checked at layout time (they are counted in tokens). Returns `prompt`."""
     if prompt.schema != schema.name:
         raise ValueError(f"{where('prompt', prompt.line)}: schema={prompt.schema!r} but the schema is "
@@ -394,13 +322,18 @@ def check_prompt(prompt: Prompt, schema: Schema) -> Prompt:
             if union is not None:
                 chosen[union] = imp.module
             last = idx
-            params = {p.name for p in mod.children if isinstance(p, Param)}
+            params = [p.name for p in mod.children if isinstance(p, Param)]
             for arg, value in imp.args.items():
                 if arg not in params:
                     raise ValueError(f"{el}: module {imp.module!r} has no parameter {arg!r} (parameters: "
                                      f"{sorted(params)})")
                 if not isinstance(value, str):
                     raise TypeError(f"{el}: argument {arg!r}: received {type(value).__name__}, expected str")
+            missing = [p for p in params if p not in imp.args]
+            if missing:
+                given = "".join(f' {p}="..."' for p in params)
+                raise ValueError(f"{el}: module {imp.module!r} needs argument {missing[0]!r} (its parameters: "
+                                 f"{params}); write <{imp.module}{given}/>")
             visit(imp.imports, mod.children, mod.name)
 
     visit(prompt.items, schema.children, None)

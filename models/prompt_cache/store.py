@@ -30,7 +30,7 @@ the cache writes that name. `stats().verification_failures` counts the files and
 kept aside.
 
 Processes may share a directory: every read-modify-write of it (a lookup that reads a file, a
-write, an eviction, a removal) holds an exclusive `fcntl.flock` on `directory/.lock` and starts
+write, an eviction, a removal) holds an exclusive `fcntl.flock` on the directory and starts
 by reading the manifest again, so records written by other processes are merged, never lost;
 the directory view (`names("disk")`, `stats()`) is the one of this process's last operation on
 it.

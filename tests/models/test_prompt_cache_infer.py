@@ -81,14 +81,14 @@ def test_exact_case_equals_ordinary_generation(setup):
 
 
 def test_batched_prompts_equal_one_by_one(setup):
-    """Prompts importing different module sets, arguments of several lengths (and none), both
+    """Prompts importing different module sets, arguments of several lengths (an empty one too), both
     union members, two samples each: one batched call gives every prompt's one-by-one tokens,
     greedy and sampled (keys follow (prompt, sample), not the batch order)."""
     model, params, lay, enc, prompts = setup
     ps = prompts('<intro/><trip days="3"/><en/> Any tips?',
                  '<intro/><rules/><fr/> Quoi voir?',
                  '<trip days="12"/><notes/> How much water?',
-                 '<intro/><trip/><en/><notes/> Pack list?')
+                 '<intro/><trip days=""/><en/><notes/> Pack list?')
     ids = [assemble(enc, p)[0] for p in ps]
     assert len({len(i) for i in ids}) == 4
     batched = cached_generate(model, params, enc, ps, max_new_tokens=6, n=2, eos_token_ids=(), shape_buckets=True)
@@ -114,7 +114,7 @@ def test_modules_stored_once_per_batch(setup):
     for the whole batch (3 samples per prompt), equal to the encoded K/V."""
     model, params, lay, enc, prompts = setup
     ps = prompts('<intro/><trip days="3"/><en/> Q1?', '<intro/><trip days="5"/><fr/> Q2?',
-                 '<intro/><trip days="9"/><en/> Q3, longer?', '<intro/><trip/><fr/> Q4?')
+                 '<intro/><trip days="9"/><en/> Q3, longer?', '<intro/><trip days=""/><fr/> Q4?')
     out = cached_generate(model, params, enc, ps, max_new_tokens=3, n=3, eos_token_ids=())
     kept = {n: len(enc.kept(i)) for i, n in enumerate(enc.names)}
     prefix = out.cache.prefix

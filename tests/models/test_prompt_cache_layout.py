@@ -93,8 +93,8 @@ def test_prompt_positions():
 
 def test_prompt_without_optional_parts():
     lay = layout_schema(SCHEMA, TOK)
-    out = layout_prompt(prompt("<m/><u1/>q"), SCHEMA, lay, TOK)
-    assert out.modules == ("#0", "m", "u1", "#1") and out.arguments == ()
+    out = layout_prompt(prompt('<m p=""/><u1/>q'), SCHEMA, lay, TOK)
+    assert out.modules == ("#0", "m", "u1", "#1") and [a.token_ids.size for a in out.arguments] == [0]
     assert out.texts[0].positions.tolist() == [17]      # the union still reserves u2's length
     out = layout_prompt(prompt("<u1/>q"), SCHEMA, lay, TOK)
     assert out.texts[0].positions.tolist() == [17]
@@ -104,7 +104,7 @@ def test_prompt_without_optional_parts():
 
 def test_text_positions_never_go_backwards():
     lay = layout_schema(SCHEMA, TOK)
-    out = layout_prompt(prompt("<m/>a long new text<u1/>x"), SCHEMA, lay, TOK)
+    out = layout_prompt(prompt('<m p=""/>a long new text<u1/>x'), SCHEMA, lay, TOK)
     first, second = out.texts
     assert first.positions.tolist() == list(range(11, 11 + len("a long new text")))
     assert second.positions[0] == max(first.positions[-1] + 1, 17)
@@ -224,4 +224,4 @@ def test_union_nested_in_a_module():
     ids, pos = out.assembled(lay)
     assert ids.tolist() == ords("abdefgz!") and pos.tolist() == [0, 1, 2, 3, 4, 5, 6, 8]
     with pytest.raises(ValueError, match="'x' and 'y'"):
-        parse_prompt('<prompt schema="n"><outer><x/><y/></outer></prompt>', s)
+        parse_prompt('<prompt schema="n"><outer q="z"><x/><y/></outer></prompt>', s)

@@ -59,6 +59,8 @@ def test_prompt_parses_imports_arguments_and_text():
 
 @pytest.mark.parametrize("doc, words", [
     ('<schema name="s"><module name="a">x</schema>', ["malformed", "line 1"]),
+    ('<schema name="s"><module name="sys">\n<|im_start|>system\nBe brief.<|im_end|></module></schema>',
+     ["malformed PML at line 2, column 1", "'<|im_start|>' is text, not markup", "'&lt;|im_start|&gt;'"]),
     ('<schema name="s">\n<module>x</module></schema>', ["<module> (line 2)", "missing attribute 'name'"]),
     ('<schema name="s"><module name="a" x="1">t</module></schema>', ["unknown attribute", "'x'"]),
     ('<schema name="s">\n\n<modul name="a">t</modul></schema>', ["<modul> (line 3)", "unknown schema element"]),
@@ -89,17 +91,49 @@ def test_schema_errors(doc, words):
     ('<prompt schema="trip">\n<budget/></prompt>', ["<budget> (line 2)", "unknown module", "inside its parent"]),
     ('<prompt schema="trip"><plan days="3"/></prompt>', ["<plan>", "no parameter 'days'"]),
     ('<prompt schema="trip"><miami/>\n<paris/></prompt>', ["<paris> (line 2)", "'miami' and 'paris'", "one union"]),
-    ('<prompt schema="trip"><plan/><plan/></prompt>', ["<plan>", "imported twice"]),
+    ('<prompt schema="trip"><plan duration="3"/><plan duration="3"/></prompt>', ["<plan>", "imported twice"]),
     ('<prompt schema="trip"><miami/><plan/></prompt>', ["<plan>", "out of schema order"]),
     ('<prompt schema="trip"><plan>text</plan></prompt>', ["<plan>", "inside an import"]),
     ('<prompt schema="trip"><plan></prompt>', ["malformed", "line 1"]),
     ('<prompt><plan/></prompt>', ["<prompt>", "missing attribute 'schema'"]),
+    ('<prompt schema="trip">\n<plan/> Go</prompt>',
+     ["<plan> (line 2)", "module 'plan' needs argument 'duration'", '<plan duration="..."/>']),
+    ('<prompt schema="trip"><plan duration="3">\n<budget/></plan> Go</prompt>',
+     ["<budget> (line 2)", "module 'budget' needs argument 'amount'", '<budget amount="..."/>']),
+    ('<prompt schema="trip"><plan duration="3"/>\n<|im_start|>user Go</prompt>',
+     ["malformed PML at line 2", "'<|im_start|>' is text", "'&lt;|im_start|&gt;'", "CDATA"]),
+    ('<prompt schema="trip"><plan duration="3"/> Sun & sand?</prompt>', ["malformed", "written '&amp;'"]),
+    ('<prompt schema="trip"><plan duration="3"/> 3 < 4?</prompt>', ["malformed", "written '&lt;'"]),
 ])
 def test_prompt_errors(doc, words):
     with pytest.raises(ValueError) as e:
         parse_prompt(doc, parse_schema(SCHEMA))
     for w in words:
         assert w in str(e.value)
+
+
+def test_left_out_argument_is_refused_an_empty_one_is_accepted():
+    s = parse_schema(SCHEMA)
+    with pytest.raises(ValueError, match="module 'plan' needs argument 'duration'"):
+        parse_prompt('<prompt schema="trip"><plan/> Go</prompt>', s)
+    p = parse_prompt('<prompt schema="trip"><plan duration=""/> Go</prompt>', s)
+    assert p.items == (Import("plan", {"duration": ""}), " Go")
+
+
+@pytest.mark.parametrize("template", [
+    '<schema name="s"><module name="sys">{}system</module></schema>',
+    '<prompt schema="trip"><plan duration="3"/>{}user Go</prompt>',
+])
+def test_raw_special_token_error_says_how_to_escape_it(template):
+    """The escape the message suggests, put in place of the raw token, parses to the token as text."""
+    parse = parse_schema if template.startswith("<schema") else lambda d: parse_prompt(d, parse_schema(SCHEMA))
+    with pytest.raises(ValueError, match="is text, not markup") as e:
+        parse(template.format("<|im_start|>"))
+    escaped = str(e.value).split("write it as '")[1].split("'")[0]
+    assert escaped == "&lt;|im_start|&gt;"
+    got = parse(template.format(escaped))
+    text = got.children[0].children[0].text if template.startswith("<schema") else got.items[1]
+    assert text.startswith("<|im_start|>")
 
 
 @pytest.mark.parametrize("doc, words", [

@@ -270,10 +270,10 @@ def test_failed_write_keeps_the_old_file_and_no_temporary(setup, tmp_path, monke
         cache.insert(SCHEMAS[0], fresh["s0"])
     monkeypatch.undo()
     assert path.read_bytes() == before and (tmp_path / "manifest.json").read_bytes() == manifest
-    assert sorted(os.listdir(tmp_path)) == [".lock", "manifest.json", "s0.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "s0.safetensors"]
     (tmp_path / ".s0.safetensors.x1y2.tmp").write_bytes(before[:10])
     open_cache(model, params, tmp_path)
-    assert sorted(os.listdir(tmp_path)) == [".lock", "manifest.json", "s0.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "s0.safetensors"]
     check_verified_hit(setup, tmp_path)
 
 
@@ -304,7 +304,7 @@ def test_two_processes_writing_one_directory(setup, tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     cache = open_cache(model, params, tmp_path)
     assert sorted(cache.names("disk")) == [s.name for s in SCHEMAS]
-    assert sorted(os.listdir(tmp_path)) == [".lock", "manifest.json"] + [f"s{i}.safetensors" for i in range(5)]
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json"] + [f"s{i}.safetensors" for i in range(5)]
     for s in SCHEMAS:
         check_fresh(setup, cache.lookup(s), s.name)
     st = cache.stats()
