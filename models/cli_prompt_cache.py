@@ -12,9 +12,11 @@ the stored keys/values of the schema's modules (:mod:`models.prompt_cache`).
   looked up in that order, else every module of the schema is encoded in one batched call and
   stored (written to the directory too). A directory made for another model, dtype or
   tokenizer is refused; a schema whose text changed since it was stored is encoded again and
-  replaces its file. When the tokenizer prepends a BOS token to ordinary prompts, the schema's
-  layout starts with it as well, so the assembled prompt is the token sequence an ordinary
-  prompt of the same text would have.
+  replaces its file; a stored file or manifest that fails its check (`models.prompt_cache.store`)
+  is reported on stderr in one line, kept aside and encoded (or rebuilt) again. When the
+  tokenizer prepends a BOS token to ordinary prompts, the schema's layout starts with it as
+  well, so the assembled prompt is the token sequence an ordinary prompt of the same text
+  would have.
 * Generation: every prompt, `-n` samples each, in one `cached_generate` call (the imported
   modules stored once per batch as shared prefix levels, the new text prefilled at its
   positions); sample `i` of prompt `j` draws with `sample_keys(seed, j, i)`. `--compare` also
@@ -164,14 +166,18 @@ def _open_cache(llm: LLM, directory: str | None) -> PromptCache:
 def _modules(cache: PromptCache, schema: Schema):
     """`(encoded, source)`: where the modules came from, a tier or "encoded"."""
     held = cache.directory is not None and schema.name in cache.names("disk")
-    before = cache.stats().hits
+    before = cache.stats()
     try:
         encoded = cache.encode_or_load(schema, replace=True)
     except (ValueError, OSError) as e:
         raise UsageError(f"--cache-dir {cache.directory}: {e}") from None
-    after = cache.stats().hits
-    hit = [t for t in TIERS if after[t] > before[t]]
-    return encoded, hit[0] if hit else ("encoded again (the stored schema text differs)" if held else "encoded")
+    after = cache.stats()
+    hit = [t for t in TIERS if after.hits[t] > before.hits[t]]
+    if hit:
+        return encoded, hit[0]
+    if after.verification_failures > before.verification_failures:
+        return encoded, "encoded again (the stored file failed its check, kept aside)"
+    return encoded, "encoded again (the stored schema text differs)" if held else "encoded"
 
 
 def _completions(llm: LLM, out: PromptCacheOutput, args, n: int) -> tuple:
