@@ -75,6 +75,7 @@ from models.llm import LLM, Completion, Generation, Timings
 from models.prefix_sharing import PromptBatch, SharingReport, plan_prompt_batch
 from models.rl import GRPOBatch, GRPOConfig, group_advantages, grpo_loss, grpo_objective, make_train_step
 from models.sampling import DEFAULT_SAMPLING, GREEDY, SamplingConfig
+from models.sampling_params import SamplingParams
 from models.weights import (init_params, load_hf_checkpoint, params_from_hf_state_dict, stack_layers,
                             unstack_layers)
 
@@ -86,3 +87,4 @@ __all__ = ["DEFAULT_SAMPLING", "GREEDY", "Completion", "GenerateOutput", "Genera
 __all__ += ["GRPOBatch", "GRPOConfig", "NNXLlama", "completion_logprobs", "group_advantages", "grpo_loss",
             "grpo_objective", "make_train_step"]
 __all__ += ["TreeLayout", "tree_completion_logprobs", "tree_layout"]
+__all__ += ["SamplingParams"]

@@ -54,7 +54,7 @@ from typing import Sequence
 
 import jax
 
-from models.cli_args import PROG, STDIN, UsageError, build_parser, parse_args, unescape, version
+from models.cli_args import PROG, STDIN, UsageError, build_parser, parse_args, sampling_params, unescape, version
 from models.cli_inputs import (DEMO_QUESTIONS, DEMO_SYSTEM, build_prompts, check_writable, read_inputs,
                                read_text)
 from models.cli_output import completion_header, error_line, jsonl_record, printable, summary_line
@@ -111,9 +111,7 @@ def run(args) -> int:
         llm = load_model(args.model, args.dtype, mesh)
         load_s = time.perf_counter() - t0
         try:
-            events = llm.events(prompts, n=n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, chat=args.chat,
-                                logprobs=args.logprobs, attention=args.attention)
+            events = llm.events(prompts, sampling_params(args), chat=args.chat, attention=args.attention)
             texts = [llm.prompt_text(p, chat=args.chat) for p in prompts]
         except ValueError as e:  # empty prompts, context length, chat template problems
             raise UsageError(str(e)) from None

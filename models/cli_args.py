@@ -14,8 +14,9 @@ import jax
 from models.generate import ATTENTION
 from models.llm import DEFAULT_MAX_NEW_TOKENS
 from models.sampling import DEFAULT_SAMPLING, SEED_MAX
+from models.sampling_params import SamplingParams, resolve_seed
 
-__all__ = ["PROG", "STDIN", "UsageError", "build_parser", "parse_args", "unescape", "version"]
+__all__ = ["PROG", "STDIN", "UsageError", "build_parser", "parse_args", "sampling_params", "unescape", "version"]
 
 PROG = "jpa-sample"
 STDIN = "-"  # --prompt-file / --questions-file value that reads standard input
@@ -52,6 +53,28 @@ def _int_at_least(lo, hi=None):
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
         return v
     return parse
+
+
+def _seed(s):
+    """An argparse type: an integer in [0, SEED_MAX], or `random` (None: drawn by `parse_args`)."""
+    if s == "random":
+        return None
+    try:
+        int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'random', got {s!r}") from None
+    return _int_at_least(0, SEED_MAX)(s)
+
+
+def _logprobs_count(s):
+    """An argparse type for `--logprobs K` / `--prompt-logprobs K`: 0 is the bare flag (True)."""
+    k = _int_at_least(0)(s)
+    return k or True
+
+
+def _token_ids(s):
+    """An argparse type: comma-separated token ids (integers >= 0)."""
+    return [_int_at_least(0)(t.strip()) for t in s.split(",") if t.strip()]
 
 
 def _question_format(s):
@@ -102,14 +125,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_float_in(0, 1, lo_open=True, what="in (0, 1]"), default=d.top_p,
                    help="nucleus sampling, 1 = off (default: %(default)s)")
     p.add_argument("--top-k", type=_int_at_least(0), default=d.top_k, help="0 = off (default: %(default)s)")
-    p.add_argument("--seed", type=_int_at_least(0, SEED_MAX), default=0,
-                   help=f"PRNG seed, an integer in [0, {SEED_MAX}]; sample i of question j depends only on the "
-                        "seed, i and j (default: %(default)s)")
+    p.add_argument("--min-p", type=_float_in(0, 1, what="in [0, 1]"), default=0.0,
+                   help="keep tokens whose probability is at least MIN_P times the most probable one's (after "
+                        "temperature, before top-k/top-p), 0 = off (default: %(default)s)")
+    p.add_argument("--repetition-penalty", type=_float_in(0, 1e6, lo_open=True, what="a number > 0"), default=1.0,
+                   help="divide positive / multiply negative logits of tokens in the prompt or generated so far, "
+                        "1 = off (default: %(default)s)")
+    p.add_argument("--presence-penalty", type=_float_in(-2, 2, what="in [-2, 2]"), default=0.0,
+                   help="subtract from the logits of tokens generated at least once, 0 = off (default: %(default)s)")
+    p.add_argument("--frequency-penalty", type=_float_in(-2, 2, what="in [-2, 2]"), default=0.0,
+                   help="subtract this times each token's count in the generated tokens, 0 = off "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help=f"PRNG seed, an integer in [0, {SEED_MAX}], or 'random' (a seed is drawn and written in "
+                        "the records); sample i of question j depends only on the seed, i and j "
+                        "(default: %(default)s)")
     p.add_argument("--stop", action="append", default=None, metavar="STRING",
                    help="end a completion at this string, not included; repeatable; \\n, \\t and \\\\ are "
                         "newline, tab and backslash (default: only the model's end-of-sequence tokens)")
-    p.add_argument("--logprobs", action="store_true",
-                   help="with --output: each token's log-probability in the records (default: off)")
+    p.add_argument("--stop-token-ids", type=_token_ids, action="extend", default=None, metavar="ID[,ID...]",
+                   help="end a completion at any of these token ids, like an end-of-sequence id; repeatable "
+                        "(default: none)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not end a completion at the model's end-of-sequence ids (default: off)")
+    p.add_argument("--include-stop-str", action="store_true",
+                   help="keep the matched --stop string (or the stop token's text) in the completion "
+                        "(default: off)")
+    p.add_argument("--prompt-logprobs", type=_logprobs_count, nargs="?", const=True, default=False, metavar="K",
+                   help="each prompt token's log-probability in the --output records; with K >= 1 also the K most "
+                        "probable tokens at each position; needs --output (default: off)")
+    p.add_argument("--logprobs", type=_logprobs_count, nargs="?", const=True, default=False, metavar="K",
+                   help="with --output: each token's log-probability in the records; with K >= 1 also the K most "
+                        "probable tokens at each step (default: off)")
     p.add_argument("--attention", choices=ATTENTION, default="auto",
                    help="KV-cache layout: shared prefixes stored once, or flat copies; auto = shared when "
                         "sequences share a prefix (default: %(default)s)")
@@ -152,6 +199,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     if args.prompt_file == STDIN and args.questions_file == STDIN:
         parser.error("--prompt-file and --questions-file cannot both be '-' (standard input)")
     _check_prompt_cache_flags(parser, args)
+    if args.prompt_logprobs and not args.output:
+        parser.error("--prompt-logprobs needs --output FILE (the log-probabilities are written in the records)")
+    if args.seed is None:  # --seed random: drawn now, so every record names the seed that reproduces it
+        args.seed = resolve_seed(SamplingParams(seed=None)).seed
     if args.stop is not None:
         args.stop = [unescape(s) for s in args.stop]
         if any(not s for s in args.stop):
@@ -180,6 +231,16 @@ def _check_prompt_cache_flags(parser: argparse.ArgumentParser, args: argparse.Na
                      f"per batch as shared prefix levels)")
     if (args.tensor_parallel, args.data_parallel) != (1, 1):
         parser.error("--tensor-parallel / --data-parallel cannot be used with --schema (it runs on one device)")
+    for flag, given in (("--min-p", args.min_p != 0), ("--repetition-penalty", args.repetition_penalty != 1),
+                        ("--presence-penalty", args.presence_penalty != 0),
+                        ("--frequency-penalty", args.frequency_penalty != 0),
+                        ("--stop-token-ids", bool(args.stop_token_ids)), ("--ignore-eos", args.ignore_eos),
+                        ("--include-stop-str", args.include_stop_str), ("--logprobs K", args.logprobs is not True
+                                                                         and bool(args.logprobs)),
+                        ("--prompt-logprobs", bool(args.prompt_logprobs))):
+        if given:
+            parser.error(f"{flag} cannot be used with --schema (the Prompt Cache path samples with temperature, "
+                         f"top-k and top-p only)")
     if [args.schema, *args.prompt_pml].count(STDIN) > 1:
         parser.error("only one of --schema and --prompt-pml can be '-' (standard input)")
 
@@ -188,3 +249,14 @@ def unescape(s: str) -> str:
     """`\\n`, `\\t` and `\\\\` in a flag value as newline, tab and backslash (a shell passes
     `--stop "\\n"` as a backslash and an n)."""
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m[1]], s)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The :class:`~models.sampling_params.SamplingParams` of the parsed flags."""
+    return SamplingParams(n=args.num_samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
+                          stop_token_ids=args.stop_token_ids or (), ignore_eos=args.ignore_eos,
+                          include_stop_str_in_output=args.include_stop_str, logprobs=args.logprobs,
+                          prompt_logprobs=args.prompt_logprobs)

@@ -59,18 +59,33 @@ def summary_line(llm: LLM, result: Generation | None, *, b: int, groups: int, n:
 
 
 def completion_fields(c: Completion, logprobs: bool) -> dict:
-    """A record's ``completion``, ``token_ids``, ``finish_reason`` and (``logprobs``) ``logprobs``."""
-    rec = {"completion": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+    """A record's ``completion``, ``token_ids``, ``finish_reason``, ``stop_reason`` (the matched
+    stop string or stop token id, else null), (``logprobs``) ``logprobs``, and ``top_logprobs``
+    (per token, ``[[id, logprob], ...]``) / ``prompt_logprobs`` when the completion has them."""
+    rec = {"completion": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+           "stop_reason": c.stop_reason}
     if logprobs:
         rec["logprobs"] = list(c.logprobs) if c.logprobs is not None else None
+    if c.top_logprobs is not None:
+        rec["top_logprobs"] = [[list(pair) for pair in alts] for alts in c.top_logprobs]
+    if c.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = [e if e is None or isinstance(e, float) else [e[0], [list(p) for p in e[1]]]
+                                  for e in c.prompt_logprobs]
     return rec
 
 
 def run_fields(args: argparse.Namespace) -> dict:
-    """A record's ``seed`` and ``sampling`` settings (temperature, top-k, top-p, max new tokens, stop)."""
+    """A record's ``seed`` and ``sampling`` settings (temperature, top-k, top-p, min-p, penalties,
+    max new tokens, stop strings and token ids, ignore-eos, include-stop-str)."""
     return {"seed": args.seed, "sampling": {"temperature": args.temperature, "top_k": args.top_k,
-                                            "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
-                                            "stop": args.stop or []}}
+                                            "top_p": args.top_p, "min_p": args.min_p,
+                                            "repetition_penalty": args.repetition_penalty,
+                                            "presence_penalty": args.presence_penalty,
+                                            "frequency_penalty": args.frequency_penalty,
+                                            "max_new_tokens": args.max_new_tokens, "stop": args.stop or [],
+                                            "stop_token_ids": args.stop_token_ids or [],
+                                            "ignore_eos": args.ignore_eos,
+                                            "include_stop_str": args.include_stop_str}}
 
 
 def mesh_fields(llm: LLM) -> dict:

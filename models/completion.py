@@ -15,21 +15,33 @@ __all__ = ["Completion", "DoneEvent", "FinishEvent", "Generation", "PhaseEvent",
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """One sample: ``text``, ``token_ids``, ``finish_reason`` (``"stop"`` | ``"length"``) and
-    ``logprobs`` (one per token id, or ``None``); see :mod:`models.llm`."""
+    """One sample: ``text``, ``token_ids``, ``finish_reason`` (``"stop"`` | ``"length"``),
+    ``logprobs`` (one per token id, or ``None``), ``stop_reason`` (the matched stop string, the
+    stop token id of ``stop_token_ids`` that ended it, or ``None``: an end-of-sequence id or the
+    length limit), ``top_logprobs`` (``logprobs=k``: per token id, its ``k`` most probable
+    alternatives as ``((id, logprob), ...)``, descending) and ``prompt_logprobs``
+    (``prompt_logprobs=``: per prompt token, ``None`` for the first, then ``logprob`` or, with
+    ``k >= 1``, ``(logprob, ((id, logprob), ...))``); see :mod:`models.llm`."""
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
     logprobs: tuple[float, ...] | None = None
+    stop_reason: str | int | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    prompt_logprobs: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Timings:
     """Wall times of one call in seconds.  ``compile_s``: JAX tracing and compilation inside it
-    (0 once every shape was compiled before).  ``prefill_s`` (prefill and the first sampling),
-    ``first_token_s`` (call start to the first tokens on the host), ``decode_s`` (first to last
-    token) and ``decode_compile_s`` are ``None`` for the fused loop, which returns only at the end.
-    ``new_tokens``: all generated tokens; ``decode_tokens``: those after each sample's first."""
+    (0 once every shape was compiled before).  ``prefill_s``: the prefill (and, step by step,
+    the first sampling); ``first_token_s``: call start to the first tokens (step by step: on the
+    host; the fused loop draws its first token on the device right after the prefill, so there
+    it is call start to the prefill's end); ``decode_s``: from there to the last token;
+    ``decode_compile_s``: the compilation inside ``decode_s``.  ``new_tokens``: all generated
+    tokens; ``decode_tokens``: those after each sample's first.  The optional fields are filled
+    by every :class:`models.LLM` call; they default to ``None`` for code that builds a
+    ``Timings`` without measuring them."""
     total_s: float
     compile_s: float
     new_tokens: int
@@ -50,12 +62,15 @@ class Timings:
 
 class Generation(list):
     """``list[list[Completion]]`` (prompt, then sample) with ``.sharing``
-    (:class:`~models.prefix_sharing.SharingReport`) and ``.timings`` (:class:`Timings`)."""
+    (:class:`~models.prefix_sharing.SharingReport`), ``.timings`` (:class:`Timings`) and
+    ``.seed`` (the seed the samples were drawn with -- the random one drawn for ``seed=None``;
+    pass it as ``seed=`` to reproduce the call)."""
 
-    def __init__(self, completions, *, sharing: SharingReport, timings: Timings):
+    def __init__(self, completions, *, sharing: SharingReport, timings: Timings, seed: int | None = None):
         super().__init__(completions)
         self.sharing = sharing
         self.timings = timings
+        self.seed = seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +82,15 @@ class PhaseEvent:
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
     """A generated token of sample ``sample_index`` of prompt ``prompt_index`` and the text it
-    adds (``""`` while a character or a possible stop string is incomplete)."""
+    adds (``""`` while a character or a possible stop string is incomplete); ``logprob`` its raw
+    log-probability, ``top_logprobs`` its ``k`` most probable alternatives ``((id, logprob),
+    ...)`` with ``logprobs=k``, else ``None``."""
     prompt_index: int
     sample_index: int
     token_id: int
     logprob: float
     text: str
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,8 @@ from models import kv_cache as kvc
 from models.kv_cache import KVCache, PrefixCache
 from models.llama import Llama
 from models.prefix_sharing import PromptBatch, bucket_length
-from models.sampling import GREEDY, SamplingConfig, sample_tokens, token_logprobs
+from models.penalties import add_tokens, apply_penalties, prompt_seen_mask
+from models.sampling import GREEDY, SamplingConfig, sample_tokens, token_logprobs, top_logprobs
 from models.sharded_llama import ShardedLlama
 
 __all__ = ["ATTENTION", "LAYOUTS", "GenerateOutput", "PromptBatch", "generate", "generate_from_cache",
@@ -78,6 +79,8 @@ class GenerateOutput:
     lengths: np.ndarray     # int32 [B] generated tokens per sequence (EOS included)
     cache: KVCache          # final cache (prompt + generated tokens except the last one)
     logprobs: np.ndarray | None = None  # float32 [B, max_new_tokens] raw log-probs (0 after the end)
+    top_ids: np.ndarray | None = None   # int32 [B, max_new_tokens, k] the k most probable ids (top_logprobs=k)
+    top_logprobs: np.ndarray | None = None  # float32 [B, max_new_tokens, k] their raw log-probs
 
 
 LAYOUTS = ("auto", "stacked", "list")
@@ -184,55 +187,97 @@ def _samplers(model):
     return sample_tokens, token_logprobs
 
 
-@functools.partial(jax.jit, static_argnames=("model", "attention", "width", "sampling", "eos_ids", "pad_id"),
+def _pick(model, logits_bv, keys_b, step, done_b, counts, seen, *, cfg: SamplingConfig, pad_id: int, top_k: int):
+    """One step's choice: ``(tokens [B], logprobs [B], top, counts)``.  Finished rows (``done_b``)
+    give ``pad_id`` / 0 and are not counted; ``top``: ``(ids [B, k], logprobs [B, k])`` of the raw
+    distribution, or None (``top_k == 0``); ``counts``: the generated-token counts ``[B, V]``
+    updated with this step's tokens, or None (no penalty: nothing is kept)."""
+    sample, logprob = _samplers(model)
+    x = logits_bv if counts is None else apply_penalties(logits_bv, counts, seen, cfg)
+    tok = sample(x, keys_b, step, cfg)
+    lp = jnp.where(done_b, 0.0, logprob(logits_bv, tok))
+    tok = jnp.where(done_b, pad_id, tok)
+    top = top_logprobs(logits_bv, top_k, model.config.vocab_size) if top_k else None
+    if counts is not None:
+        counts = add_tokens(counts, tok, ~done_b)
+    return tok, lp, top, counts
+
+
+def _initial_counts(cfg: SamplingConfig, logits_bv) -> jax.Array | None:
+    return jnp.zeros(logits_bv.shape, jnp.int32) if cfg.penalized else None
+
+
+@functools.partial(jax.jit, static_argnames=("model", "attention", "width", "sampling", "eos_ids", "pad_id",
+                                             "top_k"),
                    donate_argnames=("layers",))
 def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, pos_offset_b, logits_bv, keys_b,
-                 limit, *, attention: str, width: int, sampling: SamplingConfig, eos_ids: tuple, pad_id: int):
+                 limit, seen_bv, *, attention: str, width: int, sampling: SamplingConfig, eos_ids: tuple, pad_id: int,
+                 top_k: int):
     # The suffix buffers are donated; the prefix cache is not (it may be reused by other batches).
     # ``limit`` (dynamic) <= ``width`` (static) steps are taken.
     cache = KVCache(prefix=prefix, layers=layers, lengths=lengths_b, pos_offset=pos_offset_b, backend=attention)
-    sample, logprob = _samplers(model)
+    pick = functools.partial(_pick, model, keys_b=keys_b, seen=seen_bv, cfg=sampling, pad_id=pad_id, top_k=top_k)
     b = logits_bv.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
 
     def is_eos(tok_b):
         return jnp.isin(tok_b, eos) if eos is not None else jnp.zeros(tok_b.shape, bool)
 
-    tok = sample(logits_bv, keys_b, 0, sampling)
+    tok, lp, top, counts = pick(logits_bv, step=0, done_b=jnp.zeros((b,), bool),
+                                counts=_initial_counts(sampling, logits_bv))
     done = is_eos(tok)
     out = jnp.full((b, width), pad_id, jnp.int32).at[:, 0].set(tok)
-    lps = jnp.zeros((b, width), jnp.float32).at[:, 0].set(logprob(logits_bv, tok))
+    lps = jnp.zeros((b, width), jnp.float32).at[:, 0].set(lp)
+    tops = None if top is None else tuple(jnp.zeros((b, width, top_k), a.dtype).at[:, 0].set(a) for a in top)
     lengths = jnp.ones((b,), jnp.int32)
 
     def cond(state):
-        i, _, _, done_b, _, _, _ = state
+        i, _, _, done_b, *_ = state
         return (i < limit) & ~jnp.all(done_b)
 
     def body(state):
-        i, cache, tok_b, done_b, out, lps, lengths = state
+        i, cache, tok_b, done_b, out, lps, tops, counts, lengths = state
         logits, cache = model.decode_step(params, cache, tok_b, active_b=~done_b)
-        sampled = sample(logits, keys_b, i, sampling)
-        new = jnp.where(done_b, pad_id, sampled)
-        lp = jnp.where(done_b, 0.0, logprob(logits, sampled))
+        new, lp, top, counts = pick(logits, step=i, done_b=done_b, counts=counts)
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, i))
         lps = jax.lax.dynamic_update_slice(lps, lp[:, None], (0, i))
+        if tops is not None:
+            tops = tuple(jax.lax.dynamic_update_slice(t, a[:, None], (0, i, 0)) for t, a in zip(tops, top))
         lengths = lengths + (~done_b).astype(jnp.int32)
-        return i + 1, cache, new, done_b | is_eos(new), out, lps, lengths
+        return i + 1, cache, new, done_b | is_eos(new), out, lps, tops, counts, lengths
 
-    state = (jnp.int32(1), cache, tok, done, out, lps, lengths)
-    _, cache, _, _, out, lps, lengths = jax.lax.while_loop(cond, body, state)
-    return out, lps, lengths, cache
+    state = (jnp.int32(1), cache, tok, done, out, lps, tops, counts, lengths)
+    _, cache, _, _, out, lps, tops, _, lengths = jax.lax.while_loop(cond, body, state)
+    return out, lps, tops, lengths, cache
 
 
-@functools.partial(jax.jit, static_argnames=("model", "cfg", "eos_ids", "pad_id"))
-def _sample_step(logits_bv, keys_b, step, done_b, *, model, cfg: SamplingConfig, eos_ids: tuple, pad_id: int):
-    """``(tokens [B], logprobs [B], done [B])`` of one step; finished rows give ``pad_id`` / 0."""
-    sample, logprob = _samplers(model)
-    tok = sample(logits_bv, keys_b, step, cfg)
-    lp = jnp.where(done_b, 0.0, logprob(logits_bv, tok))
-    tok = jnp.where(done_b, pad_id, tok)
+@functools.partial(jax.jit, static_argnames=("model", "cfg", "eos_ids", "pad_id", "top_k"))
+def _sample_step(logits_bv, keys_b, step, done_b, counts, seen_bv, *, model, cfg: SamplingConfig, eos_ids: tuple,
+                 pad_id: int, top_k: int):
+    """``(tokens [B], logprobs [B], top, done [B], counts)`` of one step (:func:`_pick`)."""
+    tok, lp, top, counts = _pick(model, logits_bv, keys_b, step, done_b, counts, seen_bv, cfg=cfg, pad_id=pad_id,
+                                 top_k=top_k)
     hit = jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros(tok.shape, bool)
-    return tok, lp, done_b | hit
+    return tok, lp, top, done_b | hit, counts
+
+
+def _prompt_seen(sampling: SamplingConfig, prompt_token_ids, batch: int, vocab_size: int) -> jax.Array | None:
+    """The ``[B, V]`` prompt-token mask a repetition penalty needs (None without one)."""
+    if sampling.repetition_penalty == 1:
+        return None
+    if prompt_token_ids is None:
+        raise ValueError(f"prompt_token_ids: received None, expected the {batch} prompts' token ids "
+                         f"(sampling has repetition_penalty={sampling.repetition_penalty})")
+    if len(prompt_token_ids) != batch:
+        raise ValueError(f"prompt_token_ids: received {len(prompt_token_ids)} prompts, expected one per "
+                         f"sequence ({batch})")
+    return jnp.asarray(prompt_seen_mask(prompt_token_ids, vocab_size))
+
+
+def _check_top_logprobs(top_logprobs: int) -> int:
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)) or top_logprobs < 0:
+        raise ValueError(f"top_logprobs: received {top_logprobs!r}, expected an int >= 0 (0 = off)")
+    return int(top_logprobs)
 
 
 def _sequence_keys(key, keys, batch: int) -> jax.Array:
@@ -282,23 +327,25 @@ def _stop_and_pad_ids(model, eos_token_ids, pad_token_id) -> tuple[tuple, int]:
 
 
 def _run_decode(model, params, cache: KVCache, logits, *, max_new_tokens: int, sampling: SamplingConfig, key, keys,
-                eos: tuple, pad: int, shape_buckets: bool) -> GenerateOutput:
+                eos: tuple, pad: int, shape_buckets: bool, seen, top_k: int) -> GenerateOutput:
     """The jitted decode loop from a prefilled ``cache`` and its last-token ``logits [B, V]``."""
     seq_keys = _sequence_keys(key, keys, cache.batch)
     width = bucket_length(max_new_tokens) if shape_buckets else max_new_tokens
-    out, lps, lengths, cache = _decode_loop(model, params, cache.prefix, cache.layers, cache.lengths,
-                                            cache.pos_offset, logits, seq_keys, jnp.int32(max_new_tokens),
-                                            attention=cache.backend, width=width, sampling=sampling, eos_ids=eos,
-                                            pad_id=pad)
+    out, lps, tops, lengths, cache = _decode_loop(model, params, cache.prefix, cache.layers, cache.lengths,
+                                                  cache.pos_offset, logits, seq_keys, jnp.int32(max_new_tokens),
+                                                  seen, attention=cache.backend, width=width, sampling=sampling,
+                                                  eos_ids=eos, pad_id=pad, top_k=top_k)
+    top_ids, top_lps = (None, None) if tops is None else (np.asarray(a)[:, :max_new_tokens] for a in tops)
     return GenerateOutput(tokens=np.asarray(out)[:, :max_new_tokens], lengths=np.asarray(lengths), cache=cache,
-                          logprobs=np.asarray(lps)[:, :max_new_tokens])
+                          logprobs=np.asarray(lps)[:, :max_new_tokens], top_ids=top_ids, top_logprobs=top_lps)
 
 
 def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens: int, attention: str | None = None,
              sampling: SamplingConfig = GREEDY, key: jax.Array | None = None, keys: jax.Array | None = None,
              capacity: int | None = None, prefix_cache: PrefixCache | None = None,
              eos_token_ids: Sequence[int] | None = None, pad_token_id: int | None = None, layout: str = "auto",
-             shape_buckets: bool = False, mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
+             shape_buckets: bool = False, mesh: jax.sharding.Mesh | None = None, top_logprobs: int = 0,
+             on_prefill: Callable[[], None] | None = None) -> GenerateOutput:
     """Sample up to ``max_new_tokens`` tokens for every sequence of ``prompts``.
 
     ``attention``, ``sampling``, ``key`` / ``keys`` and ``shape_buckets`` as in the module
@@ -306,19 +353,30 @@ def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens
     ``capacity`` defaults to what the batch needs; ``layout`` picks the layer layout it runs with
     (:func:`resolve_layout`: ``"auto"`` = the list layout on GPU); the returned cache is in that
     layout.  ``mesh``: tensor- and data-parallel decoding (module docstring); the tokens are
-    those of one device up to floating-point summation order.
+    those of one device up to floating-point summation order.  ``sampling``'s penalties
+    (:mod:`models.penalties`) count each sequence's prompt (:meth:`PromptBatch.full_prompt`) and
+    generated tokens.  ``top_logprobs=k > 0``: the output's ``top_ids`` / ``top_logprobs`` hold
+    the ``k`` most probable ids of each step's raw distribution.  ``on_prefill``: called once the
+    prefill's logits are computed, before the decode loop starts (for timing).
     """
+    top_k = _check_top_logprobs(top_logprobs)
     model, params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
                                                     prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets,
                                                     mesh)
+    seen = _prompt_seen(sampling, [prompts.full_prompt(b) for b in range(prompts.batch)]
+                        if sampling.repetition_penalty != 1 else None, prompts.batch, model.config.vocab_size)
+    if on_prefill is not None:
+        jax.block_until_ready(logits)
+        on_prefill()
     return _run_decode(model, params, cache, logits, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
-                       keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets)
+                       keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets, seen=seen, top_k=top_k)
 
 
 def generate_from_cache(model: Llama, params: dict, cache: KVCache, logits_bv: jax.Array, *, max_new_tokens: int,
                         sampling: SamplingConfig = GREEDY, key: jax.Array | None = None,
                         keys: jax.Array | None = None, eos_token_ids: Sequence[int] | None = None,
-                        pad_token_id: int | None = None, shape_buckets: bool = False) -> GenerateOutput:
+                        pad_token_id: int | None = None, shape_buckets: bool = False, top_logprobs: int = 0,
+                        prompt_token_ids: Sequence[Sequence[int]] | None = None) -> GenerateOutput:
     """The decode loop of :func:`generate` from a cache the caller prefilled.
 
     ``cache``: a :class:`KVCache` whose suffix buffers hold each sequence's prompt continuation
@@ -326,7 +384,9 @@ def generate_from_cache(model: Llama, params: dict, cache: KVCache, logits_bv: j
     a prefill at explicit positions, :func:`models.prompt_cache.infer.prefill_at_positions`);
     ``logits_bv [B, V]``: the logits after each sequence's last prompt token.  ``params`` must be
     in the cache's layer layout.  ``cache.capacity`` must hold ``lengths + max_new_tokens - 1``
-    (ValueError otherwise).  Sampling, keys, stop and pad ids as in :func:`generate`.
+    (ValueError otherwise).  Sampling, keys, stop and pad ids, ``top_logprobs`` as in
+    :func:`generate`; ``prompt_token_ids`` (one sequence of ids per row) is needed by a
+    repetition penalty only.
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: received {type(cache).__name__}, expected KVCache")
@@ -335,14 +395,16 @@ def generate_from_cache(model: Llama, params: dict, cache: KVCache, logits_bv: j
     if tuple(logits_bv.shape) != (cache.batch, model.config.vocab_size):
         raise ValueError(f"logits_bv: received shape {tuple(logits_bv.shape)}, expected "
                          f"{(cache.batch, model.config.vocab_size)}")
+    top_k = _check_top_logprobs(top_logprobs)
     kvc.check_layout(params["layers"], cache.layers)
     need = int(np.asarray(cache.lengths).max()) + max_new_tokens - 1
     if need > cache.capacity:
         raise ValueError(f"cache: capacity {cache.capacity} cannot hold the longest prompt continuation plus "
                          f"max_new_tokens - 1 = {need} tokens")
     eos, pad = _stop_and_pad_ids(model, eos_token_ids, pad_token_id)
+    seen = _prompt_seen(sampling, prompt_token_ids, cache.batch, model.config.vocab_size)
     return _run_decode(model, params, cache, logits_bv, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
-                       keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets)
+                       keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets, seen=seen, top_k=top_k)
 
 
 def generate_stream(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens: int,
@@ -350,28 +412,38 @@ def generate_stream(model: Llama, params: dict, prompts: PromptBatch, *, max_new
                     keys: jax.Array | None = None, capacity: int | None = None,
                     prefix_cache: PrefixCache | None = None, eos_token_ids: Sequence[int] | None = None,
                     pad_token_id: int | None = None, layout: str = "auto", shape_buckets: bool = False,
-                    logprobs: bool = False, mesh: jax.sharding.Mesh | None = None) -> Iterator:
+                    logprobs: bool = False, mesh: jax.sharding.Mesh | None = None,
+                    top_logprobs: int = 0) -> Iterator:
     """Like :func:`generate` but driven from Python: yields the ``[B]`` tokens of each step
-    (``logprobs=True``: ``(tokens [B], logprobs [B])``), the same tokens :func:`generate` gives.
+    (``logprobs=True``: ``(tokens [B], logprobs [B])``; ``top_logprobs=k > 0``: ``(tokens,
+    logprobs, top_ids [B, k], top_logprobs [B, k])``), the same tokens :func:`generate` gives.
 
     Prefill runs at the first ``next()``.  It stops after ``max_new_tokens`` steps or once every
     sequence has produced an EOS id; a consumer may stop iterating earlier (``break``).
-    ``mesh``: as in :func:`generate`."""
+    ``mesh``: as in :func:`generate`.  The penalties' token counts stay on the device."""
+    top_k = _check_top_logprobs(top_logprobs)
     model, params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
                                                     prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets,
                                                     mesh)
+    seen = _prompt_seen(sampling, [prompts.full_prompt(b) for b in range(prompts.batch)]
+                        if sampling.repetition_penalty != 1 else None, prompts.batch, model.config.vocab_size)
     seq_keys = _sequence_keys(key, keys, prompts.batch)
-    sample = functools.partial(_sample_step, keys_b=seq_keys, model=model, cfg=sampling, eos_ids=eos, pad_id=pad)
-    tok, lp, done = sample(logits, step=0, done_b=jnp.zeros((prompts.batch,), bool))
+    sample = functools.partial(_sample_step, keys_b=seq_keys, seen_bv=seen, model=model, cfg=sampling, eos_ids=eos,
+                               pad_id=pad, top_k=top_k)
+    tok, lp, top, done, counts = sample(logits, step=0, done_b=jnp.zeros((prompts.batch,), bool),
+                                        counts=_initial_counts(sampling, logits))
     for i in range(max_new_tokens):
         last = i + 1 == max_new_tokens
         # The next step is dispatched before the host reads this step's tokens -- except after the
         # first token, which is handed out before the decode step (maybe still to compile) runs.
         if i and not last:
             logits, cache = model.decode_step_jit(params, cache, tok, ~done)
-        yield (np.asarray(tok), np.asarray(lp)) if logprobs else np.asarray(tok)
+        if top is not None:
+            yield np.asarray(tok), np.asarray(lp), np.asarray(top[0]), np.asarray(top[1])
+        else:
+            yield (np.asarray(tok), np.asarray(lp)) if logprobs else np.asarray(tok)
         if last or np.asarray(done).all():
             return
         if not i:
             logits, cache = model.decode_step_jit(params, cache, tok, ~done)
-        tok, lp, done = sample(logits, step=i + 1, done_b=done)
+        tok, lp, top, done, counts = sample(logits, step=i + 1, done_b=done, counts=counts)

@@ -24,22 +24,35 @@ Semantics:
 * prompts: a string, token ids, or (``chat=True``) a list of ``{"role", "content"}`` messages --
   one of them or a list of them.  ``chat=True`` renders the model's chat template (a string is
   the user message); ``shared_prompt`` is text before every prompt (with ``chat``: the system
-  message) and is shared even when shorter than ``MIN_SHARED_TOKENS``.
+  message) and is shared even when shorter than ``MIN_SHARED_TOKENS``.  A text prompt that is
+  empty or only whitespace is a ``ValueError`` naming ``prompts``.
+* options: a :class:`~models.sampling_params.SamplingParams` (second argument or
+  ``sampling=``) and / or its fields as keywords -- ``n``, ``max_new_tokens``, ``temperature``,
+  ``top_k``, ``top_p``, ``min_p``, the repetition / presence / frequency penalties, ``seed``,
+  ``stop``, ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``, ``logprobs``,
+  ``prompt_logprobs`` (their rules: :mod:`models.sampling_params`).  A keyword that differs from
+  the given object's value is a ``ValueError``.
 * sampling: ``temperature`` / ``top_k`` / ``top_p`` with the defaults of
-  :data:`~models.sampling.DEFAULT_SAMPLING`; ``temperature=0`` is greedy.  Sample ``i`` of
+  :data:`~models.sampling.DEFAULT_SAMPLING`; ``temperature=0`` is greedy.  ``seed=None`` draws a
+  random seed, reported as ``Generation.seed``.  Sample ``i`` of
   prompt ``j`` draws with the key ``fold_in(fold_in(PRNGKey(seed), j), i)``
   (:func:`~models.sampling.sample_keys`) and every row draws independently, so it is the same
   with any ``n`` and any other prompts in the call -- up to floating-point differences of the
   batched forward pass (another batch size or sharing layout can change logits in the last bits,
   which flips a draw only when two candidates are that close).
-* ends: a sample stops at an end-of-sequence id of the tokenizer or the config (always), at the
-  first occurrence of a ``stop`` string in its text, or after ``max_new_tokens``.
-  ``finish_reason`` is ``"stop"`` for the first two, else ``"length"``.  ``text`` excludes the
-  end-of-sequence token and the stop string (and anything after it); ``token_ids`` are all
+* ends: a sample stops at an end-of-sequence id of the tokenizer or the config (unless
+  ``ignore_eos``), at one of ``stop_token_ids``, at the first occurrence of a ``stop`` string in
+  its text, or after ``max_new_tokens``.  ``finish_reason`` is ``"stop"`` for the first three,
+  else ``"length"``; ``stop_reason`` is the matched stop string or stop token id (``None`` for an
+  end-of-sequence id or the length).  ``text`` excludes the ending token and the stop string
+  (and anything after it) unless ``include_stop_str_in_output``; ``token_ids`` are all
   generated tokens up to and including the one that ended the sample.  With several stop
   strings the one completed first wins (:mod:`models.sample_text`).
-* ``logprobs=True``: one float per token id, the model's raw log-probability
-  ``log_softmax(logits)[token]`` (before temperature, top-k and top-p), as vLLM reports by default.
+* ``logprobs=True`` (or 0): one float per token id, the model's raw log-probability
+  ``log_softmax(logits)[token]`` (before penalties, temperature, min-p, top-k and top-p), as vLLM
+  reports by default; ``logprobs=k >= 1`` adds ``top_logprobs``, the ``k`` most probable ids of
+  that distribution at each step.  ``prompt_logprobs``: the same for the prompt tokens
+  (:mod:`models.prompt_logprobs`).  :meth:`stream` yields them per token when asked.
 * sharing: :func:`~models.prefix_sharing.plan_prompt_batch` finds the token prefix common to all
   prompts (a root stored once) and, with ``n > 1``, shares each prompt among its samples (a
   second level).  ``attention`` (``"auto"`` | ``"shared"`` | ``"flat"``) picks the cache layout as
@@ -51,7 +64,9 @@ Semantics:
   and vocabulary split over ``model``, sequences over ``data``.  Any head count works (heads
   are padded to a multiple of ``T``); the tokens are one device's up to floating-point
   summation order.
-* speed: ``generate`` without ``stop`` strings runs the fused ``lax.while_loop`` decode
+* speed: options left at their neutral values add no work to the decode step (each is a static
+  choice of the compiled step); penalties keep a ``[rows, vocab]`` count array on the device.
+  ``generate`` without ``stop`` strings runs the fused ``lax.while_loop`` decode
   (:func:`models.generate.generate`); with ``stop`` strings, :meth:`stream` and :meth:`events` it
   runs one jitted step at a time (:func:`models.generate.generate_stream`) and ends when every
   sample has ended.  Array shapes are bucketed: prompt lengths and the cache size
@@ -76,18 +91,17 @@ from models.completion import (Completion, DoneEvent, FinishEvent, Generation, P
 from models.config import LlamaConfig
 from models.generate import ATTENTION, generate, generate_stream
 from models.llama import Llama
-from models.request import Request, check_int, is_messages, is_token_ids, plan_request, prompt_list
-from models.sample_text import SampleText, stop_strings
-from models.sampling import DEFAULT_SAMPLING, SamplingConfig
+from models.prompt_logprobs import prompt_logprobs
+from models.request import Request, check_prompt_text, is_messages, is_token_ids, plan_request, prompt_list
+from models.sample_text import SampleText
+from models.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams, logprobs_count, resolve_params, resolve_seed
 from models.sharded_llama import ShardedLlama
 from models.sharding import make_mesh, mesh_sizes
 from models.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "DTYPES", "Completion", "CompileWatch", "DoneEvent", "FinishEvent", "Generation",
-           "LLM", "PhaseEvent", "StepEvent", "Timings", "TokenEvent", "load_checkpoint", "missing_model_file",
-           "model_for", "resolve_mesh"]
-
-DEFAULT_MAX_NEW_TOKENS = 64
+           "LLM", "PhaseEvent", "SamplingParams", "StepEvent", "Timings", "TokenEvent", "load_checkpoint",
+           "missing_model_file", "model_for", "resolve_mesh"]
 
 
 @functools.lru_cache(maxsize=4)
@@ -200,86 +214,110 @@ class LLM:
             return head + [int(t) for t in prompt]
         return self.tokenizer.encode(text, add_special_tokens=not chat)
 
-    def _prepare(self, prompts, *, n, max_new_tokens, temperature, top_p, top_k, seed, stop, chat, logprobs,
-                 shared_prompt, attention) -> Request:
-        check_int("n", n, 1)
-        check_int("max_new_tokens", max_new_tokens, 1)
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-        stops = stop_strings(stop)
+    def _prepare(self, prompts, sampling, options, *, chat, shared_prompt, attention) -> Request:
+        params = resolve_seed(resolve_params(sampling, options))
         if shared_prompt is not None and not isinstance(shared_prompt, str):
             raise TypeError(f"shared_prompt must be a string, got {type(shared_prompt).__name__}")
         attention = self.attention if attention is None else attention
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-        ids = [self.prompt_ids(p, chat=chat, shared_prompt=shared_prompt) for p in prompt_list(prompts)]
-        return plan_request(ids, n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stops=stops,
-                            logprobs=logprobs, attention=attention, explicit_share=bool(shared_prompt),
+        prompts = prompt_list(prompts)
+        for j, p in enumerate(prompts):
+            if isinstance(p, str):
+                check_prompt_text(j, p if chat else (shared_prompt or "") + p)
+        ids = [self.prompt_ids(p, chat=chat, shared_prompt=shared_prompt) for p in prompts]
+        return plan_request(ids, params=params, attention=attention, explicit_share=bool(shared_prompt),
                             vocab_size=self.config.vocab_size, context=self.config.max_position_embeddings,
                             bytes_per_token=self.kv_bytes_per_token, data_parallel=self.data_parallel)
 
     # -- generation -------------------------------------------------------------------------
-    def generate(self, prompts, *, n: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                 temperature: float = DEFAULT_SAMPLING.temperature, top_p: float = DEFAULT_SAMPLING.top_p,
-                 top_k: int = DEFAULT_SAMPLING.top_k, seed: int = 0, stop: str | Sequence[str] | None = None,
-                 chat: bool = False, logprobs: bool = False, shared_prompt: str | None = None,
-                 attention: str | None = None) -> Generation:
-        """``n`` completions of every prompt (see module docstring); ``attention`` overrides the
-        default given to :meth:`load` for this call."""
-        req = self._prepare(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, stop=stop, chat=chat, logprobs=logprobs,
-                            shared_prompt=shared_prompt, attention=attention)
+    def generate(self, prompts, sampling: SamplingParams | None = None, *, chat: bool = False,
+                 shared_prompt: str | None = None, attention: str | None = None, **options) -> Generation:
+        """``n`` completions of every prompt (see module docstring).  ``sampling``: a
+        :class:`~models.sampling_params.SamplingParams`; ``options``: any of its fields as
+        keywords (``n=2, temperature=0, stop="\\n"``), alone or agreeing with ``sampling``
+        (a different value is a ``ValueError``).  ``attention`` overrides the default given to
+        :meth:`load` for this call."""
+        req = self._prepare(prompts, sampling, options, chat=chat, shared_prompt=shared_prompt, attention=attention)
         if req.stops:
             for ev in self._run(req, time.perf_counter()):
                 if isinstance(ev, DoneEvent):
                     return ev.result
+        p = req.params
+        marks = []
         t0 = time.perf_counter()
         with CompileWatch() as watch:
             out = generate(self._runner, self.params, req.padded.batch, max_new_tokens=req.max_new_tokens,
                            attention=req.attention, sampling=req.sampling, keys=req.keys,
-                           eos_token_ids=self.eos_token_ids, shape_buckets=True, mesh=self.mesh)
-        total = time.perf_counter() - t0
+                           eos_token_ids=p.stop_ids(self.eos_token_ids), shape_buckets=True, mesh=self.mesh,
+                           top_logprobs=p.top_logprobs,
+                           on_prefill=lambda: marks.append((time.perf_counter(), watch.seconds)))
+            t_end = time.perf_counter()
+            compile_s = watch.seconds
         texts = [self._text(req) for _ in range(req.rows)]
         for b, t in enumerate(texts):
             m = int(out.lengths[b])
             for s in range(m):
-                t.push(int(out.tokens[b, s]), float(out.logprobs[b, s]), last=s + 1 == req.max_new_tokens)
+                top = None if out.top_ids is None else tuple(zip(out.top_ids[b, s].tolist(),
+                                                                 out.top_logprobs[b, s].tolist()))
+                t.push(int(out.tokens[b, s]), float(out.logprobs[b, s]), last=s + 1 == req.max_new_tokens, top=top)
                 if t.finish:
                     break
         new = int(out.lengths[:req.rows].sum())
-        timings = Timings(total_s=total, compile_s=watch.seconds, new_tokens=new, decode_tokens=new - req.rows)
-        return self._result(req, texts, timings)
+        (t_prefill, compile_at_prefill), = marks
+        per_prompt = self._prompt_logprobs(req)
+        timings = Timings(total_s=t_end - t0, compile_s=compile_s, new_tokens=new, decode_tokens=new - req.rows,
+                          prefill_s=t_prefill - t0, first_token_s=t_prefill - t0, decode_s=t_end - t_prefill,
+                          decode_compile_s=compile_s - compile_at_prefill)
+        return self._result(req, texts, timings, per_prompt)
 
-    def stream(self, prompts, **kwargs) -> Iterator[tuple[int, int, str]]:
-        """Same arguments as :meth:`generate`; yields ``(prompt_index, sample_index, text_delta)``
-        as tokens arrive (non-empty deltas; a sample's deltas join to its ``generate`` text)."""
-        for ev in self.events(prompts, **kwargs):
-            if isinstance(ev, TokenEvent) and ev.text:
-                yield ev.prompt_index, ev.sample_index, ev.text
+    def stream(self, prompts, sampling: SamplingParams | None = None, **kwargs) -> Iterator[tuple]:
+        """Same arguments as :meth:`generate` (checked at the call, before the first ``next()``);
+        yields ``(prompt_index, sample_index, text_delta)`` as tokens arrive (non-empty deltas;
+        a sample's deltas join to its ``generate`` text).  With ``logprobs`` set it yields one
+        item per generated token, ``(prompt_index, sample_index, text_delta, (token_id,
+        logprob, top_logprobs))`` -- ``text_delta`` may then be empty and ``top_logprobs`` is
+        ``((id, logprob), ...)`` with ``logprobs=k >= 1``, else ``None``."""
+        req, events = self._start(prompts, sampling, kwargs)
+        return _stream_items(events, with_logprobs=req.logprobs)
 
-    def events(self, prompts, *, n: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-               temperature: float = DEFAULT_SAMPLING.temperature, top_p: float = DEFAULT_SAMPLING.top_p,
-               top_k: int = DEFAULT_SAMPLING.top_k, seed: int = 0, stop: str | Sequence[str] | None = None,
-               chat: bool = False, logprobs: bool = False, shared_prompt: str | None = None,
-               attention: str | None = None) -> Iterator:
+    def events(self, prompts, sampling: SamplingParams | None = None, *, chat: bool = False,
+               shared_prompt: str | None = None, attention: str | None = None, **options) -> Iterator:
         """Same arguments as :meth:`generate`; yields the run's events (module docstring).
-        Arguments are checked before the first ``next()``."""
+        Arguments are checked at the call, before the first ``next()``."""
+        return self._start(prompts, sampling, dict(options, chat=chat, shared_prompt=shared_prompt,
+                                                   attention=attention))[1]
+
+    def _start(self, prompts, sampling, kwargs) -> tuple[Request, Iterator]:
         t0 = time.perf_counter()
-        req = self._prepare(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, stop=stop, chat=chat, logprobs=logprobs,
-                            shared_prompt=shared_prompt, attention=attention)
-        return self._run(req, t0)
+        options = dict(kwargs)
+        chat = options.pop("chat", False)
+        shared_prompt, attention = options.pop("shared_prompt", None), options.pop("attention", None)
+        req = self._prepare(prompts, sampling, options, chat=chat, shared_prompt=shared_prompt, attention=attention)
+        return req, self._run(req, t0)
 
     def _text(self, req: Request) -> SampleText:
-        return SampleText(self.tokenizer, req.stops, frozenset(self.eos_token_ids))
+        p = req.params
+        return SampleText(self.tokenizer, req.stops, frozenset(p.stop_ids(self.eos_token_ids)),
+                          stop_token_ids=frozenset(p.stop_token_ids), include_stop=p.include_stop_str_in_output)
 
-    def _result(self, req: Request, texts: list[SampleText], timings: Timings) -> Generation:
-        comps = [t.completion(req.logprobs) for t in texts]
+    def _prompt_logprobs(self, req: Request) -> list:
+        """Per prompt, its ``prompt_logprobs`` entries (None when not asked)."""
+        k = logprobs_count("prompt_logprobs", req.params.prompt_logprobs)
+        if k is None:
+            return [None] * len(req.prompt_ids)
+        return prompt_logprobs(self.model, self.params, req.prompt_ids, k)
+
+    def _result(self, req: Request, texts: list[SampleText], timings: Timings, per_prompt: list) -> Generation:
+        comps = [t.completion(req.logprobs, per_prompt[r // req.n]) for r, t in enumerate(texts)]
         return Generation([comps[j * req.n:(j + 1) * req.n] for j in range(len(req.prompt_ids))],
-                          sharing=req.sharing, timings=timings)
+                          sharing=req.sharing, timings=timings, seed=req.params.seed)
 
     def _run(self, req: Request, t0: float) -> Iterator:
         b, n, m = req.rows, req.n, req.max_new_tokens
+        p = req.params
         texts = [self._text(req) for _ in range(b)]
+        per_prompt = self._prompt_logprobs(req)   # before decoding, so FinishEvent completions are whole
         new_tokens = 0
         t_prefill = time.perf_counter()
         t_first = None
@@ -287,10 +325,10 @@ class LLM:
             yield PhaseEvent("prefill")
             steps = generate_stream(self._runner, self.params, req.padded.batch, max_new_tokens=m,
                                     attention=req.attention, sampling=req.sampling, keys=req.keys,
-                                    eos_token_ids=self.eos_token_ids, shape_buckets=True, logprobs=True,
-                                    mesh=self.mesh)
+                                    eos_token_ids=p.stop_ids(self.eos_token_ids), shape_buckets=True, logprobs=True,
+                                    mesh=self.mesh, top_logprobs=p.top_logprobs)
             try:
-                for step, (tok, lp) in enumerate(steps):
+                for step, (tok, lp, *top) in enumerate(steps):
                     if step == 0:
                         t_first, compile_at_first = time.perf_counter(), watch.seconds
                         yield PhaseEvent("decode")
@@ -298,11 +336,12 @@ class LLM:
                         t = texts[r]
                         if t.finish:
                             continue
-                        delta = t.push(int(tok[r]), float(lp[r]), last=step + 1 == m)
+                        alts = tuple(zip(top[0][r].tolist(), top[1][r].tolist())) if top else None
+                        delta = t.push(int(tok[r]), float(lp[r]), last=step + 1 == m, top=alts)
                         new_tokens += 1
-                        yield TokenEvent(r // n, r % n, int(tok[r]), float(lp[r]), delta)
+                        yield TokenEvent(r // n, r % n, int(tok[r]), float(lp[r]), delta, alts)
                         if t.finish:
-                            yield FinishEvent(r // n, r % n, t.completion(req.logprobs))
+                            yield FinishEvent(r // n, r % n, t.completion(req.logprobs, per_prompt[r // n]))
                     running = sum(not t.finish for t in texts)
                     yield StepEvent(step + 1, new_tokens, running)
                     if not running:
@@ -314,4 +353,15 @@ class LLM:
         timings = Timings(total_s=t_end - t0, compile_s=compile_s, new_tokens=new_tokens,
                           decode_tokens=new_tokens - b, prefill_s=t_first - t_prefill, first_token_s=t_first - t0,
                           decode_s=t_end - t_first, decode_compile_s=compile_s - compile_at_first)
-        yield DoneEvent(self._result(req, texts, timings))
+        yield DoneEvent(self._result(req, texts, timings, per_prompt))
+
+
+def _stream_items(events: Iterator, *, with_logprobs: bool) -> Iterator[tuple]:
+    """The items :meth:`LLM.stream` yields from the events of a run."""
+    for ev in events:
+        if not isinstance(ev, TokenEvent):
+            continue
+        if with_logprobs:
+            yield ev.prompt_index, ev.sample_index, ev.text, (ev.token_id, ev.logprob, ev.top_logprobs)
+        elif ev.text:
+            yield ev.prompt_index, ev.sample_index, ev.text

@@ -1,13 +1,21 @@
-"""Token sampling: greedy, temperature, top-k and top-p (nucleus), with per-sequence PRNG keys.
+"""Token sampling: greedy, temperature, min-p, top-k and top-p (nucleus), with per-sequence PRNG keys.
 
-:class:`SamplingConfig` is static (hashable): a jit-compiled decode loop is specialised to it.
+:class:`SamplingConfig` is static (hashable): a jit-compiled decode loop is specialised to it, so
+an option left at its neutral value adds no operation to the decode step.  Its penalty fields
+(``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``) are applied to the logits
+before sampling by :func:`models.penalties.apply_penalties`, which needs the per-sequence token
+counts the decode loop keeps; :func:`sample_tokens` itself applies temperature, ``min_p``, top-k
+and top-p.
 Its defaults -- ``temperature=0.8, top_k=50, top_p=0.95`` (:data:`DEFAULT_SAMPLING`) -- are the
 defaults of :meth:`models.LLM.generate` and of ``jpa-sample``; :data:`GREEDY` is the default of
 the low-level decode loop (:func:`models.generate.generate`), whose callers are parity tests and
 benchmarks that want deterministic tokens.
 
 * ``temperature == 0``: greedy (``argmax``; top-k/top-p are irrelevant);
-* otherwise logits are divided by ``temperature``, then masked to ``-inf`` outside the ``top_k``
+* otherwise logits are divided by ``temperature``; ``min_p > 0`` masks to ``-inf`` the tokens whose
+  probability is below ``min_p`` times the most probable token's (vLLM's rule, applied after
+  temperature and before top-k / top-p: ``x_t < max(x) + log(min_p)``); then logits are masked
+  to ``-inf`` outside the ``top_k``
   largest (``top_k = 0``: off; ties with the k-th value are kept) and outside the nucleus: the
   smallest set of most probable tokens whose probability reaches ``top_p`` (the token that
   crosses ``top_p`` is kept, so the most probable token always survives; ``top_p = 1``: off);
@@ -35,7 +43,8 @@ bisection): 266 vs 53 ms; both: 443 vs 8 ms; with peaked logits (``10 * normal``
 vs 12 ms.  Temperature alone (noise for the whole row) takes ~30 ms.
 
 :func:`token_logprobs` gives the log-probability of chosen tokens under the model's raw
-distribution (``log_softmax`` of the logits, before temperature, top-k and top-p).
+distribution (``log_softmax`` of the logits, before penalties, temperature, min-p, top-k and
+top-p); :func:`top_logprobs` the ``k`` most probable tokens of that distribution.
 """
 from __future__ import annotations
 
@@ -47,15 +56,27 @@ import numpy as np
 from jax.extend.random import threefry2x32_p
 
 __all__ = ["DEFAULT_SAMPLING", "GREEDY", "SEED_MAX", "TOP_P_CANDIDATES", "SamplingConfig", "filter_logits",
-           "sample_keys", "sample_tokens", "token_logprobs", "top_k_mask", "top_p_mask"]
+           "min_p_mask", "sample_keys", "sample_tokens", "token_logprobs", "top_k_mask", "top_logprobs",
+           "top_p_mask"]
+
+
+def _number(name: str, v, ok: bool, expected: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok:
+        raise ValueError(f"{name} must be {expected}, got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off); see module docstring."""
+    """``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off), ``min_p`` (0 =
+    off), ``repetition_penalty`` (1 = off), ``presence_penalty`` and ``frequency_penalty`` (0 =
+    off); see module docstring and :mod:`models.penalties`."""
     temperature: float = 0.8
     top_k: int = 50
     top_p: float = 0.95
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -64,10 +85,21 @@ class SamplingConfig:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        _number("min_p", self.min_p, 0 <= self.min_p <= 1, "a float in [0, 1] (0 = off)")
+        _number("repetition_penalty", self.repetition_penalty, 0 < self.repetition_penalty < float("inf"),
+                "a float > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _number(name, v, -2 <= v <= 2, "a float in [-2, 2] (0 = off)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (the decode loop then keeps per-sequence token counts)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 DEFAULT_SAMPLING = SamplingConfig()
@@ -153,6 +185,13 @@ def _bisect_threshold(logits_bv: jax.Array, p: float) -> jax.Array:
     return _key_float(lo)[:, None]
 
 
+def min_p_mask(logits_bv: jax.Array, min_p: float) -> jax.Array:
+    """Boolean ``[B, V]``: True where ``softmax(logits) >= min_p * max(softmax(logits))``, i.e.
+    ``logits >= max(logits) + log(min_p)`` (no normalisation needed)."""
+    x = logits_bv.astype(jnp.float32)
+    return x >= jnp.max(x, axis=-1, keepdims=True) + np.float32(np.log(min_p))
+
+
 def top_k_mask(logits_bv: jax.Array, k: int) -> jax.Array:
     """Boolean ``[B, V]``: True for logits >= the k-th largest of the row."""
     k = min(int(k), logits_bv.shape[-1])
@@ -184,6 +223,8 @@ def _filter(logits_bv: jax.Array, cfg: SamplingConfig):
     ``cand = (vals [B, C], idx [B, C], exact [])`` -- candidates (non-survivors ``-inf``) that
     hold every survivor when ``exact`` -- or ``None`` without top-k / top-p."""
     x = logits_bv.astype(jnp.float32) / cfg.temperature
+    if cfg.min_p > 0:
+        x = jnp.where(min_p_mask(x, cfg.min_p), x, -jnp.inf)
     if cfg.top_k:
         vals, idx = _top_k(x, min(cfg.top_k, x.shape[-1]))
         x = jnp.where(x >= vals[:, -1:], x, -jnp.inf)
@@ -207,7 +248,7 @@ def _filter(logits_bv: jax.Array, cfg: SamplingConfig):
 
 
 def filter_logits(logits_bv: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """Temperature-scaled logits with masked entries set to ``-inf``."""
+    """Temperature-scaled logits with masked entries (min-p, top-k, top-p) set to ``-inf``."""
     return _filter(logits_bv, cfg)[0]
 
 
@@ -258,7 +299,18 @@ def sample_tokens(logits_bv: jax.Array, keys_b: jax.Array, step, cfg: SamplingCo
 
 def token_logprobs(logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
     """``log_softmax(logits)[b, tokens[b]]`` ``[B]`` float32: the raw model log-probability of
-    each chosen token (before temperature, top-k and top-p)."""
+    each chosen token (before penalties, temperature, min-p, top-k and top-p)."""
     x = logits_bv.astype(jnp.float32)
     picked = jnp.take_along_axis(x, tokens_b[:, None].astype(jnp.int32), axis=-1)[:, 0]
     return picked - jax.nn.logsumexp(x, axis=-1)
+
+
+def top_logprobs(logits_bv: jax.Array, k: int, vocab_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(ids [B, k] int32, logprobs [B, k] float32)``: the ``k`` largest entries of the raw
+    ``log_softmax(logits)``, descending (ties: lower id first).  ``vocab_size``: only the first
+    ``vocab_size`` columns are real ids (the rest, padding of a split vocabulary, is ignored)."""
+    x = logits_bv.astype(jnp.float32)
+    if vocab_size is not None and vocab_size < x.shape[-1]:
+        x = x[:, :vocab_size]
+    vals, idx = _top_k(x, min(int(k), x.shape[-1]))
+    return idx.astype(jnp.int32), vals - jax.nn.logsumexp(x, axis=-1, keepdims=True)

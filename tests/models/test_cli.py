@@ -117,6 +117,7 @@ def _naive_greedy(model_path, prompt_ids, steps):
 
 
 RECORD_KEYS = {"model", "prompt_index", "sample", "question", "prompt", "completion", "token_ids", "finish_reason",
+               "stop_reason",
                "seed", "sampling", "attention", "device", "mesh", "timings"}
 
 
@@ -140,7 +141,10 @@ def test_tiny_model_sampling_jsonl_and_seed(tiny_model, tmp_path, capsys):
         assert r["finish_reason"] in ("stop", "length")
         assert r["completion"] == tok.decode(body, skip_special_tokens=True)
         assert r["seed"] == 1 and r["sampling"] == {"temperature": 1.0, "top_k": 0, "top_p": 1.0,
-                                                   "max_new_tokens": 6, "stop": []}
+                                                   "min_p": 0.0, "repetition_penalty": 1.0,
+                                                   "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                                   "max_new_tokens": 6, "stop": [], "stop_token_ids": [],
+                                                   "ignore_eos": False, "include_stop_str": False}
         assert r["model"]["path"] == os.path.abspath(tiny_model) and r["model"]["format"] == "gguf"
         assert r["model"]["bytes"] == os.path.getsize(tiny_model) and len(r["model"]["config_sha256"]) == 64
         assert r["attention"] == "shared" and r["device"] == jax.default_backend()
@@ -583,7 +587,8 @@ def pml_files(tmp_path_factory):
 
 PML_RECORD_KEYS = {"model", "schema", "schema_file", "prompt_file", "prompt_index", "sample", "prompt",
                    "prompt_token_ids", "cached_tokens", "new_tokens", "completion", "token_ids", "finish_reason",
-                   "logprobs", "seed", "sampling", "attention", "device", "mesh", "cache", "timings", "compare"}
+                   "stop_reason", "logprobs", "seed", "sampling", "attention", "device", "mesh", "cache", "timings",
+                   "compare"}
 
 
 def test_pml_records_exact_case_compare_and_disk_cache(tiny_model, pml_files, tmp_path, capsys):

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
-from models import LLM, Completion, PromptBatch, plan_prompt_batch
+from models import LLM, Completion, PromptBatch, SamplingParams, plan_prompt_batch
 from models.batch_buckets import batch_bucket, pad_batch
 from models.gguf import CheckpointError, load_gguf, write_llama_gguf
 from models.llm import FinishEvent, PhaseEvent, StepEvent, TokenEvent
@@ -218,7 +218,20 @@ def test_prompt_forms(llm):
     (dict(attention="paged"), ValueError, "attention must be one of"),
     (dict(max_new_tokens=200), ValueError, r"\+ max_new_tokens \(200\) = \d+ exceeds the model's context of 128"),
     (dict(prompts=[]), ValueError, "at least one prompt"),
-    (dict(prompts=""), ValueError, "empty prompt: prompt 0 has 0 tokens"),
+    (dict(prompts=""), ValueError, "prompts: prompt 0 is '', expected text"),
+    (dict(prompts=["the cat", " \n\t "]), ValueError, r"prompts: prompt 1 is ' \\n\\t ', expected text"),
+    (dict(stop=5), TypeError, "stop: received int 5, expected a string or a list of strings"),
+    (dict(logprobs=-1), ValueError, "logprobs: received -1, expected a bool or an int"),
+    (dict(min_p=1.5), ValueError, r"min_p must be a float in \[0, 1\]"),
+    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be a float > 0"),
+    (dict(presence_penalty=3.0), ValueError, r"presence_penalty must be a float in \[-2, 2\]"),
+    (dict(frequency_penalty=-2.5), ValueError, r"frequency_penalty must be a float in \[-2, 2\]"),
+    (dict(stop_token_ids=5), TypeError, "stop_token_ids: received int 5, expected a list of ints"),
+    (dict(stop_token_ids=[10**6]), ValueError, r"stop_token_ids: received \[1000000\], expected ids below"),
+    (dict(ignore_eos=1), TypeError, "ignore_eos: received 1, expected a bool"),
+    (dict(best_of=2), TypeError, "unexpected keyword argument.*'best_of'"),
+    (dict(sampling={"n": 2}), TypeError, "sampling: received dict, expected SamplingParams"),
+    (dict(sampling=SamplingParams(n=2), n=3), ValueError, "n=3 vs sampling.n=2"),
     (dict(prompts=3), TypeError, "prompts must be"),
     (dict(shared_prompt=3), TypeError, "shared_prompt must be a string"),
 ])

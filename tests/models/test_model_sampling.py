@@ -1,11 +1,15 @@
-"""Sampling masks (top-k, top-p) against numpy, and samples staying inside them."""
+"""Sampling masks (top-k, top-p, min-p), penalties and top-k log-probabilities against numpy
+references of their rules on fixed logits, and samples staying inside the masks."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.sampling import (DEFAULT_SAMPLING, GREEDY, SamplingConfig, filter_logits, sample_keys, sample_tokens,
-                             token_logprobs, top_k_mask, top_p_mask)
+from models.penalties import add_tokens, apply_penalties, prompt_seen_mask
+from models.sampling import (DEFAULT_SAMPLING, GREEDY, SamplingConfig, filter_logits, min_p_mask, sample_keys,
+                             sample_tokens, token_logprobs, top_k_mask, top_logprobs, top_p_mask)
 
 
 def _np_top_p(logits, p):
@@ -104,7 +108,10 @@ def test_samples_stay_inside_masks():
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(logits).argmax(-1))
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)])
+@pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5),
+                                dict(min_p=-0.1), dict(min_p=1.1), dict(repetition_penalty=0.0),
+                                dict(repetition_penalty=float("inf")), dict(presence_penalty=2.5),
+                                dict(frequency_penalty=-3.0), dict(min_p=True)])
 def test_sampling_config_rejects(kw):
     with pytest.raises(ValueError):
         SamplingConfig(**kw)
@@ -148,3 +155,115 @@ def test_token_logprobs_is_log_softmax():
     toks = np.asarray([5, 0, 69])
     want = logits[np.arange(3), toks] - np.log(np.exp(logits.astype(np.float64)).sum(-1))
     np.testing.assert_allclose(np.asarray(token_logprobs(jnp.asarray(logits), jnp.asarray(toks))), want, atol=1e-5)
+
+
+def _np_softmax(x):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("min_p", [1e-4, 0.05, 0.3, 1.0])
+def test_min_p_mask_is_the_vllm_rule(min_p):
+    """Kept: p >= min_p * p_max, computed from the softmax in float64."""
+    logits = (3 * np.random.default_rng(10).normal(size=(5, 300))).astype(np.float32)
+    probs = _np_softmax(logits)
+    want = probs >= min_p * probs.max(-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(min_p_mask(jnp.asarray(logits), min_p)), want)
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0.7, top_k=0, top_p=1.0, min_p=0.1),
+                                 SamplingConfig(temperature=1.5, top_k=20, top_p=1.0, min_p=0.3),
+                                 SamplingConfig(temperature=1.0, top_k=0, top_p=0.8, min_p=0.02)])
+def test_min_p_after_temperature_before_top_k_and_top_p(cfg):
+    """filter_logits: min-p on the temperature-scaled distribution, then top-k, then the
+    nucleus of what min-p left (vLLM's order); samples stay inside the mask."""
+    logits = (2 * np.random.default_rng(11).normal(size=(4, 400))).astype(np.float32)
+    x = logits / np.float32(cfg.temperature)
+    probs = _np_softmax(x)
+    x = np.where(probs >= cfg.min_p * probs.max(-1, keepdims=True), x, -np.inf).astype(np.float32)
+    if cfg.top_k:
+        x = np.where(x >= np.sort(x, axis=-1)[:, ::-1][:, cfg.top_k - 1:cfg.top_k], x, -np.inf)
+    want = np.isfinite(x)
+    if cfg.top_p < 1:
+        want &= _np_top_p_ties(np.where(want, x, -np.inf), cfg.top_p)
+    got = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), cfg)))
+    np.testing.assert_array_equal(got, want)
+    off = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), dataclasses.replace(cfg, min_p=0.0))))
+    assert (off >= got).all() and off.sum() > got.sum(), "min_p should remove tokens here"
+    keys = jax.random.split(jax.random.PRNGKey(2), 4)
+    draw = jax.jit(lambda s: sample_tokens(jnp.asarray(logits), keys, s, cfg))
+    seen = np.stack([np.asarray(draw(s)) for s in range(30)])
+    assert got[np.arange(4)[None, :], seen].all() and len(np.unique(seen[:, 0])) > 1
+
+
+def _np_penalties(logits, prompt_seen, counts, rep, pres, freq):
+    """vLLM's rules, written out: repetition on prompt or generated ids, then frequency and presence
+    on the generated counts."""
+    x = np.asarray(logits, np.float64).copy()
+    seen = prompt_seen | (counts > 0)
+    pos = seen & (x > 0)
+    neg = seen & (x <= 0)
+    x[pos] /= rep
+    x[neg] *= rep
+    x -= freq * counts
+    x -= pres * (counts > 0)
+    return x
+
+
+@pytest.mark.parametrize("rep,pres,freq", [(1.3, 0.0, 0.0), (0.8, 0.0, 0.0), (1.0, 0.7, 0.0), (1.0, 0.0, 0.4),
+                                           (1.0, -0.5, 0.0), (1.5, 0.5, 0.25)])
+def test_penalties_match_numpy(rep, pres, freq):
+    rng = np.random.default_rng(12)
+    b, v = 4, 60
+    logits = (2 * rng.normal(size=(b, v))).astype(np.float32)
+    prompts = [rng.integers(0, v, size=n).tolist() for n in (1, 5, 12, 30)]
+    generated = [rng.integers(0, v, size=n).tolist() for n in (0, 3, 8, 20)]
+    counts = np.stack([np.bincount(g, minlength=v) for g in generated]).astype(np.int32)
+    seen = prompt_seen_mask(prompts, v)
+    np.testing.assert_array_equal(seen, np.stack([np.isin(np.arange(v), p) for p in prompts]))
+    cfg = SamplingConfig(repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq)
+    assert cfg.penalized
+    got = np.asarray(apply_penalties(jnp.asarray(logits), jnp.asarray(counts), jnp.asarray(seen), cfg))
+    want = _np_penalties(logits, seen, counts, rep, pres, freq)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    assert not np.allclose(got, logits), "the penalty should change the logits"
+
+
+def test_penalties_on_padded_vocabulary_and_neutral_config():
+    """A prompt mask narrower than the logits (a split vocabulary's padding) counts the extra
+    columns as unseen; the neutral config is not penalized (no counts are kept)."""
+    logits = np.asarray([[2.0, -1.0, 3.0, 0.5, 4.0, -2.0]], np.float32)
+    seen = prompt_seen_mask([[0, 1]], 4)
+    counts = np.asarray([[0, 0, 1, 0, 2, 0]], np.int32)
+    cfg = SamplingConfig(repetition_penalty=2.0)
+    got = np.asarray(apply_penalties(jnp.asarray(logits), jnp.asarray(counts), jnp.asarray(seen), cfg))
+    np.testing.assert_allclose(got, [[1.0, -2.0, 1.5, 0.5, 2.0, -2.0]])
+    assert not SamplingConfig().penalized and not GREEDY.penalized
+    with pytest.raises(ValueError, match="needs prompt_seen_bv"):
+        apply_penalties(jnp.asarray(logits), jnp.asarray(counts), None, cfg)
+
+
+def test_add_tokens_counts_active_rows_only():
+    counts = jnp.zeros((3, 8), jnp.int32)
+    for toks, active in (([1, 2, 3], [1, 1, 1]), ([1, 5, 3], [1, 0, 1]), ([1, 5, 7], [1, 1, 0])):
+        counts = add_tokens(counts, jnp.asarray(toks), jnp.asarray(active, bool))
+    want = np.zeros((3, 8), np.int32)
+    for r, toks in enumerate(([1, 1, 1], [2, 5], [3, 3])):
+        np.add.at(want[r], toks, 1)
+    np.testing.assert_array_equal(np.asarray(counts), want)
+
+
+@pytest.mark.parametrize("k", [1, 5, 70])
+def test_top_logprobs_match_numpy(k):
+    logits = (3 * np.random.default_rng(13).normal(size=(3, 70))).astype(np.float32)
+    logp = np.log(_np_softmax(logits))
+    ids, lps = (np.asarray(a) for a in top_logprobs(jnp.asarray(logits), k))
+    want_ids = np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(lps, np.take_along_axis(logp, want_ids, -1), atol=1e-5)
+    # padded columns past vocab_size are never reported
+    padded = np.concatenate([logits, np.full((3, 10), 50.0, np.float32)], axis=1)
+    ids2, lps2 = (np.asarray(a) for a in top_logprobs(jnp.asarray(padded), k, vocab_size=70))
+    np.testing.assert_array_equal(ids2, ids)
+    np.testing.assert_allclose(lps2, lps, atol=1e-6)

@@ -1,0 +1,353 @@
+"""`SamplingParams` through `models.LLM` on a tiny random Llama GGUF: penalties in the decode loop
+against a naive NumPy decode that recomputes every step, min-p, stop token ids, ignore_eos,
+include_stop_str_in_output and stop_reason, top-k log-probabilities and prompt log-probabilities
+against a forward pass, seed=None, the fused loop equal to the step-by-step one; the Python API's
+rough edges (stream logprobs, logprobs=k, stop=5, timings, stream(n=0), whitespace prompts); and
+the `jpa-sample` flags into the JSONL records."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
+from models import LLM, SamplingParams, SamplingConfig
+from models import cli
+from models.cli_args import build_parser, parse_args, sampling_params
+from models.generate import _pick
+from models.gguf import write_llama_gguf
+from models.llm import FinishEvent, TokenEvent
+
+PROMPTS = ["In the beginning the cat sat on the mat, then", "In the beginning the cat sat on the mat, and"]
+M = 10
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    meta = tiny_tokenizer_meta()
+    cfg = tiny_config(vocab_size=len(meta["tokens"]), bos_token_id=1, eos_token_id=2)
+    weights = tiny_state_dict(cfg, seed=11)
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 12   # peaked, but samples still vary
+    path = tmp_path_factory.mktemp("sp") / "tiny.gguf"
+    write_llama_gguf(path, cfg, weights, tokenizer=meta)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(gguf):
+    return LLM.load(gguf)
+
+
+def _ids(result):
+    return [[c.token_ids for c in row] for row in result]
+
+
+# -- penalties in the decode loop ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def raw_logits(llm):
+    fwd = jax.jit(llm.model.forward)
+
+    def last(seq):
+        toks = np.zeros((1, 128), np.int32)
+        toks[0, :len(seq)] = seq
+        return np.asarray(fwd(llm.params, jnp.asarray(toks)), np.float64)[0, len(seq) - 1]
+    return last
+
+
+def _reference(llm, last_logits, prompt, steps, rep, pres, freq):
+    """Greedy tokens by recomputation: logits of the whole sequence, vLLM's penalty rules in NumPy
+    (repetition on prompt + generated ids, presence / frequency on generated counts), argmax."""
+    v = llm.config.vocab_size
+    out = []
+    for _ in range(steps):
+        x = last_logits(list(prompt) + out)
+        counts = np.bincount(np.asarray(out, np.int64), minlength=v)
+        seen = np.zeros(v, bool)
+        seen[list(prompt) + out] = True
+        x = np.where(seen, np.where(x > 0, x / rep, x * rep), x) - freq * counts - pres * (counts > 0)
+        out.append(int(np.argmax(x)))
+        if out[-1] in llm.eos_token_ids:
+            break
+    return out
+
+
+@pytest.mark.parametrize("rep,pres,freq", [(1.6, 0.0, 0.0), (1.0, 1.5, 0.0), (1.0, 0.0, 1.2), (1.3, 0.5, 0.5)])
+def test_penalties_in_the_decode_loop_equal_a_naive_numpy_decode(llm, raw_logits, rep, pres, freq):
+    """Greedy with penalties: the fused loop and the step-by-step loop (events) give the tokens of a
+    NumPy decode applying the rules to recomputed logits; the penalties change the tokens."""
+    kw = dict(n=1, max_new_tokens=M, temperature=0.0, repetition_penalty=rep, presence_penalty=pres,
+              frequency_penalty=freq)
+    fused = llm.generate(PROMPTS, **kw)
+    stepped = [ev.result for ev in llm.events(PROMPTS, **kw) if hasattr(ev, "result")][0]
+    plain = llm.generate(PROMPTS, n=1, max_new_tokens=M, temperature=0.0)
+    assert _ids(fused) == _ids(stepped)
+    for j, p in enumerate(PROMPTS):
+        want = _reference(llm, raw_logits, llm.prompt_ids(p), M, rep, pres, freq)
+        assert list(fused[j][0].token_ids) == want
+    assert _ids(fused) != _ids(plain), "the penalties should change the greedy tokens"
+
+
+def test_penalties_with_shared_prefix_sampling_are_per_sequence(llm):
+    """Sampled with penalties and n=3 (two sharing levels): sample 0 of each prompt equals its run
+    with n=1 and alone (its counts are its own), the fused loop equals the stepped one."""
+    kw = dict(max_new_tokens=M, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.4, frequency_penalty=0.6,
+              seed=3)
+    many = llm.generate(PROMPTS, n=3, **kw)
+    assert many.sharing.attention == "shared" and many.sharing.levels
+    alone = llm.generate(PROMPTS[0], n=1, **kw)
+    assert alone.sharing.levels == () and alone[0][0].token_ids == many[0][0].token_ids
+    single = llm.generate(PROMPTS, n=1, **kw)
+    assert [row[0].token_ids for row in single] == [row[0].token_ids for row in many]
+    stepped = [ev.result for ev in llm.events(PROMPTS, n=3, **kw) if hasattr(ev, "result")][0]
+    assert _ids(stepped) == _ids(many)
+    plain = llm.generate(PROMPTS, n=3, **{k: v for k, v in kw.items() if "penalty" not in k})
+    assert _ids(plain) != _ids(many)
+
+
+def test_neutral_options_add_no_work_to_the_step(llm):
+    """Defaults trace no count array and no scatter; penalties trace them (a static choice)."""
+    logits = jnp.zeros((2, llm.config.vocab_size))
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    done = jnp.zeros((2,), bool)
+
+    def prims(cfg, counts, k=0):
+        jaxpr = jax.make_jaxpr(lambda x, c: _pick(llm.model, x, keys, 1, done, c, None, cfg=cfg, pad_id=0, top_k=k))(
+            logits, counts)
+        return {e.primitive.name for e in jaxpr.jaxpr.eqns}
+
+    default = prims(SamplingConfig(), None)
+    assert not any("scatter" in p for p in default) and "top_k" in default   # top-k sampling itself
+    pen = prims(SamplingConfig(presence_penalty=0.5), jnp.zeros((2, llm.config.vocab_size), jnp.int32))
+    assert any("scatter" in p for p in pen)
+    greedy = prims(SamplingConfig(temperature=0.0), None)
+    assert "top_k" not in greedy and "top_k" in prims(SamplingConfig(temperature=0.0), None, k=3)
+
+
+# -- ends: stop token ids, ignore_eos, include_stop_str_in_output, stop_reason -------------------------
+
+@pytest.fixture(scope="module")
+def greedy(llm):
+    return llm.generate(PROMPTS, max_new_tokens=M, temperature=0.0, logprobs=True)
+
+
+def test_stop_token_ids_end_a_sample_with_their_id_as_stop_reason(llm, greedy):
+    ids = greedy[0][0].token_ids
+    stop_id = ids[3]
+    first = ids.index(stop_id)
+    for run in (llm.generate, lambda *a, **k: [e.result for e in llm.events(*a, **k) if hasattr(e, "result")][0]):
+        c = run(PROMPTS, max_new_tokens=M, temperature=0.0, stop_token_ids=[stop_id])[0][0]
+        assert c.finish_reason == "stop" and c.stop_reason == stop_id and c.token_ids == ids[:first + 1]
+        assert c.text == llm.tokenizer.decode(ids[:first], skip_special_tokens=True)
+    kept = llm.generate(PROMPTS, max_new_tokens=M, temperature=0.0, stop_token_ids=[stop_id],
+                        include_stop_str_in_output=True)[0][0]
+    assert kept.token_ids == ids[:first + 1] and kept.text == llm.tokenizer.decode(ids[:first + 1],
+                                                                                   skip_special_tokens=True)
+    assert greedy[0][0].stop_reason is None
+
+
+def test_ignore_eos_runs_to_the_length_limit(llm, greedy):
+    ids = greedy[0][0].token_ids
+    eos = ids[2]
+    other = LLM(dataclasses.replace(llm.config, eos_token_ids=(eos,)), llm.params, llm.tokenizer)
+    stopped = other.generate(PROMPTS, max_new_tokens=M, temperature=0.0)[0][0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None and len(stopped.token_ids) < len(ids)
+    free = other.generate(PROMPTS, max_new_tokens=M, temperature=0.0, ignore_eos=True)
+    assert _ids(free) == _ids(greedy) and free[0][0].finish_reason == "length"
+
+
+def test_include_stop_str_and_the_matched_stop_string(llm, greedy):
+    text = greedy[1][0].text
+    stop = text[2:4]
+    at = text.find(stop)
+    for include in (False, True):
+        out = llm.generate(PROMPTS, max_new_tokens=M, temperature=0.0, stop=["never-there", stop],
+                           include_stop_str_in_output=include)
+        c = out[1][0]
+        assert c.finish_reason == "stop" and c.stop_reason == stop
+        assert c.text == (text[:at + len(stop)] if include else text[:at])
+        joined = "".join(d for j, i, d in llm.stream(PROMPTS, max_new_tokens=M, temperature=0.0, stop=stop,
+                                                      include_stop_str_in_output=include) if j == 1)
+        assert joined == c.text
+
+
+# -- log-probabilities ---------------------------------------------------------------------------------
+
+def _log_softmax_rows(llm, raw_logits, prompt, tokens):
+    rows = []
+    for t in range(len(tokens)):
+        x = raw_logits(list(prompt) + list(tokens[:t]))
+        rows.append(x - x.max() - np.log(np.exp(x - x.max()).sum()))
+    return np.stack(rows)
+
+
+def test_top_k_logprobs_in_completions_and_the_stream(llm, raw_logits):
+    """logprobs=3: three (id, logprob) per token, the largest of a forward pass's log_softmax, the
+    same in generate, events and stream; logprobs=True keeps its meaning (no top-k)."""
+    kw = dict(n=2, max_new_tokens=6, seed=5, temperature=1.0)
+    out = llm.generate(PROMPTS, logprobs=3, **kw)
+    c = out[0][1]
+    assert len(c.top_logprobs) == len(c.token_ids) == len(c.logprobs)
+    ref = _log_softmax_rows(llm, raw_logits, llm.prompt_ids(PROMPTS[0]), c.token_ids)
+    for t, alts in enumerate(c.top_logprobs):
+        assert len(alts) == 3
+        want = np.argsort(-ref[t], kind="stable")[:3]
+        assert [a[0] for a in alts] == want.tolist()
+        np.testing.assert_allclose([a[1] for a in alts], ref[t][want], atol=2e-4)
+    np.testing.assert_allclose(c.logprobs, ref[np.arange(len(c.token_ids)), list(c.token_ids)], atol=2e-4)
+    streamed = {}
+    for j, i, delta, (tok, lp, top) in llm.stream(PROMPTS, logprobs=3, **kw):
+        streamed.setdefault((j, i), []).append((tok, lp, top))
+    for j in range(2):
+        for i in range(2):
+            cc = out[j][i]
+            assert streamed[j, i] == list(zip(cc.token_ids, cc.logprobs, cc.top_logprobs))
+    plain = llm.generate(PROMPTS, logprobs=True, **kw)
+    assert plain[0][1].top_logprobs is None and plain[0][1].logprobs == c.logprobs
+
+
+def test_stream_delivers_logprobs(llm):
+    """stream(logprobs=True) yields one item per token with its log-probability (it dropped them)."""
+    kw = dict(n=2, max_new_tokens=6, seed=5)
+    out = llm.generate(PROMPTS, logprobs=True, **kw)
+    items = list(llm.stream(PROMPTS, logprobs=True, **kw))
+    assert all(len(it) == 4 for it in items)
+    for j in range(2):
+        for i in range(2):
+            mine = [it for it in items if it[:2] == (j, i)]
+            assert [m[3][1] for m in mine] == list(out[j][i].logprobs)
+            assert [m[3][0] for m in mine] == list(out[j][i].token_ids) and all(m[3][2] is None for m in mine)
+            assert "".join(m[2] for m in mine) == out[j][i].text
+    assert all(len(it) == 3 and it[2] for it in llm.stream(PROMPTS, **kw))
+
+
+@pytest.mark.parametrize("k", [True, 2])
+def test_prompt_logprobs_equal_a_forward_pass(llm, raw_logits, k):
+    out = llm.generate(PROMPTS, n=2, max_new_tokens=3, prompt_logprobs=k)
+    for j, p in enumerate(PROMPTS):
+        ids = llm.prompt_ids(p)
+        got = out[j][0].prompt_logprobs
+        assert got == out[j][1].prompt_logprobs and len(got) == len(ids) and got[0] is None
+        ref = _log_softmax_rows(llm, raw_logits, ids[:1], ids[1:])
+        chosen = [e if k is True else e[0] for e in got[1:]]
+        np.testing.assert_allclose(chosen, ref[np.arange(len(ids) - 1), ids[1:]], atol=2e-4)
+        if k is not True:
+            for t, (_, alts) in enumerate(got[1:]):
+                want = np.argsort(-ref[t], kind="stable")[:2]
+                assert [a[0] for a in alts] == want.tolist()
+    assert llm.generate(PROMPTS[0], max_new_tokens=2)[0][0].prompt_logprobs is None
+
+
+# -- seeds, timings and argument handling ---------------------------------------------------------------
+
+def test_seed_none_draws_a_reported_seed_that_reproduces_the_run(llm):
+    kw = dict(n=2, max_new_tokens=M, temperature=1.0, top_k=0, top_p=1.0)
+    a = llm.generate(PROMPTS, seed=None, **kw)
+    b = llm.generate(PROMPTS, seed=None, **kw)
+    assert isinstance(a.seed, int) and a.seed != b.seed
+    assert _ids(llm.generate(PROMPTS, seed=a.seed, **kw)) == _ids(a)
+    assert llm.generate(PROMPTS, seed=4, **kw).seed == 4
+    done = [ev.result for ev in llm.events(PROMPTS, seed=None, **kw) if hasattr(ev, "result")][0]
+    assert isinstance(done.seed, int)
+
+
+def test_sampling_params_object_equals_keywords(llm):
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0.9, min_p=0.1, seed=9, logprobs=2)
+    a = llm.generate(PROMPTS, params)
+    b = llm.generate(PROMPTS, n=2, max_new_tokens=6, temperature=0.9, min_p=0.1, seed=9, logprobs=2)
+    assert a == b and llm.generate(PROMPTS, sampling=params, seed=9, n=2) == a
+    with pytest.raises(ValueError, match=r"seed=1 vs sampling.seed=9"):
+        llm.generate(PROMPTS, params, seed=1)
+    assert SamplingParams(stop="x").stop == ("x",) and SamplingParams(stop_token_ids=[3]).stop_token_ids == (3,)
+    assert SamplingParams(stop_token_ids=[5], ignore_eos=True).stop_ids((2,)) == (5,)
+    assert SamplingParams(stop_token_ids=[5]).stop_ids((2,)) == (2, 5)
+
+
+def test_timings_are_filled_for_the_fused_loop(llm):
+    t = llm.generate(PROMPTS, max_new_tokens=4).timings
+    for name in ("prefill_s", "first_token_s", "decode_s", "decode_compile_s"):
+        assert getattr(t, name) is not None and getattr(t, name) >= 0, name
+    assert t.first_token_s <= t.total_s and t.decode_tokens_per_s is not None
+
+
+def test_stream_checks_arguments_at_the_call(llm):
+    with pytest.raises(ValueError, match="n must be an int >= 1, got 0"):
+        llm.stream(PROMPTS, n=0)
+    with pytest.raises(TypeError, match="stop: received int 5"):
+        llm.stream(PROMPTS, stop=5)
+    with pytest.raises(ValueError, match="prompts: prompt 0 is '   '"):
+        llm.stream("   ")
+
+
+# -- the CLI ---------------------------------------------------------------------------------------------
+
+def _parse(argv):
+    return parse_args(build_parser(), [str(a) for a in argv])
+
+
+def test_cli_flags_parse_into_sampling_params():
+    a = _parse(["--min-p", 0.1, "--repetition-penalty", 1.2, "--presence-penalty", -0.5, "--frequency-penalty", 0.3,
+                "--stop-token-ids", "5,6", "--stop-token-ids", 9, "--ignore-eos", "--include-stop-str",
+                "--logprobs", 4, "--prompt-logprobs", "-o", "x.jsonl", "--seed", "random"])
+    p = sampling_params(a)
+    assert (p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (0.1, 1.2, -0.5, 0.3)
+    assert p.stop_token_ids == (5, 6, 9) and p.ignore_eos and p.include_stop_str_in_output
+    assert p.logprobs == 4 and p.prompt_logprobs is True and isinstance(p.seed, int) and a.seed == p.seed
+    assert _parse(["--logprobs", "-o", "x"]).logprobs is True and _parse(["--logprobs", 0, "-o", "x"]).logprobs is True
+    d = sampling_params(_parse([]))
+    assert d == SamplingParams(seed=0) and d.config() == SamplingConfig()
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--min-p", 2], "argument --min-p: must be in [0, 1]"),
+    (["--repetition-penalty", 0], "argument --repetition-penalty: must be a number > 0"),
+    (["--presence-penalty", 3], "argument --presence-penalty: must be in [-2, 2]"),
+    (["--stop-token-ids", "4,x"], "argument --stop-token-ids: expected an integer"),
+    (["--seed", "lucky"], "argument --seed: expected an integer or 'random', got 'lucky'"),
+    (["--logprobs", -1, "-o", "x"], "argument --logprobs: must be >= 0"),
+    (["--prompt-logprobs"], "--prompt-logprobs needs --output"),
+    (["--schema", "s.pml", "--prompt-pml", "p.pml", "--min-p", 0.1], "--min-p cannot be used with --schema"),
+    (["--schema", "s.pml", "--prompt-pml", "p.pml", "--logprobs", 3, "-o", "x"],
+     "--logprobs K cannot be used with --schema"),
+])
+def test_cli_flag_errors(argv, msg, capsys):
+    assert cli.main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1, err
+
+
+def test_cli_records_carry_the_new_options(gguf, llm, tmp_path, capsys):
+    """One run with every option: the records hold the settings, the drawn seed, stop_reason,
+    top-k and prompt log-probabilities, and the completions `LLM.generate` gives for them."""
+    out = tmp_path / "o.jsonl"
+    greedy = llm.generate("the cat sat on", max_new_tokens=6, temperature=0.0)[0][0]
+    stop_id = greedy.token_ids[2]
+    argv = ["--model", gguf, "-p", "the cat sat on", "-n", 2, "-m", 6, "-t", 0.9, "--min-p", 0.05,
+            "--repetition-penalty", 1.3, "--presence-penalty", 0.2, "--frequency-penalty", 0.1,
+            "--stop-token-ids", stop_id, "--include-stop-str", "--logprobs", 2, "--prompt-logprobs",
+            "--seed", "random", "-o", out]
+    rc = cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 2
+    seed = recs[0]["seed"]
+    want = llm.generate("the cat sat on", n=2, max_new_tokens=6, temperature=0.9, min_p=0.05, repetition_penalty=1.3,
+                        presence_penalty=0.2, frequency_penalty=0.1, stop_token_ids=[stop_id],
+                        include_stop_str_in_output=True, logprobs=2, prompt_logprobs=True, seed=seed)
+    n_prompt = len(llm.prompt_ids("the cat sat on"))
+    for i, r in enumerate(recs):
+        c = want[0][i]
+        assert isinstance(seed, int) and r["seed"] == seed
+        assert r["sampling"] | {"stop_token_ids": [stop_id]} == r["sampling"] and r["sampling"]["min_p"] == 0.05
+        assert (r["sampling"]["repetition_penalty"], r["sampling"]["presence_penalty"],
+                r["sampling"]["frequency_penalty"], r["sampling"]["include_stop_str"],
+                r["sampling"]["ignore_eos"]) == (1.3, 0.2, 0.1, True, False)
+        assert r["token_ids"] == list(c.token_ids) and r["completion"] == c.text
+        assert r["stop_reason"] == c.stop_reason and (c.stop_reason is None or c.stop_reason == stop_id)
+        assert r["top_logprobs"] == [[list(p) for p in alts] for alts in c.top_logprobs]
+        assert all(len(alts) == 2 for alts in r["top_logprobs"])
+        assert len(r["prompt_logprobs"]) == n_prompt and r["prompt_logprobs"][0] is None
+        assert r["prompt_logprobs"] == list(c.prompt_logprobs)
