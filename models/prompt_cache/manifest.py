@@ -17,9 +17,9 @@ import os
 
 from models.prompt_cache.atomic import write_atomic
 from models.prompt_cache.identity import CacheIdentity
-from models.prompt_cache.schema_file import FORMAT, CorruptFile, FileRecord
+from models.prompt_cache.schema_file import FORMAT, CorruptFile, FileRecord, read_record
 
-__all__ = ["MANIFEST", "read_manifest", "schema_file", "write_manifest"]
+__all__ = ["MANIFEST", "read_manifest", "schema_file", "unlisted_records", "write_manifest"]
 
 MANIFEST = "manifest.json"
 
@@ -80,3 +80,19 @@ def read_manifest(directory: str, identity: CacheIdentity) -> dict:
                 for name, r in items}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptFile(path, f"garbled schema records ({type(e).__name__}: {e})") from None
+
+
+def unlisted_records(directory: str, identity: CacheIdentity, listed) -> dict:
+    """Records of the schema files in `directory` that `listed` (names) leaves out and whose
+    headers verify (`read_record`), by name; other files are not this cache's and are left as
+    they are."""
+    found = {}
+    for fname in sorted(os.listdir(directory)):
+        name = fname.removesuffix(".safetensors")
+        if name == fname or name in listed:
+            continue
+        try:
+            found[name] = read_record(os.path.join(directory, fname), identity, name)
+        except (ValueError, OSError):
+            continue
+    return found

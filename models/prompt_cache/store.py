@@ -17,17 +17,16 @@ written to disk first if its disk copy was evicted). Each tier evicts its least 
 entries while it holds more bytes than its budget (`CacheBudgets`, None = unlimited); an entry
 larger than a tier's budget passes through to the next tier.
 
-The disk verifies itself. Every file is written atomically (`models.prompt_cache.atomic`: a
-temporary file in the directory, fsync, rename). A schema file is verified completely when it
-is read (structure, header digest against the manifest, every tensor's digest, identity and
-schema); one that fails, is truncated, empty or unreadable is logged in one line (logger
-`models.prompt_cache`, level WARNING), renamed to `NAME.corrupt-<UTC time>` and treated as a
-miss, so `encode_or_load` encodes the schema again. A manifest that fails its digest or is not
-JSON is kept aside the same way and rebuilt from the schema files whose headers verify. A file
-the manifest does not list is adopted when the directory is opened if its header verifies (a
-writer stopped between the file's rename and the manifest's), and otherwise kept aside before
-the cache writes that name. `stats().verification_failures` counts the files and manifests
-kept aside.
+The disk verifies itself. Every file is written atomically (`models.prompt_cache.atomic`). A
+schema file is verified completely when it is read (structure, header digest against the
+manifest, every tensor's digest, identity, schema); one that fails, is truncated, empty or
+unreadable is logged in one line (logger `models.prompt_cache`, WARNING), renamed to
+`NAME.corrupt-<UTC time>` and treated as a miss, so `encode_or_load` encodes the schema again.
+A manifest that fails its digest or is not JSON is kept aside the same way and rebuilt from the
+schema files whose headers verify. A file the manifest does not list is adopted when the
+directory is opened if its header verifies (a writer stopped between the file's rename and the
+manifest's), else kept aside before the cache writes that name. `stats()` counts the files and
+manifests kept aside (`verification_failures`).
 
 Processes may share a directory: every read-modify-write of it (a lookup that reads a file, a
 write, an eviction, a removal) holds an exclusive `fcntl.flock` on the directory and starts
@@ -59,9 +58,9 @@ from models.prompt_cache.atomic import DirectoryLock, keep_aside, remove_tempora
 from models.prompt_cache.encode import EncodedSchema, check_encoded, encode_schema
 from models.prompt_cache.identity import CacheIdentity, model_identity, schema_identity, tokenizer_identity
 from models.prompt_cache.layout import SchemaLayout, TokenEncoder, layout_schema
-from models.prompt_cache.manifest import MANIFEST, read_manifest, schema_file, write_manifest
+from models.prompt_cache.manifest import MANIFEST, read_manifest, schema_file, unlisted_records, write_manifest
 from models.prompt_cache.pml import Schema, check_schema
-from models.prompt_cache.schema_file import ARRAYS, CorruptFile, FileRecord, load_encoded, read_record, save_encoded
+from models.prompt_cache.schema_file import ARRAYS, CorruptFile, load_encoded, read_record, save_encoded
 
 __all__ = ["TIERS", "CacheBudgets", "CacheStats", "PromptCache", "encoded_nbytes", "kv_bytes_per_token",
            "load_encoded", "save_encoded"]
@@ -393,15 +392,7 @@ class PromptCache:
         disk = collections.OrderedDict((n, r) for n, r in (records or {}).items() if os.path.exists(self._file(n)))
         changed = records is None or len(disk) != len(records)
         if adopt:
-            found = collections.OrderedDict()
-            for fname in sorted(os.listdir(self.directory)):
-                name = fname[:-len(".safetensors")]
-                if not fname.endswith(".safetensors") or name in disk:
-                    continue
-                try:
-                    found[name] = read_record(self._file(name), self.identity, name)
-                except (ValueError, OSError):
-                    continue                       # not a file of this cache: left as it is
+            found = unlisted_records(self.directory, self.identity, disk)
             changed |= bool(found)
             disk = collections.OrderedDict([*found.items(), *disk.items()])
         for name in self._touched:
