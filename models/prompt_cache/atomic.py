@@ -6,7 +6,8 @@ replaced file, and the lock that serializes the processes sharing the directory.
   (`os.replace`); the directory entry is synced too. A crash leaves either the old file or the
   new one, never a mix; an error removes the temporary file.
 * `keep_aside(path)`: renames a damaged file to `NAME.corrupt-<UTC time>` (a further `-N` when
-  that name exists), so that nothing a user stored is deleted or overwritten.
+  that name exists), so that nothing a user stored is deleted or overwritten; call it while
+  holding the `DirectoryLock`.
 * `remove_temporaries(directory)`: deletes the temporary files that writers killed part-way left
   behind; call it only while holding the `DirectoryLock`, under which no writer is active.
 * `DirectoryLock(directory)`: an exclusive `fcntl.flock` on the directory itself (no lock file),
@@ -73,7 +74,15 @@ def keep_aside(path: str) -> str:
         except FileExistsError:
             n += 1
             continue
-        os.remove(path)
+        except FileNotFoundError:
+            raise
+        except OSError:                     # no hard links here (or `path` is a directory)
+            if os.path.lexists(aside):
+                n += 1
+                continue
+            os.rename(path, aside)          # the directory lock keeps `aside` free meanwhile
+        else:
+            os.remove(path)
         _sync_directory(os.path.dirname(os.path.abspath(path)))
         return aside
 
