@@ -8,8 +8,10 @@ step-by-step variant.
   ``jax.jit`` with the cache donated: stops after ``max_new_tokens`` or when every sequence has
   produced an EOS id (per-sequence done flags; finished rows stop writing the cache and emit
   ``pad_token_id``).  Returns :class:`GenerateOutput` ``(tokens [B, max_new_tokens],
-  lengths [B], cache, logprobs [B, max_new_tokens])``; ``lengths[b]`` counts generated tokens
-  including the EOS.
+  lengths [B], cache, logprobs [B, max_new_tokens])`` (with ``top_logprobs=k``: also
+  ``top_ids`` / ``top_logprobs [B, max_new_tokens, k]``); ``lengths[b]`` counts generated
+  tokens including the EOS.  Each step's choice is :func:`models.token_step.choose_tokens`
+  (penalties with per-sequence counts kept on the device, sampling, log-probabilities).
 * :func:`generate_from_cache` -- the same decode loop from a cache the caller prefilled (e.g.
   Prompt Cache's prefill at explicit positions over stored module K/V).
 * :func:`generate_stream` -- the same steps driven from Python (yields each step's tokens): the
@@ -51,9 +53,9 @@ from models import kv_cache as kvc
 from models.kv_cache import KVCache, PrefixCache
 from models.llama import Llama
 from models.prefix_sharing import PromptBatch, bucket_length
-from models.penalties import add_tokens, apply_penalties, prompt_seen_mask
-from models.sampling import GREEDY, SamplingConfig, sample_tokens, token_logprobs, top_logprobs
+from models.sampling import GREEDY, SamplingConfig
 from models.sharded_llama import ShardedLlama
+from models.token_step import check_top_logprobs, choose_tokens, initial_counts, prompt_seen
 
 __all__ = ["ATTENTION", "LAYOUTS", "GenerateOutput", "PromptBatch", "generate", "generate_from_cache",
            "generate_stream", "prefill_prefix_cache", "resolve_attention", "resolve_layout"]
@@ -180,33 +182,6 @@ def _check_prefix_cache(prefix: PrefixCache, prompts: PromptBatch, repeats: tupl
                              f"{want.tolist()}")
 
 
-def _samplers(model):
-    """``(sample_tokens, token_logprobs)`` for ``model``'s logits (split over the vocabulary on a mesh)."""
-    if isinstance(model, ShardedLlama):
-        return model.sample_tokens, model.token_logprobs
-    return sample_tokens, token_logprobs
-
-
-def _pick(model, logits_bv, keys_b, step, done_b, counts, seen, *, cfg: SamplingConfig, pad_id: int, top_k: int):
-    """One step's choice: ``(tokens [B], logprobs [B], top, counts)``.  Finished rows (``done_b``)
-    give ``pad_id`` / 0 and are not counted; ``top``: ``(ids [B, k], logprobs [B, k])`` of the raw
-    distribution, or None (``top_k == 0``); ``counts``: the generated-token counts ``[B, V]``
-    updated with this step's tokens, or None (no penalty: nothing is kept)."""
-    sample, logprob = _samplers(model)
-    x = logits_bv if counts is None else apply_penalties(logits_bv, counts, seen, cfg)
-    tok = sample(x, keys_b, step, cfg)
-    lp = jnp.where(done_b, 0.0, logprob(logits_bv, tok))
-    tok = jnp.where(done_b, pad_id, tok)
-    top = top_logprobs(logits_bv, top_k, model.config.vocab_size) if top_k else None
-    if counts is not None:
-        counts = add_tokens(counts, tok, ~done_b)
-    return tok, lp, top, counts
-
-
-def _initial_counts(cfg: SamplingConfig, logits_bv) -> jax.Array | None:
-    return jnp.zeros(logits_bv.shape, jnp.int32) if cfg.penalized else None
-
-
 @functools.partial(jax.jit, static_argnames=("model", "attention", "width", "sampling", "eos_ids", "pad_id",
                                              "top_k"),
                    donate_argnames=("layers",))
@@ -216,7 +191,7 @@ def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, p
     # The suffix buffers are donated; the prefix cache is not (it may be reused by other batches).
     # ``limit`` (dynamic) <= ``width`` (static) steps are taken.
     cache = KVCache(prefix=prefix, layers=layers, lengths=lengths_b, pos_offset=pos_offset_b, backend=attention)
-    pick = functools.partial(_pick, model, keys_b=keys_b, seen=seen_bv, cfg=sampling, pad_id=pad_id, top_k=top_k)
+    pick = functools.partial(choose_tokens, model, keys_b=keys_b, seen=seen_bv, cfg=sampling, pad_id=pad_id, top_k=top_k)
     b = logits_bv.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
 
@@ -224,7 +199,7 @@ def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, p
         return jnp.isin(tok_b, eos) if eos is not None else jnp.zeros(tok_b.shape, bool)
 
     tok, lp, top, counts = pick(logits_bv, step=0, done_b=jnp.zeros((b,), bool),
-                                counts=_initial_counts(sampling, logits_bv))
+                                counts=initial_counts(sampling, logits_bv))
     done = is_eos(tok)
     out = jnp.full((b, width), pad_id, jnp.int32).at[:, 0].set(tok)
     lps = jnp.zeros((b, width), jnp.float32).at[:, 0].set(lp)
@@ -254,30 +229,11 @@ def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, p
 @functools.partial(jax.jit, static_argnames=("model", "cfg", "eos_ids", "pad_id", "top_k"))
 def _sample_step(logits_bv, keys_b, step, done_b, counts, seen_bv, *, model, cfg: SamplingConfig, eos_ids: tuple,
                  pad_id: int, top_k: int):
-    """``(tokens [B], logprobs [B], top, done [B], counts)`` of one step (:func:`_pick`)."""
-    tok, lp, top, counts = _pick(model, logits_bv, keys_b, step, done_b, counts, seen_bv, cfg=cfg, pad_id=pad_id,
+    """``(tokens [B], logprobs [B], top, done [B], counts)`` of one step (:func:`~models.token_step.choose_tokens`)."""
+    tok, lp, top, counts = choose_tokens(model, logits_bv, keys_b, step, done_b, counts, seen_bv, cfg=cfg, pad_id=pad_id,
                                  top_k=top_k)
     hit = jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros(tok.shape, bool)
     return tok, lp, top, done_b | hit, counts
-
-
-def _prompt_seen(sampling: SamplingConfig, prompt_token_ids, batch: int, vocab_size: int) -> jax.Array | None:
-    """The ``[B, V]`` prompt-token mask a repetition penalty needs (None without one)."""
-    if sampling.repetition_penalty == 1:
-        return None
-    if prompt_token_ids is None:
-        raise ValueError(f"prompt_token_ids: received None, expected the {batch} prompts' token ids "
-                         f"(sampling has repetition_penalty={sampling.repetition_penalty})")
-    if len(prompt_token_ids) != batch:
-        raise ValueError(f"prompt_token_ids: received {len(prompt_token_ids)} prompts, expected one per "
-                         f"sequence ({batch})")
-    return jnp.asarray(prompt_seen_mask(prompt_token_ids, vocab_size))
-
-
-def _check_top_logprobs(top_logprobs: int) -> int:
-    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)) or top_logprobs < 0:
-        raise ValueError(f"top_logprobs: received {top_logprobs!r}, expected an int >= 0 (0 = off)")
-    return int(top_logprobs)
 
 
 def _sequence_keys(key, keys, batch: int) -> jax.Array:
@@ -359,12 +315,11 @@ def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens
     the ``k`` most probable ids of each step's raw distribution.  ``on_prefill``: called once the
     prefill's logits are computed, before the decode loop starts (for timing).
     """
-    top_k = _check_top_logprobs(top_logprobs)
+    top_k = check_top_logprobs(top_logprobs)
     model, params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
                                                     prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets,
                                                     mesh)
-    seen = _prompt_seen(sampling, [prompts.full_prompt(b) for b in range(prompts.batch)]
-                        if sampling.repetition_penalty != 1 else None, prompts.batch, model.config.vocab_size)
+    seen = prompt_seen(sampling, prompts, prompts.batch, model.config.vocab_size)
     if on_prefill is not None:
         jax.block_until_ready(logits)
         on_prefill()
@@ -395,14 +350,14 @@ def generate_from_cache(model: Llama, params: dict, cache: KVCache, logits_bv: j
     if tuple(logits_bv.shape) != (cache.batch, model.config.vocab_size):
         raise ValueError(f"logits_bv: received shape {tuple(logits_bv.shape)}, expected "
                          f"{(cache.batch, model.config.vocab_size)}")
-    top_k = _check_top_logprobs(top_logprobs)
+    top_k = check_top_logprobs(top_logprobs)
     kvc.check_layout(params["layers"], cache.layers)
     need = int(np.asarray(cache.lengths).max()) + max_new_tokens - 1
     if need > cache.capacity:
         raise ValueError(f"cache: capacity {cache.capacity} cannot hold the longest prompt continuation plus "
                          f"max_new_tokens - 1 = {need} tokens")
     eos, pad = _stop_and_pad_ids(model, eos_token_ids, pad_token_id)
-    seen = _prompt_seen(sampling, prompt_token_ids, cache.batch, model.config.vocab_size)
+    seen = prompt_seen(sampling, prompt_token_ids, cache.batch, model.config.vocab_size)
     return _run_decode(model, params, cache, logits_bv, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                        keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets, seen=seen, top_k=top_k)
 
@@ -421,17 +376,16 @@ def generate_stream(model: Llama, params: dict, prompts: PromptBatch, *, max_new
     Prefill runs at the first ``next()``.  It stops after ``max_new_tokens`` steps or once every
     sequence has produced an EOS id; a consumer may stop iterating earlier (``break``).
     ``mesh``: as in :func:`generate`.  The penalties' token counts stay on the device."""
-    top_k = _check_top_logprobs(top_logprobs)
+    top_k = check_top_logprobs(top_logprobs)
     model, params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
                                                     prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets,
                                                     mesh)
-    seen = _prompt_seen(sampling, [prompts.full_prompt(b) for b in range(prompts.batch)]
-                        if sampling.repetition_penalty != 1 else None, prompts.batch, model.config.vocab_size)
+    seen = prompt_seen(sampling, prompts, prompts.batch, model.config.vocab_size)
     seq_keys = _sequence_keys(key, keys, prompts.batch)
     sample = functools.partial(_sample_step, keys_b=seq_keys, seen_bv=seen, model=model, cfg=sampling, eos_ids=eos,
                                pad_id=pad, top_k=top_k)
     tok, lp, top, done, counts = sample(logits, step=0, done_b=jnp.zeros((prompts.batch,), bool),
-                                        counts=_initial_counts(sampling, logits))
+                                        counts=initial_counts(sampling, logits))
     for i in range(max_new_tokens):
         last = i + 1 == max_new_tokens
         # The next step is dispatched before the host reads this step's tokens -- except after the

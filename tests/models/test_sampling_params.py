@@ -16,7 +16,7 @@ from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
 from models import LLM, SamplingParams, SamplingConfig
 from models import cli
 from models.cli_args import build_parser, parse_args, sampling_params
-from models.generate import _pick
+from models.token_step import choose_tokens
 from models.gguf import write_llama_gguf
 from models.llm import FinishEvent, TokenEvent
 
@@ -107,6 +107,22 @@ def test_penalties_with_shared_prefix_sampling_are_per_sequence(llm):
     assert _ids(plain) != _ids(many)
 
 
+def test_penalties_and_top_logprobs_on_a_mesh_equal_one_device(llm, gguf):
+    """Tensor parallel over 2 devices (the vocabulary split, padded): penalised greedy tokens,
+    min-p sampling and top-k log-probabilities equal one device's."""
+    mp = LLM.load(gguf, tensor_parallel=2)
+    for kw in (dict(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5),
+               dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2, presence_penalty=0.8, seed=2)):
+        want = llm.generate(PROMPTS, max_new_tokens=6, logprobs=2, **kw)
+        got = mp.generate(PROMPTS, max_new_tokens=6, logprobs=2, **kw)
+        assert _ids(got) == _ids(want)
+        for gr, wr in zip(got, want):
+            assert [[a[0] for a in alts] for alts in gr[0].top_logprobs] == [[a[0] for a in alts]
+                                                                             for alts in wr[0].top_logprobs]
+            np.testing.assert_allclose([[a[1] for a in alts] for alts in gr[0].top_logprobs],
+                                       [[a[1] for a in alts] for alts in wr[0].top_logprobs], atol=1e-4)
+
+
 def test_neutral_options_add_no_work_to_the_step(llm):
     """Defaults trace no count array and no scatter; penalties trace them (a static choice)."""
     logits = jnp.zeros((2, llm.config.vocab_size))
@@ -114,7 +130,7 @@ def test_neutral_options_add_no_work_to_the_step(llm):
     done = jnp.zeros((2,), bool)
 
     def prims(cfg, counts, k=0):
-        jaxpr = jax.make_jaxpr(lambda x, c: _pick(llm.model, x, keys, 1, done, c, None, cfg=cfg, pad_id=0, top_k=k))(
+        jaxpr = jax.make_jaxpr(lambda x, c: choose_tokens(llm.model, x, keys, 1, done, c, None, cfg=cfg, pad_id=0, top_k=k))(
             logits, counts)
         return {e.primitive.name for e in jaxpr.jaxpr.eqns}
 
