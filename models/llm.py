@@ -24,8 +24,9 @@ Semantics:
 * prompts: a string, token ids, or (``chat=True``) a list of ``{"role", "content"}`` messages --
   one of them or a list of them.  ``chat=True`` renders the model's chat template (a string is
   the user message); ``shared_prompt`` is text before every prompt (with ``chat``: the system
-  message) and is shared even when shorter than ``MIN_SHARED_TOKENS``.  A text prompt that is
-  empty or only whitespace is a ``ValueError`` naming ``prompts``.
+  message) and is shared even when shorter than ``MIN_SHARED_TOKENS``.  A text prompt that is empty
+  or only whitespace (without ``chat``: after ``shared_prompt``) is a ``ValueError`` naming
+  ``prompts``, as ``jpa-sample`` refuses it.
 * options: a :class:`~models.sampling_params.SamplingParams` (second argument or
   ``sampling=``) and / or its fields as keywords -- ``n``, ``max_new_tokens``, ``temperature``,
   ``top_k``, ``top_p``, ``min_p``, the repetition / presence / frequency penalties, ``seed``,
