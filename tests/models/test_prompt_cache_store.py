@@ -108,6 +108,11 @@ def test_save_load_round_trip_is_bit_identical(setup, tmp_path):
     assert back.k.dtype == jnp.bfloat16 and np.asarray(enc16.k).tobytes() == back.k.tobytes()
     with pytest.raises(ValueError, match=r"dtype: stored bfloat16, expected float32"):
         load_encoded(str(tmp_path / "x.safetensors"), cache.identity, "s1", key)
+    whole = (tmp_path / "x.safetensors").read_bytes()               # damaged files: a ValueError naming the file
+    for cut, msg in ((len(whole) - 3, "truncated"), (0, "empty file"), (3, "truncated: 3 bytes")):
+        (tmp_path / "y.safetensors").write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match=f"y.safetensors: {msg}"):
+            load_encoded(str(tmp_path / "y.safetensors"), c16.identity, "s1", key)
     with pytest.raises(ValueError, match="made for another model, dtype or tokenizer"):   # a directory too
         PromptCache(model, p16, tok, directory=tmp_path, tokenizer_id="mod")
 
