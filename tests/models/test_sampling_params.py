@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
-from models import LLM, SamplingParams, SamplingConfig
+from models import LLM, PromptBatch, SamplingConfig, SamplingParams
 from models import cli
 from models.cli_args import build_parser, parse_args, sampling_params
 from models.token_step import choose_tokens
+from models.generate import generate, generate_from_cache, prefill_prefix_cache
 from models.gguf import write_llama_gguf
 from models.llm import FinishEvent, TokenEvent
 
@@ -121,6 +122,27 @@ def test_penalties_and_top_logprobs_on_a_mesh_equal_one_device(llm, gguf):
                                                                              for alts in wr[0].top_logprobs]
             np.testing.assert_allclose([[a[1] for a in alts] for alts in gr[0].top_logprobs],
                                        [[a[1] for a in alts] for alts in wr[0].top_logprobs], atol=1e-4)
+
+
+def test_generate_from_cache_with_penalties_equals_generate(llm):
+    """The decode loop from a cache the caller prefilled counts the prompt given as
+    ``prompt_token_ids`` (a repetition penalty needs it) and gives `generate`'s tokens."""
+    ids = [llm.prompt_ids(p) for p in PROMPTS]
+    batch = PromptBatch.plain(ids)
+    cfg = SamplingConfig(temperature=0.0, repetition_penalty=1.6, frequency_penalty=0.4)
+    want = generate(llm.model, llm.params, batch, max_new_tokens=M, sampling=cfg, attention="flat",
+                    top_logprobs=2)
+    prefix = prefill_prefix_cache(llm.model, llm.params, batch)
+    toks, n = batch.suffix_arrays()
+    logits, cache = llm.model.prefill_jit(llm.params, prefix, toks, n, capacity=max(map(len, ids)) + M,
+                                          backend="flat")
+    with pytest.raises(ValueError, match="prompt_token_ids: received None"):
+        generate_from_cache(llm.model, llm.params, cache, logits, max_new_tokens=M, sampling=cfg)
+    got = generate_from_cache(llm.model, llm.params, cache, logits, max_new_tokens=M, sampling=cfg,
+                              prompt_token_ids=ids, top_logprobs=2)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.top_ids, want.top_ids)
+    assert got.top_ids.shape == (2, M, 2)
 
 
 def test_neutral_options_add_no_work_to_the_step(llm):
