@@ -73,9 +73,11 @@ class _ResultsLog:
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
-            _append_record(self.path, {"test": report.nodeid, "when": report.when,
-                                       "outcome": report.outcome,
-                                       "seconds": round(report.duration, 3)})
+            record = {"test": report.nodeid, "when": report.when, "outcome": report.outcome,
+                      "seconds": round(report.duration, 3)}
+            if report.failed:
+                record["error"] = report.longreprtext[-4000:]
+            _append_record(self.path, record)
 
 
 def pytest_configure(config):
@@ -92,9 +94,12 @@ def results_log(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the device machine)")
+    gpus = len(jax.devices()) if _has_gpu() else 0
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the device machine)")
+    one_gpu = pytest.mark.skip(reason=f"needs 2 GPUs, this machine has {gpus} (run on the "
+                                      f"nvidia-h200-x2 kind)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and gpus == 0:
+            item.add_marker(no_gpu)
+        elif "two_gpus" in item.keywords and gpus < 2:
+            item.add_marker(one_gpu)

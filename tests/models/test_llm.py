@@ -446,6 +446,7 @@ def test_pad_batch_copies_real_rows_into_a_bucket():
 
 
 @pytest.mark.gpu
+@pytest.mark.two_gpus
 def test_two_gpus_llm_samples_equal_one(tmp_path):
     """2 GPUs, the SmolLM2-shaped checkpoint in float32 (3 kv heads: padded to 4 at tp 2):
     `LLM.load(tensor_parallel=2)` and `LLM.load(data_parallel=2)` draw one GPU's samples with

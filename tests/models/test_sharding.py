@@ -160,6 +160,7 @@ def test_impossible_meshes_and_batches_raise():
 
 
 @pytest.mark.gpu
+@pytest.mark.two_gpus
 def test_two_gpus_match_one_at_llama8b_layer_shapes():
     """2 GPUs (the kernels run per shard inside shard_map): Llama-3.1-8B layer and vocabulary
     shapes (2 layers, float32 random weights), B = 8 over a shared 1K-token prefix: tp 2 and dp 2
