@@ -157,7 +157,7 @@ def test_interpreter_matches_float64(b, hq, hkv, d, p, plen, s, kw):
     (29, 4, 2, 64, 512, 300, 256, dict(prefix_ctas=3, stream_ctas=4, num_splits=2, stream_stages=2)),
     (21, 16, 1, 128, 1024, 777, 64, dict(prefix_ctas=4, stream_ctas=2, num_splits=2)),
     (45, 4, 4, 64, 768, 768, 128, dict(prefix_ctas=5, stream_ctas=3, num_splits=2, stream_stages=1)),
-    (300, 32, 8, 128, 4096, 4096, 128, dict(prefix_ctas=100, stream_ctas=32, num_splits=2)),
+    (160, 32, 8, 128, 2048, 2048, 128, dict(prefix_ctas=50, stream_ctas=32, num_splits=2)),
     (70, 32, 8, 128, 1024, 1000, 128, dict(prefix_ctas=7, stream_ctas=3, stream_wgs=2)),
 ])
 def test_gpu_matches_float64(b, hq, hkv, d, p, plen, s, kw):
