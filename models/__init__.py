@@ -5,7 +5,9 @@
 * :mod:`models.kv_cache` -- :class:`PrefixCache` (shared levels stored once) and :class:`KVCache`;
 * :mod:`models.attention` -- attention over the cache through ``jax_prefix_attn``;
 * :mod:`models.llama` -- :class:`Llama`: forward, prefill of prefixes and continuations, decode step;
-* :mod:`models.sampling` -- greedy / temperature / top-k / top-p, per-sample keys;
+* :mod:`models.sampling` -- greedy / temperature / min-p / top-k / top-p, per-sample keys;
+  :mod:`models.penalties` -- repetition / presence / frequency penalties;
+  :mod:`models.sampling_params` -- :class:`SamplingParams`, the options of an :class:`LLM` call;
 * :mod:`models.prefix_sharing` -- :class:`PromptBatch` (prompts as a prefix tree), automatic
   detection of shared token prefixes, :class:`SharingReport`;
 * :mod:`models.generate` -- validation and the jit-compiled decode loop over a ``PromptBatch``;

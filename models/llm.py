@@ -13,7 +13,8 @@ many prompts, sharing their common prefixes without being told.
   :class:`~models.completion.Completion`; the list is a :class:`~models.completion.Generation`
   with ``.sharing`` (:class:`~models.prefix_sharing.SharingReport`) and ``.timings``
   (:class:`~models.completion.Timings`).
-* :meth:`LLM.stream` -- ``(prompt_index, sample_index, text_delta)`` as tokens arrive;
+* :meth:`LLM.stream` -- ``(prompt_index, sample_index, text_delta)`` as tokens arrive (with
+  ``logprobs``: one item per token, ``(..., text_delta, (token_id, logprob, top_logprobs))``);
   :meth:`LLM.events` -- the same run as :class:`~models.completion.PhaseEvent`,
   :class:`~models.completion.TokenEvent`, :class:`~models.completion.FinishEvent`,
   :class:`~models.completion.StepEvent` and a final :class:`~models.completion.DoneEvent`
@@ -217,6 +218,10 @@ class LLM:
 
     def _prepare(self, prompts, sampling, options, *, chat, shared_prompt, attention) -> Request:
         params = resolve_seed(resolve_params(sampling, options))
+        if params.prompt_logprobs is not False and params.prompt_logprobs is not None and self.tensor_parallel > 1:
+            raise ValueError(f"prompt_logprobs: received {params.prompt_logprobs!r}, expected False with "
+                             f"tensor_parallel={self.tensor_parallel} (the prompt's forward pass runs on the "
+                             f"unsplit model only)")
         if shared_prompt is not None and not isinstance(shared_prompt, str):
             raise TypeError(f"shared_prompt must be a string, got {type(shared_prompt).__name__}")
         attention = self.attention if attention is None else attention

@@ -33,7 +33,8 @@ Fields (defaults in brackets):
   [False]: the matched stop string (or the stop token's text) stays in ``text``;
 * ``logprobs`` [False]: ``True`` (or 0) reports each generated token's raw log-probability;
   an int ``k >= 1`` also the ``k`` most probable ids with theirs; ``prompt_logprobs`` [False]:
-  the same for each prompt token given the ones before it (the first has none).
+  the same for each prompt token given the ones before it (the first has none; one forward
+  pass of the unsplit model, so not with ``tensor_parallel > 1``).
 """
 from __future__ import annotations
 

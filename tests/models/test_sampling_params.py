@@ -122,6 +122,8 @@ def test_penalties_and_top_logprobs_on_a_mesh_equal_one_device(llm, gguf):
                                                                              for alts in wr[0].top_logprobs]
             np.testing.assert_allclose([[a[1] for a in alts] for alts in gr[0].top_logprobs],
                                        [[a[1] for a in alts] for alts in wr[0].top_logprobs], atol=1e-4)
+    with pytest.raises(ValueError, match="prompt_logprobs: received True, expected False with tensor_parallel=2"):
+        mp.generate(PROMPTS, prompt_logprobs=True)
 
 
 def test_generate_from_cache_with_penalties_equals_generate(llm):
