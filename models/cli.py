@@ -46,8 +46,9 @@ Also runnable as `python -m models.cli`.
 """
 from __future__ import annotations
 
-import json
 import os
+import re
+import shlex
 import sys
 import time
 from typing import Sequence
@@ -55,9 +56,10 @@ from typing import Sequence
 import jax
 
 from models.cli_args import PROG, STDIN, UsageError, build_parser, parse_args, sampling_params, unescape, version
-from models.cli_inputs import (DEMO_QUESTIONS, DEMO_SYSTEM, build_prompts, check_writable, read_inputs,
-                               read_text)
-from models.cli_output import completion_header, error_line, jsonl_record, printable, summary_line
+from models.cli_inputs import (DEMO_QUESTIONS, DEMO_SYSTEM, build_prompts, check_output_flags, check_writable,
+                               output_mode, read_inputs, read_text)
+from models.cli_jsonl import kept_on_error, open_records
+from models.cli_output import completion_header, error_line, jsonl_record, printable, sequence_timings, summary_line
 from models.cli_progress import Progress
 from models.cli_prompt_cache import run_prompt_cache
 from models.compile_watch import CompileWatch
@@ -89,6 +91,7 @@ def load_model(path: str | None, dtype_name: str | None, mesh: jax.sharding.Mesh
 
 def run(args) -> int:
     """Runs the parsed flags; the exit status (0, or 130 when interrupted)."""
+    check_output_flags(args)
     if args.schema is not None:
         return run_prompt_cache(args, lambda path, dtype: load_model(path, dtype))
     prompt, questions = read_inputs(args)
@@ -98,18 +101,36 @@ def run(args) -> int:
         raise UsageError(f"model file not found: {args.model}")
     prompts = build_prompts(prompt, questions, chat=args.chat, question_format=args.question_format)
     mesh = make_devices(args.tensor_parallel, args.data_parallel)
+    records = open_records(args.output, output_mode(args)) if args.output else None
+    with kept_on_error(records):
+        return _generate(args, prompts, questions, mesh, records)
+
+
+def _generate(args, prompts: list, questions: list[str] | None, mesh, records) -> int:
+    """Loads the model, generates, and prints or writes the completions (``records``: the
+    ``--output`` writer, or None); the exit status."""
     n, groups = args.num_samples, len(prompts)
     b = groups * n
     show = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     stream_one = b == 1 and not args.output
     tokens: dict[tuple[int, int], list[int]] = {}
     finished: dict[tuple[int, int], Completion] = {}
+    recs: dict[tuple[int, int], dict] = {}
     result, interrupted, load_s = None, False, 0.0
+    t_prefill = t_first = None
+
+    def record(j: int, i: int, c: Completion) -> dict:  # the record of a sequence that ends now
+        timings = sequence_timings(load_s=load_s, call=t_call, prefill=t_prefill, first_token=t_first,
+                                   end=time.perf_counter(), compile_s=watch.seconds - compile_before)
+        return jsonl_record(llm, args, j, i, c, texts[j], questions[j] if questions else None, attention=None,
+                            timings=timings)
+
     with CompileWatch() as watch, Progress(show, watch) as progress:
         progress.phase("load")
         t0 = time.perf_counter()
         llm = load_model(args.model, args.dtype, mesh)
         load_s = time.perf_counter() - t0
+        t_call, compile_before = time.perf_counter(), watch.seconds
         try:
             events = llm.events(prompts, sampling_params(args), chat=args.chat, attention=args.attention)
             texts = [llm.prompt_text(p, chat=args.chat) for p in prompts]
@@ -119,17 +140,26 @@ def run(args) -> int:
             for ev in events:
                 if isinstance(ev, PhaseEvent):
                     progress.phase(ev.name)
-                    if ev.name == "decode" and stream_one:
-                        progress.close()  # the streamed text takes the terminal
+                    if ev.name == "prefill":
+                        t_prefill = time.perf_counter()
+                    if ev.name == "decode":
+                        t_first = time.perf_counter()
+                        if stream_one:
+                            progress.close()  # the streamed text takes the terminal
                 elif isinstance(ev, TokenEvent):
                     tokens.setdefault((ev.prompt_index, ev.sample_index), []).append(ev.token_id)
                     if stream_one and ev.text:
                         progress.write_out(printable(ev.text))
                 elif isinstance(ev, FinishEvent):
-                    finished[(ev.prompt_index, ev.sample_index)] = ev.completion
-                    if not stream_one and not args.output:
-                        progress.write_out(completion_header(ev.prompt_index, ev.sample_index, ev.completion,
-                                                             questions, n) + printable(ev.completion.text) + "\n")
+                    key = (ev.prompt_index, ev.sample_index)
+                    finished[key] = ev.completion
+                    if records is not None:  # written now: an interrupted or failed run keeps it
+                        recs[key] = record(*key, ev.completion)
+                        with progress.paused():
+                            records.write(recs[key])
+                    elif not stream_one:
+                        progress.write_out(completion_header(*key, ev.completion, questions, n)
+                                           + printable(ev.completion.text) + "\n")
                 elif isinstance(ev, StepEvent):
                     progress.decode(ev.step, args.max_new_tokens, ev.new_tokens, ev.running)
                 elif isinstance(ev, DoneEvent):
@@ -147,36 +177,59 @@ def run(args) -> int:
                 ids = tokens.get((j, i), [])
                 c = Completion(llm.tokenizer.decode(ids, skip_special_tokens=True), tuple(ids), "interrupted")
             completions[(j, i)] = c
-    if interrupted and not args.output:
+    kept = ""
+    if interrupted and records is None:
         for (j, i), c in completions.items():
             if c.finish_reason == "interrupted" and not stream_one:
                 print(completion_header(j, i, c, questions, n) + printable(c.text))
-    if args.output:
-        try:
-            with open(args.output, "w", encoding="utf-8") as f:
-                for (j, i), c in completions.items():
-                    rec = jsonl_record(llm, args, j, i, c, texts[j], questions[j] if questions else None, result,
-                                       load_s)
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        except OSError as e:
-            raise UsageError(f"cannot write {args.output}: {e}") from None
+    elif interrupted:
+        for key, c in completions.items():
+            if key not in recs:
+                recs[key] = record(*key, c)
+                records.write(recs[key])
+        kept = ": " + records.abandon()
+    elif records is not None:  # the run ended: its records, in order, with the layout it used
+        attention = result.sharing.attention if result is not None else None
+        records.commit([recs[k] | {"attention": attention} for k in sorted(recs)])
     print(summary_line(llm, result, b=b, groups=groups, n=n, load_s=load_s, interrupted=interrupted),
           file=sys.stderr)
     if interrupted:
-        print(f"{PROG}: interrupted; kept the tokens produced so far", file=sys.stderr)
+        print(f"{PROG}: interrupted; kept the tokens produced so far{kept}", file=sys.stderr)
         return 130
     return 0
+
+
+def _model_flag_hint(argv: Sequence[str], message: str) -> str | None:
+    """The error for llama.cpp's habit ``-m model.gguf``: here ``-m`` is ``--max-new-tokens``, so
+    when parsing failed on its value (``message``) and that value is not an integer, the error
+    points to ``--model`` (None otherwise)."""
+    if not message.startswith("argument --max-new-tokens/-m:"):
+        return None
+    for k, a in enumerate(argv):
+        if a == "-m" and k + 1 < len(argv):
+            value = argv[k + 1]
+        elif a.startswith("-m") and not a.startswith("--") and len(a) > 2:
+            value = a[2:]
+        else:
+            continue
+        if not re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            return (f"-m is --max-new-tokens (an integer), got {value!r}; to load a model file use --model "
+                    f"{shlex.quote(value)}")
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on `argv` (default: `sys.argv[1:]`); the exit status. A user error prints
     `jpa-sample: error: MESSAGE` as one line on stderr and gives status 2."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         try:
             args = parse_args(parser, argv)
         except SystemExit as e:  # --help, --version
             return int(e.code or 0)
+        except UsageError as e:
+            raise UsageError(_model_flag_hint(argv, str(e)) or str(e)) from None
         return run(args)
     except UsageError as e:
         print(f"{PROG}: error: {error_line(str(e))}", file=sys.stderr)

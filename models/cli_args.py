@@ -7,6 +7,7 @@ import argparse
 import importlib.metadata
 import math
 import re
+import string
 from typing import Sequence
 
 import jax
@@ -78,11 +79,17 @@ def _token_ids(s):
 
 
 def _question_format(s):
-    """An argparse type: a `str.format` template that formats with only `question=`."""
+    """An argparse type: a `str.format` template with a `{question}` field and no other, with
+    `\\n`, `\\t` and `\\\\` unescaped as in `--stop` (the default as `--help` prints it means the default)."""
+    s = unescape(s)
     try:
         s.format(question="q")
+        fields = [f for _, f, _, _ in string.Formatter().parse(s) if f is not None]
     except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"bad template {s!r}: {type(e).__name__}: {e}") from None
+    if "question" not in fields:
+        raise argparse.ArgumentTypeError(f"template {s!r} has no {{question}} field: every question would be "
+                                         f"dropped")
     return s
 
 
@@ -114,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one question per line, each gets --num-samples completions after the shared prompt; "
                         "'-' for standard input (default: none)")
     p.add_argument("--question-format", type=_question_format, default="Q: {question}\nA:",
-                   help="without --chat: how a question is appended to the prompt (default: %(default)r)")
+                   help="without --chat: how a question is appended to the prompt, with a {question} field; \\n, "
+                        "\\t and \\\\ as in --stop (default: %(default)r)")
     p.add_argument("--chat", action="store_true", help="format with the model's chat template (default: off)")
     p.add_argument("--num-samples", "-n", type=_int_at_least(1), default=1,
                    help="completions per prompt (default: %(default)s)")
@@ -155,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each prompt token's log-probability in the --output records; with K >= 1 also the K most "
                         "probable tokens at each position; needs --output (default: off)")
     p.add_argument("--logprobs", type=_logprobs_count, nargs="?", const=True, default=False, metavar="K",
-                   help="with --output: each token's log-probability in the records; with K >= 1 also the K most "
-                        "probable tokens at each step (default: off)")
+                   help="each token's log-probability in the --output records; with K >= 1 also the K most "
+                        "probable tokens at each step; needs --output (default: off)")
     p.add_argument("--attention", choices=ATTENTION, default="auto",
                    help="KV-cache layout: shared prefixes stored once, or flat copies; auto = shared when "
                         "sequences share a prefix (default: %(default)s)")
@@ -168,8 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the sequences over M groups of --tensor-parallel devices; the first N x M devices "
                         "are used (default: %(default)s)")
     p.add_argument("--output", "-o", default=None,
-                   help="write one JSON object per completion to this .jsonl, checked for writing before the "
-                        "model loads (default: print the completions)")
+                   help="write one JSON object per completion to this .jsonl as each finishes ('-': standard "
+                        "output, the completions are then not printed); the file appears when the run ends, "
+                        "an existing one only with --overwrite or --append (default: print the completions)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--overwrite", action="store_true",
+                     help="replace an existing --output file when the run ends (default: refuse it)")
+    how.add_argument("--append", action="store_true",
+                     help="add the records to an existing --output file when the run ends (default: refuse it)")
     p.add_argument("--demo", action="store_true",
                    help="built-in example: chat, a shared system prompt and three questions; --prompt / "
                         "--questions-file still override them (default: off)")

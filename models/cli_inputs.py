@@ -1,6 +1,7 @@
 """The inputs of ``jpa-sample``, checked before the model loads: the shared prompt and the
-questions (files or standard input, the ``--demo`` example), the prompts ``LLM`` gets, and
-whether ``--output`` can be written.  Every problem is a :class:`~models.cli_args.UsageError`."""
+questions (files or standard input, the ``--demo`` example), the prompts ``LLM`` gets, the
+flags that only go with ``--output``, and whether ``--output`` can be written.  Every problem is a
+:class:`~models.cli_args.UsageError`."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,8 @@ import sys
 
 from models.cli_args import STDIN, UsageError
 
-__all__ = ["DEMO_QUESTIONS", "DEMO_SYSTEM", "build_prompts", "check_writable", "read_inputs", "read_text"]
+__all__ = ["DEMO_QUESTIONS", "DEMO_SYSTEM", "build_prompts", "check_output_flags", "check_writable", "output_mode",
+           "read_inputs", "read_text"]
 
 # SmolLM2-Instruct's own default system prompt: with other system prompts the 135M model answers
 # oddly (transformers gives the same tokens), e.g. "Le Grand Paris, la femme de la France."
@@ -33,9 +35,31 @@ def read_text(path: str, what: str) -> str:
         raise UsageError(f"cannot read {what} {source}: {e}") from None
 
 
+def check_output_flags(args: argparse.Namespace) -> None:
+    """The flags that only go with ``--output``: ``--overwrite`` and ``--append`` need a file,
+    ``--logprobs`` needs records to put the log-probabilities in."""
+    for flag, given in (("--overwrite", args.overwrite), ("--append", args.append)):
+        if given and not args.output:
+            raise UsageError(f"{flag} needs --output FILE")
+        if given and args.output == STDIN:
+            raise UsageError(f"{flag} cannot be used with --output - (standard output has no file to replace)")
+    if args.logprobs and not args.output:
+        raise UsageError("--logprobs needs --output FILE or --output - (the log-probabilities are written in the "
+                         "JSONL records)")
+
+
+def output_mode(args: argparse.Namespace) -> str:
+    """What ``--output`` does to an existing file: ``"overwrite"``, ``"append"`` or ``"new"`` (refuse it)."""
+    return "overwrite" if args.overwrite else "append" if args.append else "new"
+
+
 def check_writable(path: str) -> None:
-    """UsageError unless `path` can be written: an existing file is opened for append (never
-    truncated), a new one needs an existing, writable parent directory. Creates nothing."""
+    """UsageError unless `path` can be written: an existing file must be writable (opened for
+    append, never truncated) and the parent directory must exist and be writable (the records
+    go to a file next to `path` that is renamed onto it); `-` (standard output) always can.
+    Creates nothing."""
+    if path == STDIN:
+        return
     if os.path.isdir(path):
         raise UsageError(f"cannot write --output {path}: is a directory")
     if os.path.exists(path):
@@ -44,7 +68,6 @@ def check_writable(path: str) -> None:
                 pass
         except OSError as e:
             raise UsageError(f"cannot write --output {path}: {e.strerror or e}") from None
-        return
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.exists(parent):
         raise UsageError(f"cannot write --output {path}: directory {parent} does not exist")

@@ -1,8 +1,8 @@
 """What ``jpa-sample`` writes: completion blocks with control characters escaped
 (:func:`printable`, :func:`completion_header`), the summary line on stderr
 (:func:`summary_line`), one JSONL record per completion (:func:`jsonl_record`, built from
-:func:`completion_fields` and :func:`run_fields`, which the Prompt Cache records share) and one-line
-errors (:func:`error_line`)."""
+:func:`completion_fields` and :func:`run_fields`, which the Prompt Cache records share; its
+``timings`` from :func:`sequence_timings`) and one-line errors (:func:`error_line`)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ from models.completion import Completion, Generation
 from models.llm import LLM
 
 __all__ = ["completion_fields", "completion_header", "error_line", "jsonl_record", "printable", "run_fields",
-           "summary_line"]
+           "sequence_timings", "summary_line"]
 
 _CONTROL = types.MappingProxyType({c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f, *range(0x80, 0xa0))
                                    if c not in (0x09, 0x0a)})
@@ -93,16 +93,30 @@ def mesh_fields(llm: LLM) -> dict:
     return {"tensor_parallel": llm.tensor_parallel, "data_parallel": llm.data_parallel}
 
 
+def sequence_timings(*, load_s: float, call: float, prefill: float | None, first_token: float | None,
+                     end: float, compile_s: float) -> dict:
+    """A record's ``timings`` (seconds, 4 decimals) for one sequence: ``load_s``, and of the
+    generation call (``perf_counter`` values: its start ``call``, the prefill's start, the first
+    tokens on the host, this sequence's ``end``) the ``compile_s`` spent compiling up to ``end``,
+    ``prefill_s``, ``first_token_s``, ``decode_s`` (first token to ``end``) and ``total_s`` (start
+    to ``end``). The phases a sequence did not reach (interrupted before) are left out."""
+    t = {"load_s": load_s, "compile_s": compile_s}
+    if prefill is not None and first_token is not None:
+        t |= {"prefill_s": first_token - prefill, "first_token_s": first_token - call, "decode_s": end - first_token}
+    t["total_s"] = end - call
+    return {k: round(v, 4) for k, v in t.items()}
+
+
 def jsonl_record(llm: LLM, args: argparse.Namespace, j: int, i: int, c: Completion, prompt_text: str | None,
-                 question: str | None, result: Generation | None, load_s: float) -> dict:
+                 question: str | None, *, attention: str | None, timings: dict) -> dict:
     """The JSONL record of sample ``i`` of prompt ``j``: model identity, prompt, completion,
-    seed, sampling settings, log-probs (``--logprobs``), layout, device, mesh and timings."""
+    seed, sampling settings, log-probs (``--logprobs``), the KV-cache layout ``attention`` (None
+    while the run has not ended: the layout is reported with the run's result), device, mesh and
+    ``timings`` (:func:`sequence_timings`)."""
     rec = {"model": llm.info, "prompt_index": j, "sample": i, "question": question, "prompt": prompt_text}
     rec |= completion_fields(c, args.logprobs) | run_fields(args)
-    rec["attention"] = result.sharing.attention if result is not None else None
+    rec["attention"] = attention
     rec["device"] = jax.default_backend()
     rec["mesh"] = mesh_fields(llm)
-    t = result.timings if result is not None else None
-    rec["timings"] = {"load_s": round(load_s, 4)} | ({} if t is None else {
-        k: round(getattr(t, k), 4) for k in ("compile_s", "prefill_s", "first_token_s", "decode_s", "total_s")})
+    rec["timings"] = dict(timings)
     return rec

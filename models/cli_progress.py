@@ -2,6 +2,7 @@
 whether JAX is compiling, decode rate), redrawn by a thread while calls block."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -58,11 +59,20 @@ class Progress:
     def write_out(self, text: str, out=None) -> None:
         """Writes to stdout with the status line cleared first and redrawn after."""
         out = out or sys.stdout
-        with self._lock:
-            self._clear()
+        with self.paused():
             out.write(text)
             out.flush()
-            self._draw()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """While the block writes (e.g. a JSONL record to stdout) the status line is cleared;
+        it is redrawn after."""
+        with self._lock:
+            self._clear()
+            try:
+                yield
+            finally:
+                self._draw()
 
     def _tick(self) -> None:
         while not self._stop.wait(0.25):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -42,7 +41,9 @@ import jax
 import numpy as np
 
 from models.cli_args import UsageError
-from models.cli_inputs import check_writable, read_text
+from models.cli_inputs import check_writable, output_mode, read_text
+from models.cli_interrupt import deferred_interrupt
+from models.cli_jsonl import kept_on_error, open_records
 from models.cli_output import completion_fields, mesh_fields, printable, run_fields
 from models.cli_progress import Progress
 from models.compile_watch import CompileWatch
@@ -280,6 +281,23 @@ def _summary(llm, inputs: PmlInputs, run: PmlRun, cached: PathResult, compare: P
     return " | ".join(parts)
 
 
+def _show(llm: LLM, args, inputs: PmlInputs, run: PmlRun, cached: PathResult, records) -> None:
+    """The completions, as soon as the cached path has them: a record each to ``records``
+    (without the comparison, which comes later), or printed when there is no ``--output``."""
+    n = args.num_samples
+    if records is not None:
+        for j in range(len(run.layouts)):
+            for i in range(n):
+                records.write(_record(llm, args, inputs, run, j, i, cached, None))
+    elif len(run.layouts) * n == 1:
+        print(printable(cached.completions[0][0].text))
+    else:
+        for j, row in enumerate(cached.completions):
+            for i, c in enumerate(row):
+                sys.stdout.write(f"--- prompt {j + 1}: {inputs.prompt_files[j]}, sample {i + 1}/{n} "
+                                 f"({c.finish_reason}, {len(c.token_ids)} tokens) ---\n{printable(c.text)}\n")
+
+
 def _layouts(llm: LLM, inputs: PmlInputs, cache: PromptCache, max_new_tokens: int) -> tuple:
     """Every prompt's layout; UsageError naming the file for an argument longer than its
     parameter or a prompt whose last position plus ``max_new_tokens`` exceeds the context."""
@@ -308,10 +326,11 @@ def run_prompt_cache(args: argparse.Namespace, load: Callable) -> int:
         raise UsageError(f"model file not found: {args.model}")
     if args.cache_dir is not None and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         raise UsageError(f"--cache-dir {args.cache_dir}: is not a directory")
+    records = open_records(args.output, output_mode(args)) if args.output else None
     n = args.num_samples
     show = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     compare = None
-    with CompileWatch() as watch, Progress(show, watch) as progress, CompileTimeline() as clock:
+    with kept_on_error(records), CompileWatch() as watch, Progress(show, watch) as progress, CompileTimeline() as clock:
         progress.phase("load")
         t0 = time.perf_counter()
         llm = load(args.model, args.dtype)
@@ -324,28 +343,18 @@ def run_prompt_cache(args: argparse.Namespace, load: Callable) -> int:
         run = PmlRun(load_s, modules_s, source, encoded, _layouts(llm, inputs, cache, args.max_new_tokens),
                      cache.stats())
         progress.phase("generate with cache")
-        cached = _run_path(cached_generate, llm, encoded, run.layouts, args, clock)
+        with deferred_interrupt():  # Ctrl-C: the call finishes, its completions are kept, then the run stops
+            cached = _run_path(cached_generate, llm, encoded, run.layouts, args, clock)
+            with progress.paused():
+                _show(llm, args, inputs, run, cached, records)
         if args.compare:
             progress.phase("generate without cache")
             compare = _run_path(prefill_generate, llm, encoded, run.layouts, args, clock)
             progress.phase("timing both again")
             cached = _timed_again(cached, cached_generate, llm, encoded, run.layouts, args, clock)
             compare = _timed_again(compare, prefill_generate, llm, encoded, run.layouts, args, clock)
-    if args.output:
-        try:
-            with open(args.output, "w", encoding="utf-8") as f:
-                for j in range(len(run.layouts)):
-                    for i in range(n):
-                        f.write(json.dumps(_record(llm, args, inputs, run, j, i, cached, compare),
-                                           ensure_ascii=False) + "\n")
-        except OSError as e:
-            raise UsageError(f"cannot write {args.output}: {e}") from None
-    elif len(run.layouts) * n == 1:
-        print(printable(cached.completions[0][0].text))
-    else:
-        for j, row in enumerate(cached.completions):
-            for i, c in enumerate(row):
-                sys.stdout.write(f"--- prompt {j + 1}: {inputs.prompt_files[j]}, sample {i + 1}/{n} "
-                                 f"({c.finish_reason}, {len(c.token_ids)} tokens) ---\n{printable(c.text)}\n")
+    if records is not None:  # the run ended: the final records, with the comparison
+        records.commit([_record(llm, args, inputs, run, j, i, cached, compare) for j in range(len(run.layouts))
+                        for i in range(n)])
     print(_summary(llm, inputs, run, cached, compare, n), file=sys.stderr)
     return 0

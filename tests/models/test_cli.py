@@ -293,7 +293,8 @@ def test_version_and_each_default_shown_once(capsys):
 
 
 def test_ctrl_c_keeps_finished_tokens(tiny_model, tmp_path, capsys, monkeypatch):
-    """A KeyboardInterrupt raised by the token stream (as Ctrl-C would) after two steps."""
+    """A KeyboardInterrupt raised by the token stream (as Ctrl-C would) after two steps: every
+    sequence's tokens so far are records in the partial file, the output file is not written."""
     import models.llm  # noqa: PLC0415
 
     real = models.llm.generate_stream
@@ -308,7 +309,10 @@ def test_ctrl_c_keeps_finished_tokens(tiny_model, tmp_path, capsys, monkeypatch)
     o = tmp_path / "o.jsonl"
     rc, _, err = _run(SAMPLE_ARGV(tiny_model) + ["-o", o], capsys)  # shapes compiled by the first test
     assert rc == 130 and "interrupted" in err
-    recs = _records(o)
+    partial = tmp_path / f"o.jsonl.partial-{os.getpid()}"
+    assert f"3 records kept in {partial} (whole lines); {o} is unchanged" in err
+    assert sorted(os.listdir(tmp_path)) == [partial.name]
+    recs = _records(partial)
     assert len(recs) == 3
     for r in recs:
         assert len(r["token_ids"]) <= 2
@@ -443,9 +447,9 @@ def test_unwritable_output_detected_before_loading(where, msg, tmp_path, no_load
 def test_output_check_keeps_an_existing_file(tmp_path, capsys):
     o = tmp_path / "o.jsonl"
     o.write_text("kept\n")
-    rc, out, err = _run(["-p", "x", "-o", o, "--model", tmp_path / "missing.gguf"], capsys)
+    rc, out, err = _run(["-p", "x", "-o", o, "--overwrite", "--model", tmp_path / "missing.gguf"], capsys)
     _one_error_line(rc, out, err, "model file not found")
-    assert o.read_text() == "kept\n"
+    assert o.read_text() == "kept\n" and os.listdir(tmp_path) == ["o.jsonl"]
 
 
 @pytest.mark.parametrize("present,missing", [
