@@ -71,9 +71,14 @@ class StdoutRecords:
         self.path, self.count = STDIN, 0
 
     def write(self, record: dict) -> None:
-        """Writes one record as one line and flushes it."""
-        sys.stdout.write(record_line(record).decode("utf-8"))
-        sys.stdout.flush()
+        """Writes one record as one line and flushes it; a closed or failing standard output is
+        a UsageError."""
+        try:
+            sys.stdout.write(record_line(record).decode("utf-8"))
+            sys.stdout.flush()
+        except OSError as e:  # e.g. the reading end of a pipe has exited
+            raise UsageError(f"cannot write --output - (standard output): {e.strerror or e}; "
+                             f"{self.abandon()}") from None
         self.count += 1
 
     def commit(self, records: Sequence[dict]) -> None:
@@ -150,7 +155,7 @@ class FileRecords:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, self._target)
+            _rename(tmp, self._target, replace=self.mode != "new")
             tmp = None
             _fsync_dir(os.path.dirname(self._target))
         except OSError as e:
@@ -234,6 +239,25 @@ def _create_partial(path: str, target: str, kind: str = "partial") -> tuple[str,
         except OSError as e:
             raise UsageError(f"cannot write --output {path}: cannot create {name}: {e.strerror or e}") from None
     raise UsageError(f"cannot write --output {path}: 100 files named {base}-K exist already")
+
+
+def _rename(src: str, dst: str, *, replace: bool) -> None:
+    """``os.replace``; without ``replace`` a file that appeared at ``dst`` meanwhile (written by
+    something other than a run of this CLI, which the lock keeps out) is never replaced: a hard
+    link fails when ``dst`` exists, where links are not supported the check is made just before."""
+    if replace:
+        os.replace(src, dst)
+        return
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise OSError(f"{dst} was created by something else during the run") from None
+    except OSError:   # no hard links on this file system
+        if os.path.lexists(dst):
+            raise OSError(f"{dst} was created by something else during the run") from None
+        os.replace(src, dst)
+        return
+    os.unlink(src)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -132,13 +132,12 @@ def no_loading(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # records as each sequence finishes, the file at the end
 # ---------------------------------------------------------------------------------------------
-def test_each_record_is_in_the_partial_file_when_its_sequence_ends(tiny_model, tmp_path, capsys, monkeypatch):
-    """In-process, the driver's wrap: after sample 0 ended (step 1) and before the run ends,
-    the partial file holds its record and `FILE` does not exist; at the end `FILE` holds the
-    three records in order, with the layout, and nothing else is left in the directory."""
+def _drive(monkeypatch, at_step3):
+    """In-process, the driver's wrap of the token stream: sample 0 ends at step 1 (its record is
+    written), and ``at_step3()`` runs before step 3 is delivered."""
     import models.llm  # noqa: PLC0415
 
-    real, o, seen = models.llm.generate_stream, tmp_path / "o.jsonl", []
+    real = models.llm.generate_stream
 
     def driven(*a, **k):
         for step, out in enumerate(real(*a, **k)):
@@ -147,20 +146,55 @@ def test_each_record_is_in_the_partial_file_when_its_sequence_ends(tiny_model, t
                 tok[0] = 2
                 out = (tok, *out[1:])
             if step == 3:
-                seen.append((sorted(os.listdir(tmp_path)), _whole_records(tmp_path / f"o.jsonl.partial-{os.getpid()}")))
+                at_step3()
             yield out
 
     monkeypatch.setattr(models.llm, "generate_stream", driven)
+
+
+def test_each_record_is_in_the_partial_file_when_its_sequence_ends(tiny_model, tmp_path, capsys, monkeypatch):
+    """After sample 0 ended and before the run ends, the partial file holds its record and
+    `FILE` does not exist; at the end `FILE` holds the three records in order, with the layout,
+    and nothing else is left in the directory."""
+    o, partial, seen = tmp_path / "o.jsonl", tmp_path / f"o.jsonl.partial-{os.getpid()}", []
+    _drive(monkeypatch, lambda: seen.append((sorted(os.listdir(tmp_path)), _whole_records(partial))))
     rc, out, err = _run(_argv(tiny_model, "-o", o), capsys)
     assert rc == 0, err
     ((names, early),) = seen
-    assert names == [f"o.jsonl.lock", f"o.jsonl.partial-{os.getpid()}"]
+    assert names == ["o.jsonl.lock", partial.name]
     assert [(r["sample"], r["finish_reason"], r["attention"]) for r in early] == [(0, "stop", None)]
     assert early[0]["timings"]["total_s"] >= early[0]["timings"]["first_token_s"] > 0
     recs = _whole_records(o)
     assert [(r["sample"], r["finish_reason"]) for r in recs] == [(0, "stop"), (1, "length"), (2, "length")]
     assert {r["attention"] for r in recs} == {"shared"} and recs[0]["token_ids"] == early[0]["token_ids"]
     assert os.listdir(tmp_path) == ["o.jsonl"] and out == ""
+
+
+def test_a_file_created_meanwhile_is_not_replaced(tiny_model, tmp_path, capsys, monkeypatch):
+    """Without --overwrite, a FILE that something else creates during the run is kept: status 2,
+    the records in the partial file."""
+    o, partial = tmp_path / "o.jsonl", tmp_path / f"o.jsonl.partial-{os.getpid()}"
+    _drive(monkeypatch, lambda: o.write_text(PREVIOUS))
+    rc, out, err = _run(_argv(tiny_model, "-o", o), capsys)
+    _one_error_line(rc, out, err, f"cannot write --output {o}: {o} was created by something else during the run; "
+                                  f"3 records kept in {partial} (whole lines)")
+    assert o.read_text() == PREVIOUS and [r["sample"] for r in _whole_records(partial)] == [0, 1, 2]
+
+
+class _ClosedPipe:
+    def write(self, s):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        pass
+
+
+def test_output_dash_to_a_closed_pipe_is_one_line(tiny_model, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    rc = cli.main(_argv(tiny_model, "-o", "-"))
+    err = capsys.readouterr().err
+    assert rc == 2 and err == "jpa-sample: error: cannot write --output - (standard output): Broken pipe; 0 records " \
+                              "written to standard output\n"
 
 
 def test_existing_output_needs_overwrite_or_append(tiny_model, tmp_path, capsys):
