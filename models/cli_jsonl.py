@@ -111,7 +111,11 @@ class FileRecords:
             if mode == "new" and os.path.lexists(path):
                 raise UsageError(f"--output {path} exists; give --overwrite to replace it or --append to add this "
                                  f"run's records to it")
-            partial, fd = _create_partial(path, target)
+            try:
+                partial, fd = _new_file(f"{target}.partial-{os.getpid()}")
+            except OSError as e:
+                raise UsageError(f"cannot write --output {path}: cannot create a file next to it: "
+                                 f"{e.strerror or e}") from None
         except BaseException:
             _unlock(target + ".lock", lock_fd)
             raise
@@ -147,7 +151,7 @@ class FileRecords:
                     head = f.read()
                 if head and not head.endswith(b"\n"):
                     head += b"\n"
-            tmp, fd = _create_partial(self.path, self._target, kind="tmp")
+            tmp, fd = _new_file(f"{self._target}.tmp-{os.getpid()}")
             try:
                 _write_all(fd, head + b"".join(record_line(r) for r in records))
                 if os.path.exists(self._target):
@@ -226,19 +230,16 @@ def _unlock(lock_path: str, fd: int) -> None:
     os.close(fd)     # closing releases the flock
 
 
-def _create_partial(path: str, target: str, kind: str = "partial") -> tuple[str, int]:
-    """A new file ``target.KIND-PID`` (``-PID-K`` when a killed run left one of that name),
-    opened for appending; a UsageError when the directory cannot be written."""
-    base = f"{target}.{kind}-{os.getpid()}"
+def _new_file(base: str) -> tuple[str, int]:
+    """A file that did not exist, ``base`` (or ``base-K`` when a killed run of a process with
+    the same id left one of that name), opened for appending: ``(name, fd)``."""
     for k in range(100):
         name = base if k == 0 else f"{base}-{k}"
         try:
             return name, os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o666)
         except FileExistsError:
             continue
-        except OSError as e:
-            raise UsageError(f"cannot write --output {path}: cannot create {name}: {e.strerror or e}") from None
-    raise UsageError(f"cannot write --output {path}: 100 files named {base}-K exist already")
+    raise FileExistsError(f"{base} and 99 files named {base}-K exist already")
 
 
 def _rename(src: str, dst: str, *, replace: bool) -> None:

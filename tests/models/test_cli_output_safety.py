@@ -372,3 +372,20 @@ def test_question_format_unescapes_like_stop(tiny_model, tmp_path, capsys):
 ])
 def test_output_and_model_flag_errors_exit_2_before_loading(argv, msg, no_loading, capsys):
     _one_error_line(*_run(([] if "--schema" in argv else ["-p", "x"]) + argv, capsys), msg)
+
+
+def test_deferred_interrupt_raises_after_the_block_or_at_a_second_sigint(capsys):
+    from models.cli_interrupt import deferred_interrupt  # noqa: PLC0415
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("the block went on")
+    assert done == ["the block went on"] and "Ctrl-C again to stop now" in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("not reached")
+    assert done == ["the block went on"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
