@@ -36,6 +36,7 @@ _CACHE_DIR = os.path.join(
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_compilation_cache_max_size", 2 * 2 ** 30)   # least recently used go first
 
 
 def _has_gpu() -> bool:
