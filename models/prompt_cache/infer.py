@@ -57,7 +57,8 @@ from models.prefix_sharing import MIN_SHARED_TOKENS, bucket_length
 from models.prompt_cache.encode import EncodedSchema, check_encoded
 from models.prompt_cache.layout import PromptLayout
 from models.prompt_cache.levels import LevelPlan, plan_levels
-from models.sampling import GREEDY, SamplingConfig, sample_keys, sample_tokens, token_logprobs
+from models.sampling import GREEDY, SamplingConfig, sample_keys
+from models.token_step import choose_tokens, initial_counts, prompt_seen
 
 __all__ = ["PromptCacheOutput", "assemble", "cached_generate", "prefill_at_positions", "prefill_generate",
            "prompt_segments"]
@@ -240,12 +241,14 @@ def _capacity(n_b: np.ndarray, max_new_tokens: int, buckets: bool) -> int:
     return bucket_length(need, minimum=64) if buckets else need
 
 
-@functools.partial(jax.jit, static_argnames=("sampling",))
-def _first_token(logits_bv, keys_b, *, sampling):
-    """The decode loop's first token and its log-probability (same logits, keys and step),
-    sampled alone for the TTFT."""
-    tok = sample_tokens(logits_bv, keys_b, 0, sampling)
-    return tok, token_logprobs(logits_bv, tok)
+@functools.partial(jax.jit, static_argnames=("model", "sampling"))
+def _first_token(logits_bv, keys_b, seen_bv, *, model, sampling):
+    """The decode loop's first token and its log-probability (same logits, keys, step and
+    penalties: `choose_tokens` with no token generated yet), sampled alone for the TTFT."""
+    done = jnp.zeros(logits_bv.shape[:1], bool)
+    tok, lp, _, _ = choose_tokens(model, logits_bv, keys_b, 0, done, initial_counts(sampling, logits_bv), seen_bv,
+                                  cfg=sampling, pad_id=0, top_k=0)
+    return tok, lp
 
 
 def _generate(model, params, logits, cache, t0, order, padding, n, *, max_new_tokens, sampling, seed, keys,
@@ -253,8 +256,8 @@ def _generate(model, params, logits, cache, t0, order, padding, n, *, max_new_to
               plan) -> PromptCacheOutput:
     """Sample the first token (TTFT), run the decode loop and put rows in output order; batch
     row `u * n + i` is sample `i` of prompt `order[u]`, dropped when `padding[u]`.
-    `prompt_token_ids()` gives the prompts' assembled ids (called after the first token).
-    With `max_new_tokens == 1` the first token is the output: no decode step runs (the cache is
+    `prompt_token_ids()` gives the prompts' assembled ids (called after the first token unless
+    a penalty needs them: each row's penalties count its prompt's ids). With `max_new_tokens == 1` the first token is the output: no decode step runs (the cache is
     the prefilled one, as the decode loop would return it)."""
     row_prompt = np.repeat(np.asarray(order, np.int32), n)
     row_sample = np.tile(np.arange(n, dtype=np.int32), len(order))
@@ -268,7 +271,10 @@ def _generate(model, params, logits, cache, t0, order, padding, n, *, max_new_to
             raise ValueError(f"keys: received {keys.shape[0]} keys, expected one per prompt and sample "
                              f"({len(out_rows)})")
         keys = keys[jnp.asarray(out_rows)]
-    first, first_lp = _first_token(logits, keys, sampling=sampling)
+    prompt_ids = prompt_token_ids() if sampling.penalized else None
+    row_ids = None if prompt_ids is None else [prompt_ids[j] for j in row_prompt]
+    seen = prompt_seen(sampling, row_ids, len(row_prompt), model.config.vocab_size)
+    first, first_lp = _first_token(logits, keys, seen, model=model, sampling=sampling)
     first = np.asarray(first)
     ttft = time.perf_counter() - t0
     new_tokens = int(np.asarray(cache.lengths).sum())
@@ -277,12 +283,12 @@ def _generate(model, params, logits, cache, t0, order, padding, n, *, max_new_to
     else:
         out = generate_from_cache(model, params, cache, logits, max_new_tokens=max_new_tokens, sampling=sampling,
                                   keys=keys, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                                  shape_buckets=shape_buckets)
+                                  shape_buckets=shape_buckets, prompt_token_ids=row_ids)
         tokens, lengths, lps, cache = out.tokens, out.lengths, out.logprobs, out.cache
     real = np.flatnonzero(~row_padding)
     pick = real[np.argsort(out_rows[real])]
     return PromptCacheOutput(tokens[pick], lengths[pick], lps[pick] if logprobs else None,
-                             tuple(prompt_token_ids()), ttft, time.perf_counter() - t0, cached_tokens, new_tokens,
+                             tuple(prompt_token_ids() if prompt_ids is None else prompt_ids), ttft, time.perf_counter() - t0, cached_tokens, new_tokens,
                              plan, cache, row_prompt, row_sample, row_padding)
 
 
@@ -315,7 +321,9 @@ def cached_generate(model: Llama, params: dict, encoded: EncodedSchema, prompts:
     `n` samples per prompt; sample `i` of prompt `j` draws with `sample_keys(seed, j, i)` (or
     `keys[j * n + i]`); `eos_token_ids` / `pad_token_id` default to the config's;
     `shape_buckets` rounds the level, suffix and output sizes up (fewer compilations); `layout`
-    as in `models.generate.resolve_layout`; `level_cost` as in `plan_levels`."""
+    as in `models.generate.resolve_layout`; `level_cost` as in `plan_levels`. `sampling`'s
+    penalties (`models.penalties`) count each prompt's assembled ids (`assemble`) and its
+    generated tokens, the first token included, as `models.generate` counts a prompt's ids."""
     t0 = time.perf_counter()
     prompts = _check(model, params, encoded, prompts, n, max_new_tokens)
     params = resolve_layout(model, params, layout)

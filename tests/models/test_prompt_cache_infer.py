@@ -80,6 +80,40 @@ def test_exact_case_equals_ordinary_generation(setup):
     assert (first.lengths == 1).all() and (np.asarray(first.cache.lengths) == [len(p.new_token_ids) for p in ps]).all()
 
 
+def test_penalties_equal_ordinary_generation(setup):
+    """Repetition, presence and frequency penalties count each prompt's assembled ids: the exact
+    case gives the tokens of `models.generate` with the same sampling, the first token too
+    (`max_new_tokens=1`, no decode step), greedy and sampled; a batch of prompts with padding
+    rows in its plan gives each prompt's one-by-one tokens; the penalties change the first token."""
+    model, params, lay, enc, prompts = setup
+    ps = prompts("<intro/> Lazy zebra, where?", "<intro/><rules/> What is there to see? Quiz")
+    ids = [assemble(enc, p)[0].tolist() for p in ps]
+    batch = PromptBatch.plain(ids)
+    for sampling, kw in ((SamplingConfig(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=4.0,
+                                         presence_penalty=0.5, frequency_penalty=1.0), {}),
+                         (SamplingConfig(temperature=1.2, top_k=0, top_p=1.0, repetition_penalty=2.5),
+                          {"keys": sample_keys(3, [0, 1], [0, 0])})):
+        want = generate(model, params, batch, max_new_tokens=8, eos_token_ids=(), sampling=sampling, **kw)
+        plain = generate(model, params, batch, max_new_tokens=8, eos_token_ids=(),
+                         sampling=dataclasses.replace(sampling, repetition_penalty=1.0, presence_penalty=0.0,
+                                                      frequency_penalty=0.0), **kw)
+        assert (want.tokens[:, 0] != plain.tokens[:, 0]).any()               # the penalties matter at once
+        for run in (cached_generate, prefill_generate):
+            got = run(model, params, enc, ps, max_new_tokens=8, eos_token_ids=(), sampling=sampling, logprobs=True, **kw)
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+            first = run(model, params, enc, ps, max_new_tokens=1, eos_token_ids=(), sampling=sampling, **kw)
+            np.testing.assert_array_equal(first.tokens, want.tokens[:, :1])
+    sampling = SamplingConfig(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=3.0, frequency_penalty=0.7)
+    ps = prompts('<intro/><trip days="3"/><en/> Any tips?', '<intro/><trip days="5"/><en/> More?',
+                 '<intro/><rules/><fr/> Quoi voir?')
+    got = cached_generate(model, params, enc, ps, max_new_tokens=6, n=2, eos_token_ids=(), sampling=sampling)
+    assert got.row_padding.any()                                           # rows of a padded group
+    for j, p in enumerate(ps):
+        one = cached_generate(model, params, enc, [p], max_new_tokens=6, eos_token_ids=(), sampling=sampling)
+        np.testing.assert_array_equal(got.tokens[2 * j:2 * j + 2], np.repeat(one.tokens, 2, axis=0))
+
+
 def test_batched_prompts_equal_one_by_one(setup):
     """Prompts importing different module sets, arguments of several lengths (an empty one too), both
     union members, two samples each: one batched call gives every prompt's one-by-one tokens,
