@@ -119,9 +119,10 @@ def _generate(args, prompts: list, questions: list[str] | None, mesh, records) -
     b = groups * n
     show = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     stream_one = b == 1 and not args.output
-    tokens: dict[tuple[int, int], list[int]] = {}
+    tokens: dict[tuple[int, int], list[tuple]] = {}   # (token_id, logprob, top_logprobs) per token
     finished: dict[tuple[int, int], Completion] = {}
     recs: dict[tuple[int, int], dict] = {}
+    written: set[tuple[int, int]] = set()              # the keys whose record is in ``records``
     result, interrupted, load_s = None, False, 0.0
     t_prefill = t_first = None
 
@@ -153,7 +154,8 @@ def _generate(args, prompts: list, questions: list[str] | None, mesh, records) -
                         if stream_one:
                             progress.close()  # the streamed text takes the terminal
                 elif isinstance(ev, TokenEvent):
-                    tokens.setdefault((ev.prompt_index, ev.sample_index), []).append(ev.token_id)
+                    tokens.setdefault((ev.prompt_index, ev.sample_index), []).append(
+                        (ev.token_id, ev.logprob, ev.top_logprobs))
                     if stream_one and ev.text:
                         progress.write_out(printable(ev.text))
                 elif isinstance(ev, FinishEvent):
@@ -162,7 +164,7 @@ def _generate(args, prompts: list, questions: list[str] | None, mesh, records) -
                     if records is not None:  # written now: an interrupted or failed run keeps it
                         recs[key] = record(*key, ev.completion)
                         with progress.paused():
-                            records.write(recs[key])
+                            _write(records, recs[key], key, written)
                     elif not stream_one:
                         progress.write_out(completion_header(*key, ev.completion, questions, n)
                                            + printable(ev.completion.text) + "\n")
@@ -180,8 +182,7 @@ def _generate(args, prompts: list, questions: list[str] | None, mesh, records) -
         for i in range(n):
             c = finished.get((j, i))
             if c is None:  # interrupted: what it produced so far
-                ids = tokens.get((j, i), [])
-                c = Completion(llm.tokenizer.decode(ids, skip_special_tokens=True), tuple(ids), "interrupted")
+                c = _interrupted(llm, tokens.get((j, i), []), args.logprobs)
             completions[(j, i)] = c
     kept = ""
     if interrupted and records is None:
@@ -190,9 +191,8 @@ def _generate(args, prompts: list, questions: list[str] | None, mesh, records) -
                 print(completion_header(j, i, c, questions, n) + printable(c.text))
     elif interrupted:
         for key, c in completions.items():
-            if key not in recs:
-                recs[key] = record(*key, c)
-                records.write(recs[key])
+            if key not in written:  # unfinished, or finished while its write was interrupted
+                _write(records, recs.get(key) or record(*key, c), key, written)
         kept = ": " + records.abandon()
     elif records is not None:  # the run ended: its records, in order, with the layout it used
         attention = result.sharing.attention if result is not None else None
@@ -203,6 +203,28 @@ def _generate(args, prompts: list, questions: list[str] | None, mesh, records) -
         print(f"{PROG}: interrupted; kept the tokens produced so far{kept}", file=sys.stderr)
         return 130
     return 0
+
+
+def _write(records, rec: dict, key: tuple[int, int], written: set) -> None:
+    """``records.write(rec)``; ``key`` joins ``written`` when the record was written, also when an
+    exception (Ctrl-C) ends the call after that (the writer's ``count`` says it)."""
+    before = records.count
+    try:
+        records.write(rec)
+    finally:
+        if records.count > before:
+            written.add(key)
+
+
+def _interrupted(llm: LLM, tokens: list[tuple], logprobs) -> Completion:
+    """The Completion of a sequence stopped by Ctrl-C from its ``(token_id, logprob,
+    top_logprobs)`` so far, with the log-probabilities when ``logprobs`` (``--logprobs``) asked
+    for them, as a finished one has them."""
+    ids = tuple(t for t, _, _ in tokens)
+    tops = tuple(top for _, _, top in tokens)
+    return Completion(llm.tokenizer.decode(list(ids), skip_special_tokens=True), ids, "interrupted",
+                      logprobs=tuple(lp for _, lp, _ in tokens) if logprobs else None,
+                      top_logprobs=tops if logprobs and tops and all(t is not None for t in tops) else None)
 
 
 def _model_flag_hint(argv: Sequence[str], message: str) -> str | None:

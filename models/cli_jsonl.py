@@ -98,7 +98,7 @@ class FileRecords:
         self.path, self.mode, self.partial = path, mode, partial
         self._target = os.path.realpath(path)     # a symbolic link keeps pointing at the file
         self._lock_fd, self._fd = lock_fd, fd
-        self._size, self.count = 0, 0
+        self.count, self.committed = 0, False
 
     @classmethod
     def open(cls, path: str, mode: str) -> "FileRecords":
@@ -123,26 +123,50 @@ class FileRecords:
 
     def write(self, record: dict) -> None:
         """Appends one record to the partial file with one write call. A failed or short write
-        is cut back to the last whole line and reported (UsageError)."""
+        is cut back to the last whole line and reported (UsageError). Whether the line was
+        written is read from the file's size, so an exception anywhere in the call (Ctrl-C
+        included, re-raised) leaves whole lines in the file and :attr:`count` exact."""
         line = record_line(record)
+        before, start = self.count, None
         try:
-            written = os.write(self._fd, line)
-            if written != len(line):
-                raise OSError(f"wrote {written} of {len(line)} bytes (disk full or file size limit)")
-        except OSError as e:
-            try:
-                os.ftruncate(self._fd, self._size)
-            except OSError:
-                pass
+            start = os.fstat(self._fd).st_size
+            done = os.write(self._fd, line)
+            if done != len(line):
+                raise OSError(f"wrote {done} of {len(line)} bytes (disk full or file size limit)")
+            self.count = before + 1
+        except BaseException as e:
+            if self._settle(start, len(line)):
+                self.count = before + 1
+            if not isinstance(e, OSError):
+                raise
             self.abandon()
             raise UsageError(f"cannot write --output {self.path}: {e.strerror or e}; {self._kept()}") from None
-        self._size += len(line)
-        self.count += 1
+
+    def _settle(self, start: int | None, length: int) -> bool:
+        """After a write of ``length`` bytes at offset ``start`` (None: unknown) did not return
+        normally: True when the file holds the whole line, else the file is cut back to
+        ``start`` (best effort) and False."""
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            size = None
+        if start is None:
+            return False
+        if size == start + length:
+            return True
+        if size != start:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass
+        return False
 
     def commit(self, records: Sequence[dict]) -> None:
         """Writes ``records`` (the run's final records, in their order) to ``FILE`` by a
         flushed temporary file and a rename, after the old lines in mode ``"append"``; removes
-        the partial file and the lock. On an error ``FILE`` is unchanged (UsageError)."""
+        the partial file and the lock. On an error ``FILE`` is unchanged (UsageError). Any other
+        exception (Ctrl-C included) is re-raised after the temporary file is removed; when it
+        came after the rename, the records are in ``FILE`` and the end is completed first."""
         tmp = None
         try:
             head = b""
@@ -161,29 +185,49 @@ class FileRecords:
                 os.close(fd)
             _rename(tmp, self._target, replace=self.mode != "new")
             tmp = None
-            _fsync_dir(os.path.dirname(self._target))
-        except OSError as e:
+        except BaseException as e:
+            if tmp is not None and _renamed(tmp, self._target):
+                _remove(tmp)
+                self._end_committed()
+                raise
             if tmp is not None:
                 _remove(tmp)
+            if not isinstance(e, OSError):
+                raise
             self.abandon()
             raise UsageError(f"cannot write --output {self.path}: {e.strerror or e}; {self._kept()}") from None
-        os.close(self._fd)
-        self._fd = None
+        self._end_committed()
+
+    def _end_committed(self) -> None:
+        """``FILE`` holds the records: the rename is flushed to disk, the partial file removed,
+        the lock released."""
+        self.committed = True
+        _fsync_dir(os.path.dirname(self._target))
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         _remove(self.partial)
         self._release()
 
     def abandon(self) -> str:
-        """Ends without writing ``FILE``: the partial file is closed and kept when it holds a
-        record (else removed), the lock released. Returns where the records are (one phrase)."""
+        """Ends without writing ``FILE``: the partial file is closed and kept unless it is empty
+        (it holds whole records only), the lock released. Returns where the records are (one
+        phrase)."""
         if self._fd is not None:
+            try:
+                empty = os.fstat(self._fd).st_size == 0
+            except OSError:
+                empty = False
             os.close(self._fd)
             self._fd = None
-            if self.count == 0:
+            if empty:
                 _remove(self.partial)
         self._release()
         return self._kept()
 
     def _kept(self) -> str:
+        if self.committed:
+            return f"{_records(self.count)} written to {self.path}"
         if self.count == 0:
             return f"no record was written; {self.path} is unchanged"
         return f"{_records(self.count)} kept in {self.partial} (whole lines); {self.path} is unchanged"
@@ -258,7 +302,18 @@ def _rename(src: str, dst: str, *, replace: bool) -> None:
             raise OSError(f"{dst} was created by something else during the run") from None
         os.replace(src, dst)
         return
-    os.unlink(src)
+    try:
+        os.unlink(src)
+    except OSError:   # dst holds the records: src is only a second name of the same file
+        pass
+
+
+def _renamed(src: str, dst: str) -> bool:
+    """Whether :func:`_rename` of ``src`` onto ``dst`` was made: ``src`` is gone or is ``dst``."""
+    try:
+        return not os.path.lexists(src) or os.path.samefile(src, dst)
+    except OSError:
+        return False
 
 
 def _write_all(fd: int, data: bytes) -> None:

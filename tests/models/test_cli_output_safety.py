@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
-from models import cli
+from models import cli, cli_jsonl
+from models.cli_args import UsageError
+from models.cli_jsonl import FileRecords, record_line
 from models.gguf import write_llama_gguf
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -228,10 +230,11 @@ def test_output_dash_writes_the_records_to_stdout(tiny_model, tmp_path, capsys, 
 def test_sigint_keeps_the_records_and_a_second_run_on_the_path_fails(tiny_model, tmp_path, capsys):
     """A run paused mid-generation holds the path: a second run on it (even with --overwrite)
     fails at once with one line. SIGINT then ends the first with status 130: the previous file
-    is unchanged and the partial file holds the finished record and the two interrupted ones."""
+    is unchanged and the partial file holds the finished record and the two interrupted ones,
+    each with the log-probabilities and top-2 alternatives of its tokens (`--logprobs 2`)."""
     o = tmp_path / "o.jsonl"
     o.write_text(PREVIOUS)
-    proc = _driver(tiny_model, o, 3, "--overwrite")
+    proc = _driver(tiny_model, o, 3, "--overwrite", "--logprobs", 2)
     partial = tmp_path / f"o.jsonl.partial-{proc.pid}"
     try:
         _wait_for_records(proc, partial, 1)
@@ -248,6 +251,10 @@ def test_sigint_keeps_the_records_and_a_second_run_on_the_path_fails(tiny_model,
     assert [(r["sample"], r["finish_reason"]) for r in recs] == [(0, "stop"), (1, "interrupted"),
                                                                  (2, "interrupted")]
     assert all(len(r["token_ids"]) >= 2 for r in recs[1:])
+    for r in recs:
+        assert len(r["logprobs"]) == len(r["top_logprobs"]) == len(r["token_ids"]), r
+        assert all(lp <= 0 for lp in r["logprobs"]) and all(len(alts) == 2 for alts in r["top_logprobs"])
+        assert all(alts[0][1] >= lp - 1e-4 for alts, lp in zip(r["top_logprobs"], r["logprobs"]))
 
 
 def test_sigkill_keeps_the_previous_file_and_whole_records(tiny_model, tmp_path, capsys):
@@ -293,6 +300,121 @@ def test_full_disk_keeps_the_previous_file(tiny_model, tmp_path, capsys):
     assert o.read_text() == PREVIOUS * 3
     assert [r["sample"] for r in _whole_records(partial)] == [0]
     assert sorted(os.listdir(tmp_path)) == ["o.jsonl", partial.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C inside a write: no record lost, none twice, no file left behind
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("when", ["before the write", "after the write"])
+def test_ctrl_c_during_a_records_write_keeps_it_once(when, tiny_model, tmp_path, capsys, monkeypatch):
+    """Ctrl-C lands in the write of sample 0's finished record, before its line reaches the file
+    or after: the partial file holds it once (finished), and the two interrupted ones."""
+    real, calls = FileRecords.write, []
+
+    def write(self, record):
+        calls.append(record["sample"])
+        if len(calls) == 1 and when == "before the write":
+            raise KeyboardInterrupt
+        real(self, record)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(FileRecords, "write", write)
+    o = tmp_path / "o.jsonl"
+    _drive(monkeypatch, lambda: None)
+    rc, out, err = _run(_argv(tiny_model, "-o", o), capsys)
+    partial = tmp_path / f"o.jsonl.partial-{os.getpid()}"
+    assert rc == 130, err
+    assert f"3 records kept in {partial} (whole lines); {o} is unchanged" in err
+    recs = _whole_records(partial)
+    assert [(r["sample"], r["finish_reason"]) for r in recs] == [(0, "stop"), (1, "interrupted"), (2, "interrupted")]
+
+
+class _OsWith:
+    """The ``os`` module as ``models.cli_jsonl`` sees it, with the given functions replaced."""
+
+    def __init__(self, **replaced):
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+def _partial_records(tmp_path):
+    """FileRecords on ``tmp_path/o.jsonl`` and its partial file's name."""
+    records = FileRecords.open(str(tmp_path / "o.jsonl"), "new")
+    return records, records.partial
+
+
+def test_ctrl_c_after_the_bytes_are_written_counts_the_record(tmp_path, monkeypatch):
+    """Ctrl-C right after `os.write` wrote a whole line: the record is counted, `abandon` keeps
+    the partial file, and a later failed write cuts back to that line, not before it."""
+    records, partial = _partial_records(tmp_path)
+    real_write = os.write
+
+    def write_then_interrupt(fd, data):
+        real_write(fd, data)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_jsonl, "os", _OsWith(write=write_then_interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        records.write({"sample": 0})
+    assert records.count == 1
+
+    def half_write(fd, data):
+        return real_write(fd, data[:len(data) // 2])
+
+    monkeypatch.setattr(cli_jsonl, "os", _OsWith(write=half_write))
+    with pytest.raises(UsageError, match="1 record kept in .* \\(whole lines\\)"):
+        records.write({"sample": 1, "completion": "x" * 100})
+    assert open(partial, "rb").read() == record_line({"sample": 0})
+
+
+def test_abandon_keeps_a_partial_file_with_a_line_it_did_not_count(tmp_path):
+    """`abandon` decides by the file's content: a line in the file keeps it, an empty file is removed."""
+    records, partial = _partial_records(tmp_path)
+    os.write(records._fd, record_line({"sample": 0}))     # as a write whose bookkeeping was cut short
+    records.abandon()
+    assert open(partial, "rb").read() == record_line({"sample": 0})
+    os.unlink(partial)
+    records, partial = _partial_records(tmp_path)
+    assert records.abandon() == f"no record was written; {tmp_path / 'o.jsonl'} is unchanged"
+    assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_during_commit_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """Ctrl-C while the final file is flushed: the temporary file is removed, `FILE` is not
+    created, the partial file keeps the record."""
+    records, partial = _partial_records(tmp_path)
+    records.write({"sample": 0})
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_jsonl, "os", _OsWith(fsync=interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        records.commit([{"sample": 0}])
+    assert records.abandon().startswith("1 record kept in ")
+    assert os.listdir(tmp_path) == [os.path.basename(partial)]
+
+
+def test_commit_succeeds_when_only_the_temporary_name_cannot_be_removed(tmp_path, monkeypatch):
+    """Without --overwrite `FILE` is made by a hard link: when the link is made and removing the
+    temporary name fails, `FILE` holds the records and the commit is a success."""
+    records, partial = _partial_records(tmp_path)
+    records.write({"sample": 0})
+    real_unlink = os.unlink
+
+    def unlink(path, *a, **k):
+        if ".tmp-" in os.fspath(path):
+            raise PermissionError(1, "Operation not permitted")
+        return real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(cli_jsonl, "os", _OsWith(unlink=unlink))
+    records.commit([{"sample": 0}])
+    assert open(tmp_path / "o.jsonl", "rb").read() == record_line({"sample": 0})
+    assert records.abandon() == f"1 record written to {tmp_path / 'o.jsonl'}"
+    assert not os.path.exists(partial) and not os.path.exists(tmp_path / "o.jsonl.lock")
 
 
 # ---------------------------------------------------------------------------------------------
