@@ -71,11 +71,19 @@ class StdoutRecords:
         self.path, self.count = STDIN, 0
 
     def write(self, record: dict) -> None:
-        """Writes one record as one line and flushes it; a closed or failing standard output is
-        a UsageError."""
+        """Writes one record as one UTF-8 line (to ``sys.stdout.buffer`` when there is one, so
+        the stream's encoding does not matter) and flushes it; a closed or failing standard
+        output is a UsageError."""
+        line = record_line(record)
         try:
-            sys.stdout.write(record_line(record).decode("utf-8"))
-            sys.stdout.flush()
+            sys.stdout.flush()                 # text written before goes out first
+            out = getattr(sys.stdout, "buffer", None)
+            if out is None:                    # a text-only stream: it takes str
+                sys.stdout.write(line.decode("utf-8"))
+                sys.stdout.flush()
+            else:
+                out.write(line)
+                out.flush()
         except OSError as e:  # e.g. the reading end of a pipe has exited
             raise UsageError(f"cannot write --output - (standard output): {e.strerror or e}; "
                              f"{self.abandon()}") from None

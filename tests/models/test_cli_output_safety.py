@@ -11,6 +11,7 @@ The runs that are killed or limited are subprocesses of a small driver that runs
 with the token stream wrapped: at step 1 the first sequence gets the end-of-sequence token (so
 one record is finished early) and at a given step the stream sleeps, so the test can signal a
 run that is certainly mid-generation."""
+import io
 import json
 import os
 import re
@@ -26,7 +27,7 @@ import pytest
 from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
 from models import cli, cli_jsonl
 from models.cli_args import UsageError
-from models.cli_jsonl import FileRecords, record_line
+from models.cli_jsonl import FileRecords, open_records, record_line
 from models.gguf import write_llama_gguf
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -184,6 +185,12 @@ def test_a_file_created_meanwhile_is_not_replaced(tiny_model, tmp_path, capsys, 
 
 
 class _ClosedPipe:
+    """A standard output whose reader has exited, text and bytes alike."""
+
+    @property
+    def buffer(self):
+        return self
+
     def write(self, s):
         raise BrokenPipeError(32, "Broken pipe")
 
@@ -212,6 +219,18 @@ def test_existing_output_needs_overwrite_or_append(tiny_model, tmp_path, capsys)
     rc, _, err = _run(_argv(tiny_model, "-o", o, "--overwrite"), capsys)
     assert rc == 0, err
     assert [r["sample"] for r in _whole_records(o)] == [0, 1, 2] and os.listdir(tmp_path) == ["o.jsonl"]
+
+
+def test_output_dash_writes_utf8_whatever_the_stdout_encoding(monkeypatch):
+    """On a standard output whose encoding cannot write the text (ASCII here), the record goes
+    out as its UTF-8 bytes, after the text written before it."""
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
+    sys.stdout.write("before\n")
+    records = open_records("-", "new")
+    records.write({"completion": "caf\u00e9 \u2014 \U0001f600"})
+    assert raw.getvalue() == b"before\n" + record_line({"completion": "caf\u00e9 \u2014 \U0001f600"})
+    assert records.count == 1
 
 
 def test_output_dash_writes_the_records_to_stdout(tiny_model, tmp_path, capsys, monkeypatch):
