@@ -197,8 +197,8 @@ def _generate(args, prompts: list, questions: list[str] | None, mesh, records) -
     elif records is not None:  # the run ended: its records, in order, with the layout it used
         attention = result.sharing.attention if result is not None else None
         records.commit([recs[k] | {"attention": attention} for k in sorted(recs)])
-    print(summary_line(llm, result, b=b, groups=groups, n=n, load_s=load_s, interrupted=interrupted),
-          file=sys.stderr)
+    print(summary_line(llm, result, b=b, groups=groups, n=n, load_s=load_s, interrupted=interrupted,
+                       drawn_seed=args.seed if args.seed_drawn else None), file=sys.stderr)
     if interrupted:
         print(f"{PROG}: interrupted; kept the tokens produced so far{kept}", file=sys.stderr)
         return 130

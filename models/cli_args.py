@@ -208,14 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """`parser.parse_args(argv)` plus the checks between flags (via `parser.error`)."""
+    """`parser.parse_args(argv)` plus the checks between flags (via `parser.error`); `--seed
+    random` is drawn here (`seed_drawn` says whether it was)."""
     args = parser.parse_args(argv)
     if args.prompt_file == STDIN and args.questions_file == STDIN:
         parser.error("--prompt-file and --questions-file cannot both be '-' (standard input)")
     _check_prompt_cache_flags(parser, args)
     if args.prompt_logprobs and not args.output:
         parser.error("--prompt-logprobs needs --output FILE (the log-probabilities are written in the records)")
-    if args.seed is None:  # --seed random: drawn now, so every record names the seed that reproduces it
+    args.seed_drawn = args.seed is None
+    if args.seed_drawn:  # --seed random: drawn now, so every record names the seed that reproduces it
         args.seed = resolve_seed(SamplingParams(seed=None)).seed
     if args.stop is not None:
         args.stop = [unescape(s) for s in args.stop]

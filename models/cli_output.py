@@ -38,19 +38,21 @@ def completion_header(j: int, i: int, c: Completion, questions: list[str] | None
 
 
 def summary_line(llm: LLM, result: Generation | None, *, b: int, groups: int, n: int, load_s: float,
-                 interrupted: bool) -> str:
-    """The run's summary: sequences, tokens, load / compile / prefill / first-token / decode
-    times and rate, what was shared, the device (and the mesh, when there is one)."""
+                 interrupted: bool, drawn_seed: int | None = None) -> str:
+    """The run's summary: sequences and tokens, ``seed=N`` when ``drawn_seed`` is given (the seed
+    ``--seed random`` drew: what reproduces the run), load / compile / prefill / first-token /
+    decode times and rate, what was shared, the device (and the mesh, when there is one)."""
     t = result.timings if result is not None else None
     plural = lambda k, word: f"{k} {word}{'s' if k > 1 else ''}"  # noqa: E731
     head = f"{plural(b, 'sequence')} ({plural(groups, 'prompt')} x {plural(n, 'sample')})"
+    seed = [] if drawn_seed is None else [f"seed={drawn_seed}"]
     if t is None:
-        return f"{head} | load {load_s:.2f} s | {'interrupted' if interrupted else 'no result'}"
+        return " | ".join([head, *seed, f"load {load_s:.2f} s", "interrupted" if interrupted else "no result"])
     rate = t.decode_tokens_per_s
     device = f"{jax.default_backend()} {llm.info.get('dtype', '')}".rstrip()
     if llm.mesh is not None:
         device += f" tensor_parallel={llm.tensor_parallel} data_parallel={llm.data_parallel}"
-    parts = [f"{head}, {t.new_tokens} new tokens in {t.total_s:.2f} s", f"load {load_s:.2f} s",
+    parts = [f"{head}, {t.new_tokens} new tokens in {t.total_s:.2f} s", *seed, f"load {load_s:.2f} s",
              f"compile {t.compile_s:.2f} s", f"prefill {t.prefill_s:.2f} s", f"first token {t.first_token_s:.2f} s",
              f"decode {t.decode_tokens} tokens {t.decode_s:.2f} s"
              + (f", {rate:.1f} tok/s without compilation" if rate is not None else ""),

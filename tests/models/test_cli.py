@@ -151,7 +151,7 @@ def test_tiny_model_sampling_jsonl_and_seed(tiny_model, tmp_path, capsys):
         assert r["mesh"] == {"tensor_parallel": 1, "data_parallel": 1}
         assert set(r["timings"]) == {"load_s", "compile_s", "prefill_s", "first_token_s", "decode_s", "total_s"}
     assert "3 sequences (1 prompt x 3 samples)" in err and "tok/s" in err and "KV cache" in err
-    assert "first token" in err and "stored once" in err
+    assert "first token" in err and "stored once" in err and "seed=" not in err
     assert len({tuple(r["token_ids"]) for r in recs}) > 1, "samples of one prompt should differ"
     assert _run(base + ["--seed", 1, "-o", out2], capsys)[0] == 0
     assert _texts(_records(out2)) == _texts(recs), "same seed, same completions"
@@ -196,6 +196,16 @@ def test_tiny_model_chat_and_printed_output(tiny_model, tmp_path, capsys):
     assert {(q, text) for q, text, *_ in heads} == {("1", "hello there"), ("2", "the end")}
     assert "[prefill" in err and "[decode" in err and "\r\x1b[K" in err  # the live line (forced on)
     assert "4 sequences (2 prompts x 2 samples)" in err and "stored once" in err
+
+
+def test_random_seed_is_in_the_summary_and_reproduces_the_run(tiny_model, capsys):
+    """`--seed random` without `--output`: the summary names the drawn seed, and `--seed` with it
+    prints the same completions."""
+    rc, out, err = _run(SAMPLE_ARGV(tiny_model) + ["--seed", "random"], capsys)
+    assert rc == 0, err
+    (seed,) = re.findall(r" \| seed=(\d+) \| ", err)
+    rc, again, err = _run(SAMPLE_ARGV(tiny_model) + ["--seed", seed], capsys)
+    assert rc == 0 and again == out and "seed=" not in err, err
 
 
 def test_stop_and_logprobs_flags(tiny_model, tmp_path, capsys):
