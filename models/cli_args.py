@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=_float_in(0, 1, what="in [0, 1]"), default=0.0,
                    help="keep tokens whose probability is at least MIN_P times the most probable one's (after "
                         "temperature, before top-k/top-p), 0 = off (default: %(default)s)")
-    p.add_argument("--repetition-penalty", type=_float_in(0, 1e6, lo_open=True, what="a number > 0"), default=1.0,
+    p.add_argument("--repetition-penalty", type=_float_in(0, 1e6, lo_open=True, what="in (0, 1000000]"), default=1.0,
                    help="divide positive / multiply negative logits of tokens in the prompt or generated so far, "
                         "1 = off (default: %(default)s)")
     p.add_argument("--presence-penalty", type=_float_in(-2, 2, what="in [-2, 2]"), default=0.0,
@@ -161,10 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: off)")
     p.add_argument("--prompt-logprobs", type=_logprobs_count, nargs="?", const=True, default=False, metavar="K",
                    help="each prompt token's log-probability in the --output records; with K >= 1 also the K most "
-                        "probable tokens at each position; needs --output (default: off)")
+                        "probable tokens at each position; needs --output FILE or - (default: off)")
     p.add_argument("--logprobs", type=_logprobs_count, nargs="?", const=True, default=False, metavar="K",
                    help="each token's log-probability in the --output records; with K >= 1 also the K most "
-                        "probable tokens at each step; needs --output (default: off)")
+                        "probable tokens at each step; needs --output FILE or - (default: off)")
     p.add_argument("--attention", choices=ATTENTION, default="auto",
                    help="KV-cache layout: shared prefixes stored once, or flat copies; auto = shared when "
                         "sequences share a prefix (default: %(default)s)")
@@ -214,8 +214,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     if args.prompt_file == STDIN and args.questions_file == STDIN:
         parser.error("--prompt-file and --questions-file cannot both be '-' (standard input)")
     _check_prompt_cache_flags(parser, args)
-    if args.prompt_logprobs and not args.output:
-        parser.error("--prompt-logprobs needs --output FILE (the log-probabilities are written in the records)")
+    for flag, given in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if given and not args.output:
+            parser.error(f"{flag} needs --output FILE or --output - (the log-probabilities are written in the "
+                         f"JSONL records)")
     args.seed_drawn = args.seed is None
     if args.seed_drawn:  # --seed random: drawn now, so every record names the seed that reproduces it
         args.seed = resolve_seed(SamplingParams(seed=None)).seed

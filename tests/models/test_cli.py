@@ -337,6 +337,8 @@ def test_ctrl_c_keeps_finished_tokens(tiny_model, tmp_path, capsys, monkeypatch)
     (["-p", "x", "--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
     (["-p", "x", "--top-p", "1.5"], "must be in (0, 1], got 1.5"),
     (["-p", "x", "--top-k", "-3"], "must be >= 0, got -3"),
+    (["-p", "x", "--repetition-penalty", "0"], "argument --repetition-penalty: must be in (0, 1000000], got 0"),
+    (["-p", "x", "--repetition-penalty", "2e6"], "argument --repetition-penalty: must be in (0, 1000000], got 2e6"),
     (["-p", "x", "--attention", "fast"], "invalid choice: 'fast'"),
     (["-p", "x", "--stop", ""], "argument --stop: expected a non-empty string"),
     (["-p", "x", "--bogus"], "unrecognized arguments: --bogus"),

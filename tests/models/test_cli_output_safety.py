@@ -500,7 +500,10 @@ def test_question_format_unescapes_like_stop(tiny_model, tmp_path, capsys):
     (["--questions-file", os.devnull, "--question-format", "Q: A:"],
      "argument --question-format: template 'Q: A:' has no {question} field"),
     (["--questions-file", os.devnull, "--question-format", "{}"], "argument --question-format: bad template"),
-    (["--logprobs"], "--logprobs needs --output FILE or --output -"),
+    (["--logprobs"], "--logprobs needs --output FILE or --output - (the log-probabilities are written in the "
+                     "JSONL records)"),
+    (["--prompt-logprobs", "3"], "--prompt-logprobs needs --output FILE or --output - (the log-probabilities are "
+                                 "written in the JSONL records)"),
     (["--overwrite"], "--overwrite needs --output FILE"),
     (["--append"], "--append needs --output FILE"),
     (["-o", "-", "--append"], "--append cannot be used with --output -"),
@@ -513,6 +516,13 @@ def test_question_format_unescapes_like_stop(tiny_model, tmp_path, capsys):
 ])
 def test_output_and_model_flag_errors_exit_2_before_loading(argv, msg, no_loading, capsys):
     _one_error_line(*_run(([] if "--schema" in argv else ["-p", "x"]) + argv, capsys), msg)
+
+
+def test_logprobs_flags_say_both_output_forms_in_their_help():
+    parser = cli.build_parser()
+    for action in parser._actions:
+        if action.dest in ("logprobs", "prompt_logprobs"):
+            assert "needs --output FILE or - (default" in " ".join(action.help.split()), action.help
 
 
 def test_deferred_interrupt_raises_after_the_block_or_at_a_second_sigint(capsys):
