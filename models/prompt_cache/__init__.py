@@ -7,9 +7,9 @@ per-module K/V encoding at those positions.
 * `encode`: K/V per layer of every module of a schema, each module attending only to itself.
 * `identity`, `store`: `PromptCache`, encoded schemas in device, host and disk tiers (safetensors
   and a JSON manifest) with byte budgets and LRU eviction, bound to one model, dtype and tokenizer.
-* `schema_file`, `manifest`, `atomic`: the disk tier's files, written atomically, carrying
-  SHA-256 digests that are checked when they are read; damaged files are kept aside and
-  encoded again.
+* `disk`, `schema_file`, `manifest`, `atomic`: the disk tier and its files, written
+  atomically, carrying SHA-256 digests that are checked when they are read; damaged files are
+  kept aside and encoded again.
 * `levels`, `infer`: `cached_generate`, batched generation from the stored module K/V (modules
   stored once per batch as shared prefix levels), and `prefill_generate`, the same without the
   cache.

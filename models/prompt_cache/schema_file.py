@@ -12,8 +12,10 @@ manifest records for the file, so one digest covers the whole file.
   header JSON, tensor names, dtypes, shapes and byte ranges that tile the data exactly), the
   header digest against the manifest's (when given), every tensor's digest, then the format,
   identity and schema; the first failure raises `CorruptFile` (a ValueError) naming the file
-  and what failed, or for a file of another model, dtype, tokenizer or schema a ValueError
-  naming what differs.
+  and what failed (`HeaderDigestMismatch`, a `CorruptFile`, when only the header digest was
+  checked so far), or for a file of another model, dtype, tokenizer or schema a ValueError
+  naming what differs. Errors of the system rather than of the file's bytes (no permission,
+  an I/O error) are raised as the OSError they are.
 * `read_record` reads only the header: what a manifest records for a file found without one.
 
 Only safetensors and JSON are read and written, never pickle.
@@ -35,7 +37,8 @@ from models.prompt_cache.atomic import write_atomic
 from models.prompt_cache.encode import EncodedSchema
 from models.prompt_cache.identity import CacheIdentity
 
-__all__ = ["ARRAYS", "FORMAT", "CorruptFile", "FileRecord", "load_encoded", "read_record", "save_encoded"]
+__all__ = ["ARRAYS", "FORMAT", "CorruptFile", "FileRecord", "HeaderDigestMismatch", "load_encoded", "read_record",
+           "save_encoded"]
 
 FORMAT = "jax-prefix-attn prompt cache 3"
 ARRAYS = ("k", "v", "positions", "token_ids", "keep", "offsets")
@@ -51,6 +54,12 @@ class CorruptFile(ValueError):
     def __init__(self, path: str, reason: str):
         super().__init__(f"{path}: {reason}")
         self.path, self.reason = path, reason
+
+
+class HeaderDigestMismatch(CorruptFile):
+    """A schema file whose header digest differs from the one its manifest recorded (its
+    structure checked, its tensor digests and metadata not yet): a changed or swapped file, or
+    one replaced by a writer stopped before it wrote the manifest."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +161,7 @@ def load_encoded(path: str, identity: CacheIdentity, schema: str, schema_hash: s
     if got != len(data):
         raise CorruptFile(path, f"truncated while reading: {got} of {len(data)} data bytes")
     if digest is not None and hashlib.sha256(raw).hexdigest() != digest:
-        raise CorruptFile(path, "header digest differs from the manifest's (a changed or swapped file)")
+        raise HeaderDigestMismatch(path, "header digest differs from the manifest's (a changed or swapped file)")
     layout = _tensor_layout(path, header, len(data))
     meta = header["__metadata__"]
     try:

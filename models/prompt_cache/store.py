@@ -17,15 +17,11 @@ written to disk first if its disk copy was evicted). Each tier evicts its least 
 entries while it holds more bytes than its budget (`CacheBudgets`, None = unlimited); an entry
 larger than a tier's budget passes through to the next tier.
 
-The disk verifies itself. Every file is written atomically (`models.prompt_cache.atomic`). A
-schema file is verified completely when it is read (structure, header digest against the
-manifest, every tensor's digest, identity, schema); one that fails, is truncated, empty or
-unreadable is logged in one line (logger `models.prompt_cache`, WARNING), renamed to
-`NAME.corrupt-<UTC time>` and treated as a miss, so `encode_or_load` encodes the schema again.
-A manifest that fails its digest or is not JSON is kept aside the same way and rebuilt from the
-schema files whose headers verify. A file the manifest does not list is adopted when the
-directory is opened if its header verifies (a writer stopped between the file's rename and the
-manifest's), else kept aside before the cache writes that name. `stats()` counts the files and
+The disk verifies itself (`models.prompt_cache.disk`): a schema file is verified completely
+when it is read; one that fails is logged in one line, renamed to `NAME.corrupt-<UTC time>` and
+treated as a miss, so `encode_or_load` encodes the schema again; a file replaced by a writer
+stopped before it wrote the manifest is adopted if it verifies; an error of the system (no
+permission, an I/O error) is raised, leaving the file in place. `stats()` counts the files and
 manifests kept aside (`verification_failures`).
 
 Processes may share a directory: every read-modify-write of it (a lookup that reads a file, a
@@ -45,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import os
 from typing import Mapping
 
@@ -54,19 +49,17 @@ import numpy as np
 
 from models.config import LlamaConfig
 from models.llama import Llama
-from models.prompt_cache.atomic import DirectoryLock, keep_aside, remove_temporaries
+from models.prompt_cache.disk import DiskTier
 from models.prompt_cache.encode import EncodedSchema, check_encoded, encode_schema
 from models.prompt_cache.identity import CacheIdentity, model_identity, schema_identity, tokenizer_identity
 from models.prompt_cache.layout import SchemaLayout, TokenEncoder, layout_schema
-from models.prompt_cache.manifest import MANIFEST, read_manifest, schema_file, unlisted_records, write_manifest
 from models.prompt_cache.pml import Schema, check_schema
-from models.prompt_cache.schema_file import ARRAYS, CorruptFile, load_encoded, read_record, save_encoded
+from models.prompt_cache.schema_file import ARRAYS, load_encoded, save_encoded
 
 __all__ = ["TIERS", "CacheBudgets", "CacheStats", "PromptCache", "encoded_nbytes", "kv_bytes_per_token",
            "load_encoded", "save_encoded"]
 
 TIERS = ("device", "host", "disk")
-_log = logging.getLogger("models.prompt_cache")
 
 
 def kv_bytes_per_token(config: LlamaConfig, dtype) -> int:
@@ -156,19 +149,11 @@ class PromptCache:
                                       tokenizer_id if tokenizer_id is not None else tokenizer_identity(tokenizer))
         self.bytes_per_token = kv_bytes_per_token(model.config, dtype)
         self._mem = {"device": collections.OrderedDict(), "host": collections.OrderedDict()}
-        self._disk: collections.OrderedDict = collections.OrderedDict()   # name -> FileRecord, LRU first
-        self._touched: list[str] = []        # disk entries used from memory since the manifest was written
         self._layouts: dict = {}
         zero = lambda: dict.fromkeys(TIERS, 0)
         self._hits, self._misses, self._evictions = zero(), zero(), zero()
-        self._failures = 0
         self.directory = None if directory is None else os.fspath(directory)
-        if self.directory is not None:
-            os.makedirs(self.directory, exist_ok=True)
-            self._lock = DirectoryLock(self.directory)
-            with self._lock:
-                remove_temporaries(self.directory)
-                self._sync(adopt=True)
+        self._disk = None if directory is None else DiskTier(self.directory, self.identity, budgets.disk)
 
     # ------------------------------------------------------------------ keys and layouts
     def schema_key(self, schema: Schema, scaffolds=()) -> str:
@@ -191,7 +176,8 @@ class PromptCache:
         A host or disk hit moves the entry to the device tier with `promote` (else a disk hit
         goes to the host tier and a host hit stays there, with NumPy K/V). An entry stored for
         other schema text or options raises ValueError. A disk file that fails verification is
-        logged, kept aside and counted (module docstring); the lookup is then a disk miss."""
+        logged, kept aside and counted (module docstring); the lookup is then a disk miss. An
+        OSError reading it (no permission, an I/O error) is raised, the file left in place."""
         name, key = schema.name, self.schema_key(schema, scaffolds)
         for tier in ("device", "host"):
             entry = self._mem[tier].get(name)
@@ -200,7 +186,8 @@ class PromptCache:
                 continue
             self._check_key(name, entry.schema_hash, key, tier)
             self._hits[tier] += 1
-            self._touch_disk(name)
+            if self._disk is not None:
+                self._disk.touch(name)
             if tier == "host" and promote:
                 del self._mem["host"][name]
                 entry = _Entry(key, _on_device(entry.encoded), entry.nbytes)
@@ -208,24 +195,21 @@ class PromptCache:
             else:
                 self._mem[tier].move_to_end(name)
             return entry.encoded
-        if self.directory is None:
+        disk = self._disk
+        if disk is None:
             return None
-        with self._lock:
-            self._sync()
-            rec = self._disk.get(name)
+        with disk.lock:
+            disk.sync()
+            rec, enc = disk.records.get(name), None
             if rec is not None:
                 self._check_key(name, rec.schema_hash, key, "disk")
-                try:
-                    enc = load_encoded(self._file(name), self.identity, name, key, digest=rec.digest)
-                except (ValueError, OSError) as e:
-                    self._set_aside(name, e, f"encoding schema {name!r} again")
-                    rec = None
-            if rec is None:
+                enc = disk.load(name, key)
+            if enc is None:
                 self._misses["disk"] += 1
                 return None
             self._hits["disk"] += 1
-            self._touch_disk(name)
-            self._write_manifest()
+            disk.touch(name)
+            disk.write_manifest()
         entry = _Entry(key, _on_device(enc) if promote else enc, encoded_nbytes(enc))
         self._place("device" if promote else "host", name, entry)
         return entry.encoded
@@ -241,8 +225,8 @@ class PromptCache:
         for tier in ("device", "host"):
             self._mem[tier].pop(schema.name, None)
         entry = _Entry(self.schema_key(schema, scaffolds), _on_device(encoded), encoded_nbytes(encoded))
-        if self.directory is not None:
-            self._write_disk(schema.name, entry)     # replaces its file atomically: a failed write keeps it
+        if self._disk is not None:                   # replaces its file atomically: a failed write keeps it
+            self._evictions["disk"] += self._disk.write(schema.name, entry.encoded, entry.schema_hash, entry.nbytes)
         self._place("device", schema.name, entry)
 
     def encode_or_load(self, schema: Schema, scaffolds=(), *, replace: bool = False,
@@ -252,10 +236,11 @@ class PromptCache:
         if replace:
             key = self.schema_key(schema, scaffolds)
             held = [self._mem[t][schema.name].schema_hash for t in ("device", "host") if schema.name in self._mem[t]]
-            if self.directory is not None:
-                with self._lock:
-                    self._sync()
-                    held += [self._disk[schema.name].schema_hash] if schema.name in self._disk else []
+            if self._disk is not None:
+                with self._disk.lock:
+                    self._disk.sync()
+                    rec = self._disk.records.get(schema.name)
+                    held += [] if rec is None else [rec.schema_hash]
             if any(h != key for h in held):
                 self.remove(schema.name)
         enc = self.lookup(schema, scaffolds, promote=promote)
@@ -270,28 +255,31 @@ class PromptCache:
         """Drop schema `name` from every tier (its file too)."""
         for tier in ("device", "host"):
             self._mem[tier].pop(name, None)
-        if self.directory is not None:
-            with self._lock:
-                self._sync()
-                if name in self._disk:
-                    self._delete_file(name)
+        if self._disk is not None:
+            with self._disk.lock:
+                self._disk.sync()
+                if name in self._disk.records:
+                    self._disk.delete(name)
 
     # ------------------------------------------------------------------ introspection
     def names(self, tier: str) -> tuple[str, ...]:
         """Schema names held by `tier`, least recently used first."""
         if tier not in TIERS:
             raise ValueError(f"tier: received {tier!r}, expected one of {TIERS}")
-        return tuple(self._disk if tier == "disk" else self._mem[tier])
+        if tier == "disk":
+            return () if self._disk is None else tuple(self._disk.records)
+        return tuple(self._mem[tier])
 
     def stats(self) -> CacheStats:
         """Hits, misses, evictions, bytes and entries per tier (module docstring)."""
         held = {t: [e.nbytes for e in self._mem[t].values()] for t in ("device", "host")}
-        held["disk"] = [r.bytes for r in self._disk.values()]
+        records = () if self._disk is None else self._disk.records.values()
+        held["disk"] = [r.bytes for r in records]
         tokens = {t: sum(e.encoded.tokens for e in self._mem[t].values()) for t in ("device", "host")}
-        tokens["disk"] = sum(r.tokens for r in self._disk.values())
+        tokens["disk"] = sum(r.tokens for r in records)
         return CacheStats(dict(self._hits), dict(self._misses), dict(self._evictions),
                           {t: int(sum(held[t])) for t in TIERS}, {t: len(held[t]) for t in TIERS}, tokens,
-                          self.bytes_per_token, self._failures)
+                          self.bytes_per_token, 0 if self._disk is None else self._disk.failures)
 
     # ------------------------------------------------------------------ tiers
     def _check_key(self, name: str, stored: str, key: str, tier: str) -> None:
@@ -309,99 +297,8 @@ class PromptCache:
             self._evictions[tier] += 1
             if tier == "device":
                 self._place("host", old, _Entry(e.schema_hash, _on_host(e.encoded), e.nbytes))
-            elif self.directory is not None:
-                with self._lock:
-                    self._sync()
-                    if old not in self._disk:
-                        self._write_disk(old, e)
-
-    def _file(self, name: str) -> str:
-        return os.path.join(self.directory, schema_file(name))
-
-    def _touch_disk(self, name: str) -> None:
-        if name in self._disk:
-            self._disk.move_to_end(name)
-            self._touched.append(name)
-
-    def _write_disk(self, name: str, entry: _Entry) -> None:
-        """Store `entry` as schema `name`'s file, replacing the one there (dropped instead when
-        the entry exceeds the disk budget), then evict files beyond the budget."""
-        budget = self.budgets.disk
-        with self._lock:
-            self._sync()
-            if budget is not None and entry.nbytes > budget:
-                if name in self._disk:
-                    self._delete_file(name)
-                return
-            path = self._file(name)
-            if name not in self._disk and os.path.lexists(path):
-                self._set_aside(name, CorruptFile(path, "not listed in the manifest"), "writing a new one")
-            size = save_encoded(path, entry.encoded, self.identity, entry.schema_hash)
-            self._disk[name] = read_record(path, self.identity, name)
-            if budget is not None and size > budget:     # the file (K/V plus header) alone exceeds the budget
-                self._delete_file(name)
-                return
-            self._disk.move_to_end(name)
-            while budget is not None and len(self._disk) > 1 and sum(r.bytes for r in self._disk.values()) > budget:
-                self._evictions["disk"] += 1
-                self._delete_file(next(iter(self._disk)), write=False)
-            self._write_manifest()
-
-    def _delete_file(self, name: str, write: bool = True) -> None:
-        """Drop `name` from the directory; the caller holds the lock and has synced."""
-        self._disk.pop(name, None)
-        try:
-            os.remove(self._file(name))
-        except FileNotFoundError:
-            pass
-        if write:
-            self._write_manifest()
-
-    def _set_aside(self, name: str | None, error: Exception, then: str) -> None:
-        """Report `error` of a damaged file in one line, keep the file aside and count it; `name`:
-        the schema whose file it is (its record is dropped), None for the manifest."""
-        path = os.path.join(self.directory, MANIFEST) if name is None else self._file(name)
-        self._failures += 1
-        if isinstance(error, CorruptFile):
-            reason = error.reason
-        elif isinstance(error, OSError):
-            reason = error.strerror or str(error)
-        else:
-            reason = str(error).removeprefix(f"{path}: ")
-        try:
-            aside = f"kept as {os.path.basename(keep_aside(path))}"
-        except FileNotFoundError:
-            aside = "already gone"
-        _log.warning("prompt cache: %s: %s; %s; %s", path, reason, aside, then)
-        if name is not None:
-            self._disk.pop(name, None)
-            self._write_manifest()
-
-    def _sync(self, adopt: bool = False) -> None:
-        """Read the manifest again (other processes may have written it) into the directory view,
-        keeping this process's uses since its last write as the most recent; the caller holds
-        the lock. A damaged manifest is kept aside and rebuilt; with `adopt`, or when rebuilding,
-        schema files the manifest does not list are adopted if their headers verify."""
-        try:
-            records = read_manifest(self.directory, self.identity)
-        except FileNotFoundError:
-            records, adopt = None, True
-        except CorruptFile as e:
-            self._set_aside(None, e, "rebuilding it from the schema files that verify")
-            records, adopt = None, True
-        disk = collections.OrderedDict((n, r) for n, r in (records or {}).items() if os.path.exists(self._file(n)))
-        changed = records is None or len(disk) != len(records)
-        if adopt:
-            found = unlisted_records(self.directory, self.identity, disk)
-            changed |= bool(found)
-            disk = collections.OrderedDict([*found.items(), *disk.items()])
-        for name in self._touched:
-            if name in disk:
-                disk.move_to_end(name)
-        self._disk = disk
-        if changed:
-            self._write_manifest()
-
-    def _write_manifest(self) -> None:
-        write_manifest(self.directory, self.identity, self._disk)
-        self._touched = []
+            elif self._disk is not None:
+                with self._disk.lock:
+                    self._disk.sync()
+                    if old not in self._disk.records:
+                        self._evictions["disk"] += self._disk.write(old, e.encoded, e.schema_hash, e.nbytes)

@@ -1,9 +1,13 @@
 """Prompt Cache storage that verifies itself: schema files whose K or V bytes changed, that are
 truncated, empty, garbled or swapped, and manifests that are garbage, changed, empty or
 swapped are each detected, reported in one log line, kept aside and encoded again, with the
-answers of a fresh cache; a write that fails part-way leaves the old file; two processes
-writing one directory lose no record and corrupt no file."""
+answers of a fresh cache; a file replaced by a writer stopped before its manifest write is
+adopted; an error of the system (no permission, I/O) is raised and keeps the file; a write that
+fails part-way leaves the old file; two processes writing one directory lose no record and
+corrupt no file."""
+import builtins
 import dataclasses
+import errno
 import json
 import logging
 import multiprocessing
@@ -19,6 +23,7 @@ import safetensors.numpy
 
 from models import Llama, LlamaConfig, init_params
 from models.prompt_cache import PromptCache, cached_generate, layout_prompt, module, param, parse_prompt, schema
+from models.prompt_cache import schema_file
 
 CFG = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)
@@ -180,6 +185,81 @@ def test_swapped_schema_files_are_detected(setup, tmp_path, caplog):
     for s, enc in zip(SCHEMAS[:2], encs):
         check_fresh(setup, enc, s.name)
         check_verified_hit(setup, tmp_path, s.name)
+
+
+def test_file_replaced_before_its_manifest_was_written_is_adopted(setup, tmp_path, caplog):
+    """A writer stopped between replacing a listed file and writing the manifest: the file's
+    header digest differs from the manifest's, but the file verifies completely, so the next
+    lookup adopts it (no warning, no failure, nothing kept aside) and records its digest."""
+    model, params, fresh, _, _ = setup
+    cache = stored(setup, tmp_path, SCHEMAS[:1])
+    manifest = (tmp_path / "manifest.json").read_bytes()
+    newer = dataclasses.replace(fresh["s0"], k=np.asarray(fresh["s0"].k) * 0.5)   # same schema, other bytes
+    cache.insert(SCHEMAS[0], newer)
+    (tmp_path / "manifest.json").write_bytes(manifest)          # the manifest of before the write
+    again = open_cache(model, params, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="models.prompt_cache"):
+        enc = again.lookup(SCHEMAS[0])
+    assert warnings_of(caplog) == []
+    st = again.stats()
+    assert st.verification_failures == 0 and st.hits["disk"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "s0.safetensors"]
+    for a in ARRAYS:
+        assert np.asarray(getattr(enc, a)).tobytes() == np.asarray(getattr(newer, a)).tobytes(), a
+    assert (tmp_path / "manifest.json").read_bytes() != manifest          # the adopted digest is recorded
+    third = open_cache(model, params, tmp_path)
+    np.testing.assert_array_equal(np.asarray(third.lookup(SCHEMAS[0]).k), np.asarray(newer.k))
+    assert third.stats().verification_failures == 0
+
+
+@pytest.mark.parametrize("error", ["EACCES on open", "EMFILE on open", "EIO on read", "ENOMEM on read"])
+def test_transient_read_error_is_raised_and_keeps_the_file(setup, tmp_path, monkeypatch, caplog, error):
+    """An error of the system, not of the file's bytes (no permission, too many open files, an
+    I/O error, no memory): the lookup raises it in one line naming the file, and the file, its
+    manifest record and the failure count stay as they were; the next lookup reads it."""
+    model, params, *_ = setup
+    stored(setup, tmp_path)
+    path = str(tmp_path / "s0.safetensors")
+    before = sorted(os.listdir(tmp_path)), (tmp_path / "manifest.json").read_bytes()
+    code = getattr(errno, error.split()[0])
+    real_open = builtins.open
+
+    class FailingRead:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def readinto(self, buf):
+            raise OSError(code, os.strerror(code))
+
+    def failing_open(file, *args, **kwargs):
+        if os.fspath(file) != path:
+            return real_open(file, *args, **kwargs)
+        if error.endswith("on open"):
+            raise OSError(code, os.strerror(code))
+        return FailingRead(real_open(file, *args, **kwargs))
+
+    cache = open_cache(model, params, tmp_path)
+    monkeypatch.setattr(schema_file, "open", failing_open, raising=False)
+    with caplog.at_level(logging.WARNING, logger="models.prompt_cache"):
+        with pytest.raises(OSError) as info:
+            cache.lookup(SCHEMAS[0])
+    monkeypatch.undo()
+    assert info.value.errno == code and path in str(info.value) and "\n" not in str(info.value)
+    assert os.strerror(code) in str(info.value)
+    assert warnings_of(caplog) == []
+    assert (sorted(os.listdir(tmp_path)), (tmp_path / "manifest.json").read_bytes()) == before
+    assert cache.stats().verification_failures == 0 and cache.names("disk") == ("s0", "s1")
+    check_fresh(setup, cache.lookup(SCHEMAS[0]))
+    assert cache.stats().hits["disk"] == 1
 
 
 MANIFEST_DAMAGE = {
