@@ -51,6 +51,7 @@ import numpy as np
 
 from models import kv_cache as kvc
 from models.kv_cache import KVCache, PrefixCache
+from models.layer_layout import LAYOUTS, match_prefix_layout, resolve_layout
 from models.llama import Llama
 from models.prefix_sharing import PromptBatch, bucket_length
 from models.sampling import GREEDY, SamplingConfig
@@ -85,53 +86,6 @@ class GenerateOutput:
     top_logprobs: np.ndarray | None = None  # float32 [B, max_new_tokens, k] their raw log-probs
 
 
-LAYOUTS = ("auto", "stacked", "list")
-
-
-def _want_list(layers, layout: str) -> bool:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "auto":  # list layout on GPU, otherwise keep what the caller has
-        return (not kvc.is_stacked(layers)) or jax.default_backend() == "gpu"
-    return layout == "list"
-
-
-def _unstack_tree(layers, n: int) -> list:
-    return [jax.tree_util.tree_map(lambda a, i=i: a[i], layers) for i in range(n)]
-
-
-def _stack_tree(layers) -> dict:
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
-
-
-def resolve_layout(model: Llama, params: dict, layout: str = "auto") -> dict:
-    """Parameters in the layer layout :func:`generate` runs with.
-
-    ``layout``: ``"stacked"`` (``lax.scan`` over layers), ``"list"`` (unrolled layers, one KV
-    buffer per layer) or ``"auto"`` (default): the list layout on GPU -- measured ~3x faster per
-    layer on an H200, XLA copies each layer's slice out of stacked arrays inside the scan -- and
-    the parameters' own layout elsewhere (on CPU the list layout ran ~1.7x faster per token for
-    SmolLM2 but compiled ~2.3x longer, 30 unrolled layers; see ``models/__init__.py``).  The
-    conversion is kept by :meth:`Llama.params_in_layout` for the last parameter tree seen, so
-    repeated calls with the same (stacked) parameters convert once.
-    """
-    return model.params_in_layout(params, stacked=not _want_list(params["layers"], layout))
-
-
-def _match_prefix_layout(prefix: PrefixCache, params: dict) -> PrefixCache:
-    """A prefix cache in the parameters' layer layout (converted if it was built with the other)."""
-    if kvc.is_stacked(prefix.layers) == kvc.is_stacked(params["layers"]):
-        return prefix
-    if kvc.is_stacked(prefix.layers):
-        n = len(params["layers"])
-        if not prefix.lengths:
-            return prefix.replace(layers=[{"k": (), "v": ()} for _ in range(n)])
-        return prefix.replace(layers=_unstack_tree(prefix.layers, n))
-    if not prefix.lengths:
-        return prefix.replace(layers={"k": (), "v": ()})
-    return prefix.replace(layers=_stack_tree(prefix.layers))
-
-
 def _on_mesh(model, params: dict, mesh, prompts: PromptBatch):
     """``(model, params)`` to run: a :class:`ShardedLlama` and placed parameters with a mesh."""
     if mesh is None:
@@ -152,7 +106,7 @@ def prefill_prefix_cache(model: Llama, params: dict, prompts: PromptBatch, *, la
                          shape_buckets: bool = False, mesh: jax.sharding.Mesh | None = None) -> PrefixCache:
     """Prefill ``prompts.levels`` once (reusable for later batches sharing those prefixes).
 
-    ``layout`` as in :func:`resolve_layout`; a prefix cache built in one layout is converted if
+    ``layout`` as in :func:`~models.layer_layout.resolve_layout`; a prefix cache built in one layout is converted if
     :func:`generate` runs with the other.  ``shape_buckets``: node arrays padded to
     :func:`~models.prefix_sharing.bucket_length` (see module docstring).  ``mesh``: see the
     module docstring (pass the same mesh to :func:`generate`)."""
@@ -265,7 +219,7 @@ def _setup(model, params, prompts, max_new_tokens, attention, capacity, prefix_c
         prefix_cache = prefill_prefix_cache(model, params, prompts, layout=layout, shape_buckets=shape_buckets)
     else:
         _check_prefix_cache(prefix_cache, prompts, _level_repeats(model, prompts))
-        prefix_cache = _match_prefix_layout(prefix_cache, params)
+        prefix_cache = match_prefix_layout(prefix_cache, params)
     eos, pad = _stop_and_pad_ids(model, eos_token_ids, pad_token_id)
     toks, n = prompts.suffix_arrays(buckets=shape_buckets)
     logits, cache = model.prefill_jit(params, prefix_cache, toks, n, capacity=capacity, backend=attention)
@@ -307,7 +261,7 @@ def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens
     ``attention``, ``sampling``, ``key`` / ``keys`` and ``shape_buckets`` as in the module
     docstring; ``eos_token_ids`` defaults to the config's (pass ``()`` to never stop early);
     ``capacity`` defaults to what the batch needs; ``layout`` picks the layer layout it runs with
-    (:func:`resolve_layout`: ``"auto"`` = the list layout on GPU); the returned cache is in that
+    (:func:`~models.layer_layout.resolve_layout`: ``"auto"`` = the list layout on GPU); the returned cache is in that
     layout.  ``mesh``: tensor- and data-parallel decoding (module docstring); the tokens are
     those of one device up to floating-point summation order.  ``sampling``'s penalties
     (:mod:`models.penalties`) count each sequence's prompt (:meth:`PromptBatch.full_prompt`) and
