@@ -27,7 +27,9 @@ are stored as given (:class:`models.LLM` and ``jpa-sample`` default to ``"auto"`
 
 Sampling: the default is :data:`~models.sampling.GREEDY`; sequence ``b`` draws with
 ``keys[b]`` (``keys=``, ``[B]`` keys), or with ``fold_in(key, b)`` from one ``key``, so a
-sequence's tokens do not depend on the batch size.  ``shape_buckets=True`` rounds the prompt
+sequence's tokens do not depend on the batch size.  The loop is compiled once per
+:class:`~models.sampling.SamplingMode` (which options are on); the temperature, top-p, min-p and
+penalty values are traced arguments.  ``shape_buckets=True`` rounds the prompt
 arrays, the cache capacity and the loop's output width up with
 :func:`~models.prefix_sharing.bucket_length`, so calls with other prompt lengths or
 ``max_new_tokens`` reuse the compiled functions.
@@ -136,14 +138,14 @@ def _check_prefix_cache(prefix: PrefixCache, prompts: PromptBatch, repeats: tupl
                              f"{want.tolist()}")
 
 
-@functools.partial(jax.jit, static_argnames=("model", "attention", "width", "sampling", "eos_ids", "pad_id",
-                                             "top_k"),
+@functools.partial(jax.jit, static_argnames=("model", "attention", "width", "eos_ids", "pad_id", "top_k"),
                    donate_argnames=("layers",))
 def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, pos_offset_b, logits_bv, keys_b,
-                 limit, seen_bv, *, attention: str, width: int, sampling: SamplingConfig, eos_ids: tuple, pad_id: int,
+                 limit, seen_bv, sampling: SamplingConfig, *, attention: str, width: int, eos_ids: tuple, pad_id: int,
                  top_k: int):
     # The suffix buffers are donated; the prefix cache is not (it may be reused by other batches).
-    # ``limit`` (dynamic) <= ``width`` (static) steps are taken.
+    # ``limit`` (dynamic) <= ``width`` (static) steps are taken.  ``sampling`` is a pytree: its
+    # mode is static, its values traced (one compilation for every value).
     cache = KVCache(prefix=prefix, layers=layers, lengths=lengths_b, pos_offset=pos_offset_b, backend=attention)
     pick = functools.partial(choose_tokens, model, keys_b=keys_b, seen=seen_bv, cfg=sampling, pad_id=pad_id, top_k=top_k)
     b = logits_bv.shape[0]
@@ -180,8 +182,8 @@ def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, p
     return out, lps, tops, lengths, cache
 
 
-@functools.partial(jax.jit, static_argnames=("model", "cfg", "eos_ids", "pad_id", "top_k"))
-def _sample_step(logits_bv, keys_b, step, done_b, counts, seen_bv, *, model, cfg: SamplingConfig, eos_ids: tuple,
+@functools.partial(jax.jit, static_argnames=("model", "eos_ids", "pad_id", "top_k"))
+def _sample_step(logits_bv, keys_b, step, done_b, counts, seen_bv, cfg: SamplingConfig, *, model, eos_ids: tuple,
                  pad_id: int, top_k: int):
     """``(tokens [B], logprobs [B], top, done [B], counts)`` of one step (:func:`~models.token_step.choose_tokens`)."""
     tok, lp, top, counts = choose_tokens(model, logits_bv, keys_b, step, done_b, counts, seen_bv, cfg=cfg, pad_id=pad_id,
@@ -243,7 +245,7 @@ def _run_decode(model, params, cache: KVCache, logits, *, max_new_tokens: int, s
     width = bucket_length(max_new_tokens) if shape_buckets else max_new_tokens
     out, lps, tops, lengths, cache = _decode_loop(model, params, cache.prefix, cache.layers, cache.lengths,
                                                   cache.pos_offset, logits, seq_keys, jnp.int32(max_new_tokens),
-                                                  seen, attention=cache.backend, width=width, sampling=sampling,
+                                                  seen, sampling, attention=cache.backend, width=width,
                                                   eos_ids=eos, pad_id=pad, top_k=top_k)
     top_ids, top_lps = (None, None) if tops is None else (np.asarray(a)[:, :max_new_tokens] for a in tops)
     return GenerateOutput(tokens=np.asarray(out)[:, :max_new_tokens], lengths=np.asarray(lengths), cache=cache,
@@ -336,7 +338,8 @@ def generate_stream(model: Llama, params: dict, prompts: PromptBatch, *, max_new
                                                     mesh)
     seen = prompt_seen(sampling, prompts, prompts.batch, model.config.vocab_size)
     seq_keys = _sequence_keys(key, keys, prompts.batch)
-    sample = functools.partial(_sample_step, keys_b=seq_keys, seen_bv=seen, model=model, cfg=sampling, eos_ids=eos,
+    values = jax.tree_util.tree_map(jnp.asarray, sampling)   # on the device once, not at every step
+    sample = functools.partial(_sample_step, keys_b=seq_keys, seen_bv=seen, cfg=values, model=model, eos_ids=eos,
                                pad_id=pad, top_k=top_k)
     tok, lp, top, done, counts = sample(logits, step=0, done_b=jnp.zeros((prompts.batch,), bool),
                                         counts=initial_counts(sampling, logits))

@@ -14,8 +14,11 @@ is its whole path (shared prefix nodes and its own suffix, :meth:`PromptBatch.fu
 * frequency penalty ``f`` (0 = off): ``x - f * count``;
 * presence penalty ``p`` (0 = off): ``x - p * (count > 0)``.
 
-Neutral values are a static choice: :attr:`SamplingConfig.penalized` is False and the decode
-loop neither keeps the arrays nor calls this function.  The log-probabilities the loop reports
+Which penalties run is a static choice (:attr:`SamplingConfig.mode`): without any,
+:attr:`SamplingConfig.penalized` is False and the decode loop neither keeps the arrays nor calls
+this function; a repetition penalty adds the prompt mask, a presence or frequency penalty the
+subtraction of both terms.  The values themselves may be traced scalars (one compilation for
+every value).  The log-probabilities the loop reports
 are those of the raw logits (before penalties), as vLLM reports by default.
 """
 from __future__ import annotations
@@ -48,19 +51,19 @@ def add_tokens(counts_bv: jax.Array, tokens_b: jax.Array, active_b: jax.Array) -
 def apply_penalties(logits_bv: jax.Array, counts_bv: jax.Array, prompt_seen_bv: jax.Array | None,
                     cfg: SamplingConfig) -> jax.Array:
     """Penalised logits ``[B, V]`` float32 (module docstring).  ``prompt_seen_bv`` may be None
-    unless ``cfg.repetition_penalty != 1``; its width may be smaller than the logits' (columns
-    past it are padding of a split vocabulary and count as unseen)."""
+    unless ``cfg.mode.repetition``; its width may be smaller than the logits' (columns past it
+    are padding of a split vocabulary and count as unseen)."""
     x = logits_bv.astype(jnp.float32)
-    if cfg.repetition_penalty != 1:
+    mode = cfg.mode
+    if mode.repetition:
         if prompt_seen_bv is None:
             raise ValueError("apply_penalties: a repetition penalty needs prompt_seen_bv (the prompt's token ids)")
         pad = x.shape[-1] - prompt_seen_bv.shape[-1]
         seen = jnp.pad(prompt_seen_bv, ((0, 0), (0, pad))) if pad else prompt_seen_bv
         seen = seen | (counts_bv > 0)
-        r = np.float32(cfg.repetition_penalty)
+        r = jnp.asarray(cfg.repetition_penalty, jnp.float32)
         x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
-    if cfg.frequency_penalty != 0:
-        x = x - np.float32(cfg.frequency_penalty) * counts_bv.astype(jnp.float32)
-    if cfg.presence_penalty != 0:
-        x = x - np.float32(cfg.presence_penalty) * (counts_bv > 0).astype(jnp.float32)
+    if mode.additive:
+        x = x - jnp.asarray(cfg.frequency_penalty, jnp.float32) * counts_bv.astype(jnp.float32)
+        x = x - jnp.asarray(cfg.presence_penalty, jnp.float32) * (counts_bv > 0).astype(jnp.float32)
     return x

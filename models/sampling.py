@@ -1,9 +1,12 @@
 """Token sampling: greedy, temperature, min-p, top-k and top-p (nucleus), with per-sequence PRNG keys.
 
-:class:`SamplingConfig` is static (hashable): a jit-compiled decode loop is specialised to it, so
-an option left at its neutral value adds no operation to the decode step.  Its penalty fields
-(``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``) are applied to the logits
-before sampling by :func:`models.penalties.apply_penalties`, which needs the per-sequence token
+:class:`SamplingConfig` is a pytree whose static part is its :class:`SamplingMode` -- which
+options are on (greedy or not, the ``top_k``, top-p, min-p, repetition penalty, presence /
+frequency penalty) -- and whose leaves are the float values: a jit-compiled decode loop is
+specialised to the mode, so an option left at its neutral value adds no operation to the decode
+step, and takes the values as traced float32 scalars, so other values reuse the compilation.
+Its penalty fields (``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``) are
+applied to the logits before sampling by :func:`models.penalties.apply_penalties`, which needs the per-sequence token
 counts the decode loop keeps; :func:`sample_tokens` itself applies temperature, ``min_p``, top-k
 and top-p.
 Its defaults -- ``temperature=0.8, top_k=50, top_p=0.95`` (:data:`DEFAULT_SAMPLING`) -- are the
@@ -55,21 +58,58 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry2x32_p
 
-__all__ = ["DEFAULT_SAMPLING", "GREEDY", "SEED_MAX", "TOP_P_CANDIDATES", "SamplingConfig", "filter_logits",
-           "min_p_mask", "sample_keys", "sample_tokens", "token_logprobs", "top_k_mask", "top_logprobs",
-           "top_p_mask"]
+__all__ = ["DEFAULT_SAMPLING", "GREEDY", "SEED_MAX", "TOP_P_CANDIDATES", "VALUE_FIELDS", "SamplingConfig",
+           "SamplingMode", "filter_logits", "min_p_mask", "sample_keys", "sample_tokens", "token_logprobs",
+           "top_k_mask", "top_logprobs", "top_p_mask"]
 
 
-def _number(name: str, v, ok: bool, expected: str) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok:
-        raise ValueError(f"{name} must be {expected}, got {v!r}")
+_REAL = (int, float, np.integer, np.floating)
 
 
+def _real(name: str, v, in_range, expected: str) -> float:
+    """``v`` as a float: ``TypeError`` unless a real number (bool excluded), ``ValueError`` unless
+    ``in_range(v)``; both name the field, what was received and ``expected``."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, _REAL):
+        raise TypeError(f"{name}: received {type(v).__name__} {v!r}, expected {expected}")
+    if not in_range(float(v)):
+        raise ValueError(f"{name}: received {v!r}, expected {expected}")
+    return float(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMode:
+    """The static part of a :class:`SamplingConfig`: which operations a compiled step runs.
+    ``greedy`` (temperature 0), ``top_k`` (the k, a shape; 0 = off), ``top_p`` (nucleus on),
+    ``min_p`` (on), ``repetition`` (a repetition penalty: the prompt-token mask is needed),
+    ``additive`` (a presence or frequency penalty)."""
+    greedy: bool
+    top_k: int
+    top_p: bool
+    min_p: bool
+    repetition: bool
+    additive: bool
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition or self.additive
+
+
+# the fields of SamplingConfig passed to a compiled step as traced float32 scalars
+VALUE_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off), ``min_p`` (0 =
     off), ``repetition_penalty`` (1 = off), ``presence_penalty`` and ``frequency_penalty`` (0 =
-    off); see module docstring and :mod:`models.penalties`."""
+    off); see module docstring and :mod:`models.penalties`.
+
+    A pytree: its :class:`SamplingMode` (:attr:`mode`) is the static structure and the six
+    :data:`VALUE_FIELDS` are its leaves, so a jitted function taking a config as an argument is
+    compiled once per mode and receives the values as float32 scalars (another temperature,
+    top-p, min-p or penalty value reuses the compilation).  It is also hashable, usable as a
+    static argument (the values are then constants of the compiled function)."""
     temperature: float = 0.8
     top_k: int = 50
     top_p: float = 0.95
@@ -79,27 +119,61 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        _number("min_p", self.min_p, 0 <= self.min_p <= 1, "a float in [0, 1] (0 = off)")
-        _number("repetition_penalty", self.repetition_penalty, 0 < self.repetition_penalty < float("inf"),
-                "a float > 0 (1 = off)")
+        checked = {
+            "temperature": _real("temperature", self.temperature, lambda v: 0 <= v < np.inf,
+                                 "a finite float >= 0 (0 = greedy)"),
+            "top_p": _real("top_p", self.top_p, lambda v: 0 < v <= 1, "a float in (0, 1] (1 = off)"),
+            "min_p": _real("min_p", self.min_p, lambda v: 0 <= v <= 1, "a float in [0, 1] (0 = off)"),
+            "repetition_penalty": _real("repetition_penalty", self.repetition_penalty, lambda v: 0 < v < np.inf,
+                                        "a finite float > 0 (1 = off)"),
+        }
         for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            _number(name, v, -2 <= v <= 2, "a float in [-2, 2] (0 = off)")
+            checked[name] = _real(name, getattr(self, name), lambda v: -2 <= v <= 2, "a float in [-2, 2] (0 = off)")
+        k = self.top_k
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+            raise TypeError(f"top_k: received {type(k).__name__} {k!r}, expected an int >= 0 (0 = off)")
+        if k < 0:
+            raise ValueError(f"top_k: received {k!r}, expected an int >= 0 (0 = off)")
+        checked["top_k"] = int(k)
+        for name, v in checked.items():
+            object.__setattr__(self, name, v)
+        object.__setattr__(self, "_mode", SamplingMode(
+            greedy=checked["temperature"] == 0, top_k=checked["top_k"], top_p=checked["top_p"] < 1,
+            min_p=checked["min_p"] > 0, repetition=checked["repetition_penalty"] != 1,
+            additive=checked["presence_penalty"] != 0 or checked["frequency_penalty"] != 0))
+
+    @property
+    def mode(self) -> SamplingMode:
+        """What a compiled step runs (static)."""
+        return self._mode
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self._mode.greedy
 
     @property
     def penalized(self) -> bool:
         """Whether any penalty is on (the decode loop then keeps per-sequence token counts)."""
-        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self._mode.penalized
+
+    def tree_flatten(self):
+        return tuple(_leaf(getattr(self, name)) for name in VALUE_FIELDS), self._mode
+
+    @classmethod
+    def tree_unflatten(cls, mode: SamplingMode, values) -> "SamplingConfig":
+        # values may be tracers or placeholders: no check, the mode is carried as it is
+        cfg = object.__new__(cls)
+        for name, v in zip(VALUE_FIELDS, values):
+            object.__setattr__(cfg, name, v)
+        object.__setattr__(cfg, "top_k", mode.top_k)
+        object.__setattr__(cfg, "_mode", mode)
+        return cfg
+
+
+def _leaf(v):
+    """A concrete value as a float32 scalar (one abstract type whatever the Python type); a
+    traced or device value as it is."""
+    return np.float32(v) if isinstance(v, float) else v
 
 
 DEFAULT_SAMPLING = SamplingConfig()
@@ -185,11 +259,12 @@ def _bisect_threshold(logits_bv: jax.Array, p: float) -> jax.Array:
     return _key_float(lo)[:, None]
 
 
-def min_p_mask(logits_bv: jax.Array, min_p: float) -> jax.Array:
+def min_p_mask(logits_bv: jax.Array, min_p) -> jax.Array:
     """Boolean ``[B, V]``: True where ``softmax(logits) >= min_p * max(softmax(logits))``, i.e.
-    ``logits >= max(logits) + log(min_p)`` (no normalisation needed)."""
+    ``logits >= max(logits) + log(min_p)`` (no normalisation needed; ``min_p`` a float or a
+    traced float32 scalar)."""
     x = logits_bv.astype(jnp.float32)
-    return x >= jnp.max(x, axis=-1, keepdims=True) + np.float32(np.log(min_p))
+    return x >= jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.asarray(min_p, jnp.float32))
 
 
 def top_k_mask(logits_bv: jax.Array, k: int) -> jax.Array:
@@ -221,21 +296,23 @@ def top_p_mask(logits_bv: jax.Array, p: float, *, candidates: int = TOP_P_CANDID
 def _filter(logits_bv: jax.Array, cfg: SamplingConfig):
     """``(x [B, V], cand)``: temperature-scaled logits with masked entries ``-inf``, and
     ``cand = (vals [B, C], idx [B, C], exact [])`` -- candidates (non-survivors ``-inf``) that
-    hold every survivor when ``exact`` -- or ``None`` without top-k / top-p."""
-    x = logits_bv.astype(jnp.float32) / cfg.temperature
-    if cfg.min_p > 0:
+    hold every survivor when ``exact`` -- or ``None`` without top-k / top-p.  Which steps run is
+    ``cfg.mode`` (static); the values may be traced."""
+    mode = cfg.mode
+    x = logits_bv.astype(jnp.float32) / jnp.asarray(cfg.temperature, jnp.float32)
+    if mode.min_p:
         x = jnp.where(min_p_mask(x, cfg.min_p), x, -jnp.inf)
-    if cfg.top_k:
-        vals, idx = _top_k(x, min(cfg.top_k, x.shape[-1]))
+    if mode.top_k:
+        vals, idx = _top_k(x, min(mode.top_k, x.shape[-1]))
         x = jnp.where(x >= vals[:, -1:], x, -jnp.inf)
         exact = jnp.bool_(True)
-        if cfg.top_p < 1:
+        if mode.top_p:
             # the survivors are the k candidates plus tokens tied with the k-th value, which sort
             # after them: the threshold is among the candidates or equals the k-th value
             thr, _ = _nucleus(vals, jax.nn.logsumexp(x, axis=-1, keepdims=True), cfg.top_p)
             x = jnp.where(x >= thr, x, -jnp.inf)
             vals = jnp.where(vals >= thr, vals, -jnp.inf)
-    elif cfg.top_p < 1:
+    elif mode.top_p:
         thr, vals, idx, exact = _top_p_candidates(x, cfg.top_p)
         x = jnp.where(x >= thr, x, -jnp.inf)
         vals = jnp.where(vals >= thr, vals, -jnp.inf)
@@ -276,7 +353,7 @@ def sample_tokens(logits_bv: jax.Array, keys_b: jax.Array, step, cfg: SamplingCo
     """Next tokens ``[B]`` int32; ``keys_b`` is ``[B]`` typed keys (or ``[B, 2]`` raw uint32).
 
     Row ``b``'s token depends only on ``(keys_b[b], step, logits_bv[b], cfg)``."""
-    if cfg.greedy:
+    if cfg.mode.greedy:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     x, cand = _filter(logits_bv, cfg)
     words = _step_words(keys_b, step)

@@ -11,7 +11,9 @@ the names and rules of vLLM's ``SamplingParams``.
 The same fields are accepted as keyword arguments (``llm.generate(prompts, n=2, min_p=0.05)``);
 :func:`resolve_params` merges the two and refuses a keyword whose value differs from the given
 object's.  Each field is checked when the object is built (``ValueError`` / ``TypeError``
-naming the field, what was received and what was expected).
+naming the field, what was received and what was expected); a sampling number (``temperature``,
+``top_k``, ``top_p``, ``min_p``, the penalties) of another type -- a string, None, a bool -- is
+a ``TypeError``, one out of range a ``ValueError`` (NumPy numbers are accepted).
 
 Fields (defaults in brackets):
 
@@ -112,7 +114,8 @@ class SamplingParams:
         logprobs_count("prompt_logprobs", self.prompt_logprobs)
 
     def config(self) -> SamplingConfig:
-        """The static :class:`~models.sampling.SamplingConfig` the decode loop is compiled for."""
+        """The :class:`~models.sampling.SamplingConfig` the decode loop runs with (compiled for
+        its :class:`~models.sampling.SamplingMode`, the values passed as traced scalars)."""
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty)

@@ -4,8 +4,10 @@ log-probabilities, the top-k log-probabilities (when asked) and the update of th
 token counts -- all on the device, inside the jitted step.
 
 Every optional part is a static choice: ``counts is None`` (no penalty) traces no count array
-and no scatter, ``top_k == 0`` no top-k of the log-probabilities, so options left at their
-neutral values leave the compiled step as it is without them.
+and no scatter, ``top_k == 0`` no top-k of the log-probabilities, and the sampling config's
+:class:`~models.sampling.SamplingMode` picks the sampling and penalty operations, so options
+left at their neutral values leave the compiled step as it is without them.  The sampling
+values (temperature, top-p, min-p, penalties) may be traced.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def prompt_seen(cfg: SamplingConfig, prompts: PromptBatch | Sequence[Sequence[in
     """The ``[B, V]`` prompt-token mask a repetition penalty needs (None without one).
     ``prompts``: the batch (each row's whole prompt, :meth:`PromptBatch.full_prompt`) or one
     sequence of token ids per row."""
-    if cfg.repetition_penalty == 1:
+    if not cfg.mode.repetition:
         return None
     if prompts is None:
         raise ValueError(f"prompt_token_ids: received None, expected the {batch} prompts' token ids "

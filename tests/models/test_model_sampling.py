@@ -1,6 +1,7 @@
 """Sampling masks (top-k, top-p, min-p), penalties and top-k log-probabilities against numpy
 references of their rules on fixed logits, and samples staying inside the masks."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,9 @@ import numpy as np
 import pytest
 
 from models.penalties import add_tokens, apply_penalties, prompt_seen_mask
-from models.sampling import (DEFAULT_SAMPLING, GREEDY, SamplingConfig, filter_logits, min_p_mask, sample_keys,
-                             sample_tokens, token_logprobs, top_k_mask, top_logprobs, top_p_mask)
+from models.sampling import (DEFAULT_SAMPLING, GREEDY, VALUE_FIELDS, SamplingConfig, filter_logits, min_p_mask,
+                             sample_keys, sample_tokens, token_logprobs, top_k_mask, top_logprobs, top_p_mask)
+from models.sampling_params import SamplingParams
 
 
 def _np_top_p(logits, p):
@@ -108,13 +110,38 @@ def test_samples_stay_inside_masks():
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(logits).argmax(-1))
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5),
-                                dict(min_p=-0.1), dict(min_p=1.1), dict(repetition_penalty=0.0),
-                                dict(repetition_penalty=float("inf")), dict(presence_penalty=2.5),
-                                dict(frequency_penalty=-3.0), dict(min_p=True)])
-def test_sampling_config_rejects(kw):
-    with pytest.raises(ValueError):
-        SamplingConfig(**kw)
+@pytest.mark.parametrize("name,value,expected", [
+    ("temperature", -1.0, r"a finite float >= 0 \(0 = greedy\)"), ("temperature", float("inf"), "a finite float"),
+    ("top_k", -2, r"an int >= 0 \(0 = off\)"), ("top_p", 0.0, r"a float in \(0, 1\]"), ("top_p", 1.5, r"\(0, 1\]"),
+    ("min_p", -0.1, r"a float in \[0, 1\]"), ("min_p", 1.1, r"\[0, 1\]"), ("min_p", float("nan"), r"\[0, 1\]"),
+    ("repetition_penalty", 0.0, "a finite float > 0"), ("repetition_penalty", float("inf"), "a finite float > 0"),
+    ("presence_penalty", 2.5, r"a float in \[-2, 2\]"), ("frequency_penalty", -3.0, r"\[-2, 2\]")])
+def test_sampling_config_rejects_values_out_of_range(name, value, expected):
+    """ValueError naming the field, the value received and the range expected."""
+    with pytest.raises(ValueError, match=rf"^{name}: received {re.escape(repr(value))}, expected .*{expected}"):
+        SamplingConfig(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                  "frequency_penalty", "top_k"])
+@pytest.mark.parametrize("value", ["0.1", None, True, [0.5], np.bool_(False)])
+def test_sampling_config_rejects_other_types(name, value):
+    """TypeError naming the field, the type and value received and what was expected -- checked
+    before the range, so no comparison of a string or None escapes as a bare TypeError."""
+    want = rf"^{name}: received {type(value).__name__} {re.escape(repr(value))}, expected an? (finite )?(float|int)"
+    with pytest.raises(TypeError, match=want):
+        SamplingConfig(**{name: value})
+    with pytest.raises(TypeError, match=want):
+        SamplingParams(**{name: value})
+
+
+def test_sampling_config_takes_numpy_numbers():
+    cfg = SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(7), top_p=np.float64(0.9),
+                         min_p=np.float32(0.1), repetition_penalty=np.int32(2), presence_penalty=np.float16(-1))
+    assert cfg == SamplingConfig(temperature=0.5, top_k=7, top_p=0.9, min_p=float(np.float32(0.1)),
+                                 repetition_penalty=2.0, presence_penalty=-1.0)
+    assert type(cfg.top_k) is int and all(type(getattr(cfg, n)) is float for n in VALUE_FIELDS)
+    assert SamplingParams(min_p=np.float32(0.1)).config().min_p == float(np.float32(0.1))
 
 
 def test_defaults_are_the_documented_ones():

@@ -17,7 +17,7 @@ from models import LLM, PromptBatch, SamplingConfig, SamplingParams
 from models import cli
 from models.cli_args import build_parser, parse_args, sampling_params
 from models.token_step import choose_tokens
-from models.generate import generate, generate_from_cache, prefill_prefix_cache
+from models.generate import _decode_loop, _sample_step, generate, generate_from_cache, prefill_prefix_cache
 from models.gguf import write_llama_gguf
 from models.llm import FinishEvent, TokenEvent
 
@@ -164,6 +164,45 @@ def test_neutral_options_add_no_work_to_the_step(llm):
     assert any("scatter" in p for p in pen)
     greedy = prims(SamplingConfig(temperature=0.0), None)
     assert "top_k" not in greedy and "top_k" in prims(SamplingConfig(temperature=0.0), None, k=3)
+
+
+def test_other_sampling_values_reuse_the_compiled_loops(llm):
+    """Temperature, top-p, min-p and penalty values are traced arguments: with the same options
+    on, other values reuse the fused loop's and the step-by-step sampling's compilations, and
+    still change the tokens."""
+    base = dict(max_new_tokens=M, top_k=0, seed=5)
+    first = dict(temperature=0.9, top_p=0.9, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3,
+                 frequency_penalty=0.2)
+    other = dict(temperature=0.6, top_p=0.8, min_p=0.1, repetition_penalty=1.7, presence_penalty=-0.4,
+                 frequency_penalty=0.0)
+    a = llm.generate(PROMPTS, **base, **first)
+    loops = _decode_loop._cache_size()
+    b = llm.generate(PROMPTS, **base, **other)
+    assert _decode_loop._cache_size() == loops
+    assert _ids(a) != _ids(b)
+    stepped = [ev.result for ev in llm.events(PROMPTS, **base, **first) if hasattr(ev, "result")][0]
+    steps = _sample_step._cache_size()
+    stepped_b = [ev.result for ev in llm.events(PROMPTS, **base, **other) if hasattr(ev, "result")][0]
+    assert _sample_step._cache_size() == steps
+    assert _ids(stepped) == _ids(a) and _ids(stepped_b) == _ids(b)
+
+
+def test_sampling_modes_are_static_and_values_are_leaves():
+    """The mode (which options are on) is the pytree structure, the values its leaves."""
+    a = SamplingConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.3)
+    b = SamplingConfig(temperature=1.2, top_p=0.5, repetition_penalty=0.9)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for c in (SamplingConfig(temperature=0.7, top_p=1.0, repetition_penalty=1.3),
+              SamplingConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.3, min_p=0.1),
+              SamplingConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.1),
+              SamplingConfig(temperature=0.0, top_p=0.9, repetition_penalty=1.3),
+              SamplingConfig(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3)):
+        assert jax.tree_util.tree_structure(c) != jax.tree_util.tree_structure(a), c
+    leaves = jax.tree_util.tree_leaves(a)
+    assert [float(x) for x in leaves] == [np.float32(v) for v in (0.7, 0.9, 0.0, 1.3, 0.0, 0.0)]
+    assert all(x.dtype == np.float32 for x in leaves)
+    back = jax.tree_util.tree_map(lambda x: x, a)
+    assert back.mode == a.mode and back.top_k == a.top_k and hash(a) == hash(SamplingConfig(**dataclasses.asdict(a)))
 
 
 # -- ends: stop token ids, ignore_eos, include_stop_str_in_output, stop_reason -------------------------
@@ -342,7 +381,7 @@ def test_cli_flags_parse_into_sampling_params():
 
 @pytest.mark.parametrize("argv,msg", [
     (["--min-p", 2], "argument --min-p: must be in [0, 1]"),
-    (["--repetition-penalty", 0], "argument --repetition-penalty: must be a number > 0"),
+    (["--repetition-penalty", 0], "argument --repetition-penalty: must be in (0, 1000000], got 0"),
     (["--presence-penalty", 3], "argument --presence-penalty: must be in [-2, 2]"),
     (["--stop-token-ids", "4,x"], "argument --stop-token-ids: expected an integer"),
     (["--seed", "lucky"], "argument --seed: expected an integer or 'random', got 'lucky'"),
