@@ -5,6 +5,7 @@ against a forward pass, seed=None, the fused loop equal to the step-by-step one;
 rough edges (stream logprobs, logprobs=k, stop=5, timings, stream(n=0), whitespace prompts); and
 the `jpa-sample` flags into the JSONL records."""
 import dataclasses
+import functools
 import json
 
 import jax
@@ -17,6 +18,7 @@ from models import LLM, PromptBatch, SamplingConfig, SamplingParams
 from models import cli
 from models.cli_args import build_parser, parse_args, sampling_params
 from models.token_step import choose_tokens
+from models import prompt_logprobs as prompt_logprobs_module
 from models.generate import _decode_loop, _sample_step, generate, generate_from_cache, prefill_prefix_cache
 from models.gguf import write_llama_gguf
 from models.llm import FinishEvent, TokenEvent
@@ -317,6 +319,53 @@ def test_prompt_logprobs_equal_a_forward_pass(llm, raw_logits, k):
                 want = np.argsort(-ref[t], kind="stable")[:2]
                 assert [a[0] for a in alts] == want.tolist()
     assert llm.generate(PROMPTS[0], max_new_tokens=2)[0][0].prompt_logprobs is None
+
+
+def _walk_avals(jaxpr):
+    """Every output aval of ``jaxpr``'s equations, sub-jaxprs (scan, cond, jit) included."""
+    for eqn in jaxpr.eqns:
+        yield from (v.aval for v in eqn.outvars)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _walk_avals(inner)
+
+
+def test_prompt_logprobs_in_chunks_equal_one_chunk_without_the_whole_logits(llm):
+    """A chunk smaller than the prompt gives the values of one chunk over the whole prompt (the
+    unchunked computation) up to rounding, and no array of the computation holds more logits than the LM head
+    has weights (the whole [T, V] would: T = 128 > H = 64)."""
+    ids = llm.prompt_ids(PROMPTS[0]) + llm.prompt_ids(PROMPTS[1])
+    assert len(ids) > 16
+    whole = prompt_logprobs_module.prompt_token_logprobs(llm.model, llm.params, ids, 3, chunk=4096)
+    parts = prompt_logprobs_module.prompt_token_logprobs(llm.model, llm.params, ids, 3, chunk=4)
+    assert len(whole) == len(parts) == len(ids) and whole[0] is None is parts[0]
+    # the same numbers up to float32 rounding of logits ~50 (the head is another program per chunk size)
+    np.testing.assert_allclose([e[0] for e in parts[1:]], [e[0] for e in whole[1:]], rtol=2e-6, atol=3e-5)
+    assert [[a[0] for a in e[1]] for e in parts[1:]] == [[a[0] for a in e[1]] for e in whole[1:]]
+    np.testing.assert_allclose([[a[1] for a in e[1]] for e in parts[1:]], [[a[1] for a in e[1]] for e in whole[1:]],
+                               rtol=2e-6, atol=3e-5)
+    t, h, v = 128, llm.config.hidden_size, llm.config.vocab_size
+    assert t > h
+    fn = functools.partial(prompt_logprobs_module.prompt_logprob_arrays, llm.model, k=3, chunk=8)
+    jaxpr = jax.make_jaxpr(fn)(llm.params, jnp.zeros((1, t), jnp.int32))
+    sizes = [int(np.prod(a.shape)) for a in _walk_avals(jaxpr.jaxpr) if v in getattr(a, "shape", ())]
+    assert sizes and max(sizes) <= h * v, max(sizes)
+
+
+def test_identical_prompts_share_one_prompt_logprobs_computation(llm, monkeypatch):
+    calls = []
+    real = prompt_logprobs_module.prompt_token_logprobs
+
+    def counted(model, params, ids, *args, **kwargs):
+        calls.append(tuple(ids))
+        return real(model, params, ids, *args, **kwargs)
+
+    monkeypatch.setattr(prompt_logprobs_module, "prompt_token_logprobs", counted)
+    out = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[0]], n=2, max_new_tokens=2, prompt_logprobs=2)
+    assert sorted(calls) == sorted({tuple(llm.prompt_ids(p)) for p in PROMPTS})
+    assert out[0][0].prompt_logprobs == out[2][1].prompt_logprobs != out[1][0].prompt_logprobs
 
 
 # -- seeds, timings and argument handling ---------------------------------------------------------------
