@@ -33,15 +33,24 @@ class Completion:
 
 @dataclasses.dataclass(frozen=True)
 class Timings:
-    """Wall times of one call in seconds.  ``compile_s``: JAX tracing and compilation inside it
-    (0 once every shape was compiled before).  ``prefill_s``: the prefill (and, step by step,
-    the first sampling); ``first_token_s``: call start to the first tokens (step by step: on the
-    host; the fused loop draws its first token on the device right after the prefill, so there
-    it is call start to the prefill's end); ``decode_s``: from there to the last token;
-    ``decode_compile_s``: the compilation inside ``decode_s``.  ``new_tokens``: all generated
-    tokens; ``decode_tokens``: those after each sample's first.  The optional fields are filled
-    by every :class:`models.LLM` call; they default to ``None`` for code that builds a
-    ``Timings`` without measuring them."""
+    """Wall times of one call in seconds.
+
+    ``total_s``: the call (for :meth:`~models.LLM.events` and ``stream``: from the call to the
+    end of the last step, including the time the consumer spends between events).
+    ``compile_s``: JAX tracing and compilation inside it (0 once every shape was compiled
+    before).  ``prefill_s``: the prefill phase -- the prompt log-probabilities
+    (``prompt_logprobs=``, :mod:`models.prompt_logprobs`), the prefill and the compilation they
+    need -- up to the moment decoding starts: step by step, when the first tokens reach the host
+    (the first sampling included); in the fused loop, when the decode loop can start on the
+    device: the loop is traced and compiled while the prefill runs on the device, so this is
+    the later of the prefill's end and the loop's dispatch.  ``first_token_s``: call start to
+    the same moment (the fused loop draws its first token on the device as it starts).
+    ``decode_s``: from there to the last token; ``decode_compile_s``: the compilation inside
+    ``decode_s`` (the step-by-step decode step's; none in the fused loop, compiled before).
+    The phases do not overlap: ``prefill_s + decode_s <= total_s``.  ``new_tokens``: all
+    generated tokens; ``decode_tokens``: those after each sample's first.  The optional fields
+    are filled by every :class:`models.LLM` call; they default to ``None`` for code that builds
+    a ``Timings`` without measuring them."""
     total_s: float
     compile_s: float
     new_tokens: int

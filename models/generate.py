@@ -239,14 +239,22 @@ def _stop_and_pad_ids(model, eos_token_ids, pad_token_id) -> tuple[tuple, int]:
 
 
 def _run_decode(model, params, cache: KVCache, logits, *, max_new_tokens: int, sampling: SamplingConfig, key, keys,
-                eos: tuple, pad: int, shape_buckets: bool, seen, top_k: int) -> GenerateOutput:
-    """The jitted decode loop from a prefilled ``cache`` and its last-token ``logits [B, V]``."""
+                eos: tuple, pad: int, shape_buckets: bool, seen, top_k: int,
+                on_start: Callable[[], None] | None = None) -> GenerateOutput:
+    """The jitted decode loop from a prefilled ``cache`` and its last-token ``logits [B, V]``.
+
+    The loop is dispatched without waiting for ``logits``: it is traced and compiled while the
+    prefill that computes them runs on the device.  ``on_start`` is then called once ``logits``
+    are ready, i.e. when the loop can start on the device."""
     seq_keys = _sequence_keys(key, keys, cache.batch)
     width = bucket_length(max_new_tokens) if shape_buckets else max_new_tokens
     out, lps, tops, lengths, cache = _decode_loop(model, params, cache.prefix, cache.layers, cache.lengths,
                                                   cache.pos_offset, logits, seq_keys, jnp.int32(max_new_tokens),
                                                   seen, sampling, attention=cache.backend, width=width,
                                                   eos_ids=eos, pad_id=pad, top_k=top_k)
+    if on_start is not None:
+        jax.block_until_ready(logits)
+        on_start()
     top_ids, top_lps = (None, None) if tops is None else (np.asarray(a)[:, :max_new_tokens] for a in tops)
     return GenerateOutput(tokens=np.asarray(out)[:, :max_new_tokens], lengths=np.asarray(lengths), cache=cache,
                           logprobs=np.asarray(lps)[:, :max_new_tokens], top_ids=top_ids, top_logprobs=top_lps)
@@ -268,19 +276,19 @@ def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens
     those of one device up to floating-point summation order.  ``sampling``'s penalties
     (:mod:`models.penalties`) count each sequence's prompt (:meth:`PromptBatch.full_prompt`) and
     generated tokens.  ``top_logprobs=k > 0``: the output's ``top_ids`` / ``top_logprobs`` hold
-    the ``k`` most probable ids of each step's raw distribution.  ``on_prefill``: called once the
-    prefill's logits are computed, before the decode loop starts (for timing).
+    the ``k`` most probable ids of each step's raw distribution.  ``on_prefill`` (for timing):
+    called when the decode loop can start on the device -- after the loop was dispatched (it is
+    traced and compiled while the prefill runs on the device, so nothing waits for the prefill
+    before that) and once the prefill's logits are ready.
     """
     top_k = check_top_logprobs(top_logprobs)
     model, params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
                                                     prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets,
                                                     mesh)
     seen = prompt_seen(sampling, prompts, prompts.batch, model.config.vocab_size)
-    if on_prefill is not None:
-        jax.block_until_ready(logits)
-        on_prefill()
     return _run_decode(model, params, cache, logits, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
-                       keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets, seen=seen, top_k=top_k)
+                       keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets, seen=seen, top_k=top_k,
+                       on_start=on_prefill)
 
 
 def generate_from_cache(model: Llama, params: dict, cache: KVCache, logits_bv: jax.Array, *, max_new_tokens: int,

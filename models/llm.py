@@ -67,7 +67,9 @@ Semantics:
   are padded to a multiple of ``T``); the tokens are one device's up to floating-point
   summation order.
 * speed: options left at their neutral values add no work to the decode step (each is a static
-  choice of the compiled step); penalties keep a ``[rows, vocab]`` count array on the device.
+  choice of the compiled step); their values -- temperature, top-p, min-p, the penalties -- are
+  traced, so another value reuses the compiled step.  Penalties keep a ``[rows, vocab]`` count
+  array on the device.
   ``generate`` without ``stop`` strings runs the fused ``lax.while_loop`` decode
   (:func:`models.generate.generate`); with ``stop`` strings, :meth:`stream` and :meth:`events` it
   runs one jitted step at a time (:func:`models.generate.generate_stream`) and ends when every
@@ -253,6 +255,7 @@ class LLM:
         marks = []
         t0 = time.perf_counter()
         with CompileWatch() as watch:
+            per_prompt = self._prompt_logprobs(req)   # part of the prefill phase, as in _run
             out = generate(self._runner, self.params, req.padded.batch, max_new_tokens=req.max_new_tokens,
                            attention=req.attention, sampling=req.sampling, keys=req.keys,
                            eos_token_ids=p.stop_ids(self.eos_token_ids), shape_buckets=True, mesh=self.mesh,
@@ -271,7 +274,6 @@ class LLM:
                     break
         new = int(out.lengths[:req.rows].sum())
         (t_prefill, compile_at_prefill), = marks
-        per_prompt = self._prompt_logprobs(req)
         timings = Timings(total_s=t_end - t0, compile_s=compile_s, new_tokens=new, decode_tokens=new - req.rows,
                           prefill_s=t_prefill - t0, first_token_s=t_prefill - t0, decode_s=t_end - t_prefill,
                           decode_compile_s=compile_s - compile_at_prefill)
@@ -323,12 +325,13 @@ class LLM:
         b, n, m = req.rows, req.n, req.max_new_tokens
         p = req.params
         texts = [self._text(req) for _ in range(b)]
-        per_prompt = self._prompt_logprobs(req)   # before decoding, so FinishEvent completions are whole
         new_tokens = 0
         t_prefill = time.perf_counter()
         t_first = None
         with CompileWatch() as watch:
             yield PhaseEvent("prefill")
+            # before decoding, so FinishEvent completions are whole; part of the prefill phase
+            per_prompt = self._prompt_logprobs(req)
             steps = generate_stream(self._runner, self.params, req.padded.batch, max_new_tokens=m,
                                     attention=req.attention, sampling=req.sampling, keys=req.keys,
                                     eos_token_ids=p.stop_ids(self.eos_token_ids), shape_buckets=True, logprobs=True,

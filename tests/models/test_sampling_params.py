@@ -7,6 +7,7 @@ the `jpa-sample` flags into the JSONL records."""
 import dataclasses
 import functools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from models import LLM, PromptBatch, SamplingConfig, SamplingParams
 from models import cli
 from models.cli_args import build_parser, parse_args, sampling_params
 from models.token_step import choose_tokens
+from models import llm as llm_module
 from models import prompt_logprobs as prompt_logprobs_module
 from models.generate import _decode_loop, _sample_step, generate, generate_from_cache, prefill_prefix_cache
 from models.gguf import write_llama_gguf
@@ -393,11 +395,45 @@ def test_sampling_params_object_equals_keywords(llm):
     assert SamplingParams(stop_token_ids=[5]).stop_ids((2,)) == (2, 5)
 
 
-def test_timings_are_filled_for_the_fused_loop(llm):
-    t = llm.generate(PROMPTS, max_new_tokens=4).timings
+@pytest.mark.parametrize("fused", [True, False])
+def test_timings_add_up_and_count_the_prompt_logprobs_in_the_prefill(llm, monkeypatch, fused):
+    """Fused loop (no stop string) and step by step (a stop string): every field is set, the
+    phases fit in the total, and the prompt log-probabilities (made 0.3 s slower here) fall in
+    prefill_s, first_token_s and total_s."""
+    real = llm_module.prompt_logprobs
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    kw = dict(max_new_tokens=4, prompt_logprobs=True) if fused else dict(max_new_tokens=4, prompt_logprobs=True,
+                                                                         stop="never in this text")
+    llm.generate(PROMPTS, **kw)   # compiled: the prefill phase is then short but for the sleep
+    monkeypatch.setattr(llm_module, "prompt_logprobs", slow)
+    out = llm.generate(PROMPTS, **kw)
+    t = out.timings
     for name in ("prefill_s", "first_token_s", "decode_s", "decode_compile_s"):
         assert getattr(t, name) is not None and getattr(t, name) >= 0, name
-    assert t.first_token_s <= t.total_s and t.decode_tokens_per_s is not None
+    eps = 1e-3
+    assert t.prefill_s + t.decode_s <= t.total_s + eps, t
+    assert t.prefill_s <= t.first_token_s + eps and t.first_token_s <= t.total_s, t
+    assert t.decode_compile_s <= t.decode_s + eps and t.compile_s <= t.total_s + eps, t
+    assert t.prefill_s >= 0.3 and t.total_s >= 0.3 + t.decode_s, t
+    assert t.decode_tokens_per_s is not None and out[0][0].prompt_logprobs is not None
+
+
+def test_the_fused_loop_is_compiled_before_on_prefill_waits_for_the_prefill(llm):
+    """generate dispatches the decode loop (tracing and compiling it while the prefill runs on
+    the device) before it waits for the prefill: when on_prefill is called, the loop of this new
+    shape is compiled already."""
+    batch = PromptBatch.plain([llm.prompt_ids(p) for p in PROMPTS])
+    before = _decode_loop._cache_size()
+    at_prefill = []
+    out = generate(llm.model, llm.params, batch, max_new_tokens=11, attention="flat",
+                   sampling=SamplingConfig(temperature=0.5, top_k=3, top_p=1.0, min_p=0.01),
+                   on_prefill=lambda: at_prefill.append(_decode_loop._cache_size()))
+    assert at_prefill == [before + 1] and _decode_loop._cache_size() == before + 1
+    assert out.tokens.shape == (2, 11)
 
 
 def test_stream_checks_arguments_at_the_call(llm):
