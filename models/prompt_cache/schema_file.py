@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import struct
+import types
 
 import jax
 import ml_dtypes
@@ -43,9 +44,10 @@ __all__ = ["ARRAYS", "FORMAT", "CorruptFile", "FileRecord", "HeaderDigestMismatc
 FORMAT = "jax-prefix-attn prompt cache 3"
 ARRAYS = ("k", "v", "positions", "token_ids", "keep", "offsets")
 _MAX_HEADER = 100_000_000           # safetensors' own limit on the header's size
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32,
-           "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
+_DTYPES = types.MappingProxyType({
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
+    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+    "U8": np.uint8, "BOOL": np.bool_})
 
 
 class CorruptFile(ValueError):
