@@ -36,9 +36,8 @@ def read_text(path: str, what: str) -> str:
 
 
 def check_output_flags(args: argparse.Namespace) -> None:
-    """The flags that only go with ``--output``: ``--overwrite`` and ``--append`` need a file,
-    so does ``--compare`` (its fields complete the records after they were written), and
-    ``--logprobs`` needs records to put the log-probabilities in."""
+    """The flags that only go with an ``--output`` file: ``--overwrite`` and ``--append``, and
+    ``--compare`` (its fields complete the records after they were written)."""
     for flag, given in (("--overwrite", args.overwrite), ("--append", args.append)):
         if given and not args.output:
             raise UsageError(f"{flag} needs --output FILE")
@@ -47,9 +46,6 @@ def check_output_flags(args: argparse.Namespace) -> None:
     if args.compare and args.output == STDIN:
         raise UsageError("--compare cannot be used with --output - (each record goes out when the cached path "
                          "ends, before the comparison); give --output FILE")
-    if args.logprobs and not args.output:
-        raise UsageError("--logprobs needs --output FILE or --output - (the log-probabilities are written in the "
-                         "JSONL records)")
 
 
 def output_mode(args: argparse.Namespace) -> str:
