@@ -230,7 +230,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
 
 def _check_prompt_cache_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`--schema` goes with `--prompt-pml` (and only there `--cache-dir`, `--compare`); the
-    flags of ordinary prompts and of several devices do not apply to it."""
+    flags of ordinary prompts, of several devices, of stop token ids, `--include-stop-str`, top
+    and prompt log-probabilities do not apply to it (the sampling flags do)."""
     if args.schema is None:
         for flag, given in (("--prompt-pml", args.prompt_pml), ("--cache-dir", args.cache_dir),
                             ("--compare", args.compare)):
@@ -249,16 +250,15 @@ def _check_prompt_cache_flags(parser: argparse.ArgumentParser, args: argparse.Na
                      f"per batch as shared prefix levels)")
     if (args.tensor_parallel, args.data_parallel) != (1, 1):
         parser.error("--tensor-parallel / --data-parallel cannot be used with --schema (it runs on one device)")
-    for flag, given in (("--min-p", args.min_p != 0), ("--repetition-penalty", args.repetition_penalty != 1),
-                        ("--presence-penalty", args.presence_penalty != 0),
-                        ("--frequency-penalty", args.frequency_penalty != 0),
-                        ("--stop-token-ids", bool(args.stop_token_ids)), ("--ignore-eos", args.ignore_eos),
-                        ("--include-stop-str", args.include_stop_str), ("--logprobs K", args.logprobs is not True
-                                                                         and bool(args.logprobs)),
-                        ("--prompt-logprobs", bool(args.prompt_logprobs))):
+    ends = "completions end at the model's end-of-sequence ids, --stop strings and --max-new-tokens"
+    for flag, given, why in (
+            ("--stop-token-ids", bool(args.stop_token_ids), ends), ("--ignore-eos", args.ignore_eos, ends),
+            ("--include-stop-str", args.include_stop_str, "--stop strings are cut from the completions"),
+            ("--logprobs K", args.logprobs is not True and bool(args.logprobs),
+             "it reports each token's log-probability only: give a bare --logprobs"),
+            ("--prompt-logprobs", bool(args.prompt_logprobs), "it computes no prompt log-probabilities")):
         if given:
-            parser.error(f"{flag} cannot be used with --schema (the Prompt Cache path samples with temperature, "
-                         f"top-k and top-p only)")
+            parser.error(f"{flag} cannot be used with --schema (the Prompt Cache path: {why})")
     if [args.schema, *args.prompt_pml].count(STDIN) > 1:
         parser.error("only one of --schema and --prompt-pml can be '-' (standard input)")
 

@@ -19,9 +19,11 @@ the stored keys/values of the schema's modules (:mod:`models.prompt_cache`).
   would have.
 * Generation: every prompt, `-n` samples each, in one `cached_generate` call (the imported
   modules stored once per batch as shared prefix levels, the new text prefilled at its
-  positions); sample `i` of prompt `j` draws with `sample_keys(seed, j, i)`. `--compare` also
-  runs `prefill_generate`: an ordinary causal prefill of the same assembled tokens at the same
-  positions, then the same decode loop. `--stop` strings cut the completions afterwards.
+  positions) with the sampling settings of the plain path (`sampling_params(args).config()`:
+  temperature, top-k, top-p, min-p and the penalties); sample `i` of prompt `j` draws with
+  `sample_keys(seed, j, i)`. `--compare` also runs `prefill_generate`: an ordinary causal
+  prefill of the same assembled tokens at the same positions, then the same decode loop.
+  `--stop` strings cut the completions afterwards.
 * Times: a path's TTFT runs from its call to its first sampled token on the host. The first
   call in a process compiles; the seconds of its TTFT spent tracing and compiling are measured
   (`CompileTimeline`) and shown, but not subtracted (execution dispatched before a compilation
@@ -40,7 +42,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from models.cli_args import UsageError
+from models.cli_args import UsageError, sampling_params
 from models.cli_inputs import check_writable, output_mode, read_text
 from models.cli_interrupt import deferred_interrupt
 from models.cli_jsonl import kept_on_error, open_records
@@ -53,7 +55,6 @@ from models.prompt_cache import (PromptCache, PromptCacheOutput, Schema, cached_
                                  parse_schema, prefill_generate)
 from models.prompt_cache.store import TIERS
 from models.sample_text import SampleText
-from models.sampling import SamplingConfig
 
 __all__ = ["CompileTimeline", "PathResult", "PmlInputs", "PmlRun", "bos_token_id", "read_pml_inputs",
            "run_prompt_cache"]
@@ -197,7 +198,7 @@ def _completions(llm: LLM, out: PromptCacheOutput, args, n: int) -> tuple:
 
 
 def _run_path(generate: Callable, llm: LLM, encoded, layouts, args, clock: CompileTimeline) -> PathResult:
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_params(args).config()  # temperature, top-k, top-p, min-p and the penalties
     t0 = time.perf_counter()
     try:
         out = generate(llm.model, llm.params, encoded, layouts, max_new_tokens=args.max_new_tokens,

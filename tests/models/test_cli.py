@@ -24,6 +24,8 @@ from models.cli_prompt_cache import CompileTimeline, bos_token_id
 from models.config import LlamaConfig
 from models.gguf import load_gguf, write_llama_gguf
 from models.llama import Llama
+from models.prompt_cache import PromptCache, cached_generate, layout_prompt, parse_prompt, parse_schema
+from models.sampling import DEFAULT_SAMPLING, SamplingConfig
 from models.tokenizer import Tokenizer
 from models.weights import params_from_hf_state_dict
 
@@ -676,6 +678,35 @@ def test_pml_records_exact_case_compare_and_disk_cache(tiny_model, pml_files, tm
     _one_error_line(*_run(base, capsys), "made for another model")
 
 
+def test_pml_repetition_penalty_gives_the_tokens_of_cached_generate(tiny_model, pml_files, tmp_path, capsys):
+    """`--schema` with `--repetition-penalty 1.3`: the records' `sampling` shows it and their
+    tokens are those of `cached_generate` with the same SamplingConfig, which differ from the
+    unpenalised ones."""
+    out = tmp_path / "o.jsonl"
+    rc, _, err = _run(["--model", tiny_model, "--schema", pml_files / "schema.pml", "--prompt-pml",
+                       pml_files / "exact.pml", "--prompt-pml", pml_files / "mixed.pml", "-t", 0, "-m", 6,
+                       "--repetition-penalty", 1.3, "-o", out], capsys)
+    assert rc == 0, err
+    recs = _records(out)
+    assert [r["sampling"]["repetition_penalty"] for r in recs] == [1.3, 1.3]
+    llm = cli.load_model(tiny_model, None)
+    schema = parse_schema(PML_SCHEMA)
+    cache = PromptCache(llm.model, llm.params, llm.tokenizer, bos_id=bos_token_id(llm.tokenizer))
+    encoded, lay = cache.encode_or_load(schema), cache.schema_layout(schema)
+    prompts = [layout_prompt(parse_prompt(PML_PROMPTS[k], schema), schema, lay, llm.tokenizer) for k in PML_PROMPTS]
+
+    def tokens(**penalty):
+        sampling = SamplingConfig(temperature=0.0, top_k=DEFAULT_SAMPLING.top_k, top_p=DEFAULT_SAMPLING.top_p,
+                                  **penalty)
+        o = cached_generate(llm.model, llm.params, encoded, prompts, max_new_tokens=6, sampling=sampling, seed=0,
+                            eos_token_ids=llm.eos_token_ids)
+        return [[int(t) for t in o.tokens[b, :o.lengths[b]]] for b in range(len(prompts))]
+
+    penalised = tokens(repetition_penalty=1.3)
+    assert [r["token_ids"] for r in recs] == penalised
+    assert penalised != tokens()
+
+
 def test_pml_argument_longer_than_its_param_exits_2(tiny_model, pml_files, tmp_path, capsys):
     p = tmp_path / "long.pml"
     p.write_text('<prompt schema="pets"><doc where="a very long place indeed"/> ok</prompt>')
@@ -692,6 +723,12 @@ def test_pml_argument_longer_than_its_param_exits_2(tiny_model, pml_files, tmp_p
     (PML_SCHEMA, PML_PROMPTS["exact"], ["--chat"], "--chat cannot be used with --schema"),
     (PML_SCHEMA, PML_PROMPTS["exact"], ["--attention", "flat"], "--attention flat cannot be used with --schema"),
     (PML_SCHEMA, PML_PROMPTS["exact"], ["--tensor-parallel", "2"], "--tensor-parallel / --data-parallel cannot be used"),
+    (PML_SCHEMA, PML_PROMPTS["exact"], ["--stop-token-ids", "5"], "--stop-token-ids cannot be used with --schema"),
+    (PML_SCHEMA, PML_PROMPTS["exact"], ["--ignore-eos"], "--ignore-eos cannot be used with --schema"),
+    (PML_SCHEMA, PML_PROMPTS["exact"], ["--include-stop-str"], "--include-stop-str cannot be used with --schema"),
+    (PML_SCHEMA, PML_PROMPTS["exact"], ["--logprobs", "3", "-o", "-"], "--logprobs K cannot be used with --schema"),
+    (PML_SCHEMA, PML_PROMPTS["exact"], ["--prompt-logprobs", "-o", "-"],
+     "--prompt-logprobs cannot be used with --schema"),
     ('<schema name="pets"><module name="a">x</schema>', PML_PROMPTS["exact"], [], "malformed PML at line 1"),
     (PML_SCHEMA, '<prompt schema="pets"><outro/> x</prompt>', [], "<outro> (line 1): unknown module 'outro'"),
     (PML_SCHEMA, '<prompt schema="pets"><en/><fr/> x</prompt>', [], "are members of one union"),
