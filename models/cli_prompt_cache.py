@@ -249,8 +249,10 @@ def _times(p: PathResult) -> dict:
     return {k: round(v, 4) for k, v in pairs if v is not None}
 
 
-def _summary(llm, inputs: PmlInputs, run: PmlRun, cached: PathResult, compare: PathResult | None, n: int) -> str:
-    """The run's summary line: sequences, cached and new prompt tokens, load and module times,
+def _summary(llm, inputs: PmlInputs, run: PmlRun, cached: PathResult, compare: PathResult | None, n: int,
+             drawn_seed: int | None = None) -> str:
+    """The run's summary line: sequences, cached and new prompt tokens, ``seed=N`` when
+    ``drawn_seed`` is given (the seed ``--seed random`` drew), load and module times,
     TTFT with the cache (with ``--compare``: of second calls, with and without the cache, and
     their ratio), decode, cache hits and bytes per tier."""
     plural = lambda k, word: f"{k} {word}{'s' if k != 1 else ''}"  # noqa: E731
@@ -259,6 +261,7 @@ def _summary(llm, inputs: PmlInputs, run: PmlRun, cached: PathResult, compare: P
     cached_tokens = sum(map(len, cached.out.prompt_token_ids)) - new
     parts = [f"{plural(p * n, 'sequence')} ({plural(p, 'prompt')} x {plural(n, 'sample')}) of schema "
              f"{inputs.schema.name!r}, {cached_tokens} cached + {new} new prompt tokens",
+             *([] if drawn_seed is None else [f"seed={drawn_seed}"]),
              f"load {run.load_s:.2f} s",
              f"modules {run.source} {run.modules_s:.2f} s ({len(run.encoded.names)} modules, "
              f"{int(np.asarray(run.encoded.lengths).sum())} tokens)"]
@@ -357,5 +360,5 @@ def run_prompt_cache(args: argparse.Namespace, load: Callable) -> int:
     if records is not None:  # the run ended: the final records, with the comparison
         records.commit([_record(llm, args, inputs, run, j, i, cached, compare) for j in range(len(run.layouts))
                         for i in range(n)])
-    print(_summary(llm, inputs, run, cached, compare, n), file=sys.stderr)
+    print(_summary(llm, inputs, run, cached, compare, n, args.seed if args.seed_drawn else None), file=sys.stderr)
     return 0

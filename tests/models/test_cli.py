@@ -707,6 +707,18 @@ def test_pml_repetition_penalty_gives_the_tokens_of_cached_generate(tiny_model, 
     assert penalised != tokens()
 
 
+def test_pml_random_seed_is_in_the_summary_and_reproduces_the_run(tiny_model, pml_files, capsys):
+    """`--schema` with `--seed random`: the summary names the drawn seed, and `--seed` with it
+    prints the same completions."""
+    base = ["--model", tiny_model, "--schema", pml_files / "schema.pml", "--prompt-pml", pml_files / "mixed.pml",
+            "-n", 2, "-m", 6, "-t", 1.0, "--top-k", 0, "--top-p", 1.0]
+    rc, out, err = _run(base + ["--seed", "random"], capsys)
+    assert rc == 0, err
+    (seed,) = re.findall(r" \| seed=(\d+) \| ", err)
+    rc, again, err = _run(base + ["--seed", seed], capsys)
+    assert rc == 0 and again == out and "seed=" not in err, err
+
+
 def test_pml_argument_longer_than_its_param_exits_2(tiny_model, pml_files, tmp_path, capsys):
     p = tmp_path / "long.pml"
     p.write_text('<prompt schema="pets"><doc where="a very long place indeed"/> ok</prompt>')
