@@ -472,7 +472,7 @@ def test_cli_flags_parse_into_sampling_params():
     (["--seed", "lucky"], "argument --seed: expected an integer or 'random', got 'lucky'"),
     (["--logprobs", -1, "-o", "x"], "argument --logprobs: must be >= 0"),
     (["--prompt-logprobs"], "--prompt-logprobs needs --output"),
-    (["--schema", "s.pml", "--prompt-pml", "p.pml", "--min-p", 0.1], "--min-p cannot be used with --schema"),
+    (["--schema", "s.pml", "--prompt-pml", "p.pml", "--ignore-eos"], "--ignore-eos cannot be used with --schema"),
     (["--schema", "s.pml", "--prompt-pml", "p.pml", "--logprobs", 3, "-o", "x"],
      "--logprobs K cannot be used with --schema"),
 ])
