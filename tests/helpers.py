@@ -5,7 +5,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jax_prefix_attn import PrefixTree, plan_shared_prefix, reference
 from jax_prefix_attn.device import H100_SXM
@@ -41,6 +40,55 @@ def tiny_state_dict(cfg, seed=0):
                    p + "mlp.gate_proj.weight": r(f, h), p + "mlp.up_proj.weight": r(f, h),
                    p + "mlp.down_proj.weight": r(h, f)})
     return sd
+
+
+def write_tiny_gguf(path, *, seed: int, lm_head_scale: float, tensor_type=None) -> str:
+    """A tiny random Llama checkpoint with the tiny tokenizer (:func:`tiny_tokenizer_meta`) written
+    as GGUF to ``path``; the LM head scaled by ``lm_head_scale`` (peaked logits: greedy and
+    sampled continuations differ visibly).  Returns ``str(path)``."""
+    from models.gguf import write_llama_gguf  # noqa: PLC0415
+    meta = tiny_tokenizer_meta()
+    cfg = tiny_config(vocab_size=len(meta["tokens"]), bos_token_id=1, eos_token_id=2)
+    sd = tiny_state_dict(cfg, seed=seed)
+    sd["lm_head.weight"] = sd["lm_head.weight"] * lm_head_scale
+    kw = {} if tensor_type is None else {"tensor_type": tensor_type}
+    write_llama_gguf(path, cfg, sd, tokenizer=meta, **kw)
+    return str(path)
+
+
+def run_cli(argv, capsys):
+    """``jpa-sample argv`` in this process: ``(exit status, stdout, stderr)``."""
+    from models import cli  # noqa: PLC0415
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_error_line(rc, out, err, msg):
+    """Status 2, nothing on stdout, and exactly `jpa-sample: error: ...msg...` on stderr."""
+    assert rc == 2, err
+    assert err.startswith("jpa-sample: error: ") and msg in err, err
+    assert err.count("\n") == 1 and err.endswith("\n") and out == ""
+
+
+# ------------------------------------------------------------------ Prompt Cache (models)
+# A tiny model and a one-token-per-character tokenizer for the Prompt Cache tests.
+PC_CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+
+
+class ModTokenizer:
+    """One token per character, scrambled into the tiny vocabulary (``PC_CONFIG``)."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [(ord(c) * 7 + 3) % PC_CONFIG["vocab_size"] for c in text]
+
+
+def numbered_schema(i, extra=""):
+    """Schemas of equal shapes (one compiled encoding serves them all), distinct text."""
+    from models.prompt_cache import module, param, schema  # noqa: PLC0415
+    return schema(f"s{i}", f"Header {i}. ", module("a", f"Module a of schema {i}{extra}."),
+                  module("b", "Some ", param("p", 2), f" text {i}."))
 
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "

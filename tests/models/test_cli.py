@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
+from helpers import (assert_one_error_line, run_cli, tiny_config, tiny_state_dict, tiny_tokenizer_meta,
+                     write_tiny_gguf)
 from models import cli
 from models.cli_prompt_cache import CompileTimeline, bos_token_id
 from models.config import LlamaConfig
@@ -34,32 +35,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    meta = tiny_tokenizer_meta()
-    cfg = tiny_config(vocab_size=len(meta["tokens"]), bos_token_id=1, eos_token_id=2)
-    sd = tiny_state_dict(cfg, seed=7)
-    for k in sd:  # larger logits: sampled and greedy continuations then differ visibly
-        if k in ("lm_head.weight",):
-            sd[k] = sd[k] * 30
-    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    write_llama_gguf(path, cfg, sd, tensor_type=lambda n: "Q8_0" if "mlp" in n else "F32", tokenizer=meta)
-    return str(path)
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", seed=7, lm_head_scale=30,
+                           tensor_type=lambda n: "Q8_0" if "mlp" in n else "F32")
 
 
 def SAMPLE_ARGV(model):
     return ["--model", model, "-p", "the cat sat on", "-n", 3, "-m", 6, "-t", 1.0, "--top-k", 0, "--top-p", 1.0]
 
 
-def _run(argv, capsys):
-    rc = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _one_error_line(rc, out, err, msg):
-    """Status 2, nothing on stdout, and exactly `jpa-sample: error: ...msg...` on stderr."""
-    assert rc == 2, err
-    assert err.startswith("jpa-sample: error: ") and msg in err, err
-    assert err.count("\n") == 1 and err.endswith("\n") and out == ""
+_run = run_cli
+_one_error_line = assert_one_error_line
 
 
 @pytest.fixture

@@ -24,11 +24,10 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
+from helpers import assert_one_error_line, run_cli, write_tiny_gguf
 from models import cli, cli_jsonl
 from models.cli_args import UsageError
 from models.cli_jsonl import FileRecords, open_records, record_line
-from models.gguf import write_llama_gguf
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,13 +65,8 @@ PREVIOUS = '{"previous": "run"}\n'
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    meta = tiny_tokenizer_meta()
-    cfg = tiny_config(vocab_size=len(meta["tokens"]), bos_token_id=1, eos_token_id=2)
-    sd = tiny_state_dict(cfg, seed=7)
-    sd["lm_head.weight"] = sd["lm_head.weight"] * 30
-    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    write_llama_gguf(path, cfg, sd, tensor_type=lambda n: "Q8_0" if "mlp" in n else "F32", tokenizer=meta)
-    return str(path)
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", seed=7, lm_head_scale=30,
+                           tensor_type=lambda n: "Q8_0" if "mlp" in n else "F32")
 
 
 def _argv(model, *extra):
@@ -80,16 +74,8 @@ def _argv(model, *extra):
     return [str(a) for a in ("--model", model, "-p", "the cat sat on", "-n", 3, "-m", 6, "-t", 0, *extra)]
 
 
-def _run(argv, capsys):
-    rc = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _one_error_line(rc, out, err, msg):
-    assert rc == 2, err
-    assert err.startswith("jpa-sample: error: ") and msg in err, err
-    assert err.count("\n") == 1 and out == ""
+_run = run_cli
+_one_error_line = assert_one_error_line
 
 
 def _whole_records(path):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
+from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta, write_tiny_gguf
 from models import LLM, Completion, PromptBatch, SamplingParams, plan_prompt_batch
 from models.batch_buckets import batch_bucket, pad_batch
 from models.gguf import CheckpointError, load_gguf, write_llama_gguf
@@ -27,13 +27,9 @@ SEED = 7
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    meta = tiny_tokenizer_meta()
-    cfg = tiny_config(vocab_size=len(meta["tokens"]), bos_token_id=1, eos_token_id=2)
-    weights = tiny_state_dict(cfg, seed=11)
-    weights["lm_head.weight"] = weights["lm_head.weight"] * 12   # peaked, but samples still vary
-    path = tmp_path_factory.mktemp("llm") / "tiny.gguf"
-    write_llama_gguf(path, cfg, weights, tokenizer=meta)
-    return LLM.load(path)
+    # peaked logits, but samples still vary
+    return LLM.load(write_tiny_gguf(tmp_path_factory.mktemp("llm") / "tiny.gguf", seed=11,
+                                    lm_head_scale=12))
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,13 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from helpers import rel_err
+from helpers import PC_CONFIG, ModTokenizer, rel_err
 from models import Llama, LlamaConfig, init_params, unstack_layers
 from models.prompt_cache import module, param, schema, union
 from models.prompt_cache.encode import encode_schema, pack_rows, schema_rows
 from models.prompt_cache.layout import layout_schema
 
-CFG = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
-
-
-class ModTokenizer:
-    """One token per character, scrambled into the tiny vocabulary."""
-
-    def encode(self, text, add_special_tokens=True):
-        return [(ord(c) * 7 + 3) % CFG.vocab_size for c in text]
+CFG = LlamaConfig(**PC_CONFIG)
 
 
 SCHEMA = schema("e", "System: be brief. ",

@@ -10,30 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import tiny_tokenizer_meta
+from helpers import PC_CONFIG, ModTokenizer, numbered_schema, tiny_tokenizer_meta
 from models import Llama, LlamaConfig, init_params, unstack_layers
-from models.prompt_cache import (CacheBudgets, PromptCache, kv_bytes_per_token, model_identity, module, param,
-                                 schema, tokenizer_identity)
+from models.prompt_cache import (CacheBudgets, PromptCache, kv_bytes_per_token, model_identity, module, schema,
+                                 tokenizer_identity)
 from models.prompt_cache.encode import encode_schema
 from models.prompt_cache.layout import layout_schema
 from models.prompt_cache.store import load_encoded, save_encoded
 from models.tokenizer import Tokenizer
 
-CFG = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
+CFG = LlamaConfig(**PC_CONFIG)
 
 
-class ModTokenizer:
-    """One token per character, scrambled into the tiny vocabulary."""
-
-    def encode(self, text, add_special_tokens=True):
-        return [(ord(c) * 7 + 3) % CFG.vocab_size for c in text]
-
-
-def make_schema(i, extra=""):
-    """Schemas of equal shapes (one compiled encoding serves them all), distinct text."""
-    return schema(f"s{i}", f"Header {i}. ", module("a", f"Module a of schema {i}{extra}."),
-                  module("b", "Some ", param("p", 2), f" text {i}."))
+make_schema = numbered_schema
 
 
 SCHEMAS = [make_schema(i) for i in range(4)]

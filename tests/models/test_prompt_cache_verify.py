@@ -21,25 +21,16 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from helpers import PC_CONFIG, ModTokenizer, numbered_schema
 from models import Llama, LlamaConfig, init_params
-from models.prompt_cache import PromptCache, cached_generate, layout_prompt, module, param, parse_prompt, schema
+from models.prompt_cache import PromptCache, cached_generate, layout_prompt, parse_prompt
 from models.prompt_cache import schema_file
 
-CFG = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
+CFG = LlamaConfig(**PC_CONFIG)
 ARRAYS = ("k", "v", "positions", "token_ids", "keep", "offsets")
 
 
-class ModTokenizer:
-    """One token per character, scrambled into the tiny vocabulary."""
-
-    def encode(self, text, add_special_tokens=True):
-        return [(ord(c) * 7 + 3) % CFG.vocab_size for c in text]
-
-
-def make_schema(i, extra=""):
-    return schema(f"s{i}", f"Header {i}. ", module("a", f"Module a of schema {i}{extra}."),
-                  module("b", "Some ", param("p", 2), f" text {i}."))
+make_schema = numbered_schema
 
 
 SCHEMAS = [make_schema(i) for i in range(5)]

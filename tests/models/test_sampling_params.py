@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import tiny_config, tiny_state_dict, tiny_tokenizer_meta
+from helpers import write_tiny_gguf
 from models import LLM, PromptBatch, SamplingConfig, SamplingParams
 from models import cli
 from models.cli_args import build_parser, parse_args, sampling_params
@@ -22,8 +22,6 @@ from models.token_step import choose_tokens
 from models import llm as llm_module
 from models import prompt_logprobs as prompt_logprobs_module
 from models.generate import _decode_loop, _sample_step, generate, generate_from_cache, prefill_prefix_cache
-from models.gguf import write_llama_gguf
-from models.llm import FinishEvent, TokenEvent
 
 PROMPTS = ["In the beginning the cat sat on the mat, then", "In the beginning the cat sat on the mat, and"]
 M = 10
@@ -31,13 +29,8 @@ M = 10
 
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory):
-    meta = tiny_tokenizer_meta()
-    cfg = tiny_config(vocab_size=len(meta["tokens"]), bos_token_id=1, eos_token_id=2)
-    weights = tiny_state_dict(cfg, seed=11)
-    weights["lm_head.weight"] = weights["lm_head.weight"] * 12   # peaked, but samples still vary
-    path = tmp_path_factory.mktemp("sp") / "tiny.gguf"
-    write_llama_gguf(path, cfg, weights, tokenizer=meta)
-    return str(path)
+    # peaked logits, but samples still vary
+    return write_tiny_gguf(tmp_path_factory.mktemp("sp") / "tiny.gguf", seed=11, lm_head_scale=12)
 
 
 @pytest.fixture(scope="module")
