@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn import plan_shared_prefix
@@ -110,7 +109,3 @@ def sample_cases(seed: int = 55, per_leaf: int = PER_LEAF) -> list[Case]:
             want[leaf] -= 1
             cases.append(Case(**shape, leaf=leaf))
     return cases
-
-
-def dtype_of(case: Case):
-    return jnp.dtype(case.dtype)
