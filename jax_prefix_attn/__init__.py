@@ -13,6 +13,8 @@ Public API:
   :func:`concurrent_compiler_options` -- optional ``jax.jit`` options that let XLA run its
   independent launches concurrently.
 * :class:`PrefixTree`, :func:`tree_attention` -- attention over a forest of shared prefixes (Hydragen 3.3, DeFT-Flatten).
+* :func:`mla_attention` -- absorbed multi-head latent attention (DeepSeek-V2/V3) over shared
+  latent prefixes.
 """
 from jax_prefix_attn import reference
 from jax_prefix_attn.attention import attention
@@ -29,4 +31,7 @@ __all__ = ["concurrent_compiler_options", "shared_prefix_supported", "plan_share
            "SharedPrefixPlan", "DeviceInfo", "device_info", "attention", "merge_attention_states", "merge_two",
            "reference", "shared_prefix_attention", "PrefixTree", "tree_attention", "TreeMetadata",
            "build_tree_metadata", "auto_path"]
+from jax_prefix_attn.mla import mla_attention
+
+__all__ += ["mla_attention"]
 __version__ = "0.1.0"
