@@ -4,6 +4,8 @@ Causal bf16 attention, ``B=4, T=4096, H=32, D=128`` and ``B=1, T=16384``: forwar
 forward+backward TFLOP/s of
 
 * ``ours``: :func:`pallas_kernels.flash_attention.flash_attention` (Triton lowering);
+* ``mgpu``: :func:`pallas_kernels.flash_attention_mgpu.flash_attention_mgpu` (Mosaic GPU,
+  forward only: its forward+backward is recorded as an error);
 * ``cudnn`` / ``xla``: ``jax.nn.dot_product_attention(implementation=...)``;
 * ``mha``: deprecated ``jax.experimental.pallas.ops.gpu.attention.mha`` (default blocks;
   top-left causal, identical to ours for square causal attention).
@@ -38,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import device_info, time_fn  # noqa: E402
 from pallas_kernels.flash_attention import FlashConfig, KernelTiles, default_config, flash_attention  # noqa: E402
+from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu  # noqa: E402
 
 SHAPES = [dict(b=4, t=4096, h=32, d=128), dict(b=1, t=16384, h=32, d=128)]
 
@@ -61,6 +64,9 @@ def impl_fns(config: FlashConfig | None):
     def ours(q, k, v):
         return flash_attention(q, k, v, causal=True, config=config)[0]
 
+    def mgpu(q, k, v):
+        return flash_attention_mgpu(q, k, v, causal=True)[0]
+
     def cudnn(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
@@ -72,7 +78,7 @@ def impl_fns(config: FlashConfig | None):
         return jattn.mha(q, k, v, segment_ids=None, sm_scale=1.0 / math.sqrt(q.shape[-1]),
                          causal=True)
 
-    return {"ours": ours, "cudnn": cudnn, "xla": xla, "mha": mha}
+    return {"ours": ours, "mgpu": mgpu, "cudnn": cudnn, "xla": xla, "mha": mha}
 
 
 def time_fwd_bwd(fn, sets, iters):
@@ -197,9 +203,16 @@ def main():
             check["ours_has_nan"] = bool(np.isnan(o_ours).any())
         except Exception as e:  # noqa: BLE001
             check["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        try:
+            o_mgpu = np.asarray(jax.jit(impl_fns(config)["mgpu"])(q, k, v), np.float32)
+            o_cud = np.asarray(jax.jit(impl_fns(config)["cudnn"])(q, k, v), np.float32)
+            check["rel_err_mgpu_vs_cudnn"] = float(np.linalg.norm(o_mgpu - o_cud) / np.linalg.norm(o_cud))
+            check["mgpu_has_nan"] = bool(np.isnan(o_mgpu).any())
+        except Exception as e:  # noqa: BLE001
+            check["mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         log(f"shape {shape} check {check}")
         for name, fn in impl_fns(config).items():
-            rec = dict(shape, impl=name, **({"check": check} if name == "ours" else {}))
+            rec = dict(shape, impl=name, **({"check": check} if name in ("ours", "mgpu") else {}))
             try:
                 t_f, t_fb, err = time_fwd_bwd(fn, sets, iters)
                 rec.update(fwd_ms=t_f * 1e3, fwd_tflops=flops / t_f / 1e12)
@@ -227,7 +240,10 @@ def main():
         ratios[key] = {"fwd_vs_mha": ratio("fwd_tflops", "mha"),
                        "fwd_vs_cudnn": ratio("fwd_tflops", "cudnn"),
                        "fwd_bwd_vs_mha": ratio("fwd_bwd_tflops", "mha"),
-                       "fwd_bwd_vs_cudnn": ratio("fwd_bwd_tflops", "cudnn")}
+                       "fwd_bwd_vs_cudnn": ratio("fwd_bwd_tflops", "cudnn"),
+                       "mgpu_fwd_vs_cudnn": (None if "fwd_tflops" not in by.get("mgpu", {})
+                                             or "fwd_tflops" not in by.get("cudnn", {}) else
+                                             by["mgpu"]["fwd_tflops"] / by["cudnn"]["fwd_tflops"])}
     result["ratios"] = ratios
     result["targets"] = {"fwd_vs_mha": 1.2, "fwd_vs_cudnn": 0.8, "fwd_bwd_vs_mha": 2.0,
                          "fwd_bwd_vs_cudnn": 0.5}
