@@ -1,0 +1,143 @@
+"""The DeepSeek-V2/V3 decoder (MLA attention, dense and mixture-of-experts MLPs) over a
+functional latent KV cache.
+
+:class:`Deepseek` binds a static :class:`~models.deepseek.config.DeepseekConfig`; every method
+is a pure function of its arguments (parameters as :mod:`models.deepseek.weights` builds them,
+caches as :mod:`models.deepseek.cache`), so all of them run under ``jax.jit``:
+
+* :meth:`Deepseek.forward(params, tokens)` -- logits ``[B, T, V]`` of a plain causal forward,
+  attention in the non-absorbed form (:func:`models.deepseek.attention.attend_expanded`);
+* :meth:`Deepseek.prefill_prefix(params, tokens, lengths)` -> :class:`LatentPrefix` -- ``G``
+  prompts (right-padded ``[G, P]``) through the same forward, keeping each layer's latents and
+  rotary keys and the logits after each prompt;
+* :meth:`Deepseek.extend(params, cache, tokens, n_new)` -> ``(logits [B, V], cache)`` -- append
+  ``n_new[b]`` tokens (the last ones of left-padded ``[B, T]``) to each sequence: each layer
+  writes their latents into the suffix buffers, then attends over the shared latent prefix and
+  the suffix in the absorbed form through :func:`jax_prefix_attn.mla_attention`
+  (:func:`models.deepseek.attention.attend_absorbed`);
+* :meth:`Deepseek.decode_step(params, cache, tokens)` -- one token per sequence.
+
+Positions: prompt token ``i`` sits at ``i``; suffix entry ``j`` of a sequence at its prompt's
+length plus ``j``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.deepseek.attention import attend_absorbed, attend_expanded, mla_inputs
+from models.deepseek.cache import LatentCache, LatentPrefix
+from models.deepseek.config import DeepseekConfig
+from models.deepseek.moe import moe_mlp
+from models.deepseek.rope import rope_cos_sin_factor, rope_inv_freq
+from models.kv_cache import write_suffix
+from models.layers import dense, embed, lm_head, rms_norm, swiglu_mlp
+
+__all__ = ["Deepseek"]
+
+
+class Deepseek:
+    """A DeepSeek-V2/V3 decoder bound to ``config`` (see the module docstring).
+
+    ``impl`` is the attention implementation of the non-absorbed prefill
+    (:func:`jax_prefix_attn.attention`: ``"auto"``, ``"flash"`` or ``"reference"``) and
+    ``interpret`` runs its kernels in Pallas interpret mode."""
+
+    def __init__(self, config: DeepseekConfig, *, impl: str = "auto", interpret: bool = False):
+        if not isinstance(config, DeepseekConfig):
+            raise TypeError(f"config must be a DeepseekConfig, got {type(config).__name__}")
+        if impl not in ("auto", "flash", "reference"):
+            raise ValueError(f"impl must be 'auto', 'flash' or 'reference', got {impl!r}")
+        if not isinstance(interpret, bool):
+            raise TypeError(f"interpret must be a bool, got {type(interpret).__name__}")
+        self.config = config
+        self.impl = impl
+        self.interpret = interpret
+        self.inv_freq = rope_inv_freq(config)
+        self.rope_factor = rope_cos_sin_factor(config)
+        self.extend_jit = jax.jit(self.extend)
+        self.decode_step_jit = jax.jit(self.decode_step)
+        self.prefill_prefix_jit = jax.jit(self.prefill_prefix)
+
+    # ------------------------------------------------------------------ layers
+    def _layer(self, i: int, lp: dict, x_bth: jax.Array, pos_bt: jax.Array, attend):
+        """Layer ``i``: ``attend(q_nope, q_rope, latent, rope_k) -> [B, T, Hn, Dv]`` supplies the
+        attention.  Returns ``(x_out [B, T, H], (latent [B, T, R], rope_k [B, T, Dr]))``."""
+        c = self.config
+        b, t, _ = x_bth.shape
+        h = rms_norm(x_bth, lp["attn_norm"], c.rms_norm_eps)
+        q_nope, q_rope, latent, rope_k = mla_inputs(c, lp, h, pos_bt, self.inv_freq, self.rope_factor)
+        o = attend(q_nope, q_rope, latent, rope_k)
+        x_bth = x_bth + dense(o.reshape(b, t, c.num_attention_heads * c.v_head_dim), lp["wo"]).astype(x_bth.dtype)
+        h = rms_norm(x_bth, lp["mlp_norm"], c.rms_norm_eps)
+        mlp = moe_mlp(c, lp, h) if c.is_moe_layer(i) else swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+        return x_bth + mlp.astype(x_bth.dtype), (latent, rope_k)
+
+    def _check_params(self, params: dict) -> None:
+        n = len(params["layers"])
+        if n != self.config.num_hidden_layers:
+            raise ValueError(f"params have {n} layers, the config {self.config.num_hidden_layers}")
+
+    def _causal(self, params: dict, tokens_bt: jax.Array):
+        """Non-absorbed causal pass: ``(final hidden [B, T, H], latents, rope keys)``."""
+        self._check_params(params)
+        b, t = tokens_bt.shape
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+        x = embed(params["embed"], tokens_bt).astype(params["embed"].dtype)
+        latents, rope_ks = [], []
+        for i, lp in enumerate(params["layers"]):
+            attend = lambda qn, qr, c, kr, lp=lp: attend_expanded(  # noqa: E731
+                self.config, lp, qn, qr, c, kr, impl=self.impl, interpret=self.interpret)
+            x, (latent, rope_k) = self._layer(i, lp, x, pos, attend)
+            latents.append(latent)
+            rope_ks.append(rope_k)
+        return rms_norm(x, params["final_norm"], self.config.rms_norm_eps), latents, rope_ks
+
+    # ------------------------------------------------------------------ public API
+    def forward(self, params: dict, tokens_bt: jax.Array) -> jax.Array:
+        """Logits ``[B, T, V]`` float32 of a plain causal forward pass."""
+        x, _, _ = self._causal(params, jnp.asarray(tokens_bt, jnp.int32))
+        return lm_head(x, params)
+
+    def prefill_prefix(self, params: dict, tokens_gp: jax.Array, lengths_g: jax.Array | None = None) -> LatentPrefix:
+        """Prefill ``G`` prompts once: ``tokens [G, P]`` right-padded, ``lengths [G]`` real
+        tokens each (default ``P``; at least 1).  Pad rows hold garbage that the lengths mask."""
+        tokens_gp = jnp.asarray(tokens_gp, jnp.int32)
+        g, p = tokens_gp.shape
+        lengths = jnp.full((g,), p, jnp.int32) if lengths_g is None else jnp.asarray(lengths_g, jnp.int32)
+        x, latents, rope_ks = self._causal(params, tokens_gp)
+        last = jnp.take_along_axis(x, jnp.clip(lengths - 1, 0, p - 1)[:, None, None], axis=1)[:, 0]
+        return LatentPrefix(latent=tuple(latents), rope_k=tuple(rope_ks), lengths=lengths,
+                            last_logits=lm_head(last, params))
+
+    def extend(self, params: dict, cache: LatentCache, tokens_bt: jax.Array,
+               n_new_b: jax.Array) -> tuple[jax.Array, LatentCache]:
+        """Append the last ``n_new[b]`` tokens of left-padded ``tokens [B, T]`` to each sequence
+        (the module docstring).  Returns the logits ``[B, V]`` float32 of column ``T - 1`` (the
+        last new token; garbage for a sequence with ``n_new = 0``) and the new cache."""
+        self._check_params(params)
+        c = self.config
+        tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
+        n_new = jnp.asarray(n_new_b, jnp.int32)
+        b, t = tokens_bt.shape
+        ti = jnp.arange(t, dtype=jnp.int32)[None, :]
+        pos = jnp.maximum(cache.positions[:, None] + ti - (t - n_new)[:, None], 0)
+        new_lengths = cache.lengths + n_new
+        prefix = cache.prefix
+        x = embed(params["embed"], tokens_bt).astype(params["embed"].dtype)
+        latents, rope_ks = list(cache.latent), list(cache.rope_k)
+        for i, lp in enumerate(params["layers"]):
+            def attend(qn, qr, lat, kr, i=i, lp=lp):
+                latents[i] = write_suffix(latents[i], lat, cache.lengths, n_new)
+                rope_ks[i] = write_suffix(rope_ks[i], kr, cache.lengths, n_new)
+                return attend_absorbed(c, lp, qn, qr, prefix.latent[i], prefix.rope_k[i], latents[i],
+                                       rope_ks[i], suffix_lengths=new_lengths, prefix_lengths=prefix.lengths,
+                                       seq_to_prefix=cache.seq_to_prefix)
+            x, _ = self._layer(i, lp, x, pos, attend)
+        logits = lm_head(rms_norm(x[:, -1], params["final_norm"], c.rms_norm_eps), params)
+        return logits, cache.replace(latent=tuple(latents), rope_k=tuple(rope_ks), lengths=new_lengths)
+
+    def decode_step(self, params: dict, cache: LatentCache, tokens_b: jax.Array) -> tuple[jax.Array, LatentCache]:
+        """Feed one token per sequence: ``(logits [B, V] float32, new cache)``."""
+        tokens_b = jnp.asarray(tokens_b, jnp.int32)
+        return self.extend(params, cache, tokens_b[:, None], jnp.ones_like(tokens_b))

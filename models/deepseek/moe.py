@@ -1,0 +1,101 @@
+"""DeepSeek's mixture-of-experts MLP: the router (scoring, top-k selection, normalisation,
+scaling), the routed experts as grouped matrix products (``jax.lax.ragged_dot``) and the shared
+experts.
+
+Routing of each token (:func:`route`), in float32, from ``logits = x @ router [H, E]``:
+
+* ``scoring_func``: ``"softmax"`` (over the experts) or ``"sigmoid"`` (each expert);
+* ``topk_method``:
+  - ``"greedy"``: the ``num_experts_per_tok`` best scores;
+  - ``"group_limited_greedy"`` (DeepSeek-V2): the experts are split into ``n_group`` groups, a
+    group is scored by its best expert, experts outside the ``topk_group`` best groups are
+    scored 0, then the best ``num_experts_per_tok``;
+  - ``"noaux_tc"`` (DeepSeek-V3): selection by ``score + e_score_correction_bias``, a group
+    scored by the sum of its two best, experts outside the ``topk_group`` best groups excluded;
+    the weights are the scores without the bias;
+* ``norm_topk_prob``: the selected weights are divided by their sum (``+ 1e-20``);
+* then multiplied by ``routed_scaling_factor``.
+
+Ties are broken toward the lower expert index (``jax.lax.top_k``).
+
+The routed experts (:func:`routed_experts`): the ``N x K`` (token, expert) pairs are sorted by
+expert and each expert's rows go through its SwiGLU as one ``ragged_dot`` group; the outputs,
+times the routing weights, are summed back per token.  Nothing of size ``[N, E, ...]`` is built.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.deepseek.config import DeepseekConfig
+from models.layers import swiglu_mlp
+
+__all__ = ["moe_mlp", "route", "routed_experts"]
+
+
+def _group_mask(config: DeepseekConfig, group_scores_ng: jax.Array) -> jax.Array:
+    """``[N, E]`` bool: experts in the ``topk_group`` best groups of each token."""
+    n, g = group_scores_ng.shape
+    _, top = jax.lax.top_k(group_scores_ng, config.topk_group)                    # [N, topk_group]
+    keep_g = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], top].set(True)
+    return jnp.repeat(keep_g, config.n_routed_experts // g, axis=1)
+
+
+def route(config: DeepseekConfig, router_he: jax.Array, bias_e: jax.Array | None,
+          x_nh: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(experts [N, K] int32, weights [N, K] float32)`` of each token (module docstring)."""
+    logits = jnp.einsum("nh,he->ne", x_nh.astype(jnp.float32), router_he.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+    scores = jax.nn.softmax(logits, axis=-1) if config.scoring_func == "softmax" else jax.nn.sigmoid(logits)
+    k, n, e = config.num_experts_per_tok, scores.shape[0], scores.shape[1]
+    if config.topk_method == "greedy":
+        weights, experts = jax.lax.top_k(scores, k)
+    elif config.topk_method == "group_limited_greedy":
+        group_scores = jnp.max(scores.reshape(n, config.n_group, e // config.n_group), axis=-1)
+        masked = jnp.where(_group_mask(config, group_scores), scores, 0.0)
+        weights, experts = jax.lax.top_k(masked, k)
+    else:  # noaux_tc
+        choice = scores + bias_e.astype(jnp.float32)[None, :]
+        top2, _ = jax.lax.top_k(choice.reshape(n, config.n_group, e // config.n_group), 2)
+        masked = jnp.where(_group_mask(config, jnp.sum(top2, axis=-1)), choice, -jnp.inf)
+        _, experts = jax.lax.top_k(masked, k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if config.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return experts.astype(jnp.int32), weights * config.routed_scaling_factor
+
+
+def routed_experts(x_nh: jax.Array, experts_nk: jax.Array, weights_nk: jax.Array,
+                   w_gate_ehi: jax.Array, w_up_ehi: jax.Array, w_down_eih: jax.Array) -> jax.Array:
+    """``sum_k weights[n, k] * expert_{experts[n, k]}(x[n])`` ``[N, H]`` through grouped matrix
+    products (``jax.lax.ragged_dot``); experts are SwiGLU with ``[E, H, I]``/``[E, I, H]``
+    weights."""
+    n, k = experts_nk.shape
+    e = w_gate_ehi.shape[0]
+    flat = experts_nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                     # (token, slot) pairs by expert
+    token = order // k
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x_nh[token].astype(w_gate_ehi.dtype)
+    prec = jax.lax.Precision.HIGHEST if w_gate_ehi.dtype == jnp.float32 else None
+    gate = jax.lax.ragged_dot(xs, w_gate_ehi, sizes, precision=prec)
+    up = jax.lax.ragged_dot(xs, w_up_ehi, sizes, precision=prec)
+    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down_eih, sizes, precision=prec)  # [N*K, H]
+    y = y.astype(jnp.float32) * weights_nk.reshape(-1)[order][:, None]
+    return jnp.zeros((n, y.shape[1]), jnp.float32).at[token].add(y).astype(x_nh.dtype)
+
+
+def moe_mlp(config: DeepseekConfig, lp: dict, x_bth: jax.Array) -> jax.Array:
+    """The MoE MLP of one layer: routed experts plus the shared experts (when there are any).
+
+    ``lp`` holds ``router [H, E]``, optional ``e_score_correction_bias [E]``,
+    ``experts_gate``/``experts_up [E, H, I]``, ``experts_down [E, I, H]`` and, with shared
+    experts, ``shared_gate``/``shared_up [H, n_shared * I]``, ``shared_down``."""
+    b, t, h = x_bth.shape
+    x = x_bth.reshape(b * t, h)
+    experts, weights = route(config, lp["router"], lp.get("e_score_correction_bias"), x)
+    out = routed_experts(x, experts, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"])
+    out = out.reshape(b, t, h)
+    if "shared_gate" in lp:
+        out = out + swiglu_mlp(x_bth, lp["shared_gate"], lp["shared_up"], lp["shared_down"]).astype(out.dtype)
+    return out
