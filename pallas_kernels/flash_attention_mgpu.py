@@ -57,11 +57,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LOG2E, cdiv, pad_axis
+from pallas_kernels._common import LN2, LOG2E, cdiv, pad_axis
 from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu
 from pallas_kernels.prefix_attention_mgpu import (masked_softmax_step, take_turn,
-                                                  wg_accumulate_pv, wg_compute_context,
-                                                  wg_pipeline, wg_scores, wgmma_iota)
+                                                  wg_accumulate_pv, wg_pipeline, wg_scores,
+                                                  wgmma_iota)
 
 __all__ = ["flash_attention_mgpu", "supported", "smem_bytes", "default_block_kv",
            "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SMEM_LIMIT"]
@@ -145,35 +145,73 @@ def _check_args(q, k, v, kv_lengths, block_q, block_kv, num_stages):
             raise ValueError(f"{name} must be {want}, got {val!r}")
 
 
-def _key_tiles(row0, n_rows, length, *, tq: int, group: int, block_kv: int, causal: bool):
-    """Key tiles of rows ``[row0, row0 + n_rows)`` (traced scalars): ``(n_full, n_end)``, tiles
-    ``[0, n_full)`` seen whole by every row, ``[n_full, n_end)`` by some row, none past."""
+def _key_tiles(pos_first, pos_last, length, *, tq: int, block_kv: int, causal: bool):
+    """Key tiles of the queries at positions ``[pos_first, pos_last]`` (traced scalars):
+    ``(n_full, n_end)``, tiles ``[0, n_full)`` seen whole by each of them, ``[n_full, n_end)``
+    by some, none past ``n_end``."""
     if causal:
         diag = length - tq                      # query t sees keys j <= t + diag
-        t_first = jnp.minimum(row0 // group, tq - 1)
-        t_last = jnp.minimum((row0 + n_rows - 1) // group, tq - 1)
-        end_all = jnp.clip(t_first + diag + 1, 0, length)
-        end_any = jnp.clip(t_last + diag + 1, 0, length)
+        end_all = jnp.clip(jnp.minimum(pos_first, tq - 1) + diag + 1, 0, length)
+        end_any = jnp.clip(jnp.minimum(pos_last, tq - 1) + diag + 1, 0, length)
     else:
         end_all = end_any = length
     n_end = lax.div(end_any + block_kv - 1, block_kv)
     return jnp.minimum(end_all // block_kv, n_end), n_end
 
 
-def _tile_step(carry, *, t, n_full, n_end, row0, length, q_smem, k_smem, v_smem, p_smem,
+class _Rows:
+    """Which query rows a compute warpgroup owns (``block`` = its index along the rows of its
+    (batch, kv head), ``block_q`` rows each; ``group`` query heads per kv head).
+
+    * sliced (``per = block_q / group`` a multiple of 8): positions ``block * per + [0, per)``
+      of the ``group`` heads, head-major (row ``j * per + i``: head ``h * group + j``, position
+      ``block * per + i``), each head's ``per`` rows copied by TMA straight from ``q [B, Tq,
+      Hq, D]`` and back to ``out`` of that layout;
+    * folded (other groups): rows ``block * block_q + [0, block_q)`` of the wrapper's
+      ``q_rows [B, Hkv, R, D]`` (row ``t * group + j``)."""
+
+    def __init__(self, block_q: int, group: int):
+        self.block_q, self.group = block_q, group
+        self.sliced = block_q % (8 * group) == 0
+        self.per = block_q // group if self.sliced else None
+
+    def positions(self, block):
+        """First and last query position of the rows of ``block`` (traced)."""
+        if self.sliced:
+            return block * self.per, block * self.per + self.per - 1
+        r0 = block * self.block_q
+        return r0 // self.group, (r0 + self.block_q - 1) // self.group
+
+    def position_of_row(self, block, row):
+        """Query position of the local rows ``row`` (an int32 array) of ``block``."""
+        if self.sliced:
+            return block * self.per + (row if self.group == 1 else lax.rem(row, self.per))
+        r = block * self.block_q + row
+        return r if self.group == 1 else r // self.group
+
+    def copies(self, ref, smem, *, b, h, block):
+        """``(gmem, smem)`` pairs of the rows of ``block`` of kv head ``h`` of sequence ``b`` in
+        ``ref`` (``q`` or ``out``) and in the warpgroup's ``smem [block_q, D]``."""
+        if not self.sliced:
+            return [(ref.at[b, h, pl.ds(block * self.block_q, self.block_q)], smem)]
+        return [(ref.at[b, pl.ds(block * self.per, self.per), h * self.group + j],
+                 smem.at[pl.ds(j * self.per, self.per)]) for j in range(self.group)]
+
+
+def _tile_step(carry, *, t, n_full, n_end, pos_of_row, length, q_smem, k_smem, v_smem, p_smem,
                k_consumed, v_consumed, turn, static, cpu_check: bool):
-    """Key tile ``t`` for one compute warpgroup (rows ``row0 + [0, block_q)``): the products
-    and the online softmax, or, for a tile none of its rows sees, only the buffer releases and
-    the two ping-pong turns.  Returns the new ``(acc, m, l)``."""
-    causal, tq, group, block_kv, scale_log2, sched = static
+    """Key tile ``t`` for one compute warpgroup (query positions ``pos_of_row(rows iota)``):
+    the products and the online softmax, or, for a tile none of its rows sees, only the buffer
+    releases and the two ping-pong turns.  Returns the new ``(acc, m, l)``."""
+    causal, tq, _, block_kv, scale_log2, sched = static
     rows = q_smem.shape[0]
 
     def valid():
-        r = row0 + wgmma_iota((rows, block_kv), 0, hint=not cpu_check)
         key = t * block_kv + wgmma_iota((rows, block_kv), 1, hint=not cpu_check)
         ok = key < length
         if causal:
-            ok = ok & (key <= (r if group == 1 else r // group) + (length - tq))
+            pos = pos_of_row(wgmma_iota((rows, block_kv), 0, hint=not cpu_check))
+            ok = ok & (key <= pos + (length - tq))
         return ok
 
     def compute(carry):
@@ -202,8 +240,38 @@ def _tile_step(carry, *, t, n_full, n_end, row0, length, q_smem, k_smem, v_smem,
     return lax.cond(t < n_end, compute, skip, carry)
 
 
+def _compute_context(*, q_copies, o_copies, q_smem, q_barrier, lse_smem, lse_dst, before, after):
+    """The compute warpgroup's part around the pipeline: its queries loaded by TMA
+    (``q_copies``, all arriving on ``q_barrier``), the pipeline run from the empty state, the
+    output normalised and stored through ``q_smem`` (``o_copies``) and the natural-log LSE
+    (``-inf`` for rows that saw no key) through ``lse_smem`` to ``lse_dst``."""
+    block_q, d = q_smem.shape
+
+    def context(run_pipeline):
+        for src, dst in q_copies:
+            plgpu.copy_gmem_to_smem(src, dst, q_barrier)
+        plgpu.barrier_wait(q_barrier)
+        carry = (jnp.zeros((block_q, d), jnp.float32),
+                 jnp.full((block_q,), -jnp.inf, jnp.float32),
+                 jnp.zeros((block_q,), jnp.float32))
+        before()
+        acc, m_i, l_i = run_pipeline(carry)
+        after()
+        empty = l_i == 0.0   # (a NaN score leaves l NaN: the row's lse is NaN, not -inf)
+        l_safe = jnp.where(empty, 1.0, l_i)
+        q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, (block_q, d), [0])).astype(q_smem.dtype)
+        lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+        plgpu.commit_smem()
+        for src, dst in o_copies:
+            plgpu.copy_smem_to_gmem(src, dst)
+        plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+        plgpu.wait_smem_to_gmem(0)
+    return context
+
+
 def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2, q_barriers,
-            sched_barrier, *maybe_p, static, n_blocks: int, block_q: int, stages: int, cpu_check: bool):
+            sched_barrier, *maybe_p, static, n_blocks: int, block_q: int, stages: int,
+            cpu_check: bool):
     causal, tq, group, block_kv, _, sched = static
     h, bb, mb = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("m")
     if causal:  # the row blocks with the most key tiles first
@@ -211,25 +279,26 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, lse_smem2, q_
     wg = lax.axis_index("wg")
     d = q_ref.shape[-1]
     length = len_ref[bb]
-    tiles = functools.partial(_key_tiles, length=length, tq=tq, group=group, block_kv=block_kv,
-                              causal=causal)
-    cta_row0 = mb * (2 * block_q)
-    _, n_steps = tiles(cta_row0, 2 * block_q)
-    row0 = cta_row0 + wg * block_q
-    n_full, n_end = tiles(row0, block_q)
+    rows = _Rows(block_q, group)
+    tiles = functools.partial(_key_tiles, length=length, tq=tq, block_kv=block_kv, causal=causal)
+    block = 2 * mb + wg
+    _, n_steps = tiles(rows.positions(2 * mb)[0], rows.positions(2 * mb + 1)[1])
+    n_full, n_end = tiles(*rows.positions(block))
     turn = functools.partial(take_turn, sched_barrier, sched)
+    q_smem = q_smem2.at[wg]
     # Warpgroup 1 starts one phase behind (one extra turn before its first tile, warpgroup 0
     # one after its last): their tensor-core and softmax phases alternate.
-    compute_context = wg_compute_context(
-        q_src=q_ref.at[bb, h, pl.ds(row0, block_q)], q_smem=q_smem2.at[wg],
-        q_barrier=q_barriers.at[wg], lse_smem=lse_smem2.at[wg],
-        o_dst=o_ref.at[bb, h, pl.ds(row0, block_q)], lse_dst=lse_ref.at[bb, h, pl.ds(row0, block_q)],
-        block_q=block_q, d=d, dtype=q_ref.dtype,
+    compute_context = _compute_context(
+        q_copies=rows.copies(q_ref, q_smem, b=bb, h=h, block=block),
+        o_copies=[(s, g) for g, s in rows.copies(o_ref, q_smem, b=bb, h=h, block=block)],
+        q_smem=q_smem, q_barrier=q_barriers.at[wg], lse_smem=lse_smem2.at[wg],
+        lse_dst=lse_ref.at[bb, h, pl.ds(block * block_q, block_q)],
         before=lambda: pl.when(wg == 1)(turn), after=lambda: pl.when(wg == 0)(turn))
 
     def tile_body(indices, k_smem, v_smem, k_consumed, v_consumed, carry):
-        return _tile_step(carry, t=indices[0], n_full=n_full, n_end=n_end, row0=row0,
-                          length=length, q_smem=q_smem2.at[wg], k_smem=k_smem, v_smem=v_smem,
+        return _tile_step(carry, t=indices[0], n_full=n_full, n_end=n_end,
+                          pos_of_row=functools.partial(rows.position_of_row, block),
+                          length=length, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
                           p_smem=maybe_p[0].at[wg] if cpu_check else None,
                           k_consumed=k_consumed, v_consumed=v_consumed, turn=turn,
                           static=static, cpu_check=cpu_check)
@@ -289,11 +358,17 @@ def flash_attention_mgpu(q, k, v, *, causal: bool = False, kv_lengths=None, sm_s
     tk_pad = cdiv(tk, block_kv) * block_kv
     k = pad_axis(pad_axis(k, 3, d_pad), 1, tk_pad)
     v = pad_axis(pad_axis(v, 3, d_pad), 1, tk_pad)
-    rows = tq * group
-    n_blocks = cdiv(rows, 2 * block_q)
-    rows_pad = n_blocks * 2 * block_q
-    q_rows = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-    q_rows = pad_axis(pad_axis(q_rows, 3, d_pad), 2, rows_pad)
+    rows = _Rows(block_q, group)
+    if rows.sliced:   # q and out in their own layout, padded to whole row blocks
+        n_blocks = cdiv(tq, 2 * rows.per)
+        q_in = pad_axis(pad_axis(q, 3, d_pad), 1, n_blocks * 2 * rows.per)
+        o_type = jax.ShapeDtypeStruct(q_in.shape, dtype)
+    else:             # q_rows [B, Hkv, R, D], row t * G + j
+        n_blocks = cdiv(tq * group, 2 * block_q)
+        q_in = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4)
+        q_in = pad_axis(pad_axis(q_in.reshape(b, hkv, tq * group, d), 3, d_pad), 2,
+                        n_blocks * 2 * block_q)
+        o_type = jax.ShapeDtypeStruct(q_in.shape, dtype)
     if interpret:   # the interpreter's wgmma reads K^T from memory: k [B, Hkv, D, Tk]
         k = jnp.transpose(k, (0, 2, 3, 1))
     static = (bool(causal), tq, group, block_kv, scale * LOG2E, bool(schedule_barrier))
@@ -305,17 +380,20 @@ def flash_attention_mgpu(q, k, v, *, causal: bool = False, kv_lengths=None, sm_s
         grid_names=("h", "b", "m"),
         num_threads=3,
         thread_name="wg",
-        out_type=(jax.ShapeDtypeStruct((b, hkv, rows_pad, d_pad), dtype),
-                  jax.ShapeDtypeStruct((b, hkv, rows_pad), jnp.float32)),
+        out_type=(o_type, jax.ShapeDtypeStruct((b, hkv, n_blocks * 2 * block_q), jnp.float32)),
         scratch_types=(plgpu.SMEM((2, block_q, d_pad), dtype),
                        plgpu.SMEM((2, block_q), jnp.float32),
-                       plgpu.Barrier(num_barriers=2),
+                       plgpu.Barrier(num_arrivals=group if rows.sliced else 1, num_barriers=2),
                        plgpu.Barrier(num_arrivals=2))
                       + ((plgpu.SMEM((2, block_q, block_kv), dtype),) if interpret else ()),
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": gpu_interpret_params()} if interpret else {}),
-    )(lengths, q_rows, k, v)
-    out = o[:, :, :rows, :d].reshape(b, hkv, tq, group, d).transpose(0, 2, 1, 3, 4)
-    lse = lse[:, :, :rows].reshape(b, hkv, tq, group).transpose(0, 2, 1, 3)
+    )(lengths, q_in, k, v)
+    if rows.sliced:   # lse rows: block, head j, position i -> [B, T, Hkv, G]
+        lse = lse.reshape(b, hkv, 2 * n_blocks, group, rows.per).transpose(0, 2, 4, 1, 3)
+        lse = lse.reshape(b, 2 * n_blocks * rows.per, hq)[:, :tq]
+        return o[:, :tq, :, :d], lse
+    out = o[:, :, :tq * group, :d].reshape(b, hkv, tq, group, d).transpose(0, 2, 1, 3, 4)
+    lse = lse[:, :, :tq * group].reshape(b, hkv, tq, group).transpose(0, 2, 1, 3)
     return out.reshape(b, tq, hq, d), lse.reshape(b, tq, hq)

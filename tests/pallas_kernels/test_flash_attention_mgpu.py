@@ -143,6 +143,9 @@ def test_kernel_lowers_for_cuda(b, t, hq, hkv, d, causal, dtype, stages):
     # full, a zero length (every row empty) next to a full one, Tq > Tk, 3 stages, no ping-pong
     (2, 40, 33, 2, 1, 64, False, jnp.float16, [0, 33],
      {"num_stages": 3, "schedule_barrier": False}),
+    # groups that do not divide the 64 rows into whole 8-row slices: rows folded by the wrapper
+    (1, 30, 70, 6, 2, 64, True, jnp.bfloat16, [55], {}),
+    (1, 9, 40, 16, 1, 128, False, jnp.float16, None, {}),
 ])
 def test_kernel_in_cpu_interpreter_matches_reference(b, tq, tk, hq, hkv, d, causal, dtype,
                                                      lengths, extra):
