@@ -23,7 +23,7 @@ from flax import struct
 
 from models.deepseek.config import DeepseekConfig
 
-__all__ = ["LatentCache", "LatentPrefix", "init_latent_cache"]
+__all__ = ["LatentCache", "LatentPrefix", "check_latent_cache", "init_latent_cache"]
 
 
 @struct.dataclass
@@ -65,3 +65,26 @@ def init_latent_cache(config: DeepseekConfig, prefix: LatentPrefix, seq_to_prefi
                             for _ in range(config.num_hidden_layers))
     return LatentCache(prefix=prefix, latent=zeros(config.kv_lora_rank), rope_k=zeros(config.qk_rope_head_dim),
                        lengths=jnp.zeros((b,), jnp.int32), seq_to_prefix=s2p)
+
+
+def check_latent_cache(config: DeepseekConfig, cache: LatentCache) -> None:
+    """``ValueError`` naming the field when ``cache``'s buffers do not fit ``config`` (layers,
+    ``kv_lora_rank``, ``qk_rope_head_dim``, batch and prompt axes)."""
+    b = cache.lengths.shape[0] if cache.lengths.ndim == 1 else None
+    if b is None or cache.seq_to_prefix.shape != (b,):
+        raise ValueError(f"cache.lengths and cache.seq_to_prefix must have shape [batch], got "
+                         f"{tuple(cache.lengths.shape)} and {tuple(cache.seq_to_prefix.shape)}")
+    g = cache.prefix.lengths.shape[0]
+    for where, bufs_lat, bufs_rope, lead in (
+            ("cache.prefix", cache.prefix.latent, cache.prefix.rope_k, f"[G={g}, P"),
+            ("cache", cache.latent, cache.rope_k, f"[batch={b}, S_max")):
+        for field, bufs, width, wname in (("latent", bufs_lat, config.kv_lora_rank, "kv_lora_rank"),
+                                          ("rope_k", bufs_rope, config.qk_rope_head_dim, "qk_rope_head_dim")):
+            if len(bufs) != config.num_hidden_layers:
+                raise ValueError(f"{where}.{field} must hold one buffer per layer "
+                                 f"({config.num_hidden_layers}), got {len(bufs)}")
+            for i, x in enumerate(bufs):
+                first = g if where == "cache.prefix" else b
+                if x.ndim != 3 or x.shape[0] != first or x.shape[2] != width:
+                    raise ValueError(f"{where}.{field}[{i}] must have shape {lead}, {wname}={width}], "
+                                     f"got {tuple(x.shape)}")

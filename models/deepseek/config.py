@@ -205,7 +205,16 @@ _IGNORED_HF_FIELDS = frozenset({
     "aux_loss_alpha", "seq_aux", "ep_size", "num_nextn_predict_layers", "num_mtp_layers",
     "pretraining_tp", "pad_token_id", "output_attentions", "output_hidden_states", "return_dict",
     "_attn_implementation_autoset", "tokenizer_class", "id2label", "label2id", "problem_type",
-    "router_aux_loss_coef", "num_key_value_heads",
+    "router_aux_loss_coef", "num_key_value_heads", "tie_encoder_decoder", "chunk_size_feed_forward",
+    "is_encoder_decoder", "is_decoder", "add_cross_attention", "sep_token_id", "decoder_start_token_id",
+    "task_specific_params", "finetuning_task", "cross_attention_hidden_size", "tf_legacy_loss",
+    "pruned_heads", "torchscript", "use_bfloat16", "prefix", "bad_words_ids",
+    "begin_suppress_tokens", "suppress_tokens", "max_length", "min_length", "do_sample",
+    "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k",
+    "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty",
 })
 _KNOWN_HF_FIELDS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

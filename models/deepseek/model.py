@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from models.deepseek.attention import attend_absorbed, attend_expanded, mla_inputs
-from models.deepseek.cache import LatentCache, LatentPrefix
+from models.deepseek.cache import LatentCache, LatentPrefix, check_latent_cache
 from models.deepseek.config import DeepseekConfig
 from models.deepseek.moe import moe_mlp
 from models.deepseek.rope import rope_cos_sin_factor, rope_inv_freq
@@ -116,6 +116,7 @@ class Deepseek:
         (the module docstring).  Returns the logits ``[B, V]`` float32 of column ``T - 1`` (the
         last new token; garbage for a sequence with ``n_new = 0``) and the new cache."""
         self._check_params(params)
+        check_latent_cache(self.config, cache)
         c = self.config
         tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
         n_new = jnp.asarray(n_new_b, jnp.int32)

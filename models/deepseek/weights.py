@@ -19,7 +19,10 @@ Entry points:
 * :func:`hf_param_shapes(config)` -- the Hugging Face tensor names and (torch) shapes.
 * :func:`params_from_hf_state_dict(config, state_dict, dtype)` -- strict: missing, unexpected
   and wrongly shaped tensors raise one ``ValueError`` naming them (a wrongly shaped tensor with
-  the checkpoint's and the config's shapes); ``rotary_emb.inv_freq`` buffers are ignored.
+  the checkpoint's and the config's shapes); ``rotary_emb.inv_freq`` buffers are ignored.  The
+  experts are read per expert (``mlp.experts.{j}.{gate,up,down}_proj.weight``, the checkpoint
+  layout) or fused as transformers >= 5 holds them in memory
+  (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``).
 * :func:`load_hf_checkpoint(path, dtype)` -> ``(config, params)`` -- ``config.json`` plus
   ``model.safetensors`` or sharded safetensors with ``model.safetensors.index.json``.
 * :func:`init_params(config, seed, dtype)` -- random weights (benchmarks, tests).
@@ -110,9 +113,34 @@ def _check_names(config: DeepseekConfig, names, shape_of) -> None:
         raise ValueError(f"state dict does not match the {config.architecture} config: " + "; ".join(problems))
 
 
+def _split_fused_experts(state_dict: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """``state_dict`` with transformers' fused expert tensors split into per-expert ones."""
+    fused = [n for n in state_dict if n.endswith("mlp.experts.gate_up_proj")]
+    if not fused:
+        return state_dict
+    out = dict(state_dict)
+    for name in fused:
+        stem = name[:-len("gate_up_proj")]
+        gate_up = np.asarray(out.pop(name))
+        down = out.pop(stem + "down_proj", None)
+        if down is None:
+            raise ValueError(f"state dict has {name} but no {stem}down_proj")
+        down = np.asarray(down)
+        if gate_up.ndim != 3 or gate_up.shape[1] % 2 or down.ndim != 3 or down.shape[0] != gate_up.shape[0]:
+            raise ValueError(f"fused experts {name} {gate_up.shape} and {stem}down_proj {down.shape} are not "
+                             f"[E, 2I, H] and [E, H, I]")
+        half = gate_up.shape[1] // 2
+        for j in range(gate_up.shape[0]):
+            out[f"{stem}{j}.gate_proj.weight"] = gate_up[j, :half]
+            out[f"{stem}{j}.up_proj.weight"] = gate_up[j, half:]
+            out[f"{stem}{j}.down_proj.weight"] = down[j]
+    return out
+
+
 def params_from_hf_state_dict(config: DeepseekConfig, state_dict: Mapping[str, np.ndarray],
                               dtype=jnp.float32) -> dict:
     """Parameters (layout in the module docstring) from a Hugging Face-named state dict."""
+    state_dict = _split_fused_experts(state_dict)
     _check_names(config, state_dict.keys(), lambda n: np.shape(state_dict[n]))
 
     def get(name, transpose):
