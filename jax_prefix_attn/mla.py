@@ -21,9 +21,10 @@ prompt's latent cache as one matrix product).
 mask bottom-right aligned on ``[prefix[:pl]; suffix[:sl]]``
 (:func:`jax_prefix_attn.reference.row_limits`), the clamp rule for traced lengths and groups
 (:func:`jax_prefix_attn.reference.clamp_shared_inputs`), ``check_ranges`` with ``checkify``,
-NaN propagation and the LSE convention.  It is computed as a prefix part and a suffix part
-merged through their log-sum-exp (:func:`jax_prefix_attn.merge_attention_states`), the split
-that the decode kernels implement; this module is the pure-JAX form, differentiable by autodiff.
+NaN propagation and the LSE convention.  It is computed as a prefix part (one product over
+every head of every sequence that shares the prefix) and a suffix part (per sequence), merged
+through their log-sum-exp (:func:`jax_prefix_attn.merge_attention_states`), in pure JAX and
+differentiable by autodiff.
 """
 from __future__ import annotations
 
