@@ -13,15 +13,19 @@ Keys at or past ``L_b`` never reach the result (they may hold NaN).  A row that 
 ``lse = -inf`` and ``out = 0``.  Inputs are bfloat16 or float16; head_dim 64, 128 or 256 (other
 widths up to 256 are zero-padded to the next one, which leaves every score unchanged).
 
-Layout in the kernel: the ``G = Hq / Hkv`` query heads of one kv head are folded into the rows,
-``q_rows [B, Hkv, R, D]`` with row ``r = t * G + j`` = query position ``t``, head ``h * G + j``
-(``R = Tq * G`` rounded up to ``2 * block_q``), so one CTA's K/V tiles serve the whole group.
-The wrapper builds this layout (one transpose of ``q`` and one of ``out``), pads ``Tk`` to a
-multiple of ``block_kv`` and, when ``kv_lengths`` is given, zeroes the values past each length
-(the last key tile of a sequence is read whole; its masked scores get weight 0, and 0 times a
-NaN would still be NaN).
+Rows: the ``G = Hq / Hkv`` query heads of one kv head share a CTA, so its K/V tiles are loaded
+once per group.  A compute warpgroup's ``block_q`` rows are, when ``per = block_q / G`` is a
+multiple of 8 (``G`` = 1, 2, 4, 8 at ``block_q = 64``), ``per`` query positions of each of the
+``G`` heads (head-major), copied by ``G`` TMA loads straight from ``q [B, Tq, Hq, D]`` and
+stored back to ``out`` of the same layout (``Tq`` padded to ``2 * per`` only when it is not a
+multiple); otherwise the wrapper folds the heads into rows, ``q_rows [B, Hkv, Tq * G, D]`` with
+row ``t * G + j`` = position ``t``, head ``h * G + j`` (one transpose of ``q`` and one of
+``out``).  The LSE leaves the kernel in the rows' order and is put in ``[B, Tq, Hq]`` by XLA.
+The wrapper pads ``Tk`` to a multiple of ``block_kv`` and, when ``kv_lengths`` is given, zeroes
+the values past each length (the last key tile of a sequence is read whole; its masked scores
+get weight 0, and 0 times a NaN would still be NaN).
 
-Schedule: grid ``(Hkv, B, R / (2 * block_q))``, the row blocks of a causal call in decreasing
+Schedule: grid ``(Hkv, B, row blocks of 2 * block_q rows)``, the row blocks of a causal call in decreasing
 order (the CTAs with the most key tiles start first).  Each CTA has three warpgroups: one memory
 warpgroup streams the key tiles ``[0, n)`` of its (batch, kv head) through a ring of
 ``num_stages`` shared-memory K/V buffers by TMA, with one "loaded" barrier per slot and one

@@ -11,6 +11,8 @@ GPU (marker ``gpu``): the compiled kernel at realistic sizes against cuDNN
 (``jax.nn.dot_product_attention(implementation="cudnn")``, where its mask is the same) and the
 library's pure-JAX reference.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,9 +162,21 @@ def test_kernel_in_cpu_interpreter_matches_reference(b, tq, tk, hq, hkv, d, caus
 
 # ---------------------------------------------------------------------------- GPU
 
-def _ref(q, k, v, lens, causal):
+@functools.partial(jax.jit, static_argnames="causal")
+def _gpu_reference(q, k, v, lens, causal):
     return reference.attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=causal,
                                kv_lengths=lens)
+
+
+@functools.partial(jax.jit, static_argnames=("shape_q", "shape_kv", "dtype"))
+def _gpu_case(seed, lens, shape_q, shape_kv, dtype):
+    """Random operands drawn on the device; keys and values at and past each length NaN."""
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    past = jnp.arange(shape_kv[1])[None, :, None, None] >= lens[:, None, None, None]
+    q = jax.random.normal(kq, shape_q, jnp.float32).astype(dtype)
+    k, v = (jnp.where(past, jnp.nan, jax.random.normal(x, shape_kv, jnp.float32)).astype(dtype)
+            for x in (kk, kv))
+    return q, k, v
 
 
 @pytest.mark.gpu
@@ -174,24 +188,24 @@ def _ref(q, k, v, lens, causal):
     (16, 1024, 8, 1, 128, False, jnp.bfloat16, False),
     (4, 4096, 8, 2, 64, False, jnp.bfloat16, False)])
 def test_gpu_matches_cudnn_and_reference(b, t, hq, hkv, d, causal, dtype, ragged):
-    rng = np.random.default_rng(b * t + d)
-    lengths = rng.integers(1, t + 1, size=b) if ragged else None
-    if ragged:
-        lengths[0] = t
-    q, k, v, lens = _case(int(b + t + d), b, t, t, hq, hkv, d, dtype, lengths)
-    kv_lengths = None if lengths is None else jnp.asarray(lengths, jnp.int32)
-    out, lse = jax.jit(lambda q, k, v, n: flash_attention_mgpu(q, k, v, causal=causal,
-                                                               kv_lengths=n))(q, k, v, kv_lengths)
+    lengths = np.full((b,), t)
+    if ragged:   # one full sequence, the others cut anywhere
+        lengths[1:] = np.random.default_rng(b * t + d).integers(1, t + 1, size=b - 1)
+    lens = jnp.asarray(lengths, jnp.int32)
+    q, k, v = _gpu_case(b + t + d, lens, (b, t, hq, d), (b, t, hkv, d), dtype)
+    out, lse = jax.jit(lambda q, k, v, n: flash_attention_mgpu(
+        q, k, v, causal=causal, kv_lengths=n))(q, k, v, lens if ragged else None)
     assert out.dtype == dtype and lse.dtype == jnp.float32
-    lens_j = jnp.asarray(lens, jnp.int32)
-    ro, rl = _ref(q, k, v, lens_j, causal)
+    ro, rl = _gpu_reference(q, k, v, lens, causal)
     out32 = out.astype(jnp.float32)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
     rel = float(jnp.linalg.norm(out32 - ro) / jnp.linalg.norm(ro))
-    assert rel < (2e-2 if dtype == jnp.bfloat16 else 4e-3), rel
+    assert rel < tol, rel
     finite = jnp.isfinite(rl)
     assert bool(jnp.all(jnp.isneginf(lse) == ~finite))
     assert float(jnp.max(jnp.where(finite, jnp.abs(lse - rl), 0.0))) < 2e-2
     if not ragged:   # cuDNN's causal mask is top-left: the same only without lengths (Tq = Tk)
-        cud = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"))(q, k, v)
         rel_c = float(jnp.linalg.norm(out32 - cud.astype(jnp.float32)) / jnp.linalg.norm(ro))
-        assert rel_c < (2e-2 if dtype == jnp.bfloat16 else 4e-3), rel_c
+        assert rel_c < tol, rel_c
