@@ -338,26 +338,39 @@ def make_case(seed, *, b=3, tq=1, hq=4, hkv=2, d=16, g=0, p=20, s=9, dtype=jnp.f
 
 
 def oracle(args, kw, meta):
-    """reference.attention over the explicit per-sequence concatenation (built in numpy)."""
+    """reference.attention over the explicit per-sequence concatenation ``[prefix[:L0], suffix[:sl]]``
+    (zeros past each sequence's length), built and attended in float32 in one jitted program
+    on the default device."""
     q, pk, pv, sk, sv = args
     plen, s2p = meta
-    pk4 = np.asarray(pk, np.float32).reshape((-1,) + pk.shape[-3:])
-    pv4 = np.asarray(pv, np.float32).reshape((-1,) + pv.shape[-3:])
-    b, s = sk.shape[:2]
-    p = pk4.shape[1]
-    sl = np.asarray(kw["suffix_lengths"])
-    kc = np.random.default_rng(0).normal(size=(b, p + s) + pk4.shape[2:]).astype(np.float32)
-    vc = np.random.default_rng(1).normal(size=(b, p + s) + pk4.shape[2:]).astype(np.float32)
-    lens = np.zeros((b,), np.int32)
-    for i in range(b):
-        L0 = int(plen[s2p[i]])
-        kc[i, :L0] = pk4[s2p[i], :L0]
-        vc[i, :L0] = pv4[s2p[i], :L0]
-        kc[i, L0:L0 + sl[i]] = np.asarray(sk[i, :sl[i]], np.float32)
-        vc[i, L0:L0 + sl[i]] = np.asarray(sv[i, :sl[i]], np.float32)
-        lens[i] = L0 + sl[i]
-    return ref_attention_jit(q.astype(jnp.float32), jnp.asarray(kc), jnp.asarray(vc),
-                          jnp.asarray(lens))
+    p = pk.shape[-3]
+    pk4, pv4 = (jnp.reshape(x, (-1,) + x.shape[-3:]) for x in (pk, pv))
+    return concat_oracle_jit(q, pk4, pv4, sk, sv, jnp.asarray(kw["suffix_lengths"], jnp.int32),
+                             jnp.asarray(np.minimum(plen, p), jnp.int32),
+                             jnp.asarray(s2p, jnp.int32))
+
+
+@jax.jit
+def concat_oracle_jit(q, pk4, pv4, sk, sv, sl, plen, s2p):
+    """``q [B, Tq, Hq, D]``, prefixes ``[G, P, Hkv, D]``, suffixes ``[B, S, Hkv, D]``: each
+    sequence's keys ``[pk4[s2p][:plen[s2p]], sk[:sl]]`` padded with zeros to ``P + S``."""
+    p, s = pk4.shape[1], sk.shape[1]
+    l0 = plen[s2p]                                          # [B]
+    j = jnp.arange(p + s)[None, :]                          # [1, P + S]
+    si = j - l0[:, None]
+    keep = lambda m: m[:, :, None, None]  # noqa: E731
+
+    def concat(pre, suf):
+        out = jnp.zeros((sk.shape[0], p + s) + suf.shape[2:], suf.dtype)
+        if p:
+            rows = pre[s2p[:, None], jnp.broadcast_to(jnp.clip(j, 0, p - 1), si.shape)]
+            out = jnp.where(keep(j < l0[:, None]), rows, out)
+        if s:
+            rows = jnp.take_along_axis(suf, jnp.clip(si, 0, s - 1)[:, :, None, None], axis=1)
+            out = jnp.where(keep((si >= 0) & (si < sl[:, None])), rows, out)
+        return out.astype(jnp.float32)
+    return reference.attention(q.astype(jnp.float32), concat(pk4, sk), concat(pv4, sv),
+                               causal=True, kv_lengths=l0 + sl)
 
 
 @jax.jit
@@ -383,12 +396,14 @@ def rows_oracle(q_hmd, sources, scale):
     hkv, m, d = q.shape
     o = np.zeros((hkv, m, d))
     lse = np.full((hkv, m), -np.inf)
+    sources = [(np.asarray(k, np.float64), np.asarray(v, np.float64), idx, lim)
+               for k, v, idx, lim in sources]
     for h in range(hkv):
         for r in range(m):
             ks, vs = [], []
             for k, v, idx, lim in sources:
-                ks.append(np.asarray(k, np.float64)[idx[r], :lim[r], h])
-                vs.append(np.asarray(v, np.float64)[idx[r], :lim[r], h])
+                ks.append(k[idx[r], :lim[r], h])
+                vs.append(v[idx[r], :lim[r], h])
             kk, vv = np.concatenate(ks), np.concatenate(vs)
             if len(kk) == 0:
                 continue
