@@ -312,3 +312,25 @@ def test_init_params_runs_forward_and_decode():
     params = init_params(config, seed=0, dtype=jnp.float32)
     out = greedy_generate(Deepseek(config), params, [3, 4, 5], [[6], [7, 8]], 2)
     assert len(out) == 2 and all(len(o) == 2 and all(0 <= t < 50 for t in o) for o in out)
+
+
+def test_bfloat16_weights_prefill_and_decode(tmp_path):
+    """bfloat16 weights and latent caches.  Every expert is routed (K = E), so that bfloat16
+    rounding cannot flip a routing decision (a flip moves logits far more than rounding does)."""
+    hf = _hf_model("DeepseekV3", dict(CASES["v3"][1], n_routed_experts=4, num_experts_per_tok=4,
+                                      n_group=2, topk_group=2), seed=9)
+    hf.save_pretrained(tmp_path)
+    config, params = load_hf_checkpoint(tmp_path, jnp.bfloat16)
+    assert params["layers"][1]["experts_gate"].dtype == jnp.bfloat16
+    model = Deepseek(config)
+    tokens = np.random.default_rng(8).integers(0, V, (1, 9))
+    got = model.forward(params, tokens)
+    with torch.no_grad():
+        want = hf.to(torch.bfloat16)(torch.tensor(tokens)).logits.float().numpy()
+    assert got.dtype == jnp.float32 and _rel(got, want) < 5e-2
+    prefix = model.prefill_prefix_jit(params, tokens[:, :8])
+    assert prefix.latent[0].dtype == jnp.bfloat16
+    cache = init_latent_cache(config, prefix, np.zeros(2, np.int32), capacity=2)
+    logits, cache = model.decode_step_jit(params, cache, np.array([tokens[0, 8]] * 2, np.int32))
+    assert cache.latent[2].dtype == jnp.bfloat16
+    assert _rel(logits[0], got[0, 8]) < 5e-2 and _rel(logits[1], got[0, 8]) < 5e-2
