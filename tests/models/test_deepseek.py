@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -302,16 +303,32 @@ def test_latent_cache_of_wrong_rank_is_reported(checkpoints):
         model.decode_step(params, cache, np.array([1, 2]))
 
 
-def test_init_params_runs_forward_and_decode():
+def test_init_params_decode_and_gradients():
+    """Random weights of a V2-Lite-shaped toy: greedy decoding runs, and the gradient of the
+    forward (MLA, ragged_dot experts, routing) matches a central finite difference."""
     config = DeepseekConfig.from_hf_config(dict(V2_LITE, hidden_size=32, intermediate_size=24,
                                                 kv_lora_rank=8, moe_intermediate_size=8, n_routed_experts=4,
                                                 num_experts_per_tok=2, num_hidden_layers=2,
                                                 num_attention_heads=2, qk_nope_head_dim=4,
                                                 qk_rope_head_dim=4, v_head_dim=4, vocab_size=50,
                                                 eos_token_id=1, bos_token_id=0))
-    params = init_params(config, seed=0, dtype=jnp.float32)
-    out = greedy_generate(Deepseek(config), params, [3, 4, 5], [[6], [7, 8]], 2)
+    params = init_params(config, seed=0, dtype=jnp.float32, std=0.2)
+    model = Deepseek(config)
+    out = greedy_generate(model, params, [3, 4, 5], [[6], [7, 8]], 2)
     assert len(out) == 2 and all(len(o) == 2 and all(0 <= t < 50 for t in o) for o in out)
+    tokens = np.array([[3, 9, 4, 1, 7]])
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((1, 5, 50)), jnp.float32)
+    loss = jax.jit(lambda p: jnp.sum(model.forward(p, tokens) * w))
+    grads = jax.grad(loss)(params)
+    assert float(jnp.abs(grads["layers"][1]["experts_gate"]).max()) > 0
+    assert float(jnp.abs(grads["layers"][1]["router"]).max()) > 0
+    rng = np.random.default_rng(1)
+    d = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+    eps = 1e-3
+    shifted = lambda sgn: jax.tree_util.tree_map(lambda x, v: x + sgn * eps * v, params, d)  # noqa: E731
+    fd = (loss(shifted(1)) - loss(shifted(-1))) / (2 * eps)
+    lin = sum(jnp.sum(g * v) for g, v in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(d)))
+    np.testing.assert_allclose(fd, lin, rtol=2e-2)
 
 
 def test_bfloat16_weights_prefill_and_decode(tmp_path):
