@@ -74,8 +74,10 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Shared memory one CTA may use on a Hopper SM (sm_90: 227 KiB of the 228).
 SMEM_LIMIT = 227 * 1024
-# Bytes reserved for barriers and the layout's alignment padding.
-_SMEM_SLACK = 1024
+# Shared-memory buffers start on 1 KiB boundaries (128-byte swizzle); barriers and the nested
+# allocation scopes take about 2 KiB more.
+_SMEM_ALIGN = 1024
+_SMEM_SLACK = 2304
 
 
 def default_block_kv(head_dim: int) -> int:
@@ -86,15 +88,15 @@ def default_block_kv(head_dim: int) -> int:
 
 def smem_bytes(head_dim: int, dtype, *, block_q: int, block_kv: int, num_stages: int,
                interpret: bool = False) -> int:
-    """Shared memory of one CTA: two warpgroups' query/output tiles ``[block_q, D]`` and LSE
-    rows, ``num_stages`` K and V tiles ``[block_kv, D]``, barriers (and in interpret mode the
-    staged ``P`` tiles)."""
+    """Bytes of shared memory of one CTA (an upper estimate): two warpgroups' query/output
+    tiles ``[block_q, D]`` and LSE rows, ``num_stages`` K and V tiles ``[block_kv, D]`` (and in
+    interpret mode the staged ``P`` tiles), each aligned, and the barriers."""
     item = jnp.dtype(dtype).itemsize
-    total = 2 * block_q * head_dim * item + 2 * block_q * 4
-    total += 2 * num_stages * block_kv * head_dim * item
+    buffers = [2 * block_q * head_dim * item, 2 * block_q * 4]
+    buffers += [num_stages * block_kv * head_dim * item] * 2
     if interpret:
-        total += 2 * block_q * block_kv * item
-    return total + _SMEM_SLACK
+        buffers.append(2 * block_q * block_kv * item)
+    return sum(cdiv(x, _SMEM_ALIGN) * _SMEM_ALIGN for x in buffers) + _SMEM_SLACK
 
 
 def supported(q_shape, k_shape, dtype) -> str | None:

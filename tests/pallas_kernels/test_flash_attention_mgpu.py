@@ -111,6 +111,11 @@ def test_supported_and_argument_checks():
     assert default_block_kv(256) == 64 and default_block_kv(128) == 128
     for d in (64, 128, 256):
         assert smem_bytes(d, bf, block_q=64, block_kv=default_block_kv(d), num_stages=2) <= SMEM_LIMIT
+    # at head_dim 128 a third stage of 128-key tiles, or two of 192 keys, exceed it (by about
+    # 100 bytes in Mosaic GPU's own count, alignment and barriers included)
+    assert smem_bytes(128, bf, block_q=64, block_kv=128, num_stages=3) > SMEM_LIMIT
+    assert smem_bytes(128, bf, block_q=64, block_kv=192, num_stages=2) > SMEM_LIMIT
+    assert smem_bytes(64, bf, block_q=64, block_kv=256, num_stages=3) <= SMEM_LIMIT
 
 
 # ---------------------------------------------------------------------------- CUDA lowering
