@@ -22,6 +22,12 @@ def _cpu_xla_flags() -> str:
 
 if _ON_CPU and "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = _cpu_xla_flags()
+if not _ON_CPU and os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several test processes share one GPU: each allocates what a test needs and frees it when
+    # the test's arrays die, instead of reserving most of the GPU (the default) or keeping
+    # every block it ever used in its own pool (``PREALLOCATE=false`` alone).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
