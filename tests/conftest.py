@@ -28,6 +28,12 @@ if not _ON_CPU and os.environ.get("PYTEST_XDIST_WORKER"):
     # every block it ever used in its own pool (``PREALLOCATE=false`` alone).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+if not _ON_CPU and "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+    # XLA's GEMM autotuner compiles and times candidate kernels for every dot fusion of every
+    # program; the GPU tests compile hundreds of distinct programs (references are plain XLA
+    # dots) and run each a few times, so they take XLA's default kernels.  Pallas kernels are
+    # not autotuned either way.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
