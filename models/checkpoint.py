@@ -20,6 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import LlamaConfig
+from models.deepseek.config import DeepseekConfig
+from models.deepseek.weights import hf_param_shapes as deepseek_param_shapes
+from models.deepseek.weights import load_hf_checkpoint as load_deepseek_checkpoint
+from models.families import family_of_hf_config
 from models.gguf import CheckpointError, default_gguf_path, load_gguf, open_gguf
 from models.tokenizer import Tokenizer
 from models.weights import hf_param_shapes, load_hf_checkpoint, params_from_hf_state_dict
@@ -57,9 +61,11 @@ def resolve_dtype(dtype) -> Any:
 
 
 def load_checkpoint(path: str | os.PathLike | None, dtype=None, *,
-                    mesh: jax.sharding.Mesh | None = None) -> tuple[LlamaConfig, dict, Tokenizer, dict]:
+                    mesh: jax.sharding.Mesh | None = None) -> tuple[LlamaConfig | DeepseekConfig, dict, Tokenizer,
+                                                                     dict]:
     """``(config, params, tokenizer, info)`` of a GGUF file, a Hugging Face directory or (``None``)
-    the built-in model.  A directory is checked for missing files first
+    the built-in model.  A directory's family (Llama or DeepSeek-V2/V3) is picked from its
+    ``config.json`` (:func:`models.families.family_of_hf_config`); GGUF files are Llama models.  A directory is checked for missing files first
     (:func:`missing_model_file`), then read cheapest first: config, tokenizer, weights.  Every
     problem with the files raises :class:`~models.gguf.CheckpointError` (one line).  ``mesh``: the
     parameters are padded and placed block by block into their shards on that
@@ -75,9 +81,18 @@ def load_checkpoint(path: str | os.PathLike | None, dtype=None, *,
             missing = missing_model_file(path)
             if missing is not None:
                 raise CheckpointError(f"model directory {path} has no {missing}")
-            LlamaConfig.from_hf_config(path)  # first: an unsupported config is the error to report
+            with open(os.path.join(path, "config.json")) as fh:
+                family = family_of_hf_config(json.load(fh))
+            # first: an unsupported config is the error to report
+            (DeepseekConfig if family == "deepseek" else LlamaConfig).from_hf_config(path)
+            if family == "deepseek" and mesh is not None:
+                raise NotImplementedError("tensor_parallel / data_parallel / mesh: implemented for the llama "
+                                          "family only, not for the deepseek family")
             tokenizer = Tokenizer.from_hf_dir(path)
-            config, params = load_hf_checkpoint(path, dt, mesh=mesh)
+            if family == "deepseek":
+                config, params = load_deepseek_checkpoint(path, dt)
+            else:
+                config, params = load_hf_checkpoint(path, dt, mesh=mesh)
             weights = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")]
             name, fmt = os.path.basename(os.path.abspath(path)), "hf"
         else:
@@ -98,10 +113,11 @@ def load_checkpoint(path: str | os.PathLike | None, dtype=None, *,
         raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {e}") from None
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")
+    shapes = deepseek_param_shapes if isinstance(config, DeepseekConfig) else hf_param_shapes
     cfg_json = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
     info = {"path": os.path.abspath(path), "format": fmt, "name": str(name),
             "bytes": int(sum(os.path.getsize(w) for w in weights)),
             "config_sha256": hashlib.sha256(cfg_json.encode()).hexdigest(),
-            "num_parameters": int(sum(int(np.prod(s)) for s in hf_param_shapes(config).values())),
+            "num_parameters": int(sum(int(np.prod(s)) for s in shapes(config).values())),
             "dtype": jnp.dtype(dt).name}
     return config, params, tokenizer, info

@@ -34,6 +34,12 @@ arrays, the cache capacity and the loop's output width up with
 :func:`~models.prefix_sharing.bucket_length`, so calls with other prompt lengths or
 ``max_new_tokens`` reuse the compiled functions.
 
+``model``: any :class:`~models.decoder.Decoder` (:class:`~models.llama.Llama`,
+:class:`~models.deepseek.Deepseek`); the loop runs through its interface (prefill of the prompt
+batch, decode step, cache split into kept and donated parts, sampler).  ``prefix_cache``,
+``mesh`` and :func:`generate_from_cache` are implemented for the llama family (another family
+raises ``NotImplementedError`` naming the feature).
+
 ``mesh`` (:func:`generate`, :func:`generate_stream`, :func:`prefill_prefix_cache`): a ``("data", "model")`` mesh from
 :func:`models.sharding.make_mesh` runs the model tensor parallel over ``model`` and data parallel
 over ``data`` (:class:`~models.sharded_llama.ShardedLlama`); parameters are placed with
@@ -45,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +60,8 @@ import numpy as np
 from models import kv_cache as kvc
 from models.kv_cache import KVCache, PrefixCache
 from models.layer_layout import LAYOUTS, match_prefix_layout, resolve_layout
-from models.llama import Llama
+from models.decoder import Decoder, require_family
+from models.llama import Llama, prefill_levels
 from models.prefix_sharing import PromptBatch, bucket_length
 from models.sampling import GREEDY, SamplingConfig
 from models.sharded_llama import ShardedLlama
@@ -82,7 +89,7 @@ def resolve_attention(prompts: PromptBatch, attention: str | None = "auto", *, d
 class GenerateOutput:
     tokens: np.ndarray      # int32 [B, max_new_tokens]; pad_token_id after a sequence finished
     lengths: np.ndarray     # int32 [B] generated tokens per sequence (EOS included)
-    cache: KVCache          # final cache (prompt + generated tokens except the last one)
+    cache: Any              # final cache of the model's family (prompt + generated tokens but the last)
     logprobs: np.ndarray | None = None  # float32 [B, max_new_tokens] raw log-probs (0 after the end)
     top_ids: np.ndarray | None = None   # int32 [B, max_new_tokens, k] the k most probable ids (top_logprobs=k)
     top_logprobs: np.ndarray | None = None  # float32 [B, max_new_tokens, k] their raw log-probs
@@ -92,6 +99,7 @@ def _on_mesh(model, params: dict, mesh, prompts: PromptBatch):
     """``(model, params)`` to run: a :class:`ShardedLlama` and placed parameters with a mesh."""
     if mesh is None:
         return model, params
+    require_family(model, "mesh (tensor- and data-parallel decoding)")
     model = model if isinstance(model, ShardedLlama) else ShardedLlama(model, mesh)
     if model.mesh != mesh:
         raise ValueError("model is a ShardedLlama on another mesh than mesh=")
@@ -112,16 +120,11 @@ def prefill_prefix_cache(model: Llama, params: dict, prompts: PromptBatch, *, la
     :func:`generate` runs with the other.  ``shape_buckets``: node arrays padded to
     :func:`~models.prefix_sharing.bucket_length` (see module docstring).  ``mesh``: see the
     module docstring (pass the same mesh to :func:`generate`)."""
+    require_family(model, "prefill_prefix_cache (a reusable prefix cache)")
     model, params = _on_mesh(model, params, mesh, prompts)
     prompts.validate(model.config.vocab_size)
     params = resolve_layout(model, params, layout)
-    if not prompts.levels:
-        return kvc.empty_prefix_cache(model.config, params["embed"].dtype, stacked=kvc.is_stacked(params["layers"]))
-    toks, lens = prompts.level_arrays(buckets=shape_buckets)
-    prefix = model.prefill_prefixes_jit(params, toks, lens)
-    if model.shared_impl == "tree":  # tree metadata needs host node lengths
-        prefix = prefix.replace(tree_nodes=tuple(tuple(len(n) for n in lv) for lv in prompts.levels))
-    return prefix
+    return prefill_levels(model, params, prompts, shape_buckets=shape_buckets)
 
 
 def _check_prefix_cache(prefix: PrefixCache, prompts: PromptBatch, repeats: tuple[int, ...]) -> None:
@@ -138,15 +141,15 @@ def _check_prefix_cache(prefix: PrefixCache, prompts: PromptBatch, repeats: tupl
                              f"{want.tolist()}")
 
 
-@functools.partial(jax.jit, static_argnames=("model", "attention", "width", "eos_ids", "pad_id", "top_k"),
-                   donate_argnames=("layers",))
-def _decode_loop(model: Llama, params, prefix: PrefixCache, layers, lengths_b, pos_offset_b, logits_bv, keys_b,
-                 limit, seen_bv, sampling: SamplingConfig, *, attention: str, width: int, eos_ids: tuple, pad_id: int,
-                 top_k: int):
-    # The suffix buffers are donated; the prefix cache is not (it may be reused by other batches).
-    # ``limit`` (dynamic) <= ``width`` (static) steps are taken.  ``sampling`` is a pytree: its
-    # mode is static, its values traced (one compilation for every value).
-    cache = KVCache(prefix=prefix, layers=layers, lengths=lengths_b, pos_offset=pos_offset_b, backend=attention)
+@functools.partial(jax.jit, static_argnames=("model", "width", "eos_ids", "pad_id", "top_k"),
+                   donate_argnames=("donated",))
+def _decode_loop(model: Decoder, params, kept, donated, logits_bv, keys_b, limit, seen_bv, sampling: SamplingConfig,
+                 *, width: int, eos_ids: tuple, pad_id: int, top_k: int):
+    # The cache's per-sequence buffers (``donated``, from ``model.split_cache``) are donated; the
+    # rest (``kept``: e.g. a prefix cache reused by other batches) is not.  ``limit`` (dynamic)
+    # <= ``width`` (static) steps are taken.  ``sampling`` is a pytree: its mode is static, its
+    # values traced (one compilation for every value).
+    cache = model.join_cache(kept, donated)
     pick = functools.partial(choose_tokens, model, keys_b=keys_b, seen=seen_bv, cfg=sampling, pad_id=pad_id, top_k=top_k)
     b = logits_bv.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
@@ -210,35 +213,34 @@ def _setup(model, params, prompts, max_new_tokens, attention, capacity, prefix_c
         raise TypeError(f"prompts must be a PromptBatch, got {type(prompts).__name__}")
     model, params = _on_mesh(model, params, mesh, prompts)
     attention = resolve_attention(prompts, attention)
-    need = prompts.validate(model.config.vocab_size, max_new_tokens=max_new_tokens, capacity=capacity,
+    need = prompts.validate(model.facts.vocab_size, max_new_tokens=max_new_tokens, capacity=capacity,
                             attention=attention)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if capacity is None:
         capacity = bucket_length(need, minimum=64) if shape_buckets else need
     params = resolve_layout(model, params, layout)
-    if prefix_cache is None:
-        prefix_cache = prefill_prefix_cache(model, params, prompts, layout=layout, shape_buckets=shape_buckets)
-    else:
+    if prefix_cache is not None:
+        require_family(model, "prefix_cache (a reusable prefix cache)")
         _check_prefix_cache(prefix_cache, prompts, _level_repeats(model, prompts))
         prefix_cache = match_prefix_layout(prefix_cache, params)
     eos, pad = _stop_and_pad_ids(model, eos_token_ids, pad_token_id)
-    toks, n = prompts.suffix_arrays(buckets=shape_buckets)
-    logits, cache = model.prefill_jit(params, prefix_cache, toks, n, capacity=capacity, backend=attention)
+    logits, cache = model.prefill_prompts(params, prompts, prefix_cache, capacity=capacity, attention=attention,
+                                          shape_buckets=shape_buckets)
     return model, params, logits, cache, eos, pad
 
 
 def _stop_and_pad_ids(model, eos_token_ids, pad_token_id) -> tuple[tuple, int]:
     """``(eos ids, pad id)``: the given ones, else the config's (pad: else the first EOS id, else 0)."""
-    eos = model.config.eos_token_ids if eos_token_ids is None else tuple(int(e) for e in eos_token_ids)
+    eos = model.facts.eos_token_ids if eos_token_ids is None else tuple(int(e) for e in eos_token_ids)
     if pad_token_id is None:
-        pad_token_id = model.config.pad_token_id
+        pad_token_id = model.facts.pad_token_id
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
     return eos, int(pad_token_id)
 
 
-def _run_decode(model, params, cache: KVCache, logits, *, max_new_tokens: int, sampling: SamplingConfig, key, keys,
+def _run_decode(model: Decoder, params, cache, logits, *, max_new_tokens: int, sampling: SamplingConfig, key, keys,
                 eos: tuple, pad: int, shape_buckets: bool, seen, top_k: int,
                 on_start: Callable[[], None] | None = None) -> GenerateOutput:
     """The jitted decode loop from a prefilled ``cache`` and its last-token ``logits [B, V]``.
@@ -246,11 +248,11 @@ def _run_decode(model, params, cache: KVCache, logits, *, max_new_tokens: int, s
     The loop is dispatched without waiting for ``logits``: it is traced and compiled while the
     prefill that computes them runs on the device.  ``on_start`` is then called once ``logits``
     are ready, i.e. when the loop can start on the device."""
-    seq_keys = _sequence_keys(key, keys, cache.batch)
+    seq_keys = _sequence_keys(key, keys, logits.shape[0])
     width = bucket_length(max_new_tokens) if shape_buckets else max_new_tokens
-    out, lps, tops, lengths, cache = _decode_loop(model, params, cache.prefix, cache.layers, cache.lengths,
-                                                  cache.pos_offset, logits, seq_keys, jnp.int32(max_new_tokens),
-                                                  seen, sampling, attention=cache.backend, width=width,
+    kept, donated = model.split_cache(cache)
+    out, lps, tops, lengths, cache = _decode_loop(model, params, kept, donated, logits, seq_keys,
+                                                  jnp.int32(max_new_tokens), seen, sampling, width=width,
                                                   eos_ids=eos, pad_id=pad, top_k=top_k)
     if on_start is not None:
         jax.block_until_ready(logits)
@@ -260,7 +262,7 @@ def _run_decode(model, params, cache: KVCache, logits, *, max_new_tokens: int, s
                           logprobs=np.asarray(lps)[:, :max_new_tokens], top_ids=top_ids, top_logprobs=top_lps)
 
 
-def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens: int, attention: str | None = None,
+def generate(model: Decoder, params: dict, prompts: PromptBatch, *, max_new_tokens: int, attention: str | None = None,
              sampling: SamplingConfig = GREEDY, key: jax.Array | None = None, keys: jax.Array | None = None,
              capacity: int | None = None, prefix_cache: PrefixCache | None = None,
              eos_token_ids: Sequence[int] | None = None, pad_token_id: int | None = None, layout: str = "auto",
@@ -285,7 +287,7 @@ def generate(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens
     model, params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
                                                     prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets,
                                                     mesh)
-    seen = prompt_seen(sampling, prompts, prompts.batch, model.config.vocab_size)
+    seen = prompt_seen(sampling, prompts, prompts.batch, model.facts.vocab_size)
     return _run_decode(model, params, cache, logits, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                        keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets, seen=seen, top_k=top_k,
                        on_start=on_prefill)
@@ -307,6 +309,7 @@ def generate_from_cache(model: Llama, params: dict, cache: KVCache, logits_bv: j
     :func:`generate`; ``prompt_token_ids`` (one sequence of ids per row) is needed by a
     repetition penalty only.
     """
+    require_family(model, "generate_from_cache")
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: received {type(cache).__name__}, expected KVCache")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -326,7 +329,7 @@ def generate_from_cache(model: Llama, params: dict, cache: KVCache, logits_bv: j
                        keys=keys, eos=eos, pad=pad, shape_buckets=shape_buckets, seen=seen, top_k=top_k)
 
 
-def generate_stream(model: Llama, params: dict, prompts: PromptBatch, *, max_new_tokens: int,
+def generate_stream(model: Decoder, params: dict, prompts: PromptBatch, *, max_new_tokens: int,
                     attention: str | None = None, sampling: SamplingConfig = GREEDY, key: jax.Array | None = None,
                     keys: jax.Array | None = None, capacity: int | None = None,
                     prefix_cache: PrefixCache | None = None, eos_token_ids: Sequence[int] | None = None,
@@ -344,7 +347,7 @@ def generate_stream(model: Llama, params: dict, prompts: PromptBatch, *, max_new
     model, params, logits, cache, eos, pad = _setup(model, params, prompts, max_new_tokens, attention, capacity,
                                                     prefix_cache, eos_token_ids, pad_token_id, layout, shape_buckets,
                                                     mesh)
-    seen = prompt_seen(sampling, prompts, prompts.batch, model.config.vocab_size)
+    seen = prompt_seen(sampling, prompts, prompts.batch, model.facts.vocab_size)
     seq_keys = _sequence_keys(key, keys, prompts.batch)
     values = jax.tree_util.tree_map(jnp.asarray, sampling)   # on the device once, not at every step
     sample = functools.partial(_sample_step, keys_b=seq_keys, seen_bv=seen, cfg=values, model=model, eos_ids=eos,

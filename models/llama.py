@@ -15,6 +15,10 @@ all of them work inside user code under ``jax.jit``:
   -- one token per sequence; rows with ``active = False`` write nothing and do not advance.
 * :meth:`Llama.layer_forward(lp, x, pos, attend)` -- one layer without a cache, attention
   supplied by the caller (the training and scoring paths of :mod:`models.logprobs`).
+* the :class:`~models.decoder.Decoder` interface the engine runs: ``facts``,
+  :meth:`Llama.prefill_prompts` (a prompt batch's levels through :func:`prefill_levels`, then
+  :meth:`Llama.prefill`), ``split_cache`` / ``join_cache`` (the prefix kept, the suffix buffers
+  donated), ``sample_tokens`` / ``token_logprobs``.
 
 All three cache-writing paths share :meth:`Llama.extend`: embed the new tokens at positions
 ``pos_offset + lengths + (0..n-1)`` (or at explicit ``positions_bt``, as the prompt cache's
@@ -41,7 +45,9 @@ from models import kv_cache as kvc
 from models.attention import cache_attention
 from models.config import LlamaConfig
 from models.kv_cache import KVCache, PrefixCache
+from models.decoder import DecoderFacts
 from models.layers import apply_rope, dense, embed, lm_head, rms_norm, rope_inv_freq, swiglu_mlp
+from models.sampling import sample_tokens, token_logprobs
 from models.vocab_parallel import embed_lookup
 from models.weights import stack_layers, unstack_layers
 
@@ -51,7 +57,7 @@ from models.weights import stack_layers, unstack_layers
 # (``pallas_kernels.prefix_attention_mgpu.mgpu_supported``).  At most 127 extra rows per node.
 PREFIX_ALIGN = 128
 
-__all__ = ["Llama"]
+__all__ = ["Llama", "llama_facts", "prefill_levels"]
 
 
 def _run_layers(body, x, params_layers, *caches):
@@ -63,6 +69,27 @@ def _run_layers(body, x, params_layers, *caches):
         x, out = body(x, lp, *(c[i] for c in caches))
         outs.append(out)
     return x, outs
+
+
+def llama_facts(config: LlamaConfig) -> DecoderFacts:
+    """The :class:`~models.decoder.DecoderFacts` of a Llama ``config``."""
+    return DecoderFacts(family="llama", vocab_size=config.vocab_size, eos_token_ids=config.eos_token_ids,
+                        pad_token_id=config.pad_token_id, max_position_embeddings=config.max_position_embeddings,
+                        cache_values_per_token=2 * config.num_hidden_layers * config.num_key_value_heads
+                        * config.head_dim)
+
+
+def prefill_levels(model, params: dict, prompts, *, shape_buckets: bool) -> PrefixCache:
+    """The :class:`PrefixCache` of ``prompts.levels`` (a :class:`~models.prefix_sharing.PromptBatch`),
+    each node prefilled once by ``model`` (a :class:`Llama` or a
+    :class:`~models.sharded_llama.ShardedLlama`); no level: an empty prefix cache."""
+    if not prompts.levels:
+        return kvc.empty_prefix_cache(model.config, params["embed"].dtype, stacked=kvc.is_stacked(params["layers"]))
+    toks, lens = prompts.level_arrays(buckets=shape_buckets)
+    prefix = model.prefill_prefixes_jit(params, toks, lens)
+    if model.shared_impl == "tree":  # tree metadata needs host node lengths
+        prefix = prefix.replace(tree_nodes=tuple(tuple(len(n) for n in lv) for lv in prompts.levels))
+    return prefix
 
 
 class Llama:
@@ -114,6 +141,39 @@ class Llama:
                     backend: str = "shared") -> tuple[jax.Array, KVCache]:
         """Jitted :meth:`prefill` (``capacity`` and ``backend`` static)."""
         return self._prefill(params, prefix, tokens_bt, n_tokens_b, capacity=capacity, backend=backend)
+
+    # ------------------------------------------------------------------ the decoder interface
+    @property
+    def facts(self) -> DecoderFacts:
+        """:class:`~models.decoder.DecoderFacts` of the config."""
+        return llama_facts(self.config)
+
+    def prefill_prompts(self, params: dict, prompts, prefix: PrefixCache | None, *, capacity: int, attention: str,
+                        shape_buckets: bool) -> tuple[jax.Array, KVCache]:
+        """A :class:`~models.prefix_sharing.PromptBatch` into a :class:`KVCache` with backend
+        ``attention``: its levels prefilled once (:func:`prefill_levels`) unless ``prefix`` holds
+        them, then the suffixes (:meth:`prefill`)."""
+        if prefix is None:
+            prefix = prefill_levels(self, params, prompts, shape_buckets=shape_buckets)
+        toks, n = prompts.suffix_arrays(buckets=shape_buckets)
+        return self.prefill_jit(params, prefix, toks, n, capacity=capacity, backend=attention)
+
+    def split_cache(self, cache: KVCache) -> tuple[KVCache, Any]:
+        """``(cache without its suffix buffers, the suffix buffers)``: the prefix cache may be
+        shared with other batches, the buffers are updated in place."""
+        return cache.replace(layers=None), cache.layers
+
+    def join_cache(self, kept: KVCache, donated: Any) -> KVCache:
+        """The inverse of :meth:`split_cache`."""
+        return kept.replace(layers=donated)
+
+    def sample_tokens(self, logits_bv: jax.Array, keys_b: jax.Array, step, cfg) -> jax.Array:
+        """:func:`models.sampling.sample_tokens`."""
+        return sample_tokens(logits_bv, keys_b, step, cfg)
+
+    def token_logprobs(self, logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
+        """:func:`models.sampling.token_logprobs`."""
+        return token_logprobs(logits_bv, tokens_b)
 
     def params_in_layout(self, params: dict, *, stacked: bool) -> dict:
         """``params`` with its layers stacked (``lax.scan`` loop) or as a list (unrolled loop).

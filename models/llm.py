@@ -8,7 +8,13 @@ many prompts, sharing their common prefixes without being told.
     out.sharing                                        # what was stored once, bytes saved
 
 * :meth:`LLM.load` -- a GGUF file, a Hugging Face directory, or (no path) the built-in model;
-  ``tensor_parallel=`` / ``data_parallel=`` (or ``mesh=``) run it on several devices.
+  ``tensor_parallel=`` / ``data_parallel=`` (or ``mesh=``) run it on several devices.  A
+  directory's family is picked from its ``config.json`` (:mod:`models.families`): Llama, or
+  DeepSeek-V2/V3 (``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``), which ``generate``,
+  ``stream`` and ``events`` run with every sampling option through the same engine
+  (:class:`~models.decoder.Decoder`); ``prompt_logprobs``, several devices, the Prompt Cache,
+  ``completion_logprobs`` and GGUF files are Llama-only (``NotImplementedError`` naming the
+  feature and the family).
 * :meth:`LLM.generate` -- a list (one per prompt) of lists (one per sample) of
   :class:`~models.completion.Completion`; the list is a :class:`~models.completion.Generation`
   with ``.sharing`` (:class:`~models.prefix_sharing.SharingReport`) and ``.timings``
@@ -81,7 +87,6 @@ Semantics:
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 from typing import Iterator, Sequence
@@ -93,8 +98,10 @@ from models.compile_watch import CompileWatch
 from models.completion import (Completion, DoneEvent, FinishEvent, Generation, PhaseEvent, StepEvent, Timings,
                                TokenEvent)
 from models.config import LlamaConfig
+from models.decoder import Decoder, require_family
+from models.deepseek.config import DeepseekConfig
+from models.families import decoder_for
 from models.generate import ATTENTION, generate, generate_stream
-from models.llama import Llama
 from models.prompt_logprobs import prompt_logprobs
 from models.request import Request, check_prompt_text, is_messages, is_token_ids, plan_request, prompt_list
 from models.sample_text import SampleText
@@ -108,11 +115,11 @@ __all__ = ["DEFAULT_MAX_NEW_TOKENS", "DTYPES", "Completion", "CompileWatch", "Do
            "missing_model_file", "model_for", "resolve_mesh"]
 
 
-@functools.lru_cache(maxsize=4)
-def model_for(config: LlamaConfig) -> Llama:
-    """The :class:`~models.llama.Llama` of ``config``, shared by every :class:`LLM` of that config
-    so that they reuse its compiled functions (a CLI run in the same process compiles nothing new)."""
-    return Llama(config)
+def model_for(config: LlamaConfig | DeepseekConfig) -> Decoder:
+    """The model of ``config`` (:func:`models.families.decoder_for`: a :class:`~models.llama.Llama`
+    or a :class:`~models.deepseek.Deepseek`), shared by every :class:`LLM` of that config so that
+    they reuse its compiled functions (a CLI run in the same process compiles nothing new)."""
+    return decoder_for(config)
 
 
 def resolve_mesh(tensor_parallel: int = 1, data_parallel: int = 1,
@@ -132,22 +139,25 @@ def resolve_mesh(tensor_parallel: int = 1, data_parallel: int = 1,
 
 
 class LLM:
-    """A Llama model with its tokenizer and compiled functions (see module docstring).
+    """A model (Llama or DeepSeek-V2/V3) with its tokenizer and compiled functions (see module docstring).
 
     ``LLM(config, params, tokenizer, attention=..., info=..., mesh=...)`` wraps parameters you
     already have (with ``mesh``: placed on it unless they already are); :meth:`load` reads them.
-    Attributes: ``config``, ``params``, ``tokenizer``, ``model`` (:class:`~models.llama.Llama`,
-    holding the compiled functions), ``mesh`` (``None`` on one device), ``attention`` (default of
+    Attributes: ``config``, ``params``, ``tokenizer``, ``model`` (the family's
+    :class:`~models.decoder.Decoder`, :class:`~models.llama.Llama` or
+    :class:`~models.deepseek.Deepseek`, holding the compiled functions), ``mesh`` (``None`` on one device), ``attention`` (default of
     :meth:`generate`), ``eos_token_ids`` (the config's and the tokenizer's), ``info``.
     """
 
-    def __init__(self, config: LlamaConfig, params: dict, tokenizer: Tokenizer, *, attention: str = "auto",
-                 info: dict | None = None, mesh: jax.sharding.Mesh | None = None):
+    def __init__(self, config: LlamaConfig | DeepseekConfig, params: dict, tokenizer: Tokenizer, *,
+                 attention: str = "auto", info: dict | None = None, mesh: jax.sharding.Mesh | None = None):
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         self.config = config
         self.tokenizer = tokenizer
         self.model = model_for(config)
+        if mesh is not None:
+            require_family(self.model, "mesh / tensor_parallel / data_parallel")
         self.mesh = resolve_mesh(mesh=mesh) if mesh is not None else None
         # what generate / generate_stream run: the model itself, or the model on the mesh
         self._runner = self.model if self.mesh is None else ShardedLlama(self.model, self.mesh)
@@ -155,8 +165,7 @@ class LLM:
         self.attention = attention
         self.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.stop_token_ids)))
         self.info = dict(info or {})
-        layer = self.params["embed"].dtype.itemsize * config.num_key_value_heads * config.head_dim
-        self.kv_bytes_per_token = 2 * config.num_hidden_layers * layer
+        self.kv_bytes_per_token = self.model.facts.cache_bytes_per_token(self.params["embed"].dtype)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, *, dtype=None, attention: str = "auto",
@@ -220,6 +229,8 @@ class LLM:
 
     def _prepare(self, prompts, sampling, options, *, chat, shared_prompt, attention) -> Request:
         params = resolve_seed(resolve_params(sampling, options))
+        if params.prompt_logprobs is not False and params.prompt_logprobs is not None:
+            require_family(self.model, "prompt_logprobs")
         if params.prompt_logprobs is not False and params.prompt_logprobs is not None and self.tensor_parallel > 1:
             raise ValueError(f"prompt_logprobs: received {params.prompt_logprobs!r}, expected False with "
                              f"tensor_parallel={self.tensor_parallel} (the prompt's forward pass runs on the "
@@ -235,7 +246,8 @@ class LLM:
                 check_prompt_text(j, p if chat else (shared_prompt or "") + p)
         ids = [self.prompt_ids(p, chat=chat, shared_prompt=shared_prompt) for p in prompts]
         return plan_request(ids, params=params, attention=attention, explicit_share=bool(shared_prompt),
-                            vocab_size=self.config.vocab_size, context=self.config.max_position_embeddings,
+                            vocab_size=self.model.facts.vocab_size,
+                            context=self.model.facts.max_position_embeddings,
                             bytes_per_token=self.kv_bytes_per_token, data_parallel=self.data_parallel)
 
     # -- generation -------------------------------------------------------------------------

@@ -53,6 +53,7 @@ import numpy as np
 
 import jax_prefix_attn
 from models import kv_cache as kvc
+from models.decoder import require_family
 from models.layers import embed, rms_norm
 from models.llama import Llama
 
@@ -98,6 +99,7 @@ def _check_range(name: str, x, lo: int, hi: int, what: str) -> None:
 
 def _validate(model, params, prompt_tokens, prompt_lengths, completion_tokens, completion_lengths, impl,
               return_entropy, remat, logits_chunk, vocab_chunk, temperature):
+    require_family(model, "completion_logprobs")
     if not isinstance(model, Llama):
         raise TypeError(f"model must be a models.Llama, got {type(model).__name__}")
     if not isinstance(params, dict) or "embed" not in params or "layers" not in params:

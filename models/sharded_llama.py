@@ -32,7 +32,8 @@ from models import kv_cache as kvc
 from models import sharding
 from models import vocab_parallel
 from models.kv_cache import KVCache, PrefixCache
-from models.llama import Llama
+from models.decoder import DecoderFacts
+from models.llama import Llama, prefill_levels
 from models.sampling import SamplingConfig
 from models.sharding import DATA, MODEL
 
@@ -169,6 +170,28 @@ class ShardedLlama:
         logits, layers, lengths = _decode_step(self, params, cache.prefix, cache.layers, cache.lengths,
                                                cache.pos_offset, tokens_b, active_b, backend=cache.backend)
         return logits, cache.replace(layers=layers, lengths=lengths)
+
+    # ------------------------------------------------------------------ the decoder interface
+    @property
+    def facts(self) -> DecoderFacts:
+        """The whole model's :class:`~models.decoder.DecoderFacts`."""
+        return self.base.facts
+
+    def prefill_prompts(self, params: dict, prompts, prefix: PrefixCache | None, *, capacity: int, attention: str,
+                        shape_buckets: bool) -> tuple[jax.Array, KVCache]:
+        """As :meth:`models.llama.Llama.prefill_prompts`, on the mesh."""
+        if prefix is None:
+            prefix = prefill_levels(self, params, prompts, shape_buckets=shape_buckets)
+        toks, n = prompts.suffix_arrays(buckets=shape_buckets)
+        return self.prefill_jit(params, prefix, toks, n, capacity=capacity, backend=attention)
+
+    def split_cache(self, cache: KVCache) -> tuple[KVCache, object]:
+        """As :meth:`models.llama.Llama.split_cache`."""
+        return self.base.split_cache(cache)
+
+    def join_cache(self, kept: KVCache, donated) -> KVCache:
+        """As :meth:`models.llama.Llama.join_cache`."""
+        return self.base.join_cache(kept, donated)
 
     # ------------------------------------------------------------------ sampling
     def sample_tokens(self, logits_bv: jax.Array, keys_b: jax.Array, step, cfg: SamplingConfig) -> jax.Array:

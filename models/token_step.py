@@ -19,17 +19,9 @@ import numpy as np
 
 from models.penalties import add_tokens, apply_penalties, prompt_seen_mask
 from models.prefix_sharing import PromptBatch
-from models.sampling import SamplingConfig, sample_tokens, token_logprobs, top_logprobs
-from models.sharded_llama import ShardedLlama
+from models.sampling import SamplingConfig, top_logprobs
 
 __all__ = ["check_top_logprobs", "choose_tokens", "initial_counts", "prompt_seen"]
-
-
-def _samplers(model):
-    """``(sample_tokens, token_logprobs)`` for ``model``'s logits (split over the vocabulary on a mesh)."""
-    if isinstance(model, ShardedLlama):
-        return model.sample_tokens, model.token_logprobs
-    return sample_tokens, token_logprobs
 
 
 def choose_tokens(model, logits_bv, keys_b, step, done_b, counts, seen, *, cfg: SamplingConfig, pad_id: int,
@@ -39,7 +31,7 @@ def choose_tokens(model, logits_bv, keys_b, step, done_b, counts, seen, *, cfg: 
     distribution, or None (``top_k == 0``); ``counts``: the generated-token counts ``[B, V]``
     updated with this step's tokens, or None (no penalty: nothing is kept); ``seen``: the
     prompt-token mask of a repetition penalty (:func:`prompt_seen`), else None."""
-    sample, logprob = _samplers(model)
+    sample, logprob = model.sample_tokens, model.token_logprobs   # a sharded model samples from its shards
     x = logits_bv if counts is None else apply_penalties(logits_bv, counts, seen, cfg)
     tok = sample(x, keys_b, step, cfg)
     lp = jnp.where(done_b, 0.0, logprob(logits_bv, tok))

@@ -15,7 +15,13 @@ caches as :mod:`models.deepseek.cache`), so all of them run under ``jax.jit``:
   writes their latents into the suffix buffers, then attends over the shared latent prefix and
   the suffix in the absorbed form through :func:`jax_prefix_attn.mla_attention`
   (:func:`models.deepseek.attention.attend_absorbed`);
-* :meth:`Deepseek.decode_step(params, cache, tokens)` -- one token per sequence.
+* :meth:`Deepseek.decode_step(params, cache, tokens, active=None)` -- one token per sequence;
+  rows with ``active = False`` write nothing and do not advance;
+* the :class:`~models.decoder.Decoder` interface the engine runs: ``facts``,
+  :meth:`Deepseek.prefill_prompts` (a prompt batch into a latent cache,
+  :mod:`models.deepseek.batch`), ``split_cache`` / ``join_cache`` (the latent suffix buffers
+  donated to the decode loop), ``decode_step_jit``, ``sample_tokens`` / ``token_logprobs``,
+  ``params_in_layout`` (the list layout only: dense and MoE layers differ).
 
 Positions: prompt token ``i`` sits at ``i``; suffix entry ``j`` of a sequence at its prompt's
 length plus ``j``.
@@ -25,13 +31,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models.decoder import DecoderFacts
 from models.deepseek.attention import attend_absorbed, attend_expanded, mla_inputs
+from models.deepseek.batch import prefill_prompt_batch
 from models.deepseek.cache import LatentCache, LatentPrefix, check_latent_cache
 from models.deepseek.config import DeepseekConfig
 from models.deepseek.moe import moe_mlp
 from models.deepseek.rope import rope_cos_sin_factor, rope_inv_freq
 from models.kv_cache import write_suffix
 from models.layers import dense, embed, lm_head, rms_norm, swiglu_mlp
+from models.sampling import sample_tokens, token_logprobs
 
 __all__ = ["Deepseek"]
 
@@ -56,8 +65,68 @@ class Deepseek:
         self.inv_freq = rope_inv_freq(config)
         self.rope_factor = rope_cos_sin_factor(config)
         self.extend_jit = jax.jit(self.extend)
-        self.decode_step_jit = jax.jit(self.decode_step)
         self.prefill_prefix_jit = jax.jit(self.prefill_prefix)
+        self._step_split = jax.jit(self._decode_step_split, donate_argnames=("donated",))
+
+    def __hash__(self):
+        return hash((self.config, self.impl, self.interpret))
+
+    def __eq__(self, other):
+        return isinstance(other, Deepseek) and (self.config, self.impl, self.interpret) == (
+            other.config, other.impl, other.interpret)
+
+    # ------------------------------------------------------------------ the decoder interface
+    @property
+    def facts(self) -> DecoderFacts:
+        """:class:`~models.decoder.DecoderFacts` of the config (no pad id: the engine pads with
+        the first end-of-sequence id, else 0)."""
+        c = self.config
+        return DecoderFacts(family="deepseek", vocab_size=c.vocab_size, eos_token_ids=c.eos_token_ids,
+                            pad_token_id=None, max_position_embeddings=c.max_position_embeddings,
+                            cache_values_per_token=c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim))
+
+    def params_in_layout(self, params: dict, *, stacked: bool) -> dict:
+        """``params`` (a list of layers); ``ValueError`` for the stacked layout."""
+        if stacked:
+            raise ValueError("layout: received 'stacked', expected 'list' or 'auto' for the deepseek family "
+                             "(its dense and mixture-of-experts layers have different parameters)")
+        return params
+
+    def prefill_prompts(self, params: dict, prompts, prefix, *, capacity: int, attention: str,
+                        shape_buckets: bool) -> tuple[jax.Array, LatentCache]:
+        """A :class:`~models.prefix_sharing.PromptBatch` into a :class:`LatentCache`
+        (:func:`models.deepseek.batch.prefill_prompt_batch`); ``prefix`` must be None (no
+        reusable prefix cache for this family: ``NotImplementedError``)."""
+        if prefix is not None:
+            raise NotImplementedError("prefix_cache (a reusable prefix cache): implemented for the llama family "
+                                      "only, not for the deepseek family")
+        return prefill_prompt_batch(self, params, prompts, capacity=capacity, attention=attention,
+                                    shape_buckets=shape_buckets)
+
+    def split_cache(self, cache: LatentCache) -> tuple[LatentCache, tuple]:
+        """``(cache without its suffix buffers, (latent, rope_k) suffix buffers)``."""
+        return cache.replace(latent=None, rope_k=None), (cache.latent, cache.rope_k)
+
+    def join_cache(self, kept: LatentCache, donated: tuple) -> LatentCache:
+        """The inverse of :meth:`split_cache`."""
+        return kept.replace(latent=donated[0], rope_k=donated[1])
+
+    def decode_step_jit(self, params: dict, cache: LatentCache, tokens_b, active_b=None):
+        """Jitted :meth:`decode_step` that donates the suffix buffers (not the shared prompts)."""
+        active_b = jnp.ones(jnp.shape(tokens_b), bool) if active_b is None else active_b
+        kept, donated = self.split_cache(cache)
+        return self._step_split(params, kept, donated, tokens_b, active_b)
+
+    def _decode_step_split(self, params, kept, donated, tokens_b, active_b):
+        return self.decode_step(params, self.join_cache(kept, donated), tokens_b, active_b)
+
+    def sample_tokens(self, logits_bv: jax.Array, keys_b: jax.Array, step, cfg) -> jax.Array:
+        """:func:`models.sampling.sample_tokens`."""
+        return sample_tokens(logits_bv, keys_b, step, cfg)
+
+    def token_logprobs(self, logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
+        """:func:`models.sampling.token_logprobs`."""
+        return token_logprobs(logits_bv, tokens_b)
 
     # ------------------------------------------------------------------ layers
     def _layer(self, i: int, lp: dict, x_bth: jax.Array, pos_bt: jax.Array, attend):
@@ -138,7 +207,10 @@ class Deepseek:
         logits = lm_head(rms_norm(x[:, -1], params["final_norm"], c.rms_norm_eps), params)
         return logits, cache.replace(latent=tuple(latents), rope_k=tuple(rope_ks), lengths=new_lengths)
 
-    def decode_step(self, params: dict, cache: LatentCache, tokens_b: jax.Array) -> tuple[jax.Array, LatentCache]:
-        """Feed one token per sequence: ``(logits [B, V] float32, new cache)``."""
+    def decode_step(self, params: dict, cache: LatentCache, tokens_b: jax.Array,
+                    active_b: jax.Array | None = None) -> tuple[jax.Array, LatentCache]:
+        """Feed one token per sequence: ``(logits [B, V] float32, new cache)``.  Inactive rows
+        (``active_b`` False) neither write the cache nor advance (their logits are garbage)."""
         tokens_b = jnp.asarray(tokens_b, jnp.int32)
-        return self.extend(params, cache, tokens_b[:, None], jnp.ones_like(tokens_b))
+        n_new = jnp.ones_like(tokens_b) if active_b is None else jnp.asarray(active_b).astype(jnp.int32)
+        return self.extend(params, cache, tokens_b[:, None], n_new)

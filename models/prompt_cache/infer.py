@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import kv_cache as kvc
+from models.decoder import require_family
 from models.generate import generate_from_cache, resolve_layout
 from models.kv_cache import KVCache, PrefixCache
 from models.llama import PREFIX_ALIGN, Llama
@@ -199,6 +200,7 @@ def _gather(encoded: EncodedSchema, index: tuple, rows: Sequence[int]):
 
 # ------------------------------------------------------------------ shared by both paths
 def _check(model, params, encoded, prompts, n, max_new_tokens) -> list:
+    require_family(model, "Prompt Cache (cached_generate)")
     if not isinstance(model, Llama) or model.model_axis is not None:
         raise TypeError(f"model: received {type(model).__name__}, expected a one-device models.Llama")
     if not isinstance(encoded, EncodedSchema):

@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from models.config import LlamaConfig
+from models.decoder import require_family
 from models.llama import Llama
 from models.prompt_cache.disk import DiskTier
 from models.prompt_cache.encode import EncodedSchema, check_encoded, encode_schema
@@ -135,6 +136,7 @@ class PromptCache:
     def __init__(self, model: Llama, params: dict, tokenizer: TokenEncoder, *, directory: str | None = None,
                  budgets: CacheBudgets = CacheBudgets(), tokenizer_id: str | None = None,
                  placeholder_id: int | None = None, bos_id: int | None = None, pad_multiple: int = 8):
+        require_family(model, "Prompt Cache")
         if not isinstance(model, Llama):
             raise TypeError(f"model: received {type(model).__name__}, expected models.Llama")
         if not isinstance(budgets, CacheBudgets):
