@@ -25,13 +25,11 @@ token of K+V is ``kv = 2 * Hkv * D * e`` bytes.  Each kernel costs
   the plan's prefix splits; no per-key latency term: 128-key TMA tiles prefetched two ahead),
   the suffix kernel (the plan's suffix splits) and one XLA merge, in sequence.  The planner
   charges the one-launch, one-pass and role-split leaves as this two-launch leaf: an
-  overestimate by up to ~17-28% where they run, where flat is 1.6-12x slower, so no choice
+  overestimate where they run, where the flat family is several times slower, so no choice
   changes.
 
-The constants were fit to these kernels on an H200 (the grid of ``bench/shared_prefix.py``,
-B=16-1024, P=1K-16K, S=64-1K, Hq=8/Hkv=1 and Hq=32/Hkv=8); the model chooses within 5% of the
-better family at 177 of 188 measured pairs (H200 and H100), the misses points 1-4 us apart
-below 0.05 ms.  RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this
+The constants are fit to these kernels on an H200 (``docs/performance.md``, "Planner regions
+and tilings").  RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this
 comparison without the flops, parallelism and L2 terms.
 """
 from __future__ import annotations
@@ -46,8 +44,8 @@ __all__ = ["flat_seconds", "shared_seconds"]
 
 BW = 2.5e12          # bytes/s the decode kernels stream from DRAM
 L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kernel
-MMA = 3.0e14         # FLOP/s of the Triton-lowered prefix kernel's dots (205-322 measured)
-MMA_MGPU = 5.5e14    # FLOP/s of the Mosaic GPU prefix kernel (429-620 measured)
+MMA = 3.0e14         # FLOP/s of the Triton-lowered prefix kernel's dots
+MMA_MGPU = 5.5e14    # FLOP/s of the Mosaic GPU prefix kernel
 T_LAUNCH = 3.5e-6    # seconds per kernel launch / dependent stage (launch + ramp + tail)
 T_KEY = 3.0e-8       # seconds per key on one program's critical path (tile load latency)
 T_KEY_FLAT = 4.0e-8  # the same for the flat decode kernel

@@ -3,8 +3,8 @@
 Each leaf's region predicate (where it was measured to pay) and builder (its tiling and splits
 for one query chunk).  The device facts come from a :class:`DeviceInfo`: ``sm_count`` sizes the
 grids (two programs per SM fill the GPU: ``2 * sm_count``, 264 on an H100 SXM / H200),
-``smem_per_block`` bounds the Mosaic GPU kernels' pipelines.  Measured ratios quoted below are
-whole-path times against the leaf the region replaces, on an H200 unless named otherwise.
+``smem_per_block`` bounds the Mosaic GPU kernels' pipelines.  The measurements behind each
+region and tiling are in ``docs/performance.md`` ("Planner regions and tilings").
 """
 from __future__ import annotations
 
@@ -27,41 +27,29 @@ __all__ = ["query_chunks", "flat_layout", "flat_own_leaf", "flat_own_tiling", "b
 
 DECODE_SUFFIX = SuffixTiling(block_k=32, num_warps=2, num_stages=3)   # planner.DECODE_SUFFIX_TILING
 ROW_SUFFIX = SuffixTiling(block_k=64, num_warps=4, num_stages=3)      # row-layout suffix pass
-# Triton prefix kernel: 128 x 64 tiles, 4 warps, 2 stages (~205 TFLOP/s at B=256 P=4K Hq=32
-# split 4 ways); with enough rows to run unsplit, 64-key tiles, 8 warps, 3 stages and the
-# two-phase key loop (322 TFLOP/s at B=1024 P=4K Hq=32 against 299 with 64/4/2).
+# Triton prefix kernel with enough rows to run unsplit: 64-key tiles, 8 warps, 3 stages and the
+# two-phase key loop (otherwise 128 x 64 tiles, 4 warps, 2 stages).
 LARGE_M_TILING = types.MappingProxyType(dict(block_k=64, num_warps=8, num_stages=3))
-# Flat own-layout tiling by program count (kv heads x sequences x key splits): few programs
-# stream best with 128-key tiles and 4 warps, about 2-8 per SM with 64-key tiles, beyond that
-# small CTAs (32 keys, 2 warps, 3 stages; B=1024 Hq=32 P=4K: 0.87x the row layout's time).
+# Flat own-layout tiling by program count (kv heads x sequences x key splits): up to the bound,
+# that tiling (None: any count).
 FLAT_TILES = ((400, SuffixTiling(128, 4, 2)), (1024, SuffixTiling(64, 4, 2)),
               (None, SuffixTiling(32, 2, 3)))
 # Key splits of the flat own-layout decode when its (sequence, kv head) programs cannot fill the
-# GPU: as many as make two programs per SM, but each split at least FLAT_OWN_MIN_SPLIT_KEYS keys
-# (prefix and suffix together) and at most FLAT_OWN_MAX_SPLITS splits (None: no cap); no key
-# tile longer than a split (see flat_own_tiling).  Below ~10 us a call is latency bound: more splits
-# shorten each program's key loop but add programs and merge operands.
-# bench/flat_decode_sweep.py times every (splits, tiling) at small batch and fits these two
-# constants (its summary's "rule_fit"): on an H200, 64 keys / 64 splits ran within 1.04x (geometric
-# mean; worst 1.11x) of the best configuration at B = 1 and 8, where 256 keys / no cap took 1.12x
-# (worst 1.25x: 5 splits at B = 1, P = 1K, Hkv = 8, 8.97 us against 7.21 us with 16).  A cap of 32
-# fitted those points slightly better (1.03x) but moves the cost model's choice at B <= 4,
-# P = 16K, Hkv <= 2 from this leaf (64 splits measured best there) to the shared family.
-# Splits the kernel would leave without keys are dropped (busy_splits).
+# GPU: as many as make two programs per SM, each at least FLAT_OWN_MIN_SPLIT_KEYS keys (prefix
+# and suffix together), at most FLAT_OWN_MAX_SPLITS (None: no cap); no key tile longer than a
+# split (see flat_own_tiling); splits the kernel would leave without keys are dropped
+# (busy_splits).  ``bench/flat_decode_sweep.py`` fits the two constants ("rule_fit").
 FLAT_OWN_MIN_SPLIT_KEYS = 64
 FLAT_OWN_MAX_SPLITS = 64
-# At <= 400 programs each streaming a prefix chunk longer than this, the row layout: the own
-# layout took 1.19-1.32x its time at Hq=32 B=16 and Hq=8 B=64, P=16K, S >= 256 (elsewhere the
-# own layout took 0.73-0.93x the row layout's time).
+# At most FLAT_TILES[0]'s bound of programs, each streaming a prefix chunk longer than this:
+# the flat row layout instead of the own layout.
 FLAT_OWN_MAX_CHUNK = 1024
 # Mosaic GPU prefix kernel: at least this many CTAs after splitting the prefix and this share
-# of real (not padding) rows in its 128-row blocks.  With 8-16 splits it was 1.2-2.4x faster
-# than the Triton path at all 7 points with 4-16 (kv head, row block) CTAs.
+# of real (not padding) rows in its 128-row blocks.
 MGPU_MIN_CTAS = 64
 MGPU_MIN_REAL_ROWS = 0.75
 # choose_splits: below FEW_CTAS (kv head, 128-row block) CTAs split to about one wave; from
-# LONG_TILES key tiles (a 14K prefix; 4 splits measured best at 64 tiles, 2 at 128) at most 2
-# splits with >= FEW_CTAS CTAs.
+# LONG_TILES key tiles (a 14K prefix) at most 2 splits with >= FEW_CTAS CTAs.
 FEW_CTAS = 48
 LONG_TILES = 112
 # Prefix splits need not divide the key tiles: the last split may run up to 1 / SPLIT_WASTE of
@@ -69,37 +57,26 @@ LONG_TILES = 112
 # tiles, a prime) then gets 2 splits rather than 1 (64 CTAs on 132 SMs at Hq=32/Hkv=8, B=256).
 SPLIT_WASTE = 16
 # Beside the Mosaic GPU prefix kernel the suffix is split only below this many (sequence, kv
-# head) programs: at 256 (Hq=8/Hkv=1 B=256) the unsplit suffix + one merge took 0.77-0.92x the
-# split suffix's time at S=256/1024, P=4K/16K.
+# head) programs.
 MGPU_SUFFIX_SPLIT_BELOW = 256
 # mgpu_one_launch: (prefix keys, suffix capacity, minimum G) regions, at least
 # ONE_LAUNCH_MIN_CTAS prefix CTAs and G >= ONE_LAUNCH_MIN_GROUP (the suffix tasks spend 64 / G
-# times the useful tensor-core work).  0.83-0.87x the two-launch time at Hq=32/Hkv=8 B=256 P=4K
-# S=128, 0.93x at S=256, 0.85-0.90x at Hq=8/Hkv=1 B=1024 P=4K S=256; 0.90x at Hq=8/Hkv=1 B=1024
-# P=16K S=1024 (the 537 MB suffix streams while the prefix tasks compute); 1.03-1.67x at P=1K,
-# P=8K-16K with short suffixes and S=64 (excluded).
+# times the useful tensor-core work).
 ONE_LAUNCH_REGIONS = (((4096, 4096), (128, 256), 4), ((16384, 16384), (1024, 1024), 8))
 ONE_LAUNCH_MIN_CTAS = 64
 ONE_LAUNCH_MIN_GROUP = 4
 # mgpu_joint: (prefix keys, suffix capacity, minimum G, minimum CTAs before splitting) regions.
-# 0.84x the two-launch time at Hq=32/Hkv=8 B=256 P=4K S=64, 0.94x at B=1024 P=4K S=64, 0.84x /
-# 0.92x at Hq=8/Hkv=1 B=1024 P=4K S=64 / S=256, 0.74-0.97x at P=1K-2K, 0.92-0.94x at 16-32 CTAs
-# with S=64; 1.02-1.10x at P=16K, 1.04x at Hq=32 B=256 P=4K S=128, 1.05x at Hq=8 B=256 S=256.
 JOINT_REGIONS = (((1024, 4096), (64, 64), 4, 16), ((1024, 4096), (64, 256), 8, 64))
 JOINT_STAGES = 2
-# Without ping-pong turns a warpgroup's suffix tile does not hold the other at its next turn:
-# 0.92-0.95x the time with them at 2-split P=4K points, 0.93-1.00x at P=1K-2K.
+# Without ping-pong turns a warpgroup's suffix tile does not hold the other at its next turn.
 JOINT_SCHEDULE_BARRIER = False
 # mgpu_split: G = SPLIT_GROUP, B * G >= SPLIT_MIN_ROWS, D = 128, (prefix, suffix) in a region.
-# 0.91x the two-launch time at Hq=32/Hkv=8 B=512 P=8K S=128, 0.879x at B=1024 P=16K S=256,
-# 0.95-0.97x at B=1024 P=4K S=64-256; slower at B=256 (0.99-1.22x), G=8 (1.06-1.39x), B=1024
-# P=16K S=64 (1.07x).
 SPLIT_REGIONS = (((4096, 8192), (64, 256)), ((16384, 16384), (128, 256)))
 SPLIT_GROUP = 4
 SPLIT_MIN_ROWS = 2048
-# plan_roles's time model of the role-split launch (fit on an H200): the prefix role's FLOP/s
-# per CTA (the whole kernel's 550 TFLOP/s over 132 SMs), a fixed cost per prefix task
-# (pipeline fill, q load, output), the suffix K/V bytes/s per stream CTA (latency bound).
+# plan_roles's time model of the role-split launch: the prefix role's FLOP/s per CTA (the whole
+# kernel's rate over 132 SMs), a fixed cost per prefix task (pipeline fill, q load, output),
+# the suffix K/V bytes/s per stream CTA (latency bound).
 ROLE_PREFIX_FLOPS = 5.5e14 / 132
 ROLE_TASK_S = 2.5e-6
 ROLE_STREAM_BPS = 5.5e10
@@ -222,10 +199,7 @@ def choose_splits(n_tiles: int, ctas: int, sms: int, *, uneven: bool = True) -> 
     largest count up to 4 (2 from LONG_TILES tiles) within two waves; with fewer, the largest up
     to 16 within one wave and at least 2 tiles per split.  Divisors of ``n_tiles`` first; where
     none above 1 qualifies and ``uneven``, the largest :func:`even_enough` count (e.g. 127
-    tiles: 2).  At
-    64 CTAs 4 splits were fastest (1 split 37% slower, 8 13-19% slower), at 16 CTAs 8 splits
-    (1.0-1.6x faster than 4), at 4 CTAs 16; at 64 CTAs and a 16K prefix 2 splits took 0.95-0.97x
-    the time of 4."""
+    tiles: 2)."""
     if 4 * ctas >= 3 * sms:
         return 1
     few = ctas < FEW_CTAS
@@ -332,7 +306,7 @@ def _mgpu_suffix_splits(s: Shapes, dev: DeviceInfo) -> int:
 def _one_launch(s: Shapes, dev: DeviceInfo) -> MgpuOneLaunch:
     """64-key suffix tiles, as many stages (up to 5) as fit; suffix splits so that the suffix
     tasks number at most about one wave, or more where needed to keep each task to at most 8
-    tiles per sequence; the prefix unsplit (faster than 2-4 splits at P=4K)."""
+    tiles per sequence; the prefix unsplit."""
     block_s = 64
     stage = 4 * block_s * s.head_dim * jnp.dtype(s.dtype).itemsize   # k, v of each warpgroup
     steps = max(1, min(5, (dev.smem_per_block - 2 * 64 * s.head_dim * 2 - 8192) // stage))
@@ -350,7 +324,7 @@ def _one_launch(s: Shapes, dev: DeviceInfo) -> MgpuOneLaunch:
 
 def _joint(s: Shapes, dev: DeviceInfo) -> MgpuJoint:
     """Prefix splits: the largest power of two up to 16 dividing the tiles with the CTAs
-    within one wave (at 64 CTAs 2 splits took 0.58-0.60x the time of 1)."""
+    within one wave."""
     block_kv, block_s = joint_decode_mgpu.joint_tiles(
         s.head_dim, dev.smem_per_block, jnp.dtype(s.dtype).itemsize, JOINT_STAGES)
     ctas = s.heads_kv * cdiv(s.batch * s.group, 128)
@@ -369,7 +343,7 @@ def plan_roles(s: Shapes, sms: int) -> tuple[int, int, int]:
     8) dividing the 128-key tiles and each number of rounds ``r`` of its ``T`` tasks (on
     ``n = ceil(T / r)`` CTAs): ``max(r * (task flops / ROLE_PREFIX_FLOPS + ROLE_TASK_S),
     suffix bytes / (m * ROLE_STREAM_BPS))`` with ``m = sms - n`` stream CTAs (at most the
-    suffix tasks).  At six H200 points it picks the fastest measured setting (or within 1%)."""
+    suffix tasks)."""
     g = s.group
     m_blocks = cdiv(s.batch * g, 128)
     n_tiles = s.prefix_len // 128

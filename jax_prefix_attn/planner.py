@@ -33,13 +33,9 @@ FLAT_PATHS = ("flat_own", "flat_rows")
 PATHS = ("reference",) + FLAT_PATHS + SHARED_PATHS
 IMPLS = ("auto", "shared", "flat", "reference")
 BACKWARDS = ("kernels", "reference")
-# Tiling of the own-layout decode suffix kernel (``suffix_decode_merge``) after a prefix pass:
-# on an H200 at Hq=32/Hkv=8 S=128 B=256-1024, 32-key tiles, 2 warps and 3 stages were the
-# fastest of 10 settings (3-16% faster than 64-key / 4-warp tiles).
+# Tiling of the own-layout decode suffix kernel (``suffix_decode_merge``) after a prefix pass.
 DECODE_SUFFIX_TILING = types.MappingProxyType(dict(block_k=32, num_warps=2, num_stages=3))
-# Below this many (sequence, kv head) suffix programs the Triton family takes the overlap
-# launch: on an H200 (48 grid points) it was 5-20% faster than two launches with fewer
-# programs (Hkv=1, or B <= 64), and 5-25% slower with more (Hq=32/Hkv=8, B >= 256).
+# Below this many (sequence, kv head) suffix programs the Triton family takes the overlap launch.
 OVERLAP_BELOW_PROGRAMS = 2048
 
 

@@ -22,7 +22,7 @@ COST_MODEL = types.MappingProxyType({
     "flops_per_s": 2.5e14,   # Pallas/Triton attention matmul rate
     "launch_s": 4e-6,        # per kernel launch
     "program_s": 1.5e-6,     # fixed cost of one program (scheduling, q load, partial store)
-    "prefix_flops_per_s": 4.5e14,  # shared-prefix kernel on a Hopper GPU (Mosaic GPU, ncu 440-550 TF/s)
+    "prefix_flops_per_s": 4.5e14,  # shared-prefix kernel on a Hopper GPU (Mosaic GPU)
 })
 
 # Shapes the costs are estimated at (Llama-3-8B heads, 16-bit KV): the choices depend on the

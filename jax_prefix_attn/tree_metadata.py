@@ -35,16 +35,11 @@ __all__ = ["TreeMetadata", "build_tree_metadata", "root_bucket", "SHALLOW_MAX_TO
 
 # A tree whose sequences have at most this many path tokens below their root is "shallow"
 # (speculative-decoding token trees, short branches): ``tree_attention(impl="auto")`` then runs
-# the roots through the shared-prefix path and gathers those few tokens per sequence (on an H200,
-# the single-level shared path was 1.8x faster than the tree schedules on 32- and 64-draft
-# speculative trees, bench/results/tree_attention_h200.json).
+# the roots through the shared-prefix path and gathers those few tokens per sequence.
 SHALLOW_MAX_TOKENS = 64
 
 # Tiling of the hybrid schedule's tree-kernel launch (``mid``): 64-token key tiles and row blocks
-# of at most 64 query vectors (16 sequences at Hq / Hkv = 4).  On an H200 (9 settings,
-# bench/results/tree_mid_sweep_h200.json) the whole hybrid call took 0.452 ms instead of 0.535
-# with 128 / 128 on the tree-of-thought workload (inner nodes of 100-300 tokens read by 10 or 100
-# sequences) and 0.503 instead of 0.514 on APPS-8.
+# of at most 64 query vectors (16 sequences at Hq / Hkv = 4).
 HYBRID_MID_TILING = types.MappingProxyType(dict(block_kv=64, max_block_m=64))
 
 
