@@ -1,0 +1,351 @@
+"""The prefix part of absorbed multi-head latent attention (MLA, DeepSeek-V2/V3) decoding through
+Pallas Mosaic GPU (Hopper: TMA, wgmma, warp specialisation): every query row of every head of
+every sequence against one shared latent prefix.
+
+In absorbed MLA every head reads the same cache: one latent ``c [R]`` (``R`` = kv_lora_rank) and
+one RoPE key ``k_rope [Dr]`` per token, so the ``M = B * Tq * H`` query rows are one matrix:
+
+    s = sm_scale * (q_nope . c + q_rope . k_rope),   o = sum_j softmax(s)_j c_j   ([R] per row)
+
+Layouts: ``q_nope [M, R]``, ``q_rope [M, Dr]``, ``c [P, R]``, ``k_rope [P, Dr]`` (16-bit, one
+dtype), ``length`` a scalar (traced or static; keys ``>= length`` are masked and never reach the
+result, clamped to ``[0, P]``).  :func:`mla_prefix_partials` returns the partial states of
+``num_splits`` key splits, ``o [splits, M, R]`` (``out_dtype``, float32 by default, normalised)
+and ``lse [splits, M]`` float32 natural log (``-inf`` and ``o = 0`` where a split sees no key),
+to be merged with each other and with the suffix part (``merge_attention_states``);
+:func:`mla_prefix_attention` merges the splits (``o [M, R]`` float32, ``lse [M]``).
+
+Design (one CTA = ``block_q`` = 64 rows of one key split; three warpgroups):
+
+* The output accumulator is the problem: ``64 x 512`` float32 is 128 KiB, the whole register
+  file of a warpgroup.  The value dimension is split between the two compute warpgroups: both
+  own the same 64 rows, warpgroup ``w`` accumulates the output columns ``[w R/2, (w+1) R/2)``
+  (``64 x 256`` float32, 128 registers per thread at ``R = 512``), and both compute the same
+  scores ``S [64, block_kv]`` and the same online softmax (identical instructions on identical
+  data: their row maxima and sums agree bit for bit, so no exchange is needed).  The price is
+  the duplicated ``Q K^T``: per key, ``2 * 576 + 512`` multiply-add columns instead of
+  ``576 + 512`` (1.53x the tensor-core work of the minimum); sharing ``P`` through shared memory
+  instead would cost two cross-warpgroup barriers per tile.
+* The latent tile is loaded once per step for both products: by TMA as two halves
+  ``c_lo, c_hi [block_kv, R/2]`` (columns ``[0, R/2)`` and ``[R/2, R)`` of the same rows), with
+  ``k_rope [block_kv, Dr]``.  ``S`` is three wgmma accumulations into one float32 accumulator,
+  ``Qn_lo c_lo^T + Qn_hi c_hi^T + Qr k_rope^T`` (the ``R + Dr`` contraction); then warpgroup
+  ``w`` runs ``O_w += P c_w`` with ``P`` from registers and ``c_w`` the half it owns (a uniform
+  branch on ``w``).
+* A memory warpgroup streams the split's tiles through a ring of ``num_stages`` buffers
+  (``emit_pipeline_warp_specialized``); the compute warpgroups release each buffer when done.
+  Only tiles that hold a key ``< length`` are loaded (the step count is dynamic).  The online
+  softmax runs in base 2 with the scale folded in (``p = exp2(s * scale * log2(e) - m)``), the
+  mask built only on the tile that holds the length.  ``schedule_barrier``: the two compute
+  warpgroups take turns on the tensor cores (one issues its products while the other runs its
+  softmax; FlashAttention-3's ping-pong).
+* Shared memory at the defaults (``R = 512``, ``Dr = 64``, ``block_kv = 64``, 2 stages):
+  ``Q`` 72 KiB (once per CTA: both warpgroups read it), 2 x 72 KiB of ``c``/``k_rope`` tiles,
+  the LSE row: ~219 KiB of the 227 KiB of a Hopper SM (:func:`smem_bytes`); a third stage or
+  128-key tiles do not fit at ``R = 512``.  Registers per compute thread: 128 (output) + 32
+  (scores) + 16 (``P``).
+* The output leaves from registers (each warpgroup its half of the columns), the LSE through
+  shared memory by TMA (warpgroup 0).
+
+The last loaded tile is read whole: ``0 * NaN`` in ``P c`` would leak a NaN stored past the
+length, so the wrapper zeroes ``c`` at and past ``length`` first (``zero_tail``; one XLA pass over
+``c``; pass False when the cache holds finite values there).  ``NaN`` in ``k_rope`` past the
+length is masked out of the scores.
+
+Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter with the operand forms it
+has: the keys pre-transposed in memory (``c^T``, ``k_rope^T``, loaded in addition to ``c``) for
+``Q K^T``, and ``P`` staged through shared memory with ``P c`` into a fresh accumulator.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import LN2, LOG2E, cdiv, merge_partials, pad_axis
+from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu, store_gmem
+from pallas_kernels.prefix_attention_mgpu import (masked_softmax_step, take_turn,
+                                                  wg_accumulate_pv, wg_pipeline, wgmma_iota)
+
+__all__ = ["mla_prefix_partials", "mla_prefix_attention", "supported", "smem_bytes",
+           "SMEM_LIMIT", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Shared memory one CTA may use on a Hopper SM (sm_90: 227 KiB of the 228).
+SMEM_LIMIT = 227 * 1024
+# Buffers start on 1 KiB boundaries (128-byte swizzle); barriers and scopes take ~2 KiB more.
+_SMEM_ALIGN = 1024
+_SMEM_SLACK = 2304
+
+
+def smem_bytes(rank: int, rope_dim: int, dtype, *, block_q: int = 64, block_kv: int = 64,
+               num_stages: int = 2, interpret: bool = False) -> int:
+    """Bytes of shared memory of one CTA (an upper estimate): the queries ``[block_q, R + Dr]``,
+    the LSE row, ``num_stages`` latent and RoPE key tiles ``[block_kv, R + Dr]`` (in interpret
+    mode also their transposes and the two staged ``P`` tiles), each aligned, and the barriers."""
+    item = jnp.dtype(dtype).itemsize
+    half = rank // 2
+    buffers = [2 * block_q * half * item, block_q * rope_dim * item, block_q * 4]
+    tiles = [block_kv * half * item] * 2 + [block_kv * rope_dim * item]
+    if interpret:
+        tiles = tiles * 2
+        buffers.append(2 * block_q * block_kv * item)
+    buffers += [num_stages * t for t in tiles]
+    return sum(cdiv(x, _SMEM_ALIGN) * _SMEM_ALIGN for x in buffers) + _SMEM_SLACK
+
+
+def supported(*, rank: int, rope_dim: int, prefix_len: int, dtype, block_q: int = 64,
+              block_kv: int = 64, num_stages: int = 2, interpret: bool = False) -> str | None:
+    """``None`` when the kernel runs these static shapes and tiles, else the reason it cannot."""
+    if plgpu is None:
+        return "jax.experimental.pallas.mosaic_gpu is not available"
+    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"dtype must be bfloat16 or float16, got {jnp.dtype(dtype)}"
+    if rank % 128 or not 128 <= rank <= 512:
+        return f"kv_lora_rank R must be a multiple of 128 in [128, 512], got {rank}"
+    if rope_dim not in (64, 128):
+        return f"rope_dim Dr must be 64 or 128, got {rope_dim}"
+    if block_q != 64:
+        return f"block_q must be 64 (one wgmma row block per warpgroup), got {block_q}"
+    if block_kv % 64 or not 64 <= block_kv <= 256:
+        return f"block_kv must be a multiple of 64 in [64, 256], got {block_kv}"
+    if num_stages < 2:
+        return f"num_stages must be at least 2, got {num_stages}"
+    if prefix_len < 1 or prefix_len % block_kv:
+        return f"prefix length P={prefix_len} must be a positive multiple of block_kv={block_kv}"
+    need = smem_bytes(rank, rope_dim, dtype, block_q=block_q, block_kv=block_kv,
+                      num_stages=num_stages, interpret=interpret)
+    if need > SMEM_LIMIT:
+        return (f"block_kv={block_kv}, num_stages={num_stages} at R={rank}, Dr={rope_dim} need "
+                f"{need} bytes of shared memory, more than the {SMEM_LIMIT} of a Hopper SM")
+    return None
+
+
+def _check_operands(q_nope, q_rope, c, k_rope, out_dtype):
+    for name, x, layout in (("q_nope", q_nope, "[M, R]"), ("q_rope", q_rope, "[M, Dr]"),
+                            ("c", c, "[P, R]"), ("k_rope", k_rope, "[P, Dr]")):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}")
+        if x.ndim != 2:
+            raise ValueError(f"{name} must have rank 2 {layout}, got shape {tuple(x.shape)}")
+    if jnp.dtype(q_nope.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"q_nope must be bfloat16 or float16 (Hopper wgmma on 16-bit operands), "
+                        f"got {q_nope.dtype}")
+    for name, x in (("q_rope", q_rope), ("c", c), ("k_rope", k_rope)):
+        if x.dtype != q_nope.dtype:
+            raise TypeError(f"{name} must have q_nope's dtype {q_nope.dtype}, got {x.dtype}")
+    m, r = q_nope.shape
+    p, dr = c.shape[0], q_rope.shape[1]
+    if q_rope.shape[0] != m:
+        raise ValueError(f"q_rope must have q_nope's {m} rows, got shape {tuple(q_rope.shape)}")
+    if m < 1:
+        raise ValueError(f"q_nope must have at least one row, got shape {tuple(q_nope.shape)}")
+    if c.shape[1] != r:
+        raise ValueError(f"c must have q_nope's kv_lora_rank R={r} on axis 1, got shape "
+                         f"{tuple(c.shape)}")
+    if k_rope.shape != (p, dr):
+        raise ValueError(f"k_rope must have shape (P, Dr) = {(p, dr)} (c's prefix length, "
+                         f"q_rope's width), got {tuple(k_rope.shape)}")
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32),) + SUPPORTED_DTYPES:
+        raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+
+
+def _tile_step(carry, *, t, first_tile, n_keys, q_halves, qr_smem, c_lo, c_hi, kr, k_ops,
+               consumed, p_smem, turn, sched, scale_log2, block_kv, cpu_check):
+    """One key tile for one compute warpgroup (``wg`` owning the output half it reads from
+    ``c_lo`` or ``c_hi``): ``S`` as three accumulations (``turn`` between issuing and reading
+    it), the RoPE tile released, the online softmax (keys ``>= n_keys`` masked on the tile that
+    holds the length), the ping-pong turn, ``O += P c_wg``, the latent tiles released.
+    ``k_ops``: the three key operands of ``S`` (transposed views, or the pre-transposed tiles in
+    interpret mode).  Returns the new ``(acc, m, l)``."""
+    rows = qr_smem.shape[0]
+    wg = lax.axis_index("wg")
+
+    def scores(s_ref, pairs, last):
+        for a, b in pairs:
+            plgpu.wgmma(s_ref, a, b)
+        if last:
+            turn()
+        return s_ref[...]
+    pairs = list(zip((*q_halves, qr_smem), k_ops))
+    acc_type = plgpu.ACC((rows, block_kv), jnp.float32)
+    if cpu_check:   # the interpreter's wgmma does not accumulate: one product per accumulator
+        s = sum(pl.run_scoped(functools.partial(scores, pairs=[pair], last=i == 2), acc_type)
+                for i, pair in enumerate(pairs))
+    else:
+        s = pl.run_scoped(functools.partial(scores, pairs=pairs, last=True), acc_type)
+    for barrier in consumed[2:]:   # the RoPE tile (and in interpret mode the transposed tiles)
+        plgpu.barrier_arrive(barrier)
+    key0 = (first_tile + t) * block_kv
+    acc, m_new, l_new, p16 = masked_softmax_step(
+        s, lambda: key0 + wgmma_iota((rows, block_kv), 1, hint=not cpu_check) < n_keys,
+        key0 + block_kv > n_keys, carry, scale_log2=scale_log2, dtype=qr_smem.dtype)
+    if sched:  # softmax done: wait for the tensor cores' turn
+        acc, m_new, l_new, p16 = lax.optimization_barrier((acc, m_new, l_new, p16))
+        turn()
+    acc = lax.cond(wg == 0,
+                   lambda a: wg_accumulate_pv(a, p16, c_lo, p_smem, cpu_check=cpu_check),
+                   lambda a: wg_accumulate_pv(a, p16, c_hi, p_smem, cpu_check=cpu_check), acc)
+    plgpu.barrier_arrive(consumed[0])
+    plgpu.barrier_arrive(consumed[1])
+    return acc, m_new, l_new
+
+
+def _kernel(len_ref, qn_ref, qr_ref, c_ref, kr_ref, *rest, n_tiles, tiles_per_split, block_q,
+            block_kv, stages, scale_log2, sched, cpu_check):
+    if cpu_check:
+        ct_ref, krt_ref, o_ref, lse_ref, qn_smem, qr_smem, lse_smem, q_barrier, sched_barrier, \
+            p_smem2 = rest
+    else:
+        o_ref, lse_ref, qn_smem, qr_smem, lse_smem, q_barrier, sched_barrier = rest
+    mb, sp, wg = lax.axis_index("m"), lax.axis_index("s"), lax.axis_index("wg")
+    half = qn_smem.shape[-1]
+    r0 = mb * block_q
+    first_tile = sp * tiles_per_split
+    n_keys = jnp.clip(len_ref[0], 0, n_tiles * block_kv)
+    n_steps = jnp.clip(lax.div(n_keys + block_kv - 1, block_kv) - first_tile, 0, tiles_per_split)
+    turn = functools.partial(take_turn, sched_barrier, sched)
+    rows = pl.ds(r0, block_q)
+
+    def compute_context(run_pipeline):
+        @pl.when(wg == 0)
+        def _load_queries():
+            for j in range(2):
+                plgpu.copy_gmem_to_smem(qn_ref.at[rows, pl.ds(j * half, half)], qn_smem.at[j],
+                                        q_barrier)
+            plgpu.copy_gmem_to_smem(qr_ref.at[rows], qr_smem, q_barrier)
+        plgpu.barrier_wait(q_barrier)
+        carry = (jnp.zeros((block_q, half), jnp.float32),
+                 jnp.full((block_q,), -jnp.inf, jnp.float32),
+                 jnp.zeros((block_q,), jnp.float32))
+        # Warpgroup 1 starts one phase behind (one extra turn before its first tile, warpgroup
+        # 0 one after its last): their tensor-core and softmax phases alternate.
+        pl.when(wg == 1)(turn)
+        acc, m_i, l_i = run_pipeline(carry)
+        pl.when(wg == 0)(turn)
+        empty = l_i == 0.0   # (a NaN score leaves l NaN: the row's lse is NaN, not -inf)
+        l_safe = jnp.where(empty, 1.0, l_i)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        store_gmem(o_ref.at[sp, rows, pl.ds(wg * half, half)], out.astype(o_ref.dtype))
+        lse = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+
+        @pl.when(wg == 0)
+        def _store_lse():
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+    def tile_body(indices, *refs):
+        n_in = len(refs) // 2
+        tiles, consumed, carry = refs[:n_in], refs[n_in:2 * n_in], refs[-1]
+        c_lo, c_hi, kr = tiles[:3]
+        k_ops = tiles[3:] if cpu_check else tuple(x.transpose((1, 0)) for x in (c_lo, c_hi, kr))
+        return _tile_step(carry, t=indices[0], first_tile=first_tile, n_keys=n_keys,
+                          q_halves=(qn_smem.at[0], qn_smem.at[1]), qr_smem=qr_smem, c_lo=c_lo,
+                          c_hi=c_hi, kr=kr, k_ops=k_ops, consumed=consumed,
+                          p_smem=p_smem2.at[wg] if cpu_check else None, turn=turn, sched=sched,
+                          scale_log2=scale_log2, block_kv=block_kv, cpu_check=cpu_check)
+
+    dr = qr_smem.shape[-1]
+    specs = [plgpu.BlockSpec(block_shape=(block_kv, half), index_map=lambda t: (first_tile + t, 0)),
+             plgpu.BlockSpec(block_shape=(block_kv, half), index_map=lambda t: (first_tile + t, 1)),
+             plgpu.BlockSpec(block_shape=(block_kv, dr), index_map=lambda t: (first_tile + t, 0))]
+    operands = [c_ref, c_ref, kr_ref]
+    if cpu_check:
+        specs += [plgpu.BlockSpec(block_shape=(half, block_kv), index_map=lambda t, j=j: (j, first_tile + t))
+                  for j in range(2)]
+        specs.append(plgpu.BlockSpec(block_shape=(dr, block_kv), index_map=lambda t: (0, first_tile + t)))
+        operands += [ct_ref, ct_ref, krt_ref]
+    pipeline = wg_pipeline(tile_body, n_steps=n_steps, steps=stages,
+                           compute_context=compute_context, in_specs=specs)
+    pipeline(*operands)
+
+
+def mla_prefix_partials(q_nope: jax.Array, q_rope: jax.Array, c: jax.Array, k_rope: jax.Array,
+                        length, *, sm_scale: float, num_splits: int = 1, block_kv: int = 64,
+                        num_stages: int = 2, schedule_barrier: bool = True,
+                        out_dtype=jnp.float32, zero_tail: bool = True,
+                        interpret: bool = False):
+    """Partial states of every query row over the prefix keys ``[0, length)``, split along them.
+
+    Args:
+      q_nope: ``[M, R]`` absorbed queries (16-bit), ``R`` a multiple of 128 up to 512; rows of
+        every head of every sequence (padded to a multiple of 64 here).
+      q_rope: ``[M, Dr]`` RoPE queries, ``Dr`` 64 or 128.
+      c: ``[P, R]`` the shared prefix's latents (also the values); ``k_rope``: ``[P, Dr]``.
+      length: int scalar (traced or static) valid prefix length, clamped to ``[0, P]``.
+      sm_scale: score scale (a Python float).
+      num_splits: key splits, one CTA per (64-row block, split), each of
+        ``ceil(P / block_kv / num_splits)`` tiles (every split must get at least one).
+      block_kv: keys per tile (multiple of 64); num_stages: tiles in flight (>= 2).
+      schedule_barrier: the ping-pong turns of the two compute warpgroups.
+      out_dtype: dtype of ``o`` (float32, or the inputs' 16-bit dtype).
+      zero_tail: zero ``c`` at and past ``length`` first (see the module docstring).
+      interpret: run Mosaic GPU's CPU interpreter.
+
+    Returns ``(o [splits, M, R] out_dtype, lse [splits, M] float32)``.  Raises ``TypeError`` for
+    non-arrays or dtypes and ``ValueError`` for shapes, splits or tiles it cannot run.
+    """
+    _check_operands(q_nope, q_rope, c, k_rope, out_dtype)
+    for name, val in (("num_splits", num_splits), ("block_kv", block_kv),
+                      ("num_stages", num_stages)):
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise TypeError(f"{name} must be an int, got {val!r}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a positive Python float, got {sm_scale!r}")
+    m, r = q_nope.shape
+    p, dr = k_rope.shape
+    why = supported(rank=r, rope_dim=dr, prefix_len=p, dtype=q_nope.dtype, block_kv=block_kv,
+                    num_stages=num_stages, interpret=interpret)
+    if why is not None:
+        raise ValueError(f"mla_prefix_partials cannot run these shapes: {why}")
+    n_tiles = p // block_kv
+    tiles_per_split = cdiv(n_tiles, max(num_splits, 1))
+    if not 1 <= num_splits <= n_tiles or (num_splits - 1) * tiles_per_split >= n_tiles:
+        raise ValueError(f"num_splits={num_splits} must leave every split some of the {n_tiles} "
+                         f"key tiles (each takes {tiles_per_split})")
+    if getattr(length, "shape", ()) not in ((), (1,)):
+        raise ValueError(f"length must be a scalar, got shape {tuple(length.shape)}")
+    length = jnp.clip(jnp.asarray(length, jnp.int32).reshape(1), 0, p)
+    if zero_tail:
+        c = jnp.where((jnp.arange(p, dtype=jnp.int32) < length[0])[:, None], c,
+                      jnp.zeros((), c.dtype))
+    block_q = 64
+    m_pad = cdiv(m, block_q) * block_q
+    q_nope, q_rope = pad_axis(q_nope, 0, m_pad), pad_axis(q_rope, 0, m_pad)
+    operands = [length, q_nope, q_rope, c, k_rope]
+    if interpret:   # the interpreter's wgmma reads K^T from memory
+        operands += [c.T, k_rope.T]
+    kernel = functools.partial(
+        _kernel, n_tiles=n_tiles, tiles_per_split=tiles_per_split, block_q=block_q,
+        block_kv=block_kv, stages=num_stages, scale_log2=float(sm_scale) * LOG2E,
+        sched=bool(schedule_barrier), cpu_check=bool(interpret))
+    dtype = q_nope.dtype
+    o, lse = plgpu.kernel(
+        kernel,
+        grid=(m_pad // block_q, num_splits),
+        grid_names=("m", "s"),
+        num_threads=3,
+        thread_name="wg",
+        out_type=(jax.ShapeDtypeStruct((num_splits, m_pad, r), jnp.dtype(out_dtype)),
+                  jax.ShapeDtypeStruct((num_splits, m_pad), jnp.float32)),
+        scratch_types=(plgpu.SMEM((2, block_q, r // 2), dtype), plgpu.SMEM((block_q, dr), dtype),
+                       plgpu.SMEM((block_q,), jnp.float32), plgpu.Barrier(num_arrivals=3),
+                       plgpu.Barrier(num_arrivals=2))
+                      + ((plgpu.SMEM((2, block_q, block_kv), dtype),) if interpret else ()),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": gpu_interpret_params()} if interpret else {}),
+    )(*operands)
+    return o[:, :m], lse[:, :m]
+
+
+def mla_prefix_attention(q_nope, q_rope, c, k_rope, length, *, sm_scale: float, **kwargs):
+    """:func:`mla_prefix_partials` with its splits merged: ``(o [M, R] float32, lse [M]
+    float32)``, the prefix part's state to merge with the suffix part through the LSE."""
+    o, lse = mla_prefix_partials(q_nope, q_rope, c, k_rope, length, sm_scale=sm_scale, **kwargs)
+    return merge_partials(o.astype(jnp.float32), lse)
