@@ -1,0 +1,446 @@
+"""Flash attention backward through Pallas Mosaic GPU (Hopper: TMA, wgmma, warp
+specialisation): ``(dq, dk, dv)`` of :func:`pallas_kernels.flash_attention_mgpu.flash_attention_mgpu`
+given its saved row statistics.
+
+Public entry: :func:`flash_attention_mgpu_bwd` (kernels and a thin wrapper); :func:`smem_bytes`
+and :func:`default_tiles` describe the tiles.  The differentiable entry point is
+:func:`pallas_kernels.flash_attention_mgpu_vjp.flash_attention_mgpu_vjp`.
+
+Equations (per row ``i`` of query head ``h``, keys ``j`` it sees): ``p_ij = exp(scale * q_i . k_j
+- lse_i)`` recomputed from the forward's natural-log ``lse`` (converted to base 2 in the kernel,
+``p = exp2(s * scale * log2(e) - lse * log2(e))``), ``dp_ij = do_i . v_j``, ``ds_ij = p_ij (dp_ij -
+delta_i)`` with ``delta_i = rowsum(dO_i * O_i) - dlse_i`` (the LSE cotangent enters here), then
+``dq_i = scale sum_j ds_ij k_j``, ``dk_j = scale sum_i ds_ij q_i``, ``dv_j = sum_i p_ij do_i``, the
+sums over ``i`` running over the ``G = Hq / Hkv`` query heads of kv head ``h // G``.  The mask is the
+forward's: bottom-right causal aligned to each length ``L_b`` (query ``t`` sees keys ``j < L_b``
+with ``j <= t + L_b - Tq``).  A row with ``lse = -inf`` (no key) contributes nothing (the wrapper
+makes its ``lse`` ``+inf``, so ``p = 0``, and its ``delta`` 0); keys at or past ``L_b`` get ``dk =
+dv = 0``, and a NaN held there reaches no gradient (the wrapper zeroes ``k`` and ``v`` past each
+length: the kernels read whole tiles, and 0 times a NaN is NaN).
+
+Kernels (deterministic: every gradient element is written by exactly one CTA, no atomics):
+
+* dK/dV: grid ``(Hkv, B, key blocks of 2 * block_kv_dkv keys)``.  Two compute warpgroups each own
+  ``block_kv_dkv`` keys (their ``K``, ``V`` loaded once by TMA; ``dK``, ``dV`` accumulated in
+  registers, float32) and a memory warpgroup streams the tiles of ``block_q_dkv`` query rows --
+  ``Q``, ``dO``, ``lse``, ``delta`` -- of every query head of the kv head, for the query blocks that
+  some of the CTA's keys see (causal: from the first block past the diagonal), through a ring of
+  ``num_stages`` shared-memory slots (``emit_pipeline_warp_specialized``).  Per tile, transposed
+  so that the keys are the wgmma rows: ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO`` (``P^T`` from
+  registers), ``dP^T = V dO^T``, ``dS^T``, ``dK += dS^T Q``.  The GQA sum is this loop.
+* dQ: grid ``(Hq, B, row blocks of 2 * block_q_dq rows)``, the causal row blocks heaviest first.
+  Two compute warpgroups each own ``block_q_dq`` rows of one query head (``Q``, ``dO``, ``lse``,
+  ``delta`` loaded once), and the memory warpgroup streams the ``K``, ``V`` tiles of
+  ``block_kv_dq`` keys that some of the rows see.  Per tile: ``S = Q K^T``, ``dP = dO V^T``,
+  ``dS``, ``dQ += dS K`` (``dS`` from registers).
+
+In both, a warpgroup builds the mask only on tiles where some entry is masked (a uniform
+branch) and, for a streamed tile none of its entries sees, only releases the slot.  Results
+leave through the shared-memory tiles they were computed from (TMA stores).
+
+Tunable: ``block_q_dq`` (rows per dQ warpgroup, a multiple of 64), ``block_kv_dq`` (keys per
+streamed dQ tile, a multiple of 32 up to 256), ``block_kv_dkv`` (keys per dK/dV warpgroup, a
+multiple of 64), ``block_q_dkv`` (rows per streamed dK/dV tile, a multiple of 32 up to 256),
+``num_stages`` (ring depth).  Both kernels must fit the shared memory of a Hopper SM
+(:func:`smem_bytes`; ``ValueError`` otherwise).
+
+Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter, whose wgmma takes both
+operands from shared memory untransposed: the transposed operands are streamed as pre-transposed
+copies (``K^T``, ``V^T`` next to ``K`` for dQ; ``Q^T``, ``dO^T`` next to ``Q``, ``dO`` for dK/dV) and
+``dS``/``P^T`` are staged through shared memory into a fresh accumulator.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import LOG2E, cdiv, pad_axis
+from pallas_kernels.flash_attention_mgpu import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, supported
+from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu
+from pallas_kernels.prefix_attention_mgpu import wg_accumulate_pv, wg_scores, wgmma_iota
+
+__all__ = ["flash_attention_mgpu_bwd", "smem_bytes", "default_tiles", "resolve_tiles"]
+
+_SMEM_ALIGN = 1024   # shared-memory buffers start on 1 KiB boundaries (128-byte swizzle)
+_SMEM_SLACK = 2304   # barriers and the nested allocation scopes
+
+
+def default_tiles(head_dim: int) -> dict:
+    """Tiles when the caller does not say: 64-row dQ and 64-key dK/dV warpgroups, streamed tiles
+    of 128 keys (dQ) and 64 rows (dK/dV), two stages, two compute warpgroups; at head_dim 256 one
+    compute warpgroup and 64-key dQ tiles (two warpgroups' resident tiles and two stages of
+    wider tiles do not fit in shared memory)."""
+    wide = head_dim > 128
+    return {"block_q_dq": 64, "block_kv_dq": 64 if wide else 128, "block_kv_dkv": 64,
+            "block_q_dkv": 64, "num_stages": 2, "compute_wgs": 1 if wide else 2}
+
+
+def smem_bytes(head_dim: int, dtype, *, block_q_dq: int, block_kv_dq: int, block_kv_dkv: int,
+               block_q_dkv: int, num_stages: int, compute_wgs: int,
+               interpret: bool = False) -> dict:
+    """Bytes of shared memory of one CTA of each kernel (upper estimates), ``{"dq": ..., "dkv":
+    ...}``: the two warpgroups' resident tiles, ``num_stages`` streamed tiles per operand (and in
+    interpret mode the pre-transposed copies and staged products), each 1 KiB aligned, and the
+    barriers."""
+    item = jnp.dtype(dtype).itemsize
+    d = head_dim
+
+    def total(buffers):
+        return sum(cdiv(x, _SMEM_ALIGN) * _SMEM_ALIGN for x in buffers) + _SMEM_SLACK
+    w = compute_wgs
+    dq = [w * block_q_dq * d * item] * 2 + [w * block_q_dq * 4] * 2
+    dq += [num_stages * block_kv_dq * d * item] * (3 if interpret else 2)
+    dkv = [w * block_kv_dkv * d * item] * 2 + [num_stages * block_q_dkv * 4] * 2
+    dkv += [num_stages * block_q_dkv * d * item] * (4 if interpret else 2)
+    if interpret:
+        dq.append(w * block_q_dq * block_kv_dq * item)
+        dkv.append(w * block_kv_dkv * block_q_dkv * item)
+    return {"dq": total(dq), "dkv": total(dkv)}
+
+
+def resolve_tiles(head_dim: int, dtype, *, interpret: bool = False, **given) -> dict:
+    """The tiles :func:`flash_attention_mgpu_bwd` runs for a ``head_dim``-wide head of ``dtype``:
+    ``given`` (keys of :func:`default_tiles`; a ``None`` value takes the default) over the
+    defaults.  Raises ``ValueError`` for an unknown key, a value out of range, or tiles whose
+    shared memory exceeds a Hopper SM's."""
+    d_pad = next((s for s in SUPPORTED_HEAD_DIMS if head_dim <= s), SUPPORTED_HEAD_DIMS[-1])
+    tiles = default_tiles(d_pad)
+    unknown = sorted(set(given) - set(tiles))
+    if unknown:
+        raise ValueError(f"unknown tile arguments {unknown}; expected some of {sorted(tiles)}")
+    tiles.update({name: val for name, val in given.items() if val is not None})
+    for name in ("block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
+        val, hi = tiles[name], 256 if name in ("block_kv_dq", "block_q_dkv") else None
+        if (isinstance(val, bool) or not isinstance(val, int) or val < 64 or val % 64
+                or (hi is not None and val > hi)):   # (a wgmma K dimension: 64-element groups)
+            want = "a multiple of 64" + (f" in [64, {hi}]" if hi else "")
+            raise ValueError(f"{name} must be {want}, got {val!r}")
+    for name, lo, hi in (("num_stages", 2, 8), ("compute_wgs", 1, 2)):
+        val = tiles[name]
+        if isinstance(val, bool) or not isinstance(val, int) or not lo <= val <= hi:
+            raise ValueError(f"{name} must be in [{lo}, {hi}], got {val!r}")
+    for part, nbytes in smem_bytes(d_pad, dtype, **tiles, interpret=interpret).items():
+        if nbytes > SMEM_LIMIT:
+            raise ValueError(f"tiles {tiles} at head_dim {d_pad} need {nbytes} bytes of shared "
+                             f"memory in the {part} kernel, more than the {SMEM_LIMIT} of a "
+                             f"Hopper SM")
+    return tiles
+
+
+def _arrive(barriers) -> None:
+    for bar in barriers:
+        plgpu.barrier_arrive(bar)
+
+
+def _pipeline(body, *, n_steps, stages, wgs, context, specs):
+    """``n_steps`` streamed tiles of ``specs``, ``stages`` in flight, fed by one memory warpgroup
+    to ``wgs`` compute warpgroups (axis ``"wg"``) that arrive on the consumed barriers
+    themselves; the carry runs through ``context``."""
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(n_steps,), max_concurrent_steps=stages, num_compute_wgs=wgs,
+        memory_registers=40, wg_axis="wg", manual_consumed_barriers=True,
+        compute_context=context, in_specs=specs, out_specs=[])
+
+
+def _dq_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, *rest, static, n_blocks, stages, wgs,
+               cpu_check):
+    """One CTA of the dQ kernel: ``q/do [B, Tqp, Hq, D]``, ``lse/delta [B, Hq, Tqp]``; streamed
+    ``k/v [B, Tkp, Hkv, D]`` (interpreter: ``kT, vT [B, Hkv, D, Tkp]`` and ``k``)."""
+    n_in = 3 if cpu_check else 2
+    kv_refs, (dq_ref, q2, do2, lse2, delta2, bars, *maybe_p) = rest[:n_in], rest[n_in:]
+    causal, tq, group, scale, block_q, block_kv = static
+    h, bb, mb = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("m")
+    if causal:
+        mb = n_blocks - 1 - mb
+    wg = lax.axis_index("wg")
+    length = len_ref[bb]
+    diag = length - tq                                  # query t sees keys j <= t + diag
+    d = q_ref.shape[-1]
+
+    def tiles(first, last):   # key tiles seen by all of rows [first, last], by any of them
+        if not causal:
+            return length // block_kv, lax.div(length + block_kv - 1, block_kv)
+        end_all = jnp.clip(jnp.minimum(first, tq - 1) + diag + 1, 0, length)
+        end_any = jnp.clip(jnp.minimum(last, tq - 1) + diag + 1, 0, length)
+        n_end = lax.div(end_any + block_kv - 1, block_kv)
+        return jnp.minimum(end_all // block_kv, n_end), n_end
+
+    r0 = (wgs * mb + wg) * block_q
+    _, n_steps = tiles(wgs * mb * block_q, (wgs * mb + wgs) * block_q - 1)
+    n_full, n_end = tiles(r0, r0 + block_q - 1)
+    q_smem, do_smem, lse_smem, delta_smem = q2.at[wg], do2.at[wg], lse2.at[wg], delta2.at[wg]
+    rows = pl.ds(r0, block_q)
+
+    def context(run_pipeline):
+        for src, dst in ((q_ref.at[bb, rows, h], q_smem), (do_ref.at[bb, rows, h], do_smem),
+                         (lse_ref.at[bb, h, rows], lse_smem),
+                         (delta_ref.at[bb, h, rows], delta_smem)):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[wg])
+        plgpu.barrier_wait(bars.at[wg])
+        dq = run_pipeline(jnp.zeros((block_q, d), jnp.float32))
+        q_smem[...] = (dq * scale).astype(q_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[bb, rows, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    def body(indices, *args):
+        smem, consumed, dq = args[:n_in], args[n_in:2 * n_in], args[-1]
+        t = indices[0]
+        k_t, v_t, k_mm = (smem[0], smem[1], smem[2]) if cpu_check else (smem[0], smem[1], smem[0])
+
+        def compute(dq):
+            shape = (block_q, block_kv)
+            s = wg_scores(q_smem, k_t, shape=shape, cpu_check=cpu_check)
+            dp = wg_scores(do_smem, v_t, shape=shape, cpu_check=cpu_check)
+            _arrive(consumed[1:2])
+            p = jnp.exp2(s * (scale * LOG2E)
+                         - lax.broadcast_in_dim(lse_smem[...] * LOG2E, shape, [0]))
+
+            def masked(p):
+                key = t * block_kv + wgmma_iota(shape, 1, hint=not cpu_check)
+                ok = key < length
+                if causal:
+                    ok = ok & (key <= r0 + wgmma_iota(shape, 0, hint=not cpu_check) + diag)
+                return jnp.where(ok, p, 0.0)
+            p = lax.cond(t >= n_full, masked, lambda p: p, p)
+            ds = p * (dp - lax.broadcast_in_dim(delta_smem[...], shape, [0]))
+            dq = wg_accumulate_pv(dq, ds.astype(q_smem.dtype), k_mm,
+                                  maybe_p[0].at[wg] if cpu_check else None, cpu_check=cpu_check)
+            _arrive(consumed[:1] + consumed[2:])
+            return dq
+
+        if not causal:
+            return compute(dq)
+
+        def skip(dq):
+            _arrive(consumed)
+            return dq
+        return lax.cond(t < n_end, compute, skip, dq)
+
+    if cpu_check:
+        specs = [plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, t))] * 2
+        srcs = [kv_refs[0].at[bb, h // group], kv_refs[1].at[bb, h // group]]
+        specs.append(plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (t, 0)))
+        srcs.append(kv_refs[2].at[bb, :, h // group, :])
+    else:
+        specs = [plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (t, 0))] * 2
+        srcs = [r.at[bb, :, h // group, :] for r in kv_refs]
+    _pipeline(body, n_steps=n_steps, stages=stages, wgs=wgs, context=context, specs=specs)(*srcs)
+
+
+def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check):
+    """One CTA of the dK/dV kernel: ``k/v [B, Tkp, Hkv, D]`` (resident); streamed ``q/do [B, Tqp,
+    Hq, D]`` (interpreter: and ``qT/doT [B, Hq, D, Tqp]``), ``lse/delta [B, Hq, Tqp]``."""
+    n_in = 6 if cpu_check else 4
+    streams, (dk_ref, dv_ref, k2, v2, bars, *maybe_p) = rest[:n_in], rest[n_in:]
+    causal, tq, group, scale, block_q, block_kv = static
+    h, bb, nb = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("n")
+    wg = lax.axis_index("wg")
+    length = len_ref[bb]
+    diag = length - tq                                  # query t sees keys j <= t + diag
+    d = k_ref.shape[-1]
+    n_q = cdiv(tq, block_q)
+    k0 = wgs * nb * block_kv
+    kw = k0 + wg * block_kv
+
+    def first_block(key):   # the first query block with a row that sees ``key``
+        if not causal:
+            return jnp.int32(0)
+        return jnp.minimum(jnp.maximum(key - diag, 0) // block_q, n_q)
+
+    lo = first_block(k0)
+    per_head = jnp.where(k0 < length, n_q - lo, 0)
+    div = jnp.maximum(per_head, 1)
+    head = lambda t: h * group + lax.div(t, div)       # noqa: E731
+    qblock = lambda t: lo + lax.rem(t, div)            # noqa: E731
+    lo_w = first_block(kw)
+    k_smem, v_smem = k2.at[wg], v2.at[wg]
+    keys = pl.ds(kw, block_kv)
+
+    def context(run_pipeline):
+        plgpu.copy_gmem_to_smem(k_ref.at[bb, keys, h], k_smem, bars.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[bb, keys, h], v_smem, bars.at[wg])
+        plgpu.barrier_wait(bars.at[wg])
+        zeros = jnp.zeros((block_kv, d), jnp.float32)
+        dk, dv = run_pipeline((zeros, zeros))
+        k_smem[...] = (dk * scale).astype(k_smem.dtype)
+        v_smem[...] = dv.astype(v_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[bb, keys, h])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[bb, keys, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    def body(indices, *args):
+        smem, consumed, carry = args[:n_in], args[n_in:2 * n_in], args[-1]
+        qb = qblock(indices[0])
+        if cpu_check:
+            q_t, do_t, qT_t, doT_t, lse_t, delta_t = smem
+        else:
+            q_t, do_t, lse_t, delta_t = smem
+            qT_t, doT_t = q_t, do_t
+        p_smem = maybe_p[0].at[wg] if cpu_check else None
+        shape = (block_kv, block_q)
+
+        def compute(carry):
+            dk, dv = carry
+            st = wg_scores(k_smem, qT_t, shape=shape, cpu_check=cpu_check)
+            p = jnp.exp2(st * (scale * LOG2E)
+                         - lax.broadcast_in_dim(lse_t[...] * LOG2E, shape, [1]))
+
+            def masked(p):
+                key = kw + wgmma_iota(shape, 0, hint=not cpu_check)
+                ok = key < length
+                if causal:
+                    ok = ok & (key <= qb * block_q + wgmma_iota(shape, 1, hint=not cpu_check)
+                               + diag)
+                return jnp.where(ok, p, 0.0)
+            any_masked = kw + block_kv > length
+            if causal:
+                any_masked = any_masked | (kw + block_kv - 1 > qb * block_q + diag)
+            p = lax.cond(any_masked, masked, lambda p: p, p)
+            dv = wg_accumulate_pv(dv, p.astype(k_smem.dtype), do_t, p_smem, cpu_check=cpu_check)
+            dpt = wg_scores(v_smem, doT_t, shape=shape, cpu_check=cpu_check)
+            ds = p * (dpt - lax.broadcast_in_dim(delta_t[...], shape, [1]))
+            dk = wg_accumulate_pv(dk, ds.astype(k_smem.dtype), q_t, p_smem, cpu_check=cpu_check)
+            _arrive(consumed)
+            return dk, dv
+
+        def skip(carry):
+            _arrive(consumed)
+            return carry
+        return lax.cond((kw < length) & (qb >= lo_w), compute, skip, carry)
+
+    rows_spec = plgpu.BlockSpec(block_shape=(block_q, None, d),
+                                index_map=lambda t: (qblock(t), head(t), 0))
+    stat_spec = plgpu.BlockSpec(block_shape=(None, block_q),
+                                index_map=lambda t: (head(t), qblock(t)))
+    specs = [rows_spec, rows_spec]
+    if cpu_check:
+        specs += [plgpu.BlockSpec(block_shape=(None, d, block_q),
+                                  index_map=lambda t: (head(t), 0, qblock(t)))] * 2
+    specs += [stat_spec, stat_spec]
+    _pipeline(body, n_steps=group * per_head, stages=stages, wgs=wgs, context=context,
+              specs=specs)(*(r.at[bb] for r in streams))
+
+
+def _check_args(q, k, v, d_out, lse, delta, kv_lengths):
+    for name, x in (("q", q), ("k", k), ("v", v), ("d_out", d_out), ("lse", lse),
+                    ("delta", delta)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape "
+                             f"{tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and "
+                         f"head_dim")
+    why = supported(q.shape, k.shape, q.dtype)
+    if why is not None:
+        raise (TypeError if "dtype" in why else ValueError)(
+            f"flash_attention_mgpu_bwd cannot run these shapes: {why}")
+    for name, x, want in (("d_out", d_out, q.shape), ("lse", lse, q.shape[:3]),
+                          ("delta", delta, q.shape[:3])):
+        if tuple(x.shape) != tuple(want):
+            raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(x.shape)}")
+    if kv_lengths is not None and (not hasattr(kv_lengths, "shape")
+                                   or tuple(kv_lengths.shape) != (q.shape[0],)
+                                   or not jnp.issubdtype(kv_lengths.dtype, jnp.integer)):
+        raise ValueError(f"kv_lengths must be an integer array of shape [{q.shape[0]}], got "
+                         f"{getattr(kv_lengths, 'shape', type(kv_lengths).__name__)}")
+
+
+def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False,
+                             kv_lengths=None, sm_scale=None, block_q_dq: int | None = None,
+                             block_kv_dq: int | None = None, block_kv_dkv: int | None = None,
+                             block_q_dkv: int | None = None, num_stages: int | None = None,
+                             compute_wgs: int | None = None, interpret: bool = False):
+    """``(dq [B, Tq, Hq, D], dk [B, Tk, Hkv, D], dv)`` of flash attention with the given row
+    statistics ``lse`` (the forward's, natural log; ``-inf``: the row gets no gradient) and
+    ``delta = rowsum(d_out * out) - d_lse``, both ``[B, Tq, Hq]``.
+
+    ``q, d_out [B, Tq, Hq, D]`` bfloat16 or float16; ``k, v [B, Tk, Hkv, D]`` (cast to ``q``'s
+    dtype); ``causal``, ``kv_lengths`` (int ``[B]``), ``sm_scale`` (default ``1/sqrt(D)``) as
+    in the forward.  Tiles (default :func:`default_tiles`) as in the module docstring;
+    ``interpret`` runs Mosaic GPU's CPU interpreter.  Gradients come back in the inputs' dtypes;
+    ``dk = dv = 0`` at keys at or past each length.
+
+    Raises ``TypeError`` for non-array inputs or an unsupported dtype and ``ValueError`` for
+    shapes or tiles it cannot run, the tiles' shared memory included.
+    """
+    _check_args(q, k, v, d_out, lse, delta, kv_lengths)
+    tiles = resolve_tiles(q.shape[3], q.dtype, block_q_dq=block_q_dq, block_kv_dq=block_kv_dq,
+                          block_kv_dkv=block_kv_dkv, block_q_dkv=block_q_dkv,
+                          num_stages=num_stages, compute_wgs=compute_wgs, interpret=interpret)
+    d_pad = next(s for s in SUPPORTED_HEAD_DIMS if q.shape[3] <= s)
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    dtype = q.dtype
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    if kv_lengths is None:
+        lengths = jnp.full((b,), tk, jnp.int32)
+    else:
+        lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0, tk)
+    keep = (jnp.arange(tk, dtype=jnp.int32)[None, :] < lengths[:, None])[:, :, None, None]
+    k_dtype, v_dtype = k.dtype, v.dtype
+    k, v = k.astype(dtype), v.astype(dtype)
+    if kv_lengths is not None:   # whole tiles are read: no NaN past the lengths
+        k, v = (jnp.where(keep, x, jnp.zeros((), dtype)) for x in (k, v))
+    bq, bkq = tiles["block_q_dq"], tiles["block_kv_dq"]
+    bkk, bqk = tiles["block_kv_dkv"], tiles["block_q_dkv"]
+    wgs = tiles["compute_wgs"]
+    tq_pad = cdiv(tq, math.lcm(wgs * bq, bqk)) * math.lcm(wgs * bq, bqk)
+    tk_pad = cdiv(tk, math.lcm(bkq, wgs * bkk)) * math.lcm(bkq, wgs * bkk)
+    qp, dop = (pad_axis(pad_axis(x.astype(dtype), 3, d_pad), 1, tq_pad) for x in (q, d_out))
+    kp, vp = (pad_axis(pad_axis(x, 3, d_pad), 1, tk_pad) for x in (k, v))
+    lse32 = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1))            # [B, Hq, Tq]
+    empty = jnp.isneginf(lse32)
+    lse_in = jnp.pad(jnp.where(empty, jnp.inf, lse32), ((0, 0), (0, 0), (0, tq_pad - tq)),
+                     constant_values=jnp.inf)                            # no key: p = 0
+    delta_in = pad_axis(jnp.where(empty, 0.0, jnp.transpose(delta.astype(jnp.float32),
+                                                              (0, 2, 1))), 2, tq_pad)
+    params = {"compiler_params": plgpu.CompilerParams(
+        approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup)}
+    if interpret:
+        params["interpret"] = gpu_interpret_params()
+    to_t = functools.partial(jnp.transpose, axes=(0, 2, 3, 1))           # [B, H, D, T]
+    stages = tiles["num_stages"]
+
+    n_blocks = tq_pad // (wgs * bq)
+    kv_streams = (to_t(kp), to_t(vp), kp) if interpret else (kp, vp)
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, static=(bool(causal), tq, group, scale, bq, bkq),
+                          n_blocks=n_blocks, stages=stages, wgs=wgs, cpu_check=bool(interpret)),
+        grid=(hq, b, n_blocks), grid_names=("h", "b", "m"), num_threads=wgs + 1,
+        thread_name="wg",
+        out_type=jax.ShapeDtypeStruct(qp.shape, dtype),
+        scratch_types=(plgpu.SMEM((wgs, bq, d_pad), dtype), plgpu.SMEM((wgs, bq, d_pad), dtype),
+                       plgpu.SMEM((wgs, bq), jnp.float32), plgpu.SMEM((wgs, bq), jnp.float32),
+                       plgpu.Barrier(num_arrivals=4, num_barriers=wgs))
+                      + ((plgpu.SMEM((wgs, bq, bkq), dtype),) if interpret else ()),
+        **params,
+    )(lengths, qp, dop, lse_in, delta_in, *kv_streams)
+
+    rows = (qp, dop, to_t(qp), to_t(dop)) if interpret else (qp, dop)
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkv_kernel, static=(bool(causal), tq, group, scale, bqk, bkk),
+                          stages=stages, wgs=wgs, cpu_check=bool(interpret)),
+        grid=(hkv, b, tk_pad // (wgs * bkk)), grid_names=("h", "b", "n"), num_threads=wgs + 1,
+        thread_name="wg",
+        out_type=(jax.ShapeDtypeStruct(kp.shape, dtype),) * 2,
+        scratch_types=(plgpu.SMEM((wgs, bkk, d_pad), dtype), plgpu.SMEM((wgs, bkk, d_pad), dtype),
+                       plgpu.Barrier(num_arrivals=2, num_barriers=wgs))
+                      + ((plgpu.SMEM((wgs, bkk, bqk), dtype),) if interpret else ()),
+        **params,
+    )(lengths, kp, vp, *rows, lse_in, delta_in)
+    dk, dv = (jnp.where(keep, x[:, :tk, :, :d], jnp.zeros((), x.dtype)) for x in (dk, dv))
+    return dq[:, :tq, :, :d], dk.astype(k_dtype), dv.astype(v_dtype)
