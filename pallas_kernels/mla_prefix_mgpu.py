@@ -114,8 +114,8 @@ def supported(*, rank: int, rope_dim: int, prefix_len: int, dtype, block_q: int 
         return f"block_kv must be a multiple of 64 in [64, 256], got {block_kv}"
     if num_stages < 2:
         return f"num_stages must be at least 2, got {num_stages}"
-    if prefix_len < 1 or prefix_len % block_kv:
-        return f"prefix length P={prefix_len} must be a positive multiple of block_kv={block_kv}"
+    if prefix_len < 1:
+        return f"prefix length P must be positive, got {prefix_len}"
     need = smem_bytes(rank, rope_dim, dtype, block_q=block_q, block_kv=block_kv,
                       num_stages=num_stages, interpret=interpret)
     if need > SMEM_LIMIT:
@@ -276,7 +276,8 @@ def mla_prefix_partials(q_nope: jax.Array, q_rope: jax.Array, c: jax.Array, k_ro
       q_nope: ``[M, R]`` absorbed queries (16-bit), ``R`` a multiple of 128 up to 512; rows of
         every head of every sequence (padded to a multiple of 64 here).
       q_rope: ``[M, Dr]`` RoPE queries, ``Dr`` 64 or 128.
-      c: ``[P, R]`` the shared prefix's latents (also the values); ``k_rope``: ``[P, Dr]``.
+      c: ``[P, R]`` the shared prefix's latents (also the values); ``k_rope``: ``[P, Dr]``
+        (zero-padded here to a multiple of ``block_kv`` keys when ``P`` is not one).
       length: int scalar (traced or static) valid prefix length, clamped to ``[0, P]``.
       sm_scale: score scale (a Python float).
       num_splits: key splits, one CTA per (64-row block, split), each of
@@ -303,7 +304,7 @@ def mla_prefix_partials(q_nope: jax.Array, q_rope: jax.Array, c: jax.Array, k_ro
                     num_stages=num_stages, interpret=interpret)
     if why is not None:
         raise ValueError(f"mla_prefix_partials cannot run these shapes: {why}")
-    n_tiles = p // block_kv
+    n_tiles = cdiv(p, block_kv)
     tiles_per_split = cdiv(n_tiles, max(num_splits, 1))
     if not 1 <= num_splits <= n_tiles or (num_splits - 1) * tiles_per_split >= n_tiles:
         raise ValueError(f"num_splits={num_splits} must leave every split some of the {n_tiles} "
@@ -311,8 +312,9 @@ def mla_prefix_partials(q_nope: jax.Array, q_rope: jax.Array, c: jax.Array, k_ro
     if getattr(length, "shape", ()) not in ((), (1,)):
         raise ValueError(f"length must be a scalar, got shape {tuple(length.shape)}")
     length = jnp.clip(jnp.asarray(length, jnp.int32).reshape(1), 0, p)
+    c, k_rope = pad_axis(c, 0, n_tiles * block_kv), pad_axis(k_rope, 0, n_tiles * block_kv)
     if zero_tail:
-        c = jnp.where((jnp.arange(p, dtype=jnp.int32) < length[0])[:, None], c,
+        c = jnp.where((jnp.arange(n_tiles * block_kv, dtype=jnp.int32) < length[0])[:, None], c,
                       jnp.zeros((), c.dtype))
     block_q = 64
     m_pad = cdiv(m, block_q) * block_q
