@@ -88,10 +88,11 @@ def make_devices(tensor_parallel: int, data_parallel: int) -> jax.sharding.Mesh 
 
 
 def load_model(path: str | None, dtype_name: str | None, mesh: jax.sharding.Mesh | None = None) -> LLM:
-    """`LLM.load` (on `mesh`), every problem with the files a UsageError."""
+    """`LLM.load` (on `mesh`), every problem with the files (or several devices for a family
+    without them) a UsageError."""
     try:
         return LLM.load(path, dtype=dtype_name, mesh=mesh)
-    except CheckpointError as e:
+    except (CheckpointError, NotImplementedError) as e:  # NotImplementedError: a feature the family lacks
         raise UsageError(str(e)) from None
 
 
@@ -141,8 +142,8 @@ def _generate(args, prompts: list, questions: list[str] | None, mesh, records) -
         try:
             events = llm.events(prompts, sampling_params(args), chat=args.chat, attention=args.attention)
             texts = [llm.prompt_text(p, chat=args.chat) for p in prompts]
-        except ValueError as e:  # empty prompts, context length, chat template problems
-            raise UsageError(str(e)) from None
+        except (ValueError, NotImplementedError) as e:  # empty prompts, context length, chat template
+            raise UsageError(str(e)) from None          # problems, an option the model's family lacks
         try:
             for ev in events:
                 if isinstance(ev, PhaseEvent):

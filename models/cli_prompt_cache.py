@@ -159,7 +159,7 @@ def _open_cache(llm: LLM, directory: str | None) -> PromptCache:
     try:
         return PromptCache(llm.model, llm.params, llm.tokenizer, directory=directory,
                            bos_id=bos_token_id(llm.tokenizer))
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:   # NotImplementedError: a family without the Prompt Cache
         raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"--cache-dir {directory}: {e.strerror or e}") from None

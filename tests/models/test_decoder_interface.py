@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import write_tiny_gguf  # noqa: E402
+from helpers import assert_one_error_line, run_cli, write_tiny_gguf  # noqa: E402
 from models import LLM  # noqa: E402
 from models.decoder import Decoder, DecoderFacts  # noqa: E402
 from models.deepseek import Deepseek  # noqa: E402
@@ -191,3 +191,23 @@ def test_load_names_an_unknown_architecture_and_the_supported_ones(checkpoint, t
     (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
     with pytest.raises(CheckpointError, match=match):
         LLM.load(d)
+
+
+def test_cli_runs_deepseek_and_names_what_it_lacks(llm, checkpoint, tmp_path, capsys):
+    """``jpa-sample --model DIR`` samples from the DeepSeek checkpoint (greedy: transformers'
+    tokens); ``--prompt-logprobs`` and ``--schema`` are one error line naming the family."""
+    hf, d = checkpoint
+    out = tmp_path / "o.jsonl"
+    rc, _, err = run_cli(["--model", d, "-p", PROMPTS[0], "-n", 1, "-m", M, "-t", 0, "--ignore-eos",
+                          "--output", out, "--overwrite"], capsys)
+    assert rc == 0, err
+    rec, = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["token_ids"] == _hf_greedy(hf, llm.prompt_ids(PROMPTS[0]), M)
+    msg = "implemented for the llama family only, not for the deepseek family"
+    assert_one_error_line(*run_cli(["--model", d, "-p", PROMPTS[0], "-m", 2, "--prompt-logprobs",
+                                    "--output", "-"], capsys),
+                          f"prompt_logprobs: {msg}")
+    (tmp_path / "s.pml").write_text('<schema name="s"><module name="a">the cat sat</module></schema>')
+    (tmp_path / "p.pml").write_text('<prompt schema="s"><a/> then</prompt>')
+    assert_one_error_line(*run_cli(["--model", d, "--schema", tmp_path / "s.pml", "--prompt-pml",
+                                    tmp_path / "p.pml", "-m", 2], capsys), f"Prompt Cache: {msg}")
