@@ -26,8 +26,8 @@ S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
 
 
-def _operands(m, r, dr, p, n, *, seed, nan_tail=False):
-    """Random bf16 ``(q_nope [M, R], q_rope [M, Dr], c [P, R], k_rope [P, Dr])``; with
+def _operands(m, r, dr, p, n, *, seed, nan_tail=False, dtype=BF16):
+    """Random ``(q_nope [M, R], q_rope [M, Dr], c [P, R], k_rope [P, Dr])`` in ``dtype``; with
     ``nan_tail`` the prefix holds NaN at and past ``n``."""
     rng = np.random.default_rng(seed)
     qn, qr, c, kr = (rng.standard_normal(shape).astype(np.float32)
@@ -35,7 +35,7 @@ def _operands(m, r, dr, p, n, *, seed, nan_tail=False):
     if nan_tail:
         c[n:] = np.nan
         kr[n:] = np.nan
-    return tuple(jnp.asarray(x, BF16) for x in (qn, qr, c, kr))
+    return tuple(jnp.asarray(x, dtype) for x in (qn, qr, c, kr))
 
 
 def _reference(qn, qr, c, kr, n, scale):
@@ -90,11 +90,12 @@ def test_supported_and_shared_memory_budget():
         call(qn, qr, c, kr, 256, out_dtype=jnp.int32)
 
 
-@pytest.mark.parametrize("m,r,p,n,splits,sched,out_dtype", [
-    (100, 128, 384, 201, 2, True, jnp.float32),    # padded rows, ragged length, NaN past it
-    (64, 256, 250, 250, 1, False, BF16)])          # whole prefix padded to 4 tiles, 16-bit o
-def test_kernel_in_cpu_interpreter_matches_reference(m, r, p, n, splits, sched, out_dtype):
-    qn, qr, c, kr = _operands(m, r, 64, p, n, seed=m + p + n, nan_tail=n < p)
+@pytest.mark.parametrize("m,r,p,n,splits,sched,dtype,out_dtype", [
+    (100, 128, 384, 201, 2, True, BF16, jnp.float32),  # padded rows, ragged length, NaN past it
+    (64, 256, 250, 250, 1, False, BF16, BF16),         # whole prefix padded to 4 tiles
+    (64, 128, 128, 128, 1, True, jnp.float16, jnp.float16)])
+def test_kernel_in_cpu_interpreter_matches_reference(m, r, p, n, splits, sched, dtype, out_dtype):
+    qn, qr, c, kr = _operands(m, r, 64, p, n, seed=m + p + n, nan_tail=n < p, dtype=dtype)
     scale = (r + 64) ** -0.5
     o, lse = mla_prefix_partials(qn, qr, c, kr, n, sm_scale=scale, num_splits=splits,
                                  schedule_barrier=sched, out_dtype=out_dtype, interpret=True)
@@ -107,7 +108,7 @@ def test_kernel_in_cpu_interpreter_matches_reference(m, r, p, n, splits, sched, 
 def test_splits_merged_equal_unsplit_with_traced_length():
     """Three splits of two tiles each (the length traced, one compilation): at length 100 two
     splits see no key (``lse = -inf``, ``o = 0``) and the merge equals the unsplit kernel; at
-    length 0 every row is empty."""
+    length 0 every row is empty; a length past ``P`` is ``P``."""
     m, r, p = 64, 128, 384
     qn, qr, c, kr = _operands(m, r, 64, p, p, seed=3)
     scale = 0.07
@@ -122,6 +123,7 @@ def test_splits_merged_equal_unsplit_with_traced_length():
     _assert_close(o1, lse1, _reference(qn, qr, c, kr, 100, scale))
     o0, lse0 = split3(jnp.int32(0))
     assert bool(jnp.all(jnp.isneginf(lse0))) and bool(jnp.all(o0 == 0))
+    _assert_close(*merge_partials(*split3(jnp.int32(p + 500))), _reference(qn, qr, c, kr, p, scale))
 
 
 @pytest.mark.parametrize("splits,sched,out_dtype", [(1, True, jnp.float32), (4, False, BF16)])
