@@ -1,4 +1,4 @@
-"""Flax/JAX Llama decoder using jax_prefix_attn (functional params, functional KV cache).
+"""Flax/JAX decoders (Llama, DeepSeek-V2/V3) using jax_prefix_attn (functional params, functional KV cache).
 
 * :mod:`models.config` -- :class:`LlamaConfig` (presets, ``from_hf_config``);
 * :mod:`models.layers` -- embedding, RMSNorm, RoPE at explicit positions, SwiGLU, LM head;
@@ -12,6 +12,9 @@
   detection of shared token prefixes, :class:`SharingReport`;
 * :mod:`models.generate` -- validation and the jit-compiled decode loop over a ``PromptBatch``;
 * :mod:`models.llm` -- :class:`LLM`: load a checkpoint, text in, :class:`Completion` out;
+* :mod:`models.decoder` -- :class:`~models.decoder.Decoder`, the interface the engine runs a
+  model family through; :mod:`models.families` -- the families (Llama, DeepSeek-V2/V3 in
+  :mod:`models.deepseek`) and the pick of one from a ``config.json``;
 * :mod:`models.weights` -- HF safetensors loader, ``params_from_hf_state_dict``, random init.
 * :mod:`models.logprobs` -- :func:`completion_logprobs`: log-probs (and entropies) of given
   completions, each prompt computed once, chunked LM head, differentiable (training);

@@ -75,6 +75,28 @@ def _ids(result):
     return [[list(c.token_ids) for c in cs] for cs in result]
 
 
+
+def test_deepseek_v3_checkpoint_greedy_equals_transformers(tmp_path):
+    """A ``DeepseekV3ForCausalLM`` directory (sigmoid routing with ``noaux_tc`` groups and a
+    correction bias, rotate-half RoPE) through ``LLM.load`` and ``generate``."""
+    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf", seed=2, lm_head_scale=1))
+    kw = dict(V2, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, n_group=4, topk_group=2,
+              routed_scaling_factor=2.5, rope_interleave=False)
+    kw.pop("topk_method")
+    torch.manual_seed(1)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(vocab_size=tok.vocab_size, **kw)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)
+        for mod in hf.modules():
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.copy_(0.2 * torch.randn_like(mod.e_score_correction_bias))
+    hf.save_pretrained(tmp_path / "v3")
+    _tokenizer_files(tmp_path / "v3", tok)
+    llm = LLM.load(tmp_path / "v3", dtype="float32")
+    assert llm.config.architecture == "DeepseekV3ForCausalLM" and llm.config.topk_method == "noaux_tc"
+    out = llm.generate(PROMPTS, max_new_tokens=M, temperature=0, ignore_eos=True)
+    assert _ids(out) == [[_hf_greedy(hf, llm.prompt_ids(p), M)] for p in PROMPTS]
+
 def test_load_picks_the_family_and_both_models_implement_the_interface(llm):
     assert isinstance(llm.model, Deepseek) and isinstance(llm.model, Decoder)
     assert llm.config.architecture == "DeepseekV2ForCausalLM"
