@@ -65,8 +65,9 @@ def load_checkpoint(path: str | os.PathLike | None, dtype=None, *,
                                                                      dict]:
     """``(config, params, tokenizer, info)`` of a GGUF file, a Hugging Face directory or (``None``)
     the built-in model.  A directory's family (Llama or DeepSeek-V2/V3) is picked from its
-    ``config.json`` (:func:`models.families.family_of_hf_config`); GGUF files are Llama models.  A directory is checked for missing files first
-    (:func:`missing_model_file`), then read cheapest first: config, tokenizer, weights.  Every
+    ``config.json`` (:func:`models.families.family_of_hf_config`); GGUF files are Llama models.
+    A directory is checked for missing files first (:func:`missing_model_file`), then read
+    cheapest first: config, tokenizer, weights.  Every
     problem with the files raises :class:`~models.gguf.CheckpointError` (one line).  ``mesh``: the
     parameters are padded and placed block by block into their shards on that
     ``("data", "model")`` mesh (never whole on one device).  ``info``: ``path``, ``format``,

@@ -145,7 +145,8 @@ class LLM:
     already have (with ``mesh``: placed on it unless they already are); :meth:`load` reads them.
     Attributes: ``config``, ``params``, ``tokenizer``, ``model`` (the family's
     :class:`~models.decoder.Decoder`, :class:`~models.llama.Llama` or
-    :class:`~models.deepseek.Deepseek`, holding the compiled functions), ``mesh`` (``None`` on one device), ``attention`` (default of
+    :class:`~models.deepseek.Deepseek`, holding the compiled functions), ``mesh`` (``None`` on one
+    device), ``attention`` (default of
     :meth:`generate`), ``eos_token_ids`` (the config's and the tokenizer's), ``info``.
     """
 
@@ -175,7 +176,9 @@ class LLM:
         elsewhere).  ``tensor_parallel`` / ``data_parallel``: run on the first
         ``tensor_parallel * data_parallel`` devices (or on ``mesh``), checked before anything is
         read (:func:`resolve_mesh`: ``ValueError`` when the devices are not there).  Raises
-        :class:`~models.gguf.CheckpointError` for unusable files."""
+        :class:`~models.gguf.CheckpointError` for unusable files, an unknown architecture among them
+        (:func:`models.families.family_of_hf_config`), and ``NotImplementedError`` for several
+        devices with a DeepSeek directory."""
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         mesh = resolve_mesh(tensor_parallel, data_parallel, mesh)
