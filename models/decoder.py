@@ -3,7 +3,7 @@ needs from a model family, so that one engine runs every family.
 
 * :class:`DecoderFacts` -- the config facts the engine reads: the family's name, the vocabulary
   size, the end-of-sequence and pad ids, the context length and the cache entries one token
-  takes over all layers (for the sharing report's bytes).
+  takes over all layers (for the sharing report's bytes) and whether prefix levels nest.
 * :func:`require_family` -- the ``NotImplementedError`` an entry point of a feature that one
   family has (a reusable prefix cache, the Prompt Cache, ``completion_logprobs``, several
   devices) raises for a model of another family, naming the feature and both families.
@@ -46,13 +46,17 @@ __all__ = ["Decoder", "DecoderFacts", "require_family"]
 class DecoderFacts:
     """The config facts the engine needs (module docstring).  ``cache_values_per_token``: cache
     entries one token adds over all layers (Llama: ``2 * layers * kv_heads * head_dim``;
-    DeepSeek: ``layers * (kv_lora_rank + qk_rope_head_dim)``)."""
+    DeepSeek: ``layers * (kv_lora_rank + qk_rope_head_dim)``).  ``nested_prefixes``: whether the
+    cache stores prefix levels one below another, each node once (Llama); False: one level of
+    shared prompts, so :class:`models.LLM` plans its batches with the levels folded into one
+    (:meth:`~models.prefix_sharing.PromptBatch.single_level`, DeepSeek)."""
     family: str
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     max_position_embeddings: int
     cache_values_per_token: int
+    nested_prefixes: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "max_position_embeddings", "cache_values_per_token"):

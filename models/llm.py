@@ -251,7 +251,8 @@ class LLM:
         return plan_request(ids, params=params, attention=attention, explicit_share=bool(shared_prompt),
                             vocab_size=self.model.facts.vocab_size,
                             context=self.model.facts.max_position_embeddings,
-                            bytes_per_token=self.kv_bytes_per_token, data_parallel=self.data_parallel)
+                            bytes_per_token=self.kv_bytes_per_token, data_parallel=self.data_parallel,
+                            nested_prefixes=self.model.facts.nested_prefixes)
 
     # -- generation -------------------------------------------------------------------------
     def generate(self, prompts, sampling: SamplingParams | None = None, *, chat: bool = False,

@@ -8,9 +8,10 @@ of what sharing saved.
   :meth:`PromptBatch.plain` (no sharing), :meth:`PromptBatch.shared` (one shared prefix, e.g.
   ``N`` samples of one prompt or several questions about one document) and
   :meth:`PromptBatch.two_level` (a shared root, one middle part per group, ``N`` samples each).
-  :meth:`PromptBatch.validate` raises ``ValueError`` naming the numbers for empty prompts, token
-  ids outside the vocabulary, group sizes that do not divide, and prompts plus
-  ``max_new_tokens`` beyond the cache capacity.
+  :meth:`PromptBatch.single_level` folds the levels into one (each deepest node with its path),
+  for a cache that holds one level of shared prompts.  :meth:`PromptBatch.validate` raises
+  ``ValueError`` naming the numbers for empty prompts, token ids outside the vocabulary, group
+  sizes that do not divide, and prompts plus ``max_new_tokens`` beyond the cache capacity.
 * :func:`plan_prompt_batch` -- the batch for ``n`` samples of each of ``P`` tokenized prompts,
   rows ordered ``j * n + i`` (sample ``i`` of prompt ``j``): the longest token prefix common to
   all prompts becomes a shared root when it has at least ``min_shared_tokens`` tokens, and with
@@ -161,6 +162,17 @@ class PromptBatch:
             raise ValueError(f"sequence {i}'s prompt ({where}: {int(held[i])} tokens) + max_new_tokens "
                              f"({max_new_tokens or 0}) = {need} exceeds the cache capacity {capacity}")
         return need
+
+    def single_level(self) -> "PromptBatch":
+        """The same prompts with their prefix levels folded into one: each node of the deepest
+        level with its whole path (its ancestors' tokens first); a batch of at most one level is
+        returned as it is."""
+        if len(self.levels) <= 1:
+            return self
+        g = len(self.levels[-1])
+        per, paths = self.batch // g, self.path_lengths()
+        nodes = tuple(tuple(self.full_prompt(j * per)[:int(paths[j * per])]) for j in range(g))
+        return PromptBatch(levels=(nodes,), suffixes=self.suffixes)
 
     # -- arrays ------------------------------------------------------------------------------
     def level_arrays(self, *, buckets: bool = False) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:

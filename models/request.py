@@ -101,11 +101,15 @@ class Request:
 
 
 def plan_request(ids: Sequence[Sequence[int]], *, params: SamplingParams, attention: str, explicit_share: bool,
-                 vocab_size: int, context: int, bytes_per_token: int, data_parallel: int = 1) -> Request:
+                 vocab_size: int, context: int, bytes_per_token: int, data_parallel: int = 1,
+                 nested_prefixes: bool = True) -> Request:
     """The :class:`Request` of tokenized prompts ``ids``: checks their lengths against
     ``context`` and ``params.stop_token_ids`` against ``vocab_size``, plans the shared-prefix
     batch (``explicit_share``: a common prefix is shared whatever its length), resolves
     ``attention`` on it and pads it to a bucketed multiple of ``data_parallel`` rows.
+    ``nested_prefixes=False`` (a model whose cache holds one level of shared prompts): the
+    batch's levels are folded into one (:meth:`PromptBatch.single_level`), so the batch and its
+    sharing report are what the cache stores.
     ``params.seed`` must be an int (:func:`~models.sampling_params.resolve_seed`)."""
     n, max_new_tokens = params.n, params.max_new_tokens
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
@@ -118,6 +122,8 @@ def plan_request(ids: Sequence[Sequence[int]], *, params: SamplingParams, attent
             raise ValueError(f"prompt {j} ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) = "
                              f"{len(p) + max_new_tokens} exceeds the model's context of {context} tokens")
     batch = plan_prompt_batch(ids, n, min_shared_tokens=1 if explicit_share else MIN_SHARED_TOKENS)
+    if not nested_prefixes:
+        batch = batch.single_level()
     batch.validate(vocab_size, max_new_tokens=max_new_tokens)
     layout = resolve_attention(batch, attention)
     padded = pad_batch(batch, multiple=data_parallel)

@@ -5,7 +5,8 @@ The latent cache has one level of shared prompts (:class:`~models.deepseek.cache
 ``seq_to_prefix``), so the batch's prefix levels are folded into one:
 
 * ``attention="shared"`` with levels: every node of the deepest level is stored once with its
-  whole path (its ancestors' tokens, then its own), sequence ``b`` hangs from node
+  whole path (its ancestors' tokens, then its own: :meth:`PromptBatch.single_level`), sequence
+  ``b`` hangs from node
   ``b // (B // G)``, and each sequence's own tokens are appended to its suffix buffer
   (:meth:`Deepseek.extend`, absorbed MLA over the shared latent prompt);
 * ``attention="flat"``, or a batch without levels: every sequence's whole prompt is its own
@@ -40,11 +41,8 @@ def prompt_entries(prompts: PromptBatch, attention: str) -> tuple[list[list[int]
     if attention == "flat" or not prompts.levels:
         whole = [prompts.full_prompt(i) for i in range(b)]
         return whole, np.arange(b, dtype=np.int32), PromptBatch.plain([()] * b)
-    g = len(prompts.levels[-1])
-    per = b // g
-    paths = prompts.path_lengths()
-    stored = [prompts.full_prompt(j * per)[:int(paths[j * per])] for j in range(g)]
-    return stored, (np.arange(b) // per).astype(np.int32), prompts
+    nodes = prompts.single_level().levels[0]
+    return [list(n) for n in nodes], (np.arange(b) // (b // len(nodes))).astype(np.int32), prompts
 
 
 def prefill_prompt_batch(model, params: dict, prompts: PromptBatch, *, capacity: int, attention: str,

@@ -83,7 +83,8 @@ class Deepseek:
         c = self.config
         return DecoderFacts(family="deepseek", vocab_size=c.vocab_size, eos_token_ids=c.eos_token_ids,
                             pad_token_id=None, max_position_embeddings=c.max_position_embeddings,
-                            cache_values_per_token=c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim))
+                            cache_values_per_token=c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim),
+                            nested_prefixes=False)
 
     def params_in_layout(self, params: dict, *, stacked: bool) -> dict:
         """``params`` (a list of layers); ``ValueError`` for the stacked layout."""

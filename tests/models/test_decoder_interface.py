@@ -103,7 +103,7 @@ def test_load_picks_the_family_and_both_models_implement_the_interface(llm):
     facts = llm.model.facts
     assert facts == DecoderFacts(family="deepseek", vocab_size=llm.tokenizer.vocab_size, eos_token_ids=(),
                                  pad_token_id=None, max_position_embeddings=256,
-                                 cache_values_per_token=3 * (16 + 4))
+                                 cache_values_per_token=3 * (16 + 4), nested_prefixes=False)
     assert llm.kv_bytes_per_token == 3 * 20 * 4
     assert "3 layers" in repr(llm)
     assert family_of_hf_config({"architectures": ["DeepseekV3ForCausalLM"]}) == "deepseek"
@@ -139,11 +139,14 @@ def test_greedy_generate_and_stream_equal_transformers(llm, checkpoint, attentio
     assert texts == [llm.tokenizer.decode(w[0], skip_special_tokens=True) for w in want]
 
 
-def test_greedy_samples_of_each_prompt_share_two_levels(llm, checkpoint):
-    """``n=2``: a shared root and each prompt shared by its samples; the deepest nodes are stored
-    with their paths, every sample equals transformers' greedy continuation."""
+def test_greedy_samples_of_each_prompt_share_one_folded_level(llm, checkpoint):
+    """``n=2``: a shared root and each prompt shared by its samples, folded into one level (each
+    prompt stored once, whole); every sample equals transformers' greedy continuation, and the
+    sharing report describes what is stored."""
     hf, _ = checkpoint
     out = llm.generate(PROMPTS[:2], n=2, max_new_tokens=M, temperature=0, ignore_eos=True)
+    ids = [llm.prompt_ids(p) for p in PROMPTS[:2]]
+    assert out.sharing.levels == ((2, tuple(len(i) for i in ids)),)   # the root folded into both prompts
     for j, p in enumerate(PROMPTS[:2]):
         want = _hf_greedy(hf, llm.prompt_ids(p), M)
         assert [list(c.token_ids) for c in out[j]] == [want, want]
@@ -233,3 +236,12 @@ def test_cli_runs_deepseek_and_names_what_it_lacks(llm, checkpoint, tmp_path, ca
     (tmp_path / "p.pml").write_text('<prompt schema="s"><a/> then</prompt>')
     assert_one_error_line(*run_cli(["--model", d, "--schema", tmp_path / "s.pml", "--prompt-pml",
                                     tmp_path / "p.pml", "-m", 2], capsys), f"Prompt Cache: {msg}")
+
+
+def test_single_level_folds_each_deepest_node_with_its_path():
+    batch = PromptBatch.two_level([1, 2, 3], [[4], [5, 6]], num_samples=2, suffixes=[[7], [], [8, 9], []])
+    folded = batch.single_level()
+    assert folded.levels == (((1, 2, 3, 4), (1, 2, 3, 5, 6)),) and folded.suffixes == batch.suffixes
+    assert [folded.full_prompt(b) for b in range(4)] == [batch.full_prompt(b) for b in range(4)]
+    one = PromptBatch.shared([1, 2], [[3], [4]])
+    assert one.single_level() is one
