@@ -442,5 +442,5 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
                       + ((plgpu.SMEM((wgs, bkk, bqk), dtype),) if interpret else ()),
         **params,
     )(lengths, kp, vp, *rows, lse_in, delta_in)
-    dk, dv = (jnp.where(keep, x[:, :tk, :, :d], jnp.zeros((), x.dtype)) for x in (dk, dv))
-    return dq[:, :tq, :, :d], dk.astype(k_dtype), dv.astype(v_dtype)
+    return (dq[:, :tq, :, :d], dk[:, :tk, :, :d].astype(k_dtype),
+            dv[:, :tk, :, :d].astype(v_dtype))
