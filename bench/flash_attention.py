@@ -4,8 +4,9 @@ Causal bf16 attention, ``B=4, T=4096, H=32, D=128`` and ``B=1, T=16384``: forwar
 forward+backward TFLOP/s of
 
 * ``ours``: :func:`pallas_kernels.flash_attention.flash_attention` (Triton lowering);
-* ``mgpu``: :func:`pallas_kernels.flash_attention_mgpu.flash_attention_mgpu` (Mosaic GPU,
-  forward only: its forward+backward is recorded as an error);
+* ``mgpu``: :func:`pallas_kernels.flash_attention_mgpu_vjp.flash_attention_mgpu_vjp` (Mosaic
+  GPU forward :func:`pallas_kernels.flash_attention_mgpu.flash_attention_mgpu`, and in the
+  forward+backward timing the Mosaic GPU backward kernels);
 * ``cudnn`` / ``xla``: ``jax.nn.dot_product_attention(implementation=...)``;
 * ``mha``: deprecated ``jax.experimental.pallas.ops.gpu.attention.mha`` (default blocks;
   top-left causal, identical to ours for square causal attention).
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import device_info, time_fn  # noqa: E402
 from pallas_kernels.flash_attention import FlashConfig, KernelTiles, default_config, flash_attention  # noqa: E402
-from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu  # noqa: E402
+from pallas_kernels.flash_attention_mgpu_vjp import flash_attention_mgpu_vjp  # noqa: E402
 
 SHAPES = [dict(b=4, t=4096, h=32, d=128), dict(b=1, t=16384, h=32, d=128)]
 
@@ -65,7 +66,7 @@ def impl_fns(config: FlashConfig | None):
         return flash_attention(q, k, v, causal=True, config=config)[0]
 
     def mgpu(q, k, v):
-        return flash_attention_mgpu(q, k, v, causal=True)[0]
+        return flash_attention_mgpu_vjp(q, k, v, causal=True)[0]
 
     def cudnn(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
