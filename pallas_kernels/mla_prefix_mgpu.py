@@ -396,6 +396,8 @@ def mla_prefix_partials(q_nope: jax.Array, q_rope: jax.Array, c: jax.Array, k_ro
                          f"key tiles (each takes {tiles_per_split})")
     if getattr(length, "shape", ()) not in ((), (1,)):
         raise ValueError(f"length must be a scalar, got shape {tuple(length.shape)}")
+    if not jnp.issubdtype(jnp.asarray(length).dtype, jnp.integer):
+        raise TypeError(f"length must be an integer, got {jnp.asarray(length).dtype}")
     length = jnp.clip(jnp.asarray(length, jnp.int32).reshape(1), 0, p)
     c, k_rope = pad_axis(c, 0, n_tiles * block_kv), pad_axis(k_rope, 0, n_tiles * block_kv)
     if zero_tail:

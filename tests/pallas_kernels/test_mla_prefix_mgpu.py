@@ -87,6 +87,8 @@ def test_supported_and_shared_memory_budget():
         call(qn, qr, c, kr, 256, num_splits=3)                # 4 tiles: 2 + 2 + none
     with pytest.raises(ValueError, match="length must be a scalar"):
         call(qn, qr, c, kr, jnp.array([1, 2]))
+    with pytest.raises(TypeError, match="length must be an integer, got float32"):
+        call(qn, qr, c, kr, jnp.float32(3.0))
     with pytest.raises(ValueError, match="sm_scale must be a positive"):
         call(qn, qr, c, kr, 256, sm_scale=0.0)
     with pytest.raises(TypeError, match="out_dtype"):
