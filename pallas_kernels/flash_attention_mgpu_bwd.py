@@ -20,29 +20,32 @@ length: the kernels read whole tiles, and 0 times a NaN is NaN).
 
 Kernels (deterministic: every gradient element is written by exactly one CTA, no atomics):
 
-* dK/dV: grid ``(Hkv, B, key blocks of 2 * block_kv_dkv keys)``.  Two compute warpgroups each own
-  ``block_kv_dkv`` keys (their ``K``, ``V`` loaded once by TMA; ``dK``, ``dV`` accumulated in
+* dK/dV: grid ``(Hkv, B, key blocks of compute_wgs * block_kv_dkv keys)``.  ``compute_wgs``
+  compute warpgroups (two; one at head_dim 256) each own ``block_kv_dkv`` keys (their ``K``, ``V`` loaded once by TMA; ``dK``, ``dV`` accumulated in
   registers, float32) and a memory warpgroup streams the tiles of ``block_q_dkv`` query rows --
   ``Q``, ``dO``, ``lse``, ``delta`` -- of every query head of the kv head, for the query blocks that
   some of the CTA's keys see (causal: from the first block past the diagonal), through a ring of
   ``num_stages`` shared-memory slots (``emit_pipeline_warp_specialized``).  Per tile, transposed
   so that the keys are the wgmma rows: ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO`` (``P^T`` from
-  registers), ``dP^T = V dO^T``, ``dS^T``, ``dK += dS^T Q``.  The GQA sum is this loop.
-* dQ: grid ``(Hq, B, row blocks of 2 * block_q_dq rows)``, the causal row blocks heaviest first.
-  Two compute warpgroups each own ``block_q_dq`` rows of one query head (``Q``, ``dO``, ``lse``,
+  registers) issued together with ``dP^T = V dO^T`` (one wait for both), ``dS^T``, ``dK += dS^T
+  Q``.  The GQA sum is this loop.
+* dQ: grid ``(Hq, B, row blocks of compute_wgs * block_q_dq rows)``, the causal row blocks
+  heaviest first.  The compute warpgroups each own ``block_q_dq`` rows of one query head (``Q``, ``dO``, ``lse``,
   ``delta`` loaded once), and the memory warpgroup streams the ``K``, ``V`` tiles of
-  ``block_kv_dq`` keys that some of the rows see.  Per tile: ``S = Q K^T``, ``dP = dO V^T``,
-  ``dS``, ``dQ += dS K`` (``dS`` from registers).
+  ``block_kv_dq`` keys that some of the rows see.  Per tile: ``S = Q K^T`` and ``dP = dO V^T``
+  (issued together), ``dS``, ``dQ += dS K`` (``dS`` from registers).
 
 In both, a warpgroup builds the mask only on tiles where some entry is masked (a uniform
 branch) and, for a streamed tile none of its entries sees, only releases the slot.  Results
 leave through the shared-memory tiles they were computed from (TMA stores).
 
-Tunable: ``block_q_dq`` (rows per dQ warpgroup, a multiple of 64), ``block_kv_dq`` (keys per
-streamed dQ tile, a multiple of 32 up to 256), ``block_kv_dkv`` (keys per dK/dV warpgroup, a
-multiple of 64), ``block_q_dkv`` (rows per streamed dK/dV tile, a multiple of 32 up to 256),
-``num_stages`` (ring depth).  Both kernels must fit the shared memory of a Hopper SM
-(:func:`smem_bytes`; ``ValueError`` otherwise).
+Tunable (:func:`default_tiles`, checked by :func:`resolve_tiles`): ``block_q_dq`` (rows per dQ
+warpgroup, a multiple of 64), ``block_kv_dq`` (keys per streamed dQ tile), ``block_kv_dkv`` (keys
+per dK/dV warpgroup, a multiple of 64), ``block_q_dkv`` (rows per streamed dK/dV tile); the
+streamed tiles are the K dimension of a wgmma, multiples of 64 up to 256; ``num_stages`` (ring
+depth), ``compute_wgs`` (1 or 2).  Both kernels must fit the shared memory of a Hopper SM
+(:func:`smem_bytes`; ``ValueError`` otherwise).  At head_dim 256 a dK/dV warpgroup's two float32
+accumulators ``[64, 256]`` alone take 256 registers per thread: that kernel spills.
 
 Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter, whose wgmma takes both
 operands from shared memory untransposed: the transposed operands are streamed as pre-transposed
@@ -84,7 +87,7 @@ def smem_bytes(head_dim: int, dtype, *, block_q_dq: int, block_kv_dq: int, block
                block_q_dkv: int, num_stages: int, compute_wgs: int,
                interpret: bool = False) -> dict:
     """Bytes of shared memory of one CTA of each kernel (upper estimates), ``{"dq": ..., "dkv":
-    ...}``: the two warpgroups' resident tiles, ``num_stages`` streamed tiles per operand (and in
+    ...}``: the compute warpgroups' resident tiles, ``num_stages`` streamed tiles per operand (and in
     interpret mode the pre-transposed copies and staged products), each 1 KiB aligned, and the
     barriers."""
     item = jnp.dtype(dtype).itemsize
@@ -135,6 +138,45 @@ def resolve_tiles(head_dim: int, dtype, *, interpret: bool = False, **given) -> 
 def _arrive(barriers) -> None:
     for bar in barriers:
         plgpu.barrier_arrive(bar)
+
+
+def _score_pair(a0, b0, a1, b1, *, shape, cpu_check: bool):
+    """``(a0 b0^T, a1 b1^T)`` float32 ``shape`` on the tensor cores, both issued before either
+    is read (``b0``, ``b1`` pre-transposed in memory with ``cpu_check``)."""
+    t = (lambda b: b) if cpu_check else (lambda b: b.transpose((1, 0)))
+
+    def products(r0, r1):
+        plgpu.wgmma(r0, a0, t(b0))
+        plgpu.wgmma(r1, a1, t(b1))
+        return r0[...], r1[...]
+    acc = plgpu.ACC(shape, jnp.float32)
+    return pl.run_scoped(products, acc, acc)
+
+
+def _accumulate_and_score(acc, p16, b_smem, p_smem, score_operands, *, shape, cpu_check: bool):
+    """``(acc + p16 @ b_smem, a @ c^T)`` with ``(a, c) = score_operands()`` (called inside the
+    products' scope; ``c`` pre-transposed with ``cpu_check``), both issued before either is read:
+    ``acc`` in place with ``p16`` from registers, or with ``cpu_check`` ``p16`` staged through
+    ``p_smem`` into fresh accumulators (the forms Mosaic GPU's CPU interpreter has)."""
+    if cpu_check:
+        p_smem[...] = p16
+        plgpu.commit_smem()
+
+        def fresh(r0, r1):
+            plgpu.wgmma(r0, p_smem, b_smem)
+            plgpu.wgmma(r1, *score_operands())
+            return r0[...], r1[...]
+        more, score = pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32),
+                                    plgpu.ACC(shape, jnp.float32))
+        return acc + more, score
+
+    def in_place(refs):
+        acc_ref, s_ref = refs
+        plgpu.wgmma(acc_ref, p16, b_smem)
+        a, c = score_operands()
+        plgpu.wgmma(s_ref, a, c.transpose((1, 0)))
+    return pl.run_state(in_place)((plgpu.ACC.init(acc),
+                                   plgpu.ACC.init(jnp.zeros(shape, jnp.float32))))
 
 
 def _pipeline(body, *, n_steps, stages, wgs, context, specs):
@@ -195,8 +237,7 @@ def _dq_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, *rest, static, n_bloc
 
         def compute(dq):
             shape = (block_q, block_kv)
-            s = wg_scores(q_smem, k_t, shape=shape, cpu_check=cpu_check)
-            dp = wg_scores(do_smem, v_t, shape=shape, cpu_check=cpu_check)
+            s, dp = _score_pair(q_smem, k_t, do_smem, v_t, shape=shape, cpu_check=cpu_check)
             _arrive(consumed[1:2])
             p = jnp.exp2(s * (scale * LOG2E)
                          - lax.broadcast_in_dim(lse_smem[...] * LOG2E, shape, [0]))
@@ -303,8 +344,9 @@ def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check):
             if causal:
                 any_masked = any_masked | (kw + block_kv - 1 > qb * block_q + diag)
             p = lax.cond(any_masked, masked, lambda p: p, p)
-            dv = wg_accumulate_pv(dv, p.astype(k_smem.dtype), do_t, p_smem, cpu_check=cpu_check)
-            dpt = wg_scores(v_smem, doT_t, shape=shape, cpu_check=cpu_check)
+            dv, dpt = _accumulate_and_score(dv, p.astype(k_smem.dtype), do_t, p_smem,
+                                            lambda: (v2.at[wg], doT_t), shape=shape,
+                                            cpu_check=cpu_check)
             ds = p * (dpt - lax.broadcast_in_dim(delta_t[...], shape, [1]))
             dk = wg_accumulate_pv(dk, ds.astype(k_smem.dtype), q_t, p_smem, cpu_check=cpu_check)
             _arrive(consumed)
@@ -333,8 +375,7 @@ def _check_args(q, k, v, d_out, lse, delta, kv_lengths):
                     ("delta", delta)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
+        if name in ("q", "k", "v") and x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape "
                              f"{tuple(x.shape)}")
     if k.shape != v.shape:
@@ -386,15 +427,13 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
     group = hq // hkv
     dtype = q.dtype
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    if kv_lengths is None:
-        lengths = jnp.full((b,), tk, jnp.int32)
-    else:
-        lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0, tk)
-    keep = (jnp.arange(tk, dtype=jnp.int32)[None, :] < lengths[:, None])[:, :, None, None]
+    lengths = (jnp.full((b,), tk, jnp.int32) if kv_lengths is None
+               else jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0, tk))
     k_dtype, v_dtype = k.dtype, v.dtype
     k, v = k.astype(dtype), v.astype(dtype)
     if kv_lengths is not None:   # whole tiles are read: no NaN past the lengths
-        k, v = (jnp.where(keep, x, jnp.zeros((), dtype)) for x in (k, v))
+        keep = jnp.arange(tk, dtype=jnp.int32)[None, :] < lengths[:, None]
+        k, v = (jnp.where(keep[:, :, None, None], x, jnp.zeros((), dtype)) for x in (k, v))
     bq, bkq = tiles["block_q_dq"], tiles["block_kv_dq"]
     bkk, bqk = tiles["block_kv_dkv"], tiles["block_q_dkv"]
     wgs = tiles["compute_wgs"]
@@ -408,21 +447,18 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
                      constant_values=jnp.inf)                            # no key: p = 0
     delta_in = pad_axis(jnp.where(empty, 0.0, jnp.transpose(delta.astype(jnp.float32),
                                                               (0, 2, 1))), 2, tq_pad)
-    params = {"compiler_params": plgpu.CompilerParams(
-        approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup)}
-    if interpret:
-        params["interpret"] = gpu_interpret_params()
+    params = dict(compiler_params=plgpu.CompilerParams(
+        approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        num_threads=wgs + 1, thread_name="wg",
+        **({"interpret": gpu_interpret_params()} if interpret else {}))
     to_t = functools.partial(jnp.transpose, axes=(0, 2, 3, 1))           # [B, H, D, T]
     stages = tiles["num_stages"]
-
     n_blocks = tq_pad // (wgs * bq)
     kv_streams = (to_t(kp), to_t(vp), kp) if interpret else (kp, vp)
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, static=(bool(causal), tq, group, scale, bq, bkq),
                           n_blocks=n_blocks, stages=stages, wgs=wgs, cpu_check=bool(interpret)),
-        grid=(hq, b, n_blocks), grid_names=("h", "b", "m"), num_threads=wgs + 1,
-        thread_name="wg",
-        out_type=jax.ShapeDtypeStruct(qp.shape, dtype),
+        grid=(hq, b, n_blocks), grid_names=("h", "b", "m"), out_type=jax.ShapeDtypeStruct(qp.shape, dtype),
         scratch_types=(plgpu.SMEM((wgs, bq, d_pad), dtype), plgpu.SMEM((wgs, bq, d_pad), dtype),
                        plgpu.SMEM((wgs, bq), jnp.float32), plgpu.SMEM((wgs, bq), jnp.float32),
                        plgpu.Barrier(num_arrivals=4, num_barriers=wgs))
@@ -434,8 +470,7 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
     dk, dv = plgpu.kernel(
         functools.partial(_dkv_kernel, static=(bool(causal), tq, group, scale, bqk, bkk),
                           stages=stages, wgs=wgs, cpu_check=bool(interpret)),
-        grid=(hkv, b, tk_pad // (wgs * bkk)), grid_names=("h", "b", "n"), num_threads=wgs + 1,
-        thread_name="wg",
+        grid=(hkv, b, tk_pad // (wgs * bkk)), grid_names=("h", "b", "n"),
         out_type=(jax.ShapeDtypeStruct(kp.shape, dtype),) * 2,
         scratch_types=(plgpu.SMEM((wgs, bkk, d_pad), dtype), plgpu.SMEM((wgs, bkk, d_pad), dtype),
                        plgpu.Barrier(num_arrivals=2, num_barriers=wgs))
