@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_attention_mgpu import default_block_kv, flash_attention_mgpu
+from pallas_kernels.flash_attention_mgpu import default_block_kv, flash_attention_mgpu, supported
 from pallas_kernels.flash_attention_mgpu_bwd import flash_attention_mgpu_bwd, resolve_tiles
 
 __all__ = ["flash_attention_mgpu_vjp"]
@@ -64,7 +64,7 @@ def flash_attention_mgpu_vjp(q, k, v, *, causal: bool = False, kv_lengths=None, 
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if not isinstance(bwd_tiles, (dict, type(None))):
         raise TypeError(f"bwd_tiles must be a dict or None, got {type(bwd_tiles).__name__}")
-    if q.ndim == 4:
+    if supported(q.shape, k.shape, q.dtype) is None:   # (otherwise the forward says why)
         resolve_tiles(q.shape[3], q.dtype, **(bwd_tiles or {}), interpret=interpret)
     if block_kv is None and q.ndim == 4:
         block_kv = default_block_kv(q.shape[3])

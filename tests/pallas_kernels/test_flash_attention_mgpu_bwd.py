@@ -129,6 +129,8 @@ def test_tiles_and_argument_checks():
         flash_attention_mgpu_vjp(q, kv, kv, bwd_tiles=[64])
     with pytest.raises(ValueError, match="block_kv_dkv must be a multiple of 64"):
         flash_attention_mgpu_vjp(q, kv, kv, bwd_tiles={"block_kv_dkv": 32})
+    with pytest.raises(TypeError, match="bfloat16 and float16.*float32"):
+        flash_attention_mgpu_vjp(z(1, 64, 2, 64, dt=jnp.float32), kv, kv)
 
 
 # ---------------------------------------------------------------------------- CUDA lowering
@@ -189,12 +191,12 @@ def test_backward_in_cpu_interpreter_matches_reference(b, tq, tk, hq, hkv, d, ca
 @pytest.mark.parametrize("b,tq,tk,hq,hkv,d,causal,dtype,lengths", [
     # G=4, causal, Tq < Tk, ragged with an empty-row sequence
     (2, 24, 70, 4, 1, 64, True, jnp.bfloat16, [70, 9]),
-    # G=2, full, float16, head_dim 128, length inside the second key tile
-    (1, 33, 90, 2, 1, 128, False, jnp.float16, [75]),
+    # G=2, full, float16, head_dim 128, no lengths (Tk not a tile multiple)
+    (1, 33, 90, 2, 1, 128, False, jnp.float16, None),
 ])
 def test_vjp_in_cpu_interpreter_matches_reference(b, tq, tk, hq, hkv, d, causal, dtype, lengths):
     q, k, v, do, dlse, lens = _case(b * 10 + tq + tk + d, b, tq, tk, hq, hkv, d, dtype, lengths)
-    n = jnp.asarray(lengths, jnp.int32)
+    n = None if lengths is None else jnp.asarray(lengths, jnp.int32)
     (out, lse), vjp = jax.vjp(lambda q, k, v: flash_attention_mgpu_vjp(
         q, k, v, causal=causal, kv_lengths=n, block_kv=64, bwd_tiles={"block_kv_dq": 64},
         interpret=True), q, k, v)
