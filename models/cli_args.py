@@ -175,6 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel", type=_int_at_least(1), default=1, metavar="M",
                    help="split the sequences over M groups of --tensor-parallel devices; the first N x M devices "
                         "are used (default: %(default)s)")
+    p.add_argument("--devices", type=_int_at_least(1), default=None, metavar="N",
+                   help="run on the first N devices with the tensor x data parallel split modelled fastest "
+                        "for this run's prompts, samples and --max-new-tokens, and say which and why on "
+                        "standard error; instead of --tensor-parallel / --data-parallel (default: off)")
+    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="join a run of several processes (one per host, each running the same command): "
+                        "process 0's address; with --num-processes and --process-id (default: the "
+                        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID environment variables; "
+                        "default: none, one process)")
+    p.add_argument("--num-processes", type=_int_at_least(1), default=None, metavar="P",
+                   help="processes in the run, with --coordinator-address (default: none)")
+    p.add_argument("--process-id", type=_int_at_least(0), default=None, metavar="I",
+                   help="this process's index in [0, P), with --coordinator-address (default: none)")
     p.add_argument("--output", "-o", default=None,
                    help="write one JSON object per completion to this .jsonl as each finishes ('-': standard "
                         "output, the completions are then not printed); the file appears when the run ends, "
@@ -214,6 +227,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     if args.prompt_file == STDIN and args.questions_file == STDIN:
         parser.error("--prompt-file and --questions-file cannot both be '-' (standard input)")
     _check_prompt_cache_flags(parser, args)
+    if args.devices is not None and (args.tensor_parallel, args.data_parallel) != (1, 1):
+        parser.error("--devices chooses the split: it cannot be used with --tensor-parallel / --data-parallel")
+    given = [args.coordinator_address is not None, args.num_processes is not None, args.process_id is not None]
+    if any(given) and not all(given):
+        parser.error("--coordinator-address, --num-processes and --process-id go together")
+    if all(given) and args.process_id >= args.num_processes:
+        parser.error(f"--process-id must be in [0, --num-processes={args.num_processes}), got {args.process_id}")
     for flag, given in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
         if given and not args.output:
             parser.error(f"{flag} needs --output FILE or --output - (the log-probabilities are written in the "
@@ -250,6 +270,8 @@ def _check_prompt_cache_flags(parser: argparse.ArgumentParser, args: argparse.Na
                      f"per batch as shared prefix levels)")
     if (args.tensor_parallel, args.data_parallel) != (1, 1):
         parser.error("--tensor-parallel / --data-parallel cannot be used with --schema (it runs on one device)")
+    if args.devices is not None:
+        parser.error("--devices cannot be used with --schema (it runs on one device)")
     ends = "completions end at the model's end-of-sequence ids, --stop strings and --max-new-tokens"
     for flag, given, why in (
             ("--stop-token-ids", bool(args.stop_token_ids), ends), ("--ignore-eos", args.ignore_eos, ends),

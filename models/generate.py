@@ -65,6 +65,7 @@ from models.llama import Llama, prefill_levels
 from models.prefix_sharing import PromptBatch, bucket_length
 from models.sampling import GREEDY, SamplingConfig
 from models.sharded_llama import ShardedLlama
+from models.sharding import host_array
 from models.token_step import check_top_logprobs, choose_tokens, initial_counts, prompt_seen
 
 __all__ = ["ATTENTION", "LAYOUTS", "GenerateOutput", "PromptBatch", "generate", "generate_from_cache",
@@ -135,7 +136,7 @@ def _check_prefix_cache(prefix: PrefixCache, prompts: PromptBatch, repeats: tupl
                          f"{sizes}")
     for l, (lens, lv, r) in enumerate(zip(prefix.lengths, prompts.levels, repeats)):
         want = np.repeat(np.asarray([len(n) for n in lv]), r)
-        got = np.asarray(lens)
+        got = host_array(lens)
         if not np.array_equal(got, want):
             raise ValueError(f"prefix_cache level {l} node lengths {got.tolist()} differ from the prompts' "
                              f"{want.tolist()}")
@@ -257,9 +258,9 @@ def _run_decode(model: Decoder, params, cache, logits, *, max_new_tokens: int, s
     if on_start is not None:
         jax.block_until_ready(logits)
         on_start()
-    top_ids, top_lps = (None, None) if tops is None else (np.asarray(a)[:, :max_new_tokens] for a in tops)
-    return GenerateOutput(tokens=np.asarray(out)[:, :max_new_tokens], lengths=np.asarray(lengths), cache=cache,
-                          logprobs=np.asarray(lps)[:, :max_new_tokens], top_ids=top_ids, top_logprobs=top_lps)
+    top_ids, top_lps = (None, None) if tops is None else (host_array(a)[:, :max_new_tokens] for a in tops)
+    return GenerateOutput(tokens=host_array(out)[:, :max_new_tokens], lengths=host_array(lengths), cache=cache,
+                          logprobs=host_array(lps)[:, :max_new_tokens], top_ids=top_ids, top_logprobs=top_lps)
 
 
 def generate(model: Decoder, params: dict, prompts: PromptBatch, *, max_new_tokens: int, attention: str | None = None,
@@ -319,7 +320,7 @@ def generate_from_cache(model: Llama, params: dict, cache: KVCache, logits_bv: j
                          f"{(cache.batch, model.config.vocab_size)}")
     top_k = check_top_logprobs(top_logprobs)
     kvc.check_layout(params["layers"], cache.layers)
-    need = int(np.asarray(cache.lengths).max()) + max_new_tokens - 1
+    need = int(host_array(cache.lengths).max()) + max_new_tokens - 1
     if need > cache.capacity:
         raise ValueError(f"cache: capacity {cache.capacity} cannot hold the longest prompt continuation plus "
                          f"max_new_tokens - 1 = {need} tokens")
@@ -361,10 +362,10 @@ def generate_stream(model: Decoder, params: dict, prompts: PromptBatch, *, max_n
         if i and not last:
             logits, cache = model.decode_step_jit(params, cache, tok, ~done)
         if top is not None:
-            yield np.asarray(tok), np.asarray(lp), np.asarray(top[0]), np.asarray(top[1])
+            yield host_array(tok), host_array(lp), host_array(top[0]), host_array(top[1])
         else:
-            yield (np.asarray(tok), np.asarray(lp)) if logprobs else np.asarray(tok)
-        if last or np.asarray(done).all():
+            yield (host_array(tok), host_array(lp)) if logprobs else host_array(tok)
+        if last or host_array(done).all():
             return
         if not i:
             logits, cache = model.decode_step_jit(params, cache, tok, ~done)

@@ -93,15 +93,17 @@ from typing import Iterator, Sequence
 
 import jax
 
-from models.checkpoint import DTYPES, load_checkpoint, missing_model_file
+from models.checkpoint import DTYPES, load_checkpoint, missing_model_file, read_config
 from models.compile_watch import CompileWatch
 from models.completion import (Completion, DoneEvent, FinishEvent, Generation, PhaseEvent, StepEvent, Timings,
                                TokenEvent)
 from models.config import LlamaConfig
 from models.decoder import Decoder, require_family
+from models.distributed import Distributed, initialize
 from models.deepseek.config import DeepseekConfig
 from models.families import decoder_for
 from models.generate import ATTENTION, generate, generate_stream
+from models.mesh_plan import DecodeWorkload, plan_mesh_for_devices
 from models.prompt_logprobs import prompt_logprobs
 from models.request import Request, check_prompt_text, is_messages, is_token_ids, plan_request, prompt_list
 from models.sample_text import SampleText
@@ -147,7 +149,8 @@ class LLM:
     :class:`~models.decoder.Decoder`, :class:`~models.llama.Llama` or
     :class:`~models.deepseek.Deepseek`, holding the compiled functions), ``mesh`` (``None`` on one
     device), ``attention`` (default of
-    :meth:`generate`), ``eos_token_ids`` (the config's and the tokenizer's), ``info``.
+    :meth:`generate`), ``eos_token_ids`` (the config's and the tokenizer's), ``info``,
+    ``mesh_plan`` (the :class:`~models.mesh_plan.MeshPlan` of ``LLM.load(devices=N)``, else ``None``).
     """
 
     def __init__(self, config: LlamaConfig | DeepseekConfig, params: dict, tokenizer: Tokenizer, *,
@@ -167,23 +170,52 @@ class LLM:
         self.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.stop_token_ids)))
         self.info = dict(info or {})
         self.kv_bytes_per_token = self.model.facts.cache_bytes_per_token(self.params["embed"].dtype)
+        self.mesh_plan = None   # LLM.load(devices=N): the models.mesh_plan.MeshPlan it chose
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, *, dtype=None, attention: str = "auto",
-             tensor_parallel: int = 1, data_parallel: int = 1, mesh: jax.sharding.Mesh | None = None) -> "LLM":
+             tensor_parallel: int = 1, data_parallel: int = 1, mesh: jax.sharding.Mesh | None = None,
+             devices: int | None = None, workload: DecodeWorkload | None = None,
+             distributed: Distributed | None = None) -> "LLM":
         """A GGUF file, a Hugging Face directory, or (``None``) the built-in SmolLM2-135M-Instruct.
         ``dtype``: ``"float32"``, ``"bfloat16"``, ``"float16"`` or None (bfloat16 on GPU, float32
         elsewhere).  ``tensor_parallel`` / ``data_parallel``: run on the first
         ``tensor_parallel * data_parallel`` devices (or on ``mesh``), checked before anything is
-        read (:func:`resolve_mesh`: ``ValueError`` when the devices are not there).  Raises
-        :class:`~models.gguf.CheckpointError` for unusable files, an unknown architecture among them
+        read (:func:`resolve_mesh`: ``ValueError`` when the devices are not there).  ``devices``:
+        run on the first ``devices`` devices with the tensor x data parallel split that
+        :func:`models.mesh_plan.plan_mesh_for_devices` models fastest for ``workload`` (default
+        :class:`~models.mesh_plan.DecodeWorkload`), read from the config before the weights; the
+        choice and why are ``llm.mesh_plan``.  ``distributed``: first join a run of several
+        processes (:func:`models.distributed.initialize`); every process then loads only the
+        parameter blocks of its own devices.  Raises :class:`~models.gguf.CheckpointError` for
+        unusable files, an unknown architecture among them
         (:func:`models.families.family_of_hf_config`), and ``NotImplementedError`` for several
         devices with a DeepSeek directory."""
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if distributed is not None:
+            initialize(distributed)
+        plan = None
+        if devices is not None:
+            if mesh is not None or (tensor_parallel, data_parallel) != (1, 1):
+                raise ValueError(f"pass devices= or tensor_parallel= / data_parallel= / mesh=, not "
+                                 f"both (got devices={devices!r}, tensor_parallel={tensor_parallel!r}, "
+                                 f"data_parallel={data_parallel!r}"
+                                 f"{', and a mesh' if mesh is not None else ''})")
+            config = read_config(path)
+            if isinstance(config, DeepseekConfig):
+                raise NotImplementedError("devices: implemented for the llama family only, not for the "
+                                          "deepseek family")
+            plan = plan_mesh_for_devices(config, devices, workload)
+            tensor_parallel, data_parallel = plan.tensor_parallel, plan.data_parallel
+        elif workload is not None:
+            raise ValueError(f"workload= is what devices= plans for; got workload={workload!r} "
+                             f"without devices")
         mesh = resolve_mesh(tensor_parallel, data_parallel, mesh)
         config, params, tokenizer, info = load_checkpoint(path, dtype, mesh=mesh)
-        return cls(config, params, tokenizer, attention=attention, info=info, mesh=mesh)
+        llm = cls(config, params, tokenizer, attention=attention, info=info, mesh=mesh)
+        llm.mesh_plan = plan
+        return llm
 
     @property
     def tensor_parallel(self) -> int:

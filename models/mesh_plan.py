@@ -21,12 +21,34 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_prefix_attn.device_profile import DeviceProfile
+import jax
+
+from jax_prefix_attn.device import device_info
+from jax_prefix_attn.device_profile import DeviceProfile, device_profile
 from models.config import LlamaConfig
 
-__all__ = ["MeshPlan", "plan_mesh", "splits_of", "step_estimate"]
+__all__ = ["DecodeWorkload", "MeshPlan", "device_memory", "plan_mesh", "plan_mesh_for_devices",
+           "splits_of", "step_estimate"]
 
 MEMORY_HEADROOM = 0.9     # share of a device's memory the plan may fill (workspace, fragmentation)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeWorkload:
+    """What the mesh is chosen for: ``batch`` sequences (prompts x samples) sharing a prefix of
+    ``prefix_len`` tokens, each generating up to ``suffix_len`` tokens.  The defaults describe
+    sampling many completions of long prompts, where several devices pay."""
+    batch: int = 256
+    prefix_len: int = 4096
+    suffix_len: int = 256
+
+    def __post_init__(self):
+        for name in ("batch", "prefix_len", "suffix_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "prefix_len" else 1):
+                raise ValueError(f"DecodeWorkload.{name} must be a "
+                                 f"{'non-negative' if name == 'prefix_len' else 'positive'} int, "
+                                 f"got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,3 +141,31 @@ def plan_mesh(config: LlamaConfig, *, devices: int, batch: int, prefix_len: int,
               + (f" ({profile_note})" if profile_note else ""))
     return MeshPlan(tensor_parallel=tp, data_parallel=dp, seconds=seconds,
                     bytes_per_device=nbytes, estimates=tuple(estimates), reason=reason)
+
+
+def device_memory(device) -> float | None:
+    """Bytes a process may allocate on ``device`` as its runtime reports them (``None`` where it
+    does not, e.g. on a CPU)."""
+    stats = getattr(device, "memory_stats", lambda: None)()
+    limit = (stats or {}).get("bytes_limit")
+    return float(limit) if limit else None
+
+
+def plan_mesh_for_devices(config: LlamaConfig, devices: int,
+                          workload: DecodeWorkload | None = None) -> MeshPlan:
+    """:func:`plan_mesh` on this machine: the first device's profile
+    (:func:`jax_prefix_attn.device_profile.device_profile`, with its note when another part's
+    profile stands in) and its memory as the runtime reports it (else the profile's).
+    ``ValueError`` when fewer than ``devices`` devices exist."""
+    _positive("devices", devices)
+    have = jax.devices()
+    if len(have) < devices:
+        raise ValueError(f"devices={devices} needs {devices} devices, but only {len(have)} "
+                         f"{have[0].platform} device(s) exist")
+    w = DecodeWorkload() if workload is None else workload
+    if not isinstance(w, DecodeWorkload):
+        raise TypeError(f"workload must be a DecodeWorkload, got {type(w).__name__}")
+    profile, note = device_profile(device_info(have[0]))
+    return plan_mesh(config, devices=devices, batch=w.batch, prefix_len=w.prefix_len,
+                     suffix_len=w.suffix_len, profile=profile, memory_bytes=device_memory(have[0]),
+                     profile_note=note)

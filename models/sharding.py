@@ -44,6 +44,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import kv_cache as kvc
@@ -92,6 +93,15 @@ def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
     if tuple(mesh.axis_names) != (DATA, MODEL):
         raise ValueError(f"mesh axes must be {(DATA, MODEL)}, got {tuple(mesh.axis_names)}")
     return int(mesh.shape[DATA]), int(mesh.shape[MODEL])
+
+
+def host_array(x) -> np.ndarray:
+    """The NumPy value of ``x``.  A ``jax.Array`` that spans devices of other processes (a mesh
+    over several hosts after ``jax.distributed.initialize``) is gathered first, so every process
+    gets the whole array; every process must call this for the same arrays in the same order."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def _round_up(n: int, m: int) -> int:
