@@ -5,7 +5,7 @@ needs from a model family, so that one engine runs every family.
   size, the end-of-sequence and pad ids, the context length and the cache entries one token
   takes over all layers (for the sharing report's bytes) and whether prefix levels nest.
 * :func:`require_family` -- the ``NotImplementedError`` an entry point of a feature that one
-  family has (a reusable prefix cache, the Prompt Cache, ``completion_logprobs``, several
+  family has (a reusable prefix cache, the Prompt Cache, ``prompt_logprobs``, several
   devices) raises for a model of another family, naming the feature and both families.
 * :class:`Decoder` -- the protocol a model class implements (:class:`models.llama.Llama`,
   :class:`models.sharded_llama.ShardedLlama`, :class:`models.deepseek.Deepseek`):

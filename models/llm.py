@@ -12,9 +12,9 @@ many prompts, sharing their common prefixes without being told.
   directory's family is picked from its ``config.json`` (:mod:`models.families`): Llama, or
   DeepSeek-V2/V3 (``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``), which ``generate``,
   ``stream`` and ``events`` run with every sampling option through the same engine
-  (:class:`~models.decoder.Decoder`); ``prompt_logprobs``, several devices, the Prompt Cache,
-  ``completion_logprobs`` and GGUF files are Llama-only (``NotImplementedError`` naming the
-  feature and the family).
+  (:class:`~models.decoder.Decoder`); ``prompt_logprobs``, several devices, the Prompt Cache and
+  GGUF files are Llama-only (``NotImplementedError`` naming the feature and the family);
+  ``completion_logprobs`` and GRPO run both families.
 * :meth:`LLM.generate` -- a list (one per prompt) of lists (one per sample) of
   :class:`~models.completion.Completion`; the list is a :class:`~models.completion.Generation`
   with ``.sharing`` (:class:`~models.prefix_sharing.SharingReport`) and ``.timings``

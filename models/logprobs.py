@@ -1,4 +1,5 @@
-"""Log-probabilities of given completions through the Llama, each prompt computed once.
+"""Log-probabilities of given completions, each prompt computed once (Llama, and DeepSeek through
+:meth:`models.deepseek.Deepseek.completion_hidden`).
 
 :func:`completion_logprobs` scores ``N`` completions of each of ``G`` prompts (RL and
 preference training: GRPO samples 8-64 completions per prompt).  Inputs are right-padded:
@@ -53,7 +54,6 @@ import numpy as np
 
 import jax_prefix_attn
 from models import kv_cache as kvc
-from models.decoder import require_family
 from models.layers import embed, rms_norm
 from models.llama import Llama
 
@@ -99,9 +99,9 @@ def _check_range(name: str, x, lo: int, hi: int, what: str) -> None:
 
 def _validate(model, params, prompt_tokens, prompt_lengths, completion_tokens, completion_lengths, impl,
               return_entropy, remat, logits_chunk, vocab_chunk, temperature):
-    require_family(model, "completion_logprobs")
-    if not isinstance(model, Llama):
-        raise TypeError(f"model must be a models.Llama, got {type(model).__name__}")
+    if not isinstance(model, Llama) and not hasattr(model, "completion_hidden"):
+        raise TypeError(f"model must be a models.Llama or a family with completion_hidden "
+                        f"(models.deepseek.Deepseek), got {type(model).__name__}")
     if not isinstance(params, dict) or "embed" not in params or "layers" not in params:
         raise TypeError("params must be the parameter dict of models.weights (with 'embed' and 'layers'), got "
                         f"{type(params).__name__}")
@@ -368,7 +368,9 @@ def completion_logprobs(model: Llama, params: dict, prompt_tokens, prompt_length
 
     Args:
       model: a :class:`~models.llama.Llama` (its ``impl``/``interpret`` choose the attention
-        kernels of every library call).
+        kernels of every library call), or a family that supplies ``completion_hidden``
+        (:class:`~models.deepseek.Deepseek`: the prompt's latents as the grouped shared prefix
+        of :func:`jax_prefix_attn.mla_attention`).
       params: the parameter tree of the loaders (stacked or list layout, any float dtype).
       prompt_tokens: int ``[G, P]`` right-padded prompts; prompt_lengths: int ``[G]`` in ``[1, P]``.
       completion_tokens: int ``[G, N, C]`` right-padded completions; completion_lengths: int
@@ -392,8 +394,12 @@ def completion_logprobs(model: Llama, params: dict, prompt_tokens, prompt_length
     prompt_gp = jnp.asarray(prompt_tokens, jnp.int32)
     plen_g = jnp.asarray(prompt_lengths, jnp.int32)
     comp_bc = jnp.asarray(completion_tokens, jnp.int32).reshape(b, c)
-    hidden_fn = _shared_hidden if path == "shared" else _flat_hidden
-    hidden = hidden_fn(model, params, prompt_gp, plen_g, comp_bc, n, remat, remat_policy)
+    if isinstance(model, Llama):
+        hidden_fn = _shared_hidden if path == "shared" else _flat_hidden
+        hidden = hidden_fn(model, params, prompt_gp, plen_g, comp_bc, n, remat, remat_policy)
+    else:
+        hidden = model.completion_hidden(params, prompt_gp, plen_g, comp_bc, n, shared=path == "shared",
+                                         remat=remat, policy=remat_policy)
     h = rms_norm(hidden.reshape(b * c, -1), params["final_norm"], model.config.rms_norm_eps)
     valid = jnp.arange(c)[None] < jnp.asarray(completion_lengths, jnp.int32).reshape(b, 1)
     lp, ent = token_logprobs(h, params, jnp.where(valid, comp_bc, 0).reshape(-1), logits_chunk=logits_chunk,

@@ -193,8 +193,9 @@ def make_train_step(model: Llama, optimizer, config: GRPOConfig = GRPOConfig(), 
     ``donate``: donate ``params`` and ``opt_state`` (updated in place; the caller must not reuse
     the arrays it passed).  ``metrics`` holds :func:`grpo_loss`'s plus ``loss`` and ``grad_norm``.
     """
-    if not isinstance(model, Llama):
-        raise TypeError(f"model must be a models.Llama, got {type(model).__name__}")
+    if not isinstance(model, Llama) and not hasattr(model, "completion_hidden"):
+        raise TypeError(f"model must be a models.Llama or a family with completion_hidden "
+                        f"(models.deepseek.Deepseek), got {type(model).__name__}")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(f"optimizer must be an optax GradientTransformation, got {type(optimizer).__name__}")
     if not isinstance(config, GRPOConfig):

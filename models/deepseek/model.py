@@ -17,6 +17,8 @@ caches as :mod:`models.deepseek.cache`), so all of them run under ``jax.jit``:
   (:func:`models.deepseek.attention.attend_absorbed`);
 * :meth:`Deepseek.decode_step(params, cache, tokens, active=None)` -- one token per sequence;
   rows with ``active = False`` write nothing and do not advance;
+* :meth:`Deepseek.completion_hidden` -- the hidden states that score given completions of
+  prompts (what :func:`models.logprobs.completion_logprobs` runs for this family);
 * the :class:`~models.decoder.Decoder` interface the engine runs: ``facts``,
   :meth:`Deepseek.prefill_prompts` (a prompt batch into a latent cache,
   :mod:`models.deepseek.batch`), ``split_cache`` / ``join_cache`` (the latent suffix buffers
@@ -207,6 +209,57 @@ class Deepseek:
             x, _ = self._layer(i, lp, x, pos, attend)
         logits = lm_head(rms_norm(x[:, -1], params["final_norm"], c.rms_norm_eps), params)
         return logits, cache.replace(latent=tuple(latents), rope_k=tuple(rope_ks), lengths=new_lengths)
+
+    def completion_hidden(self, params: dict, prompt_gp: jax.Array, plen_g: jax.Array, comp_bc: jax.Array,
+                          n: int, *, shared: bool, remat: bool, policy=None) -> jax.Array:
+        """Hidden states ``[G*N, C, H]`` (before the final norm) that predict each token of
+        ``N`` right-padded completions ``comp [G*N, C]`` of each of ``G`` prompts ``[G, P]``
+        (lengths ``plen [G]``): row ``t`` is the state of the token before completion token
+        ``t`` (:func:`models.logprobs.completion_logprobs`).  ``shared``: each layer runs the
+        prompts once (non-absorbed, causal) and the completions in the absorbed form over
+        their prompt's latents as a grouped shared prefix and, causally, their own latents
+        (:func:`jax_prefix_attn.mla_attention`); else every completion runs behind its own copy
+        of its prompt.  ``remat``: each layer is rematerialised in the backward."""
+        self._check_params(params)
+        c = self.config
+        g, p = prompt_gp.shape
+        b, cl = comp_bc.shape
+        s2p = jnp.arange(b, dtype=jnp.int32) // n
+        dtype = params["embed"].dtype
+        expanded = lambda lp: lambda qn, qr, lat, kr: attend_expanded(  # noqa: E731
+            c, lp, qn, qr, lat, kr, impl=self.impl, interpret=self.interpret)
+        if shared:
+            pos_p = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (g, p))
+            pos_c = plen_g[s2p][:, None] + jnp.arange(cl, dtype=jnp.int32)[None]
+            full = jnp.full((b,), cl, jnp.int32)  # right-padded: causality hides the padding
+
+            def layer(carry, lp, i):
+                x_p, x_c = carry
+                x_p, (lat_p, kr_p) = self._layer(i, lp, x_p, pos_p, expanded(lp))
+                absorbed = lambda qn, qr, lat, kr: attend_absorbed(  # noqa: E731
+                    c, lp, qn, qr, lat_p, kr_p, lat, kr, suffix_lengths=full, prefix_lengths=plen_g,
+                    seq_to_prefix=s2p)
+                return x_p, self._layer(i, lp, x_c, pos_c, absorbed)[0]
+            carry = (embed(params["embed"], prompt_gp).astype(dtype), embed(params["embed"], comp_bc).astype(dtype))
+        else:
+            length = plen_g[s2p][:, None]
+            j = jnp.arange(p + cl, dtype=jnp.int32)[None]
+            from_prompt = jnp.take_along_axis(prompt_gp[s2p], jnp.minimum(j, p - 1), axis=1)
+            from_comp = jnp.take_along_axis(comp_bc, jnp.clip(j - length, 0, cl - 1), axis=1)
+            pos = jnp.broadcast_to(j, (b, p + cl))
+
+            def layer(x, lp, i):
+                return self._layer(i, lp, x, pos, expanded(lp))[0]
+            carry = embed(params["embed"], jnp.where(j < length, from_prompt, from_comp)).astype(dtype)
+        for i, lp in enumerate(params["layers"]):
+            step = (lambda carry, lp, i=i: layer(carry, lp, i))
+            carry = (jax.checkpoint(step, policy=policy) if remat else step)(carry, lp)
+        if shared:
+            x_p, x_c = carry
+            last = x_p[jnp.arange(g), plen_g - 1]
+            return jnp.concatenate([last[s2p][:, None], x_c[:, :-1]], axis=1)
+        idx = length - 1 + jnp.arange(cl, dtype=jnp.int32)[None]
+        return jnp.take_along_axis(carry, idx[..., None], axis=1)
 
     def decode_step(self, params: dict, cache: LatentCache, tokens_b: jax.Array,
                     active_b: jax.Array | None = None) -> tuple[jax.Array, LatentCache]:

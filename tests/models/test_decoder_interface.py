@@ -178,9 +178,6 @@ def test_llama_only_features_name_the_feature_and_the_family(llm):
     msg = "implemented for the llama family only, not for the deepseek family"
     with pytest.raises(NotImplementedError, match=f"prompt_logprobs: {msg}"):
         llm.generate(PROMPTS[0], max_new_tokens=2, prompt_logprobs=1)
-    with pytest.raises(NotImplementedError, match=f"completion_logprobs: {msg}"):
-        completion_logprobs(llm.model, llm.params, np.ones((1, 4), np.int32), np.array([4]),
-                            np.ones((1, 1, 2), np.int32), np.array([[2]]))
     with pytest.raises(NotImplementedError, match=f"Prompt Cache: {msg}"):
         PromptCache(llm.model, llm.params, llm.tokenizer)
     batch = PromptBatch.shared([5, 6, 7], [[8], [9]])
