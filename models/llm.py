@@ -12,8 +12,8 @@ many prompts, sharing their common prefixes without being told.
   directory's family is picked from its ``config.json`` (:mod:`models.families`): Llama, or
   DeepSeek-V2/V3 (``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``), which ``generate``,
   ``stream`` and ``events`` run with every sampling option through the same engine
-  (:class:`~models.decoder.Decoder`); ``prompt_logprobs``, several devices, the Prompt Cache and
-  GGUF files are Llama-only (``NotImplementedError`` naming the feature and the family);
+  (:class:`~models.decoder.Decoder`); several devices, the Prompt Cache and GGUF files are
+  Llama-only (``NotImplementedError`` naming the feature and the family); ``prompt_logprobs``,
   ``completion_logprobs`` and GRPO run both families.
 * :meth:`LLM.generate` -- a list (one per prompt) of lists (one per sample) of
   :class:`~models.completion.Completion`; the list is a :class:`~models.completion.Generation`
@@ -264,8 +264,6 @@ class LLM:
 
     def _prepare(self, prompts, sampling, options, *, chat, shared_prompt, attention) -> Request:
         params = resolve_seed(resolve_params(sampling, options))
-        if params.prompt_logprobs is not False and params.prompt_logprobs is not None:
-            require_family(self.model, "prompt_logprobs")
         if params.prompt_logprobs is not False and params.prompt_logprobs is not None and self.tensor_parallel > 1:
             raise ValueError(f"prompt_logprobs: received {params.prompt_logprobs!r}, expected False with "
                              f"tensor_parallel={self.tensor_parallel} (the prompt's forward pass runs on the "

@@ -4,7 +4,8 @@ as vLLM's ``prompt_logprobs`` (the first token has no context: ``None``).
 
 Each distinct prompt is computed once (identical prompts share the result): one causal pass of
 the layers over it (:meth:`~models.llama.Llama.layer_forward`, the cache-free scoring path of
-:mod:`models.logprobs`), padded on the right to :func:`~models.prefix_sharing.bucket_length` so
+:mod:`models.logprobs`; another family's ``prompt_hidden``, e.g.
+:meth:`models.deepseek.Deepseek.prompt_hidden`), padded on the right to :func:`~models.prefix_sharing.bucket_length` so
 prompts of similar lengths reuse one compiled function (padding comes after the real tokens and
 a causal model never attends to it).  The final norm and the LM head then run over chunks of
 ``chunk`` positions (``lax.map``): each chunk's ``[chunk, V]`` float32 logits give its
@@ -59,9 +60,12 @@ def prompt_logprob_arrays(model: Llama, params: dict, tokens_1t: jax.Array, *, k
     def attend(q, kk, v):
         return jax_prefix_attn.attention(q, kk, v, causal=True, impl=model.impl, interpret=model.interpret)[0]
 
-    x = embed(params["embed"], tokens_1t).astype(params["embed"].dtype)
-    x = layer_loop(lambda x, lp: model.layer_forward(lp, x, pos, attend)[0], x, params["layers"], False, None)
-    h = rms_norm(x[0], params["final_norm"], model.config.rms_norm_eps)              # [T, H]
+    if isinstance(model, Llama):
+        x = embed(params["embed"], tokens_1t).astype(params["embed"].dtype)
+        x = layer_loop(lambda x, lp: model.layer_forward(lp, x, pos, attend)[0], x, params["layers"], False, None)
+        h = rms_norm(x[0], params["final_norm"], model.config.rms_norm_eps)          # [T, H]
+    else:                                                                            # another family
+        h = model.prompt_hidden(params, tokens_1t)[0]
     targets = jnp.concatenate([tokens_1t[0, 1:], jnp.zeros((1,), jnp.int32)])       # position i predicts i + 1
 
     def one(args):

@@ -210,6 +210,12 @@ class Deepseek:
         logits = lm_head(rms_norm(x[:, -1], params["final_norm"], c.rms_norm_eps), params)
         return logits, cache.replace(latent=tuple(latents), rope_k=tuple(rope_ks), lengths=new_lengths)
 
+    def prompt_hidden(self, params: dict, tokens_bt: jax.Array) -> jax.Array:
+        """Final-normed hidden states ``[B, T, H]`` of a plain causal pass (what the LM head
+        turns into :meth:`forward`'s logits; :mod:`models.prompt_logprobs` scores prompts with
+        them chunk by chunk)."""
+        return self._causal(params, jnp.asarray(tokens_bt, jnp.int32))[0]
+
     def completion_hidden(self, params: dict, prompt_gp: jax.Array, plen_g: jax.Array, comp_bc: jax.Array,
                           n: int, *, shared: bool, remat: bool, policy=None) -> jax.Array:
         """Hidden states ``[G*N, C, H]`` (before the final norm) that predict each token of
