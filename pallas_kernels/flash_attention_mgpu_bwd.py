@@ -50,7 +50,9 @@ accumulators ``[64, 256]`` alone take 256 registers per thread: that kernel spil
 Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter, whose wgmma takes both
 operands from shared memory untransposed: the transposed operands are streamed as pre-transposed
 copies (``K^T``, ``V^T`` next to ``K`` for dQ; ``Q^T``, ``dO^T`` next to ``Q``, ``dO`` for dK/dV) and
-``dS``/``P^T`` are staged through shared memory into a fresh accumulator.
+``dS``/``P^T`` are staged through shared memory into a fresh accumulator (``_interpret_views``:
+interpreters that have transposed shared-memory views read the transposed operands as the GPU
+does).
 """
 from __future__ import annotations
 
@@ -140,10 +142,14 @@ def _arrive(barriers) -> None:
         plgpu.barrier_arrive(bar)
 
 
-def _score_pair(a0, b0, a1, b1, *, shape, cpu_check: bool):
+def _transposed(b, pre_t: bool):
+    return b if pre_t else b.transpose((1, 0))
+
+
+def _score_pair(a0, b0, a1, b1, *, shape, pre_t: bool):
     """``(a0 b0^T, a1 b1^T)`` float32 ``shape`` on the tensor cores, both issued before either
-    is read (``b0``, ``b1`` pre-transposed in memory with ``cpu_check``)."""
-    t = (lambda b: b) if cpu_check else (lambda b: b.transpose((1, 0)))
+    is read (``b0``, ``b1`` pre-transposed in memory with ``pre_t``)."""
+    t = functools.partial(_transposed, pre_t=pre_t)
 
     def products(r0, r1):
         plgpu.wgmma(r0, a0, t(b0))
@@ -153,9 +159,10 @@ def _score_pair(a0, b0, a1, b1, *, shape, cpu_check: bool):
     return pl.run_scoped(products, acc, acc)
 
 
-def _accumulate_and_score(acc, p16, b_smem, p_smem, score_operands, *, shape, cpu_check: bool):
+def _accumulate_and_score(acc, p16, b_smem, p_smem, score_operands, *, shape, cpu_check: bool,
+                          pre_t: bool):
     """``(acc + p16 @ b_smem, a @ c^T)`` with ``(a, c) = score_operands()`` (called inside the
-    products' scope; ``c`` pre-transposed with ``cpu_check``), both issued before either is read:
+    products' scope; ``c`` pre-transposed with ``pre_t``), both issued before either is read:
     ``acc`` in place with ``p16`` from registers, or with ``cpu_check`` ``p16`` staged through
     ``p_smem`` into fresh accumulators (the forms Mosaic GPU's CPU interpreter has)."""
     if cpu_check:
@@ -164,7 +171,8 @@ def _accumulate_and_score(acc, p16, b_smem, p_smem, score_operands, *, shape, cp
 
         def fresh(r0, r1):
             plgpu.wgmma(r0, p_smem, b_smem)
-            plgpu.wgmma(r1, *score_operands())
+            a, c = score_operands()
+            plgpu.wgmma(r1, a, _transposed(c, pre_t))
             return r0[...], r1[...]
         more, score = pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32),
                                     plgpu.ACC(shape, jnp.float32))
@@ -174,7 +182,7 @@ def _accumulate_and_score(acc, p16, b_smem, p_smem, score_operands, *, shape, cp
         acc_ref, s_ref = refs
         plgpu.wgmma(acc_ref, p16, b_smem)
         a, c = score_operands()
-        plgpu.wgmma(s_ref, a, c.transpose((1, 0)))
+        plgpu.wgmma(s_ref, a, _transposed(c, False))
     return pl.run_state(in_place)((plgpu.ACC.init(acc),
                                    plgpu.ACC.init(jnp.zeros(shape, jnp.float32))))
 
@@ -190,10 +198,10 @@ def _pipeline(body, *, n_steps, stages, wgs, context, specs):
 
 
 def _dq_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, *rest, static, n_blocks, stages, wgs,
-               cpu_check):
+               cpu_check, pre_t):
     """One CTA of the dQ kernel: ``q/do [B, Tqp, Hq, D]``, ``lse/delta [B, Hq, Tqp]``; streamed
     ``k/v [B, Tkp, Hkv, D]`` (interpreter: ``kT, vT [B, Hkv, D, Tkp]`` and ``k``)."""
-    n_in = 3 if cpu_check else 2
+    n_in = 3 if pre_t else 2
     kv_refs, (dq_ref, q2, do2, lse2, delta2, bars, *maybe_p) = rest[:n_in], rest[n_in:]
     causal, tq, group, scale, block_q, block_kv = static
     h, bb, mb = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("m")
@@ -233,11 +241,11 @@ def _dq_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, *rest, static, n_bloc
     def body(indices, *args):
         smem, consumed, dq = args[:n_in], args[n_in:2 * n_in], args[-1]
         t = indices[0]
-        k_t, v_t, k_mm = (smem[0], smem[1], smem[2]) if cpu_check else (smem[0], smem[1], smem[0])
+        k_t, v_t, k_mm = (smem[0], smem[1], smem[2]) if pre_t else (smem[0], smem[1], smem[0])
 
         def compute(dq):
             shape = (block_q, block_kv)
-            s, dp = _score_pair(q_smem, k_t, do_smem, v_t, shape=shape, cpu_check=cpu_check)
+            s, dp = _score_pair(q_smem, k_t, do_smem, v_t, shape=shape, pre_t=pre_t)
             _arrive(consumed[1:2])
             p = jnp.exp2(s * (scale * LOG2E)
                          - lax.broadcast_in_dim(lse_smem[...] * LOG2E, shape, [0]))
@@ -263,7 +271,7 @@ def _dq_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, *rest, static, n_bloc
             return dq
         return lax.cond(t < n_end, compute, skip, dq)
 
-    if cpu_check:
+    if pre_t:
         specs = [plgpu.BlockSpec(block_shape=(d, block_kv), index_map=lambda t: (0, t))] * 2
         srcs = [kv_refs[0].at[bb, h // group], kv_refs[1].at[bb, h // group]]
         specs.append(plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (t, 0)))
@@ -274,10 +282,10 @@ def _dq_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, *rest, static, n_bloc
     _pipeline(body, n_steps=n_steps, stages=stages, wgs=wgs, context=context, specs=specs)(*srcs)
 
 
-def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check):
+def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check, pre_t):
     """One CTA of the dK/dV kernel: ``k/v [B, Tkp, Hkv, D]`` (resident); streamed ``q/do [B, Tqp,
     Hq, D]`` (interpreter: and ``qT/doT [B, Hq, D, Tqp]``), ``lse/delta [B, Hq, Tqp]``."""
-    n_in = 6 if cpu_check else 4
+    n_in = 6 if pre_t else 4
     streams, (dk_ref, dv_ref, k2, v2, bars, *maybe_p) = rest[:n_in], rest[n_in:]
     causal, tq, group, scale, block_q, block_kv = static
     h, bb, nb = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("n")
@@ -319,7 +327,7 @@ def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check):
     def body(indices, *args):
         smem, consumed, carry = args[:n_in], args[n_in:2 * n_in], args[-1]
         qb = qblock(indices[0])
-        if cpu_check:
+        if pre_t:
             q_t, do_t, qT_t, doT_t, lse_t, delta_t = smem
         else:
             q_t, do_t, lse_t, delta_t = smem
@@ -329,7 +337,7 @@ def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check):
 
         def compute(carry):
             dk, dv = carry
-            st = wg_scores(k_smem, qT_t, shape=shape, cpu_check=cpu_check)
+            st = wg_scores(k_smem, qT_t, shape=shape, cpu_check=pre_t)
             p = jnp.exp2(st * (scale * LOG2E)
                          - lax.broadcast_in_dim(lse_t[...] * LOG2E, shape, [1]))
 
@@ -346,7 +354,7 @@ def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check):
             p = lax.cond(any_masked, masked, lambda p: p, p)
             dv, dpt = _accumulate_and_score(dv, p.astype(k_smem.dtype), do_t, p_smem,
                                             lambda: (v2.at[wg], doT_t), shape=shape,
-                                            cpu_check=cpu_check)
+                                            cpu_check=cpu_check, pre_t=pre_t)
             ds = p * (dpt - lax.broadcast_in_dim(delta_t[...], shape, [1]))
             dk = wg_accumulate_pv(dk, ds.astype(k_smem.dtype), q_t, p_smem, cpu_check=cpu_check)
             _arrive(consumed)
@@ -362,7 +370,7 @@ def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check):
     stat_spec = plgpu.BlockSpec(block_shape=(None, block_q),
                                 index_map=lambda t: (head(t), qblock(t)))
     specs = [rows_spec, rows_spec]
-    if cpu_check:
+    if pre_t:
         specs += [plgpu.BlockSpec(block_shape=(None, d, block_q),
                                   index_map=lambda t: (head(t), 0, qblock(t)))] * 2
     specs += [stat_spec, stat_spec]
@@ -403,7 +411,8 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
                              kv_lengths=None, sm_scale=None, block_q_dq: int | None = None,
                              block_kv_dq: int | None = None, block_kv_dkv: int | None = None,
                              block_q_dkv: int | None = None, num_stages: int | None = None,
-                             compute_wgs: int | None = None, interpret: bool = False):
+                             compute_wgs: int | None = None, interpret: bool = False,
+                             _interpret_views: bool = False):
     """``(dq [B, Tq, Hq, D], dk [B, Tk, Hkv, D], dv)`` of flash attention with the given row
     statistics ``lse`` (the forward's, natural log; ``-inf``: the row gets no gradient) and
     ``delta = rowsum(d_out * out) - d_lse``, both ``[B, Tq, Hq]``.
@@ -411,7 +420,9 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
     ``q, d_out [B, Tq, Hq, D]`` bfloat16 or float16; ``k, v [B, Tk, Hkv, D]`` (cast to ``q``'s
     dtype); ``causal``, ``kv_lengths`` (int ``[B]``), ``sm_scale`` (default ``1/sqrt(D)``) as
     in the forward.  Tiles (default :func:`default_tiles`) as in the module docstring;
-    ``interpret`` runs Mosaic GPU's CPU interpreter.  Gradients come back in the inputs' dtypes;
+    ``interpret`` runs Mosaic GPU's CPU interpreter; ``_interpret_views`` (tests) makes it read
+    the transposed operands through transposed shared-memory views, as the GPU does (interpreters
+    that have them).  Gradients come back in the inputs' dtypes;
     ``dk = dv = 0`` at keys at or past each length.
 
     Raises ``TypeError`` for non-array inputs or an unsupported dtype and ``ValueError`` for
@@ -453,11 +464,12 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
         **({"interpret": gpu_interpret_params()} if interpret else {}))
     to_t = functools.partial(jnp.transpose, axes=(0, 2, 3, 1))           # [B, H, D, T]
     stages = tiles["num_stages"]
+    forms = {"cpu_check": bool(interpret), "pre_t": bool(interpret) and not _interpret_views}
     n_blocks = tq_pad // (wgs * bq)
-    kv_streams = (to_t(kp), to_t(vp), kp) if interpret else (kp, vp)
+    kv_streams = (to_t(kp), to_t(vp), kp) if forms["pre_t"] else (kp, vp)
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, static=(bool(causal), tq, group, scale, bq, bkq),
-                          n_blocks=n_blocks, stages=stages, wgs=wgs, cpu_check=bool(interpret)),
+                          n_blocks=n_blocks, stages=stages, wgs=wgs, **forms),
         grid=(hq, b, n_blocks), grid_names=("h", "b", "m"), out_type=jax.ShapeDtypeStruct(qp.shape, dtype),
         scratch_types=(plgpu.SMEM((wgs, bq, d_pad), dtype), plgpu.SMEM((wgs, bq, d_pad), dtype),
                        plgpu.SMEM((wgs, bq), jnp.float32), plgpu.SMEM((wgs, bq), jnp.float32),
@@ -466,10 +478,10 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
         **params,
     )(lengths, qp, dop, lse_in, delta_in, *kv_streams)
 
-    rows = (qp, dop, to_t(qp), to_t(dop)) if interpret else (qp, dop)
+    rows = (qp, dop, to_t(qp), to_t(dop)) if forms["pre_t"] else (qp, dop)
     dk, dv = plgpu.kernel(
         functools.partial(_dkv_kernel, static=(bool(causal), tq, group, scale, bqk, bkk),
-                          stages=stages, wgs=wgs, cpu_check=bool(interpret)),
+                          stages=stages, wgs=wgs, **forms),
         grid=(hkv, b, tk_pad // (wgs * bkk)), grid_names=("h", "b", "n"),
         out_type=(jax.ShapeDtypeStruct(kp.shape, dtype),) * 2,
         scratch_types=(plgpu.SMEM((wgs, bkk, d_pad), dtype), plgpu.SMEM((wgs, bkk, d_pad), dtype),

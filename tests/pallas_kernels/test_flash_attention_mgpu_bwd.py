@@ -175,6 +175,32 @@ def test_vjp_lowers_for_cuda():
 ])
 def test_backward_in_cpu_interpreter_matches_reference(b, tq, tk, hq, hkv, d, causal, dtype,
                                                        lengths, tiles):
+    _backward_case(b, tq, tk, hq, hkv, d, causal, dtype, lengths, tiles)
+
+
+def _interpreter_has_transposed_views() -> bool:
+    """Whether Mosaic GPU's CPU interpreter reads a transposed shared-memory view as a wgmma
+    operand (its accesses carry an axis permutation: ``to_access``); earlier interpreters do not."""
+    try:
+        from jax._src.pallas.mosaic.interpret import utils  # noqa: PLC0415
+    except ImportError:
+        return False
+    return hasattr(utils, "to_access")
+
+
+@pytest.mark.skipif(not _interpreter_has_transposed_views(),
+                    reason="this jax's Mosaic GPU interpreter has no transposed views")
+@pytest.mark.parametrize("b,tq,tk,hq,hkv,d,causal,dtype,lengths,tiles", [
+    (2, 50, 150, 4, 2, 64, True, jnp.bfloat16, [150, 37], {}),
+    (1, 40, 90, 8, 1, 80, False, jnp.float16, [61], {"compute_wgs": 1}),
+])
+def test_backward_with_gpu_operand_views_matches_reference(b, tq, tk, hq, hkv, d, causal, dtype,
+                                                           lengths, tiles):
+    """The transposed operands read through transposed shared-memory views, as on the GPU."""
+    _backward_case(b, tq, tk, hq, hkv, d, causal, dtype, lengths, dict(tiles, _interpret_views=True))
+
+
+def _backward_case(b, tq, tk, hq, hkv, d, causal, dtype, lengths, tiles):
     q, k, v, do, dlse, lens = _case(b * 100 + tq + tk + d, b, tq, tk, hq, hkv, d, dtype, lengths)
     scale = 0.7 / np.sqrt(d)
     out, lse, *want = np_attention_grads(*(np.asarray(x, np.float32) for x in (q, k, v, do)),
