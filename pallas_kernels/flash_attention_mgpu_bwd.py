@@ -1,58 +1,52 @@
 """Flash attention backward through Pallas Mosaic GPU (Hopper: TMA, wgmma, warp
 specialisation): ``(dq, dk, dv)`` of :func:`pallas_kernels.flash_attention_mgpu.flash_attention_mgpu`
-given its saved row statistics.
+given its saved row statistics.  Public: :func:`flash_attention_mgpu_bwd` (kernels and a thin
+wrapper), :func:`default_tiles`, :func:`resolve_tiles`, :func:`smem_bytes`; the differentiable
+entry point is :func:`pallas_kernels.flash_attention_mgpu_vjp.flash_attention_mgpu_vjp`.
 
-Public entry: :func:`flash_attention_mgpu_bwd` (kernels and a thin wrapper); :func:`smem_bytes`
-and :func:`default_tiles` describe the tiles.  The differentiable entry point is
-:func:`pallas_kernels.flash_attention_mgpu_vjp.flash_attention_mgpu_vjp`.
+Equations (row ``i`` of query head ``h``, the keys ``j`` it sees): ``p_ij = exp(scale q_i . k_j -
+lse_i)`` from the forward's natural-log ``lse`` (base 2 in the kernel: ``exp2(s * scale * log2(e)
+- lse * log2(e))``), ``ds_ij = p_ij (do_i . v_j - delta_i)`` with ``delta_i = rowsum(dO_i * O_i) -
+dlse_i`` (the LSE cotangent enters here), ``dq_i = scale sum_j ds_ij k_j``, ``dk_j = scale sum_i
+ds_ij q_i``, ``dv_j = sum_i p_ij do_i``, the sums over ``i`` running over the ``G = Hq / Hkv`` query
+heads of the kv head.  The mask is the forward's (bottom-right causal aligned to each length
+``L_b``: query ``t`` sees keys ``j < L_b`` with ``j <= t + L_b - Tq``).  A row with ``lse = -inf``
+contributes nothing (the wrapper makes its ``lse`` ``+inf``, so ``p = 0``, and its ``delta`` 0);
+keys at or past ``L_b`` get ``dk = dv = 0`` and a NaN held there reaches no gradient (the wrapper
+zeroes ``k`` and ``v`` past each length: whole tiles are read, and 0 times a NaN is NaN).
 
-Equations (per row ``i`` of query head ``h``, keys ``j`` it sees): ``p_ij = exp(scale * q_i . k_j
-- lse_i)`` recomputed from the forward's natural-log ``lse`` (converted to base 2 in the kernel,
-``p = exp2(s * scale * log2(e) - lse * log2(e))``), ``dp_ij = do_i . v_j``, ``ds_ij = p_ij (dp_ij -
-delta_i)`` with ``delta_i = rowsum(dO_i * O_i) - dlse_i`` (the LSE cotangent enters here), then
-``dq_i = scale sum_j ds_ij k_j``, ``dk_j = scale sum_i ds_ij q_i``, ``dv_j = sum_i p_ij do_i``, the
-sums over ``i`` running over the ``G = Hq / Hkv`` query heads of kv head ``h // G``.  The mask is the
-forward's: bottom-right causal aligned to each length ``L_b`` (query ``t`` sees keys ``j < L_b``
-with ``j <= t + L_b - Tq``).  A row with ``lse = -inf`` (no key) contributes nothing (the wrapper
-makes its ``lse`` ``+inf``, so ``p = 0``, and its ``delta`` 0); keys at or past ``L_b`` get ``dk =
-dv = 0``, and a NaN held there reaches no gradient (the wrapper zeroes ``k`` and ``v`` past each
-length: the kernels read whole tiles, and 0 times a NaN is NaN).
+Kernels (deterministic: each gradient element is written by one CTA; no atomics), each with
+``compute_wgs`` compute warpgroups (two; one at head_dim 256) and one memory warpgroup that
+streams tiles through a ring of ``num_stages`` shared-memory slots
+(``emit_pipeline_warp_specialized``):
 
-Kernels (deterministic: every gradient element is written by exactly one CTA, no atomics):
+* dK/dV, grid ``(Hkv, B, key blocks)``: a compute warpgroup owns ``block_kv_dkv`` keys (``K``,
+  ``V`` loaded once by TMA; ``dK``, ``dV`` float32 in registers); the streamed tiles are
+  ``block_q_dkv`` rows (``Q``, ``dO``, ``lse``, ``delta``) of every query head of the kv head, over
+  the query blocks that some of the CTA's keys see (causal: from the diagonal on).  Per tile, keys
+  as the wgmma rows: ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO`` (``P^T`` from registers) issued
+  with ``dP^T = V dO^T`` (one wait), ``dS^T``, ``dK += dS^T Q``.  The GQA sum is this loop.
+* dQ, grid ``(Hq, B, row blocks)``, causal row blocks heaviest first: a compute warpgroup owns
+  ``block_q_dq`` rows of one query head (``Q``, ``dO``, ``lse``, ``delta`` loaded once); the
+  streamed tiles are the ``block_kv_dq``-key ``K``, ``V`` tiles its CTA's rows see.  Per tile:
+  ``S = Q K^T`` issued with ``dP = dO V^T``, ``dS``, ``dQ += dS K`` (``dS`` from registers).
 
-* dK/dV: grid ``(Hkv, B, key blocks of compute_wgs * block_kv_dkv keys)``.  ``compute_wgs``
-  compute warpgroups (two; one at head_dim 256) each own ``block_kv_dkv`` keys (their ``K``, ``V`` loaded once by TMA; ``dK``, ``dV`` accumulated in
-  registers, float32) and a memory warpgroup streams the tiles of ``block_q_dkv`` query rows --
-  ``Q``, ``dO``, ``lse``, ``delta`` -- of every query head of the kv head, for the query blocks that
-  some of the CTA's keys see (causal: from the first block past the diagonal), through a ring of
-  ``num_stages`` shared-memory slots (``emit_pipeline_warp_specialized``).  Per tile, transposed
-  so that the keys are the wgmma rows: ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO`` (``P^T`` from
-  registers) issued together with ``dP^T = V dO^T`` (one wait for both), ``dS^T``, ``dK += dS^T
-  Q``.  The GQA sum is this loop.
-* dQ: grid ``(Hq, B, row blocks of compute_wgs * block_q_dq rows)``, the causal row blocks
-  heaviest first.  The compute warpgroups each own ``block_q_dq`` rows of one query head (``Q``, ``dO``, ``lse``,
-  ``delta`` loaded once), and the memory warpgroup streams the ``K``, ``V`` tiles of
-  ``block_kv_dq`` keys that some of the rows see.  Per tile: ``S = Q K^T`` and ``dP = dO V^T``
-  (issued together), ``dS``, ``dQ += dS K`` (``dS`` from registers).
+A warpgroup builds the mask only on tiles with a masked entry (a uniform branch) and, for a
+streamed tile it does not see at all, only releases the slot.  Results leave through the
+shared-memory tiles they were computed from (TMA stores).
 
-In both, a warpgroup builds the mask only on tiles where some entry is masked (a uniform
-branch) and, for a streamed tile none of its entries sees, only releases the slot.  Results
-leave through the shared-memory tiles they were computed from (TMA stores).
-
-Tunable (:func:`default_tiles`, checked by :func:`resolve_tiles`): ``block_q_dq`` (rows per dQ
-warpgroup, a multiple of 64), ``block_kv_dq`` (keys per streamed dQ tile), ``block_kv_dkv`` (keys
-per dK/dV warpgroup, a multiple of 64), ``block_q_dkv`` (rows per streamed dK/dV tile); the
-streamed tiles are the K dimension of a wgmma, multiples of 64 up to 256; ``num_stages`` (ring
-depth), ``compute_wgs`` (1 or 2).  Both kernels must fit the shared memory of a Hopper SM
-(:func:`smem_bytes`; ``ValueError`` otherwise).  At head_dim 256 a dK/dV warpgroup's two float32
-accumulators ``[64, 256]`` alone take 256 registers per thread: that kernel spills.
+Tunable (:func:`default_tiles`, checked by :func:`resolve_tiles`): ``block_q_dq`` and
+``block_kv_dkv`` (multiples of 64), ``block_kv_dq`` and ``block_q_dkv`` (the K dimension of a
+wgmma: multiples of 64 up to 256), ``num_stages``, ``compute_wgs`` (1 or 2); both kernels must fit
+a Hopper SM's shared memory (:func:`smem_bytes`, ``ValueError`` otherwise).  At head_dim 256 a
+dK/dV warpgroup's two float32 accumulators ``[64, 256]`` alone take 256 registers per thread:
+that kernel spills.
 
 Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter, whose wgmma takes both
-operands from shared memory untransposed: the transposed operands are streamed as pre-transposed
-copies (``K^T``, ``V^T`` next to ``K`` for dQ; ``Q^T``, ``dO^T`` next to ``Q``, ``dO`` for dK/dV) and
-``dS``/``P^T`` are staged through shared memory into a fresh accumulator (``_interpret_views``:
-interpreters that have transposed shared-memory views read the transposed operands as the GPU
-does).
+operands from shared memory: ``dS``/``P^T`` are staged through shared memory into a fresh
+accumulator, and the transposed operands are streamed as pre-transposed copies (``K^T``, ``V^T``
+next to ``K``; ``Q^T``, ``dO^T`` next to ``Q``, ``dO``) or, with ``_interpret_views`` in
+interpreters that have them, read through transposed shared-memory views as on the GPU.
 """
 from __future__ import annotations
 
