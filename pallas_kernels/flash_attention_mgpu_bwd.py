@@ -327,6 +327,7 @@ def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check, pr
             q_t, do_t, lse_t, delta_t = smem
             qT_t, doT_t = q_t, do_t
         p_smem = maybe_p[0].at[wg] if cpu_check else None
+        q_slots = (True, False, True, False, False, False) if pre_t else (True, False, False, False)
         shape = (block_kv, block_q)
 
         def compute(carry):
@@ -350,8 +351,9 @@ def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check, pr
                                             lambda: (v2.at[wg], doT_t), shape=shape,
                                             cpu_check=cpu_check, pre_t=pre_t)
             ds = p * (dpt - lax.broadcast_in_dim(delta_t[...], shape, [1]))
+            _arrive(c for c, q_like in zip(consumed, q_slots) if not q_like)  # dO, lse, delta
             dk = wg_accumulate_pv(dk, ds.astype(k_smem.dtype), q_t, p_smem, cpu_check=cpu_check)
-            _arrive(consumed)
+            _arrive(c for c, q_like in zip(consumed, q_slots) if q_like)
             return dk, dv
 
         def skip(carry):
