@@ -135,10 +135,12 @@ def test_tiles_and_argument_checks():
 
 # ---------------------------------------------------------------------------- CUDA lowering
 
-@pytest.mark.parametrize("d,causal,dtype", [(128, True, jnp.bfloat16), (64, False, jnp.float16),
-                                             (256, True, jnp.bfloat16)])
-def test_backward_lowers_for_cuda(d, causal, dtype):
-    b, t, hq, hkv = 2, 4096, 32, 8
+@pytest.mark.parametrize("t,hq,hkv,d,causal,dtype", [
+    (4096, 32, 8, 128, True, jnp.bfloat16), (4096, 32, 8, 64, False, jnp.float16),
+    (4096, 32, 8, 256, True, jnp.bfloat16),
+    (1000, 28, 7, 96, True, jnp.float16)])   # padded head_dim, sequence not a tile multiple
+def test_backward_lowers_for_cuda(t, hq, hkv, d, causal, dtype):
+    b = 2
     txt = lower_for_cuda(
         lambda q, k, v, do, lse, delta, n: flash_attention_mgpu_bwd(
             q, k, v, do, lse, delta, causal=causal, kv_lengths=n),
