@@ -33,6 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 DRIVER = r"""
 import resource, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C raises, even if started ignored
 cache_dir, pause_step, size_limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if size_limit >= 0:  # writes past it fail with EFBIG, as on a full disk
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -61,6 +62,15 @@ sys.exit(cli.main(sys.argv[4:]))
 """
 
 PREVIOUS = '{"previous": "run"}\n'
+
+
+@pytest.fixture(autouse=True)
+def sigint_raises():
+    """Ctrl-C raises KeyboardInterrupt in this process during each test, also where the suite was
+    started with SIGINT ignored (a background job of a non-interactive shell)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="module")
