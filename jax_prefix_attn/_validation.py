@@ -156,3 +156,43 @@ def check_gqa(heads_q: int, heads_kv: int) -> None:
 def check_impl(impl: Any, allowed: tuple[str, ...]) -> None:
     if not isinstance(impl, str) or impl not in allowed:
         raise ValueError(f"impl must be one of {allowed}, got {impl!r}")
+
+
+def check_prefix_groups(prefix_name: str, prefix_shape: tuple, batch: int, *, suffix_lengths: Any,
+                        suffix_cap: int, prefix_lengths: Any, seq_to_prefix: Any,
+                        check_ranges: bool) -> tuple[Any, Any, Any]:
+    """The length and group arguments of a shared-prefix call with ``G, P = prefix_shape[:2]``
+    (``prefix_name`` names the prefix array in messages): ``suffix_lengths [batch]`` in
+    ``[0, suffix_cap]``, ``prefix_lengths [G]`` (default ``P``), ``seq_to_prefix [batch]`` in
+    ``[0, G)`` (required when ``G > 1``).  Returns them as int32 ``(seq_to_prefix,
+    prefix_lengths, suffix_lengths)``."""
+    g, p = prefix_shape[:2]
+    if g < 1:
+        raise ValueError(f"{prefix_name} must hold at least one prefix group, got shape {tuple(prefix_shape)}")
+    check_lengths("suffix_lengths", suffix_lengths, batch, suffix_cap, checked=check_ranges)
+    if prefix_lengths is None:
+        prefix_lengths = jnp.full((g,), p, jnp.int32)
+    else:
+        check_lengths("prefix_lengths", prefix_lengths, g, p, checked=check_ranges)
+    if seq_to_prefix is None:
+        if g != 1:
+            raise ValueError(f"seq_to_prefix [batch={batch}] is required when there are G={g} prefix "
+                             f"groups ({prefix_name} shape {tuple(prefix_shape)})")
+        seq_to_prefix = jnp.zeros((batch,), jnp.int32)
+    else:
+        if not hasattr(seq_to_prefix, "shape"):
+            raise TypeError(f"seq_to_prefix must be an integer array of shape [{batch}], got "
+                            f"{type(seq_to_prefix).__name__}")
+        check_array("seq_to_prefix", seq_to_prefix, 1, floating=False, layout=f"[batch={batch}]")
+        if seq_to_prefix.shape[0] != batch:
+            raise ValueError(f"seq_to_prefix must have shape [{batch}], got {tuple(seq_to_prefix.shape)}")
+        if is_concrete(seq_to_prefix):
+            vals = np.asarray(seq_to_prefix)
+            if vals.size and (vals.min() < 0 or vals.max() >= g):
+                raise ValueError(f"seq_to_prefix values must be in [0, {g}) (the number of prefix "
+                                 f"groups), got range [{int(vals.min())}, {int(vals.max())}]")
+        else:
+            check_range("seq_to_prefix", seq_to_prefix, 0, g - 1, enabled=check_ranges)
+    return (jnp.asarray(seq_to_prefix, jnp.int32), jnp.asarray(prefix_lengths, jnp.int32),
+            jnp.asarray(suffix_lengths, jnp.int32))
+

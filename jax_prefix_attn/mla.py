@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_prefix_attn._validation import (check_array, check_bool, check_lengths, check_range,
-                                         check_same_dtype, check_sm_scale, is_concrete)
+from jax_prefix_attn._validation import (check_array, check_bool, check_prefix_groups,
+                                         check_same_dtype, check_sm_scale)
 from jax_prefix_attn.merge import merge_attention_states
 from jax_prefix_attn.reference import clamp_shared_inputs, masked_softmax, row_limits
 from pallas_kernels._common import flag_nonfinite
@@ -84,37 +84,12 @@ def _validate(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent, suffi
                          f"got shape {tuple(suffix_latent.shape)}")
     if prefix_latent.ndim == 2:
         prefix_latent, prefix_rope_k = prefix_latent[None], prefix_rope_k[None]
-    g, p = prefix_latent.shape[:2]
-    if g < 1:
-        raise ValueError(f"prefix_latent must hold at least one prefix group, got shape "
-                         f"{tuple(prefix_latent.shape)}")
     check_sm_scale(sm_scale)
-    check_lengths("suffix_lengths", suffix_lengths, b, suffix_latent.shape[1], checked=check_ranges)
-    if prefix_lengths is None:
-        prefix_lengths = jnp.full((g,), p, jnp.int32)
-    else:
-        check_lengths("prefix_lengths", prefix_lengths, g, p, checked=check_ranges)
-    if seq_to_prefix is None:
-        if g != 1:
-            raise ValueError(f"seq_to_prefix [batch={b}] is required when there are G={g} prefix "
-                             f"groups (prefix_latent shape {tuple(prefix_latent.shape)})")
-        seq_to_prefix = jnp.zeros((b,), jnp.int32)
-    else:
-        if not hasattr(seq_to_prefix, "shape"):
-            raise TypeError(f"seq_to_prefix must be an integer array of shape [{b}], got "
-                            f"{type(seq_to_prefix).__name__}")
-        check_array("seq_to_prefix", seq_to_prefix, 1, floating=False, layout=f"[batch={b}]")
-        if seq_to_prefix.shape[0] != b:
-            raise ValueError(f"seq_to_prefix must have shape [{b}], got {tuple(seq_to_prefix.shape)}")
-        if is_concrete(seq_to_prefix):
-            vals = np.asarray(seq_to_prefix)
-            if vals.size and (vals.min() < 0 or vals.max() >= g):
-                raise ValueError(f"seq_to_prefix values must be in [0, {g}) (the number of prefix "
-                                 f"groups), got range [{int(vals.min())}, {int(vals.max())}]")
-        else:
-            check_range("seq_to_prefix", seq_to_prefix, 0, g - 1, enabled=check_ranges)
-    return (prefix_latent, prefix_rope_k, jnp.asarray(seq_to_prefix, jnp.int32),
-            jnp.asarray(prefix_lengths, jnp.int32), jnp.asarray(suffix_lengths, jnp.int32))
+    seq_to_prefix, prefix_lengths, suffix_lengths = check_prefix_groups(
+        "prefix_latent", prefix_latent.shape, b, suffix_lengths=suffix_lengths,
+        suffix_cap=suffix_latent.shape[1], prefix_lengths=prefix_lengths,
+        seq_to_prefix=seq_to_prefix, check_ranges=check_ranges)
+    return prefix_latent, prefix_rope_k, seq_to_prefix, prefix_lengths, suffix_lengths
 
 
 def latent_part(q_nope_bthr, q_rope_bthd, c_nsr, k_rope_nsd, kv_index_b, limit_bt, scale):

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn._validation import (check_array, check_bool, check_gqa, check_impl, check_kv,
-                                         check_lengths, check_range, check_sm_scale, is_concrete)
+                                         check_prefix_groups, check_sm_scale)
 from jax_prefix_attn.executor import run_plan
 from jax_prefix_attn.planner import IMPLS, plan_shared_prefix, shared_prefix_supported
 from jax_prefix_attn.plans import SharedPrefixPlan, Shapes
@@ -113,36 +113,12 @@ def _validate(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lengths, prefix_
     if dp != d or suffix_k.shape[3] != d:
         raise ValueError(f"prefix_k and suffix_k must have q's head_dim {d}, got prefix_k "
                          f"{tuple(prefix_k.shape)} and suffix_k {tuple(suffix_k.shape)}")
-    if g < 1:
-        raise ValueError(f"prefix_k must hold at least one prefix group, got shape {tuple(prefix_k.shape)}")
     check_gqa(hq, hkv)
     check_sm_scale(sm_scale)
-    check_lengths("suffix_lengths", suffix_lengths, b, suffix_k.shape[1], checked=check_ranges)
-    if prefix_lengths is None:
-        prefix_lengths = jnp.full((g,), p, jnp.int32)
-    else:
-        check_lengths("prefix_lengths", prefix_lengths, g, p, checked=check_ranges)
-    if seq_to_prefix is None:
-        if g != 1:
-            raise ValueError(f"seq_to_prefix [batch={b}] is required when there are G={g} prefix "
-                             f"groups (prefix_k shape {tuple(prefix_k.shape)})")
-        seq_to_prefix = jnp.zeros((b,), jnp.int32)
-    else:
-        if not hasattr(seq_to_prefix, "shape"):
-            raise TypeError(f"seq_to_prefix must be an integer array of shape [{b}], got "
-                            f"{type(seq_to_prefix).__name__}")
-        check_array("seq_to_prefix", seq_to_prefix, 1, floating=False, layout=f"[batch={b}]")
-        if seq_to_prefix.shape[0] != b:
-            raise ValueError(f"seq_to_prefix must have shape [{b}], got {tuple(seq_to_prefix.shape)}")
-        if is_concrete(seq_to_prefix):
-            vals = np.asarray(seq_to_prefix)
-            if vals.size and (vals.min() < 0 or vals.max() >= g):
-                raise ValueError(f"seq_to_prefix values must be in [0, {g}) (the number of prefix "
-                                 f"groups), got range [{int(vals.min())}, {int(vals.max())}]")
-        else:
-            check_range("seq_to_prefix", seq_to_prefix, 0, g - 1, enabled=check_ranges)
-    return (prefix_k, prefix_v, jnp.asarray(seq_to_prefix, jnp.int32),
-            jnp.asarray(prefix_lengths, jnp.int32), jnp.asarray(suffix_lengths, jnp.int32))
+    seq_to_prefix, prefix_lengths, suffix_lengths = check_prefix_groups(
+        "prefix_k", prefix_k.shape, b, suffix_lengths=suffix_lengths, suffix_cap=suffix_k.shape[1],
+        prefix_lengths=prefix_lengths, seq_to_prefix=seq_to_prefix, check_ranges=check_ranges)
+    return prefix_k, prefix_v, seq_to_prefix, prefix_lengths, suffix_lengths
 
 
 _reference_jit = jax.jit(reference_shared_prefix, static_argnames=("scale",))
