@@ -60,6 +60,17 @@ def resolve_dtype(dtype) -> Any:
     return jnp.dtype(name)
 
 
+def _directory_config(path: str) -> LlamaConfig | DeepseekConfig:
+    """The config of a Hugging Face directory after checking that its files are there, in the
+    family its ``config.json`` names."""
+    missing = missing_model_file(path)
+    if missing is not None:
+        raise CheckpointError(f"model directory {path} has no {missing}")
+    with open(os.path.join(path, "config.json")) as fh:
+        family = family_of_hf_config(json.load(fh))
+    return (DeepseekConfig if family == "deepseek" else LlamaConfig).from_hf_config(path)
+
+
 def read_config(path: str | os.PathLike | None) -> LlamaConfig | DeepseekConfig:
     """The model config of a GGUF file, a Hugging Face directory or (``None``) the built-in model,
     read without the weights (GGUF metadata, ``config.json``).  Problems with the files raise
@@ -67,12 +78,7 @@ def read_config(path: str | os.PathLike | None) -> LlamaConfig | DeepseekConfig:
     path = default_gguf_path() if path is None else os.fspath(path)
     try:
         if os.path.isdir(path):
-            missing = missing_model_file(path)
-            if missing is not None:
-                raise CheckpointError(f"model directory {path} has no {missing}")
-            with open(os.path.join(path, "config.json")) as fh:
-                family = family_of_hf_config(json.load(fh))
-            return (DeepseekConfig if family == "deepseek" else LlamaConfig).from_hf_config(path)
+            return _directory_config(path)
         f = open_gguf(path)
         return LlamaConfig.from_hf_config(gguf_config_to_hf(f.metadata, {t.name for t in f.tensors}))
     except CheckpointError:
@@ -102,13 +108,8 @@ def load_checkpoint(path: str | os.PathLike | None, dtype=None, *,
     path = default_gguf_path() if path is None else os.fspath(path)
     try:
         if os.path.isdir(path):
-            missing = missing_model_file(path)
-            if missing is not None:
-                raise CheckpointError(f"model directory {path} has no {missing}")
-            with open(os.path.join(path, "config.json")) as fh:
-                family = family_of_hf_config(json.load(fh))
-            # first: an unsupported config is the error to report
-            (DeepseekConfig if family == "deepseek" else LlamaConfig).from_hf_config(path)
+            # first: missing files and an unsupported config are the errors to report
+            family = "deepseek" if isinstance(_directory_config(path), DeepseekConfig) else "llama"
             if family == "deepseek" and mesh is not None:
                 raise NotImplementedError("tensor_parallel / data_parallel / mesh: implemented for the llama "
                                           "family only, not for the deepseek family")
