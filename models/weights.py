@@ -46,7 +46,7 @@ from models.config import LlamaConfig
 from models.sharding import place_params
 
 __all__ = ["hf_param_shapes", "init_params", "load_hf_checkpoint", "params_from_hf_state_dict",
-           "stack_layers", "unstack_layers"]
+           "read_safetensors", "safetensors_files", "stack_layers", "unstack_layers"]
 
 _LAYER_MAP = types.MappingProxyType({  # ours -> (HF suffix under model.layers.{i}., transpose)
     "attn_norm": ("input_layernorm.weight", False),
@@ -154,7 +154,9 @@ def _hf_tensor(state_dict: Mapping[str, np.ndarray], name: str, layer: int | Non
     return x.T if transpose else x
 
 
-def _safetensors_files(path: str) -> list[str]:
+def safetensors_files(path: str) -> list[str]:
+    """The weight files of a Hugging Face checkpoint directory (its index's shards, else
+    ``model.safetensors``, else every ``*.safetensors``); ``ValueError`` when there is none."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -170,7 +172,8 @@ def _safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, fn) for fn in found]
 
 
-def _read_safetensors(files: list[str]) -> dict[str, np.ndarray]:
+def read_safetensors(files: list[str]) -> dict[str, np.ndarray]:
+    """Every tensor of ``files`` as host numpy arrays; a name in two shards is a ``ValueError``."""
     from safetensors import safe_open  # noqa: PLC0415
 
     out: dict[str, np.ndarray] = {}
@@ -192,7 +195,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint path {path!r} is not a directory")
     config = LlamaConfig.from_hf_config(path)
-    state = _read_safetensors(_safetensors_files(path))
+    state = read_safetensors(safetensors_files(path))
     return config, params_from_hf_state_dict(config, state, dtype, mesh=mesh)
 
 

@@ -29,15 +29,14 @@ Entry points:
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.deepseek.config import DeepseekConfig
+from models.weights import read_safetensors, safetensors_files
 
 __all__ = ["hf_param_shapes", "init_params", "load_hf_checkpoint", "params_from_hf_state_dict"]
 
@@ -168,33 +167,6 @@ def params_from_hf_state_dict(config: DeepseekConfig, state_dict: Mapping[str, n
     return params
 
 
-def _safetensors_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(path, fn) for fn in sorted(set(weight_map.values()))]
-    found = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
-    if not found:
-        raise ValueError(f"no safetensors weights in {path!r} (expected model.safetensors or "
-                         f"model.safetensors.index.json)")
-    return [os.path.join(path, fn) for fn in found]
-
-
-def read_safetensors(files: list[str]) -> dict[str, np.ndarray]:
-    """Every tensor of ``files`` as host numpy arrays (bfloat16 through ``ml_dtypes``)."""
-    from safetensors import safe_open  # noqa: PLC0415
-
-    out: dict[str, np.ndarray] = {}
-    for fn in files:
-        with safe_open(fn, framework="flax") as f:
-            for name in f.keys():
-                if name in out:
-                    raise ValueError(f"tensor {name!r} appears in more than one shard ({fn})")
-                out[name] = np.asarray(jax.device_get(f.get_tensor(name)))
-    return out
-
-
 def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32) -> tuple[DeepseekConfig, dict]:
     """``(config, params)`` from a Hugging Face DeepSeek-V2/V3 checkpoint directory; the config
     is read (and an unknown architecture reported) before any weight."""
@@ -202,7 +174,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Deep
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint path {path!r} is not a directory")
     config = DeepseekConfig.from_hf_config(path)
-    state = read_safetensors(_safetensors_files(path))
+    state = read_safetensors(safetensors_files(path))
     return config, params_from_hf_state_dict(config, state, dtype)
 
 
