@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import LlamaConfig
+from models.config import LlamaConfig, hf_config_dict
 from models.deepseek.config import DeepseekConfig
 from models.deepseek.weights import hf_param_shapes as deepseek_param_shapes
 from models.deepseek.weights import load_hf_checkpoint as load_deepseek_checkpoint
@@ -66,9 +66,8 @@ def _directory_config(path: str) -> LlamaConfig | DeepseekConfig:
     missing = missing_model_file(path)
     if missing is not None:
         raise CheckpointError(f"model directory {path} has no {missing}")
-    with open(os.path.join(path, "config.json")) as fh:
-        family = family_of_hf_config(json.load(fh))
-    return (DeepseekConfig if family == "deepseek" else LlamaConfig).from_hf_config(path)
+    raw = hf_config_dict(path)
+    return (DeepseekConfig if family_of_hf_config(raw) == "deepseek" else LlamaConfig).from_hf_config(raw)
 
 
 def read_config(path: str | os.PathLike | None) -> LlamaConfig | DeepseekConfig:

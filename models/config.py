@@ -25,7 +25,7 @@ import os
 import types
 from typing import Any, Mapping
 
-__all__ = ["Llama3RopeScaling", "LlamaConfig", "PRESETS"]
+__all__ = ["Llama3RopeScaling", "LlamaConfig", "PRESETS", "hf_config_dict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,17 +118,21 @@ class LlamaConfig:
     @staticmethod
     def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "LlamaConfig":
         """Build a config from a Hugging Face Llama ``config.json`` (dir, file path or dict)."""
-        if isinstance(path_or_dict, Mapping):
-            raw = dict(path_or_dict)
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise ValueError(f"no Hugging Face config file at {path!r}")
-            with open(path) as f:
-                raw = json.load(f)
-        return _from_hf_dict(raw)
+        return _from_hf_dict(hf_config_dict(path_or_dict))
+
+
+def hf_config_dict(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a Hugging Face ``config.json`` given as its directory, its path or a dict;
+    ``ValueError`` when the file is not there."""
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no Hugging Face config file at {path!r}")
+    with open(path) as f:
+        return json.load(f)
 
 
 # Fields of a HF config.json that do not change the computation.

@@ -24,11 +24,12 @@ and ``topk_method`` when the config gives them.  Layer ``i`` is a mixture-of-exp
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import types
 from typing import Any, Mapping
+
+from models.config import hf_config_dict
 
 __all__ = ["ARCHITECTURES", "DeepseekConfig", "YarnRopeScaling"]
 
@@ -179,17 +180,7 @@ class DeepseekConfig:
     @staticmethod
     def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "DeepseekConfig":
         """Build a config from a Hugging Face ``config.json`` (dir, file path or dict)."""
-        if isinstance(path_or_dict, Mapping):
-            raw = dict(path_or_dict)
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise ValueError(f"no Hugging Face config file at {path!r}")
-            with open(path) as f:
-                raw = json.load(f)
-        return _from_hf_dict(raw)
+        return _from_hf_dict(hf_config_dict(path_or_dict))
 
 
 def _positive_int(name: str, val: Any) -> None:
