@@ -67,7 +67,7 @@ from pallas_kernels.prefix_attention_mgpu import (masked_softmax_step, take_turn
                                                   wg_accumulate_pv, wg_pipeline, wg_scores,
                                                   wgmma_iota)
 
-__all__ = ["flash_attention_mgpu", "supported", "smem_bytes", "default_block_kv",
+__all__ = ["flash_attention_mgpu", "check_qkv", "supported", "smem_bytes", "default_block_kv",
            "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SMEM_LIMIT"]
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -118,22 +118,28 @@ def supported(q_shape, k_shape, dtype) -> str | None:
     return None
 
 
-def _check_args(q, k, v, kv_lengths, block_q, block_kv, num_stages):
+def check_qkv(q, k, v) -> None:
+    """``q [B, Tq, Hq, D]``, ``k``/``v [B, Tk, Hkv, D]``: arrays of rank 4, ``k`` and ``v`` of one
+    shape, ``q`` and ``k`` of one batch and head_dim (``TypeError``/``ValueError`` naming them)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape "
                              f"{tuple(x.shape)}")
-    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"flash_attention_mgpu supports q dtypes bfloat16 and float16 (Hopper "
-                        f"wgmma on 16-bit operands), got {q.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and "
                          f"head_dim")
+
+
+def _check_args(q, k, v, kv_lengths, block_q, block_kv, num_stages):
+    check_qkv(q, k, v)
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"flash_attention_mgpu supports q dtypes bfloat16 and float16 (Hopper "
+                        f"wgmma on 16-bit operands), got {q.dtype}")
     why = supported(q.shape, k.shape, q.dtype)
     if why is not None:
         raise ValueError(f"flash_attention_mgpu cannot run these shapes: {why}")

@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LOG2E, cdiv, pad_axis
-from pallas_kernels.flash_attention_mgpu import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, supported
+from pallas_kernels.flash_attention_mgpu import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, check_qkv, supported
 from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu
 from pallas_kernels.prefix_attention_mgpu import wg_accumulate_pv, wg_scores, wgmma_iota
 
@@ -375,19 +375,10 @@ def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check, pr
 
 
 def _check_args(q, k, v, d_out, lse, delta, kv_lengths):
-    for name, x in (("q", q), ("k", k), ("v", v), ("d_out", d_out), ("lse", lse),
-                    ("delta", delta)):
+    check_qkv(q, k, v)
+    for name, x in (("d_out", d_out), ("lse", lse), ("delta", delta)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-        if name in ("q", "k", "v") and x.ndim != 4:
-            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape "
-                             f"{tuple(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and "
-                         f"head_dim")
     why = supported(q.shape, k.shape, q.dtype)
     if why is not None:
         raise (TypeError if "dtype" in why else ValueError)(
