@@ -52,6 +52,32 @@ if not _ON_CPU:
     jax.config.update("jax_compilation_cache_max_size", 2 * 2 ** 30)   # least recently used go first
 
 
+# Seconds each test spends tracing, lowering and compiling (jax's monitoring events), reported
+# with its outcome in ``--results-log``: on the GPU compilation, not the kernels, is most of a
+# test's time, and this tells which tests to make share their programs.
+_COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+                   "/jax/core/compile/backend_compile_duration": "compile_s"}
+_compile_seconds = dict.fromkeys(_COMPILE_EVENTS.values(), 0.0)
+
+
+def _on_duration(event, duration, *args, **kwargs):
+    name = _COMPILE_EVENTS.get(event)
+    if name:
+        _compile_seconds[name] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    before = dict(_compile_seconds)
+    yield
+    for name, total in _compile_seconds.items():
+        item.user_properties.append((name, round(total - before[name], 3)))
+
+
 def _has_gpu() -> bool:
     try:
         return jax.default_backend() == "gpu"
@@ -88,7 +114,7 @@ class _ResultsLog:
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
             record = {"test": report.nodeid, "when": report.when, "outcome": report.outcome,
-                      "seconds": round(report.duration, 3)}
+                      "seconds": round(report.duration, 3), **dict(report.user_properties)}
             if report.failed:
                 record["error"] = report.longreprtext[-4000:]
             _append_record(self.path, record)

@@ -4,7 +4,7 @@
 # With two GPUs visible the two halves run at once, one per GPU; with one GPU one after the
 # other.  Each half writes OUT_DIR/<half>.log (pytest output with --durations=40),
 # OUT_DIR/<half>.jsonl (--results-log) and a last line "rc=<exit status> wall=<seconds>".
-# LIMIT_S (default 480) stops a half that runs longer; WORKERS (default 6) test processes per GPU.
+# LIMIT_S (default 480) stops a half that runs longer; WORKERS (default 8) test processes per GPU.
 set -uo pipefail
 out=${1:?usage: tests/gpu_suite.sh OUT_DIR [library] [kernels]}
 shift
@@ -20,7 +20,7 @@ run_half() {   # half gpu
   local start=$SECONDS
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=$2 timeout "${LIMIT_S:-480}" python3 -m pytest -m gpu -q \
-      -n "${WORKERS:-6}" --dist worksteal -p no:benchmark --durations=40 \
+      -n "${WORKERS:-8}" --dist worksteal -p no:benchmark --durations=40 \
       --results-log "$out/$1.jsonl" ${paths[$1]} > "$out/$1.log" 2>&1
   echo "rc=$? wall=$((SECONDS - start))" >> "$out/$1.log"
 }
