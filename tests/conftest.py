@@ -42,14 +42,16 @@ jax.config.update("jax_enable_x64", False)
 
 # On a GPU machine, JAX's persistent compilation cache, in one folder per jax version that every
 # run and test process reuses: a kernel compiled once is read back instead of compiled again.
-# Not on the CPU: there the suite's many small programs compile faster than the cache stores
-# them (a cold run was 20% slower with it), and CI starts from a fresh clone.
+# The cache is unbounded (a few GB for the whole suite): a size bound makes jax hold one file
+# lock across all test processes for every read and write, and list and stat the whole folder
+# on every write, which serialized the processes' compilations.  Not on the CPU: there the
+# suite's many small programs compile faster than the cache stores them (a cold run was 20%
+# slower with it), and CI starts from a fresh clone.
 if not _ON_CPU:
     jax.config.update("jax_compilation_cache_dir", os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache", jax.__version__))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", 2 * 2 ** 30)   # least recently used go first
 
 
 # Seconds each test spends tracing, lowering and compiling (jax's monitoring events), reported
