@@ -4,13 +4,16 @@
 
 * ``"flash"``: :func:`pallas_kernels.flash_attention.flash_attention` (Pallas, one pass over
   the keys with an online softmax: nothing of size ``[Tq, Tk]`` is stored);
+* ``"flash_mgpu"``: :func:`pallas_kernels.flash_attention_mgpu_vjp.flash_attention_mgpu_vjp`
+  (Mosaic GPU: TMA, wgmma and warp specialization, forward and backward kernels; Hopper GPUs,
+  bfloat16 and float16);
 * ``"reference"``: :func:`jax_prefix_attn.reference.attention` (pure JAX, materialises the
   scores);
 * ``"auto"``: ``"flash"`` on a GPU where the kernel supports the shapes
   (:func:`pallas_kernels.flash_attention.supported`), else ``"reference"``.
 
-``interpret=True`` runs the Pallas kernel in interpret mode (any backend, e.g. CPU tests with
-``impl="flash"``).
+``interpret=True`` runs the Pallas kernels in interpret mode (any backend, e.g. CPU tests with
+``impl="flash"`` or ``impl="flash_mgpu"``).
 """
 from __future__ import annotations
 
@@ -19,9 +22,11 @@ import jax
 from jax_prefix_attn import reference
 from jax_prefix_attn._validation import check_bool, check_impl, check_qkv
 from pallas_kernels import flash_attention as flash
+from pallas_kernels import flash_attention_mgpu as flash_mgpu
+from pallas_kernels.flash_attention_mgpu_vjp import flash_attention_mgpu_vjp
 from pallas_kernels._common import flag_nonfinite
 
-IMPLS = ("auto", "flash", "reference")
+IMPLS = ("auto", "flash", "flash_mgpu", "reference")
 
 
 def on_gpu() -> bool:
@@ -45,14 +50,20 @@ def attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=None, 
     check_qkv(q, k, v, kv_lengths=kv_lengths, sm_scale=sm_scale, check_ranges=check_ranges)
     check_bool("causal", causal)
     check_bool("interpret", interpret)
-    reason = flash.supported(q.shape, k.shape, q.dtype)
     if impl == "auto":
-        impl = "flash" if on_gpu() and reason is None else "reference"
+        impl = "flash" if on_gpu() and flash.supported(q.shape, k.shape, q.dtype) is None \
+            else "reference"
     if impl == "reference":
         return reference.attention(q, k, v, causal=causal, kv_lengths=kv_lengths, sm_scale=sm_scale)
+    kernel = flash_mgpu if impl == "flash_mgpu" else flash
+    reason = kernel.supported(q.shape, k.shape, q.dtype)
     if reason is not None:
         raise ValueError(f"impl={impl!r} (Pallas kernel) cannot run these shapes: {reason}; "
                          f"use impl='reference'")
-    out, lse = flash.flash_attention(q, k, v, causal=causal, kv_lengths=kv_lengths,
-                                     sm_scale=sm_scale, interpret=interpret)
+    if impl == "flash_mgpu":
+        out, lse = flash_attention_mgpu_vjp(q, k, v, causal=causal, kv_lengths=kv_lengths,
+                                            sm_scale=sm_scale, interpret=interpret)
+    else:
+        out, lse = flash.flash_attention(q, k, v, causal=causal, kv_lengths=kv_lengths,
+                                         sm_scale=sm_scale, interpret=interpret)
     return out, flag_nonfinite(jax.lax.stop_gradient(out), lse)
