@@ -73,8 +73,9 @@ __all__ = ["shared_prefix_attention", "shared_prefix_supported", "concurrent_com
 # XLA options for the user's ``jax.jit`` of a decode step: XLA's CUDA graphs then run
 # independent launches at the same time (scheduling "CONCURRENT", graphs of any size).  The
 # Mosaic GPU two-launch leaf's prefix launch (tensor-core bound) and suffix launch (memory
-# bound) are independent; on an H200 this made the attention call 1-6% faster.  Opt-in: it
-# can raise peak memory, as buffers of concurrent ops cannot share space.
+# bound) are independent, so they can overlap (measured: docs/performance.md, "Kernel design
+# measurements").  Opt-in: it can raise peak memory, as buffers of concurrent ops cannot share
+# space.
 _CONCURRENT = types.MappingProxyType({"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
                                       "xla_gpu_graph_min_graph_size": 1})
 

@@ -164,10 +164,9 @@ def auto_path(meta: TreeMetadata, q, suffix_k, *, draft_parents=None, platform: 
 
     Off the GPU: ``meta.preferred`` (the cost model's schedule).  On the GPU, in order: a
     single-level forest with a suffix axis goes to the shared-prefix path; when decoding, a
-    shallow forest to the shallow path (on an H200 the hybrid schedule took 1.12x / 0.92x /
-    1.06x its time on speculative trees of 32 / 64 / 256 drafts,
-    ``bench/results/tree_attention_h200.json``), else the hybrid schedule where the cost model
-    prefers it (``meta.hybrid``); then ``meta.preferred``."""
+    shallow forest to the shallow path (on speculative trees the hybrid schedule measured
+    slower at most sizes: ``docs/performance.md``, "Kernel design measurements"), else the
+    hybrid schedule where the cost model prefers it (``meta.hybrid``); then ``meta.preferred``."""
     if (platform or default_platform()) != "gpu" or draft_parents is not None:
         return meta.preferred
     if use_single_level(meta, q, suffix_k):

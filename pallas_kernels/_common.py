@@ -134,9 +134,9 @@ def attend_pool(q, idx, lim, k_ref, v_ref, h, k_start, carry, *, chunk, block_k,
     ``[0, seq_len]`` (a negative limit sees nothing; one past the key axis sees the whole axis).
 
     ``two_phase``: first the tiles below every row's limit without masks, then the ragged tail
-    with masks.  On an H200 it made the unsplit large-M prefix kernel (B=1024, Hq=32) ~4%
-    faster but split-prefix and decode launches up to 50% slower, so it is off by default
-    (one masked loop).
+    with masks.  It pays only in the unsplit large-M prefix kernel (long key loops over many
+    rows) and slows split-prefix and decode launches, so it is off by default (one masked
+    loop); measurements: ``docs/performance.md``, "Kernel design measurements".
     """
     cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     lim = jnp.minimum(lim, seq_len)  # (once per call: keys past the axis do not exist)

@@ -178,8 +178,8 @@ def _fwd_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, nq
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         # Scaled once into log2 units: in this loop one multiply of the [bq, bk] tile is
-        # cheaper than the backward kernels' FMA form exp2(s * scale2 - m) (that form costs
-        # about 10% more forward time on an H200).
+        # cheaper than the backward kernels' FMA form exp2(s * scale2 - m), which measured
+        # slower in the forward (docs/performance.md, "Kernel design measurements").
         s = _dot(q, k, st, trans_b=True) * scale2  # [bq, bk]
         if masked:
             vis = _visible_keys(rows, start, bk, length, diag, st.causal)

@@ -3,18 +3,19 @@ suffix tiles through the *same* pipeline as the shared prefix tiles, into the *s
 softmax state, so one SM's tensor cores work on prefix tiles while its memory warpgroup brings
 suffix tiles from HBM.
 
-Why: the shared path's two parts are each near their own roofline (H200, Hq=32/Hkv=8, B=1024
-P=4K S=64: the prefix kernel 113 us at ~600 TFLOP/s, the suffix kernel 72 us at ~3.7 TB/s) but
-run one after the other, while the floor is the larger of the two (103 us).  An SM that holds
-a suffix-only task waits on memory with its tensor cores idle; here each step of a CTA's
-pipeline brings one prefix tile (shared by the CTA's two compute warpgroups) and one suffix
-tile for one of the warpgroups (they take turns); the suffix tile belongs to one sequence of
-the warpgroup's 64 rows and counts only for that sequence's ``G`` rows (the others are
+Why: the shared path's two parts are each near their own roofline (the prefix kernel near the
+matmul rate, the suffix kernel near the memory bandwidth) but run one after the other, while
+the floor is the larger of the two (``docs/performance.md``, "Kernel design measurements").
+An SM that holds a suffix-only task waits on memory with its tensor cores idle; here each step
+of a CTA's pipeline brings one prefix tile (shared by the CTA's two compute warpgroups) and one
+suffix tile for one of the warpgroups (they take turns); the suffix tile belongs to one sequence
+of the warpgroup's 64 rows and counts only for that sequence's ``G`` rows (the others are
 masked), so the suffix costs ``64 / G`` times its useful tensor-core work and no merge of
 prefix and suffix states is needed at all: the state a CTA writes is the final attention of its
 rows when the prefix is not split.  With short suffixes and prefixes of 1K-4K keys that costs
-less than the second launch it saves (0.74-0.97x the two-launch time on an H200); with long
-prefixes or suffixes the extra tensor-core work does not.
+less than the second launch it saves; with long prefixes or suffixes the extra tensor-core work
+does not (measured regions: ``docs/performance.md``, "Planner regions and tilings",
+``JOINT_REGIONS``).
 
 Scope (static, :func:`joint_supported`): decoding (one query per sequence), one prefix shared
 by every sequence (all see ``p_len`` keys), 16-bit inputs, ``head_dim`` 64 or 128,

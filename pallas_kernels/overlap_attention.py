@@ -6,8 +6,9 @@ The prefix part (batched rows against the shared prefix: tensor-core bound) and 
 puts both kinds of programs in one grid, a prefix program every ``stride`` programs, so the GPU
 schedules them side by side and the compute-bound and bandwidth-bound work overlap; the caller
 merges the partial states in one XLA fusion.  It pays where the suffix programs alone cannot
-fill the GPU (few ``(sequence, kv head)`` pairs): there it was 5-20% faster than the prefix
-kernel followed by the suffix kernel on an H200.
+fill the GPU (few ``(sequence, kv head)`` pairs), against the prefix kernel followed by the
+suffix kernel (measurements: ``docs/performance.md``, "Planner regions and tilings",
+``OVERLAP_BELOW_PROGRAMS``).
 
 ``interpret=True`` runs the kernel in Pallas interpret mode (CPU).
 """

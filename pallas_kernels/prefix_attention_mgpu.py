@@ -1,11 +1,10 @@
 """Inter-sequence batched prefix attention through Pallas Mosaic GPU (Hopper: TMA, wgmma,
 warp specialisation): the compute-bound part of the shared path when decoding with one prefix.
 
-Why: the prefix matmul dominates the shared path at large batch (B=1024, P=16K: ~0.86 ms of
-~1.0 ms on an H200).  On an H200 (jax 0.11.2), Hq=32/Hkv=8, D=128, this kernel runs at 429-620
-TFLOP/s (Nsight Compute device time) against 150-330 for the Triton-lowered prefix kernel
-(:mod:`pallas_kernels.prefix_attention`); the ping-pong schedule barrier is worth 4-8% of the
-whole shared path at B=256 P=4K, B=512 P=8K and B=1024 P=4K.
+Why: the prefix matmul dominates the shared path at large batch, and this kernel runs it at
+a higher tensor-core rate than the Triton-lowered prefix kernel
+(:mod:`pallas_kernels.prefix_attention`); the ping-pong schedule barrier shortens the whole
+shared path (measurements: ``docs/performance.md``, "Kernel design measurements").
 
 Scope (static conditions, :func:`mgpu_supported`): one prefix shared by all rows, every row
 sees the same number of keys ``length`` (true for decoding, ``Tq == 1``), 16-bit inputs,
@@ -15,8 +14,8 @@ Layouts: ``q [Hkv, M, D]`` (rows of kv head ``h``), ``k/v [P, Hkv, D]``, ``lengt
 (keys ``>= length`` are masked; dynamic, read in the kernel; the masked keys' values must be
 finite: the last tile is read whole and its masked scores give weight 0, and 0 times a NaN or
 an infinity in ``v`` is NaN -- the Triton kernels do not load masked keys; zeroing those ``V``
-rows in shared memory, as the suffix kernels do, quadruples Mosaic GPU's layout inference time
-of the role-split kernel).  Outputs the same
+rows in shared memory, as the suffix kernels do, makes Mosaic GPU's layout inference of the
+role-split kernel several times slower).  Outputs the same
 partial states as ``prefix_partials`` except that ``o [splits, Hkv, M, D]`` (normalised) is in
 q's 16-bit dtype (written through the queries' shared-memory buffer: a float32 staging buffer
 does not fit next to the K/V pipeline), and ``lse [splits, Hkv, M]`` float32, natural log,
@@ -31,8 +30,8 @@ masked key), ``O += P V`` (wgmma with ``P`` from registers).  A two-arrival barr
 compute warpgroups alternate, so one's matrix products overlap the other's softmax
 (FlashAttention-3's ping-pong schedule).  Two pipeline stages by default: at D = 128 a third
 fits only with the LSE stored from registers (``max_concurrent_steps=3``), exact but not faster
-(1.01-1.05x the kernel time on an H200).  ``persistent_ctas=n`` launches ``n`` CTAs that loop
-over the tasks (round robin), so the kernel holds at most ``n`` SMs.
+(``docs/performance.md``, "Kernel design measurements").  ``persistent_ctas=n`` launches
+``n`` CTAs that loop over the tasks (round robin), so the kernel holds at most ``n`` SMs.
 
 Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter; it lacks two operand
 forms, which ``_cpu_check=True`` swaps (K pre-transposed in memory for ``Q K^T``; ``P`` staged

@@ -3,11 +3,11 @@ per-sequence suffix states computed by the CTAs of *one* kernel, so the compute-
 work (tensor cores) and the bandwidth-bound suffix work (HBM) run at the same time on
 different SMs instead of one launch after the other.
 
-Why: with two launches the shared path costs about ``t_prefix + t_suffix`` (H200, Hq=32/Hkv=8,
-B=256 P=4K S=128: 39 us + 48 us under Nsight Compute), while its floor is
+Why: with two launches the shared path costs about ``t_prefix + t_suffix``, while its floor is
 ``max(bytes / bandwidth, flops / matmul rate)``.  Interleaving the two kinds of tasks in one
-grid lets the suffix tasks stream while the prefix tasks compute; on an H200 the whole path
-took 0.86x the two-launch time at Hq=32/Hkv=8 B=256 P=4K S=128.
+grid lets the suffix tasks stream while the prefix tasks compute (measured against two
+launches: ``docs/performance.md``, "Kernel design measurements", and ``ONE_LAUNCH_REGIONS`` in
+"Planner regions and tilings").
 
 Scope (static, checked by :func:`fused_supported`): decoding (one query per sequence), one
 prefix shared by every sequence (all see the same ``p_len`` keys), 16-bit inputs, ``head_dim``

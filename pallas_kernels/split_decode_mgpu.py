@@ -9,9 +9,10 @@ are persistent prefix workers (the prefix kernel's task -- two ping-pong compute
 a memory warpgroup -- looped over ``Hkv x row blocks x splits`` tasks, round robin), the other
 ``stream_ctas`` CTAs stream the suffixes (three compute warpgroups, each a worker over
 ``(row block, kv head)`` tasks with the swapped products of :mod:`suffix_stream_mgpu`).  Each
-stream CTA moves only about 55-65 GB/s (its workers are bound by their steps' latency), so the
-split pays where the suffix is a modest share of the work: on an H200, Hq=32/Hkv=8, 0.91x the
-two-launch time at B=512 P=8K S=128 and 0.88x at B=1024 P=16K S=256.
+stream CTA moves only a small share of the memory bandwidth (its workers are bound by their
+steps' latency), so the split pays where the suffix is a modest share of the work
+(measurements: ``docs/performance.md``, "Kernel design measurements", and ``SPLIT_REGIONS`` in
+"Planner regions and tilings").
 
 Both roles need three warpgroups, so one kernel holds them with no register conflict: the
 prefix role keeps its 232/232/40 register split (set by its pipeline), and the stream role, which
@@ -37,8 +38,8 @@ Static arguments: every shape, ``group``, ``prefix_ctas``, ``stream_ctas``, ``nu
 
 Code order matters: the stream role is traced *before* the prefix role.  The prefix role
 changes the per-thread register limit (setmaxnreg); with its code first the launch took the sum
-of the two roles' times on an H200 (0.345 ms where each alone took 0.149-0.160 ms), which fits
-ptxas compiling the code after it for the lowest limit.
+of the two roles' times instead of overlapping them (``docs/performance.md``, "Kernel
+design measurements"), which fits ptxas compiling the code after it for the lowest limit.
 """
 from __future__ import annotations
 
@@ -322,8 +323,8 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
 
         # The stream role's code comes first in program order: the prefix role changes the
         # per-thread register limit (setmaxnreg: 232 for its compute warpgroups, 40 for its
-        # memory warpgroup), and code after it ran 2x slower (ptxas appears to compile what
-        # follows for the lowest limit).
+        # memory warpgroup), and code after it runs much slower (ptxas appears to compile what
+        # follows for the lowest limit; see the module docstring).
         pl.when(jnp.logical_not(is_pre))(stream_role)
         pl.when(is_pre)(prefix_role)
 

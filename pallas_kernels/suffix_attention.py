@@ -12,10 +12,10 @@ which takes queries as ``[Hkv, M, D]`` rows padded to 16 per sequence and writes
 that layout, this kernel reads ``q`` and writes ``out``/``lse`` where they live,
 ``[B * Hq, D]`` (row ``b * Hq + h * G + j`` is query head ``h * G + j`` of sequence ``b``,
 ``G = Hq / Hkv``): the 16-row tile of a program starts at its group's first head, rows ``>= G``
-of the tile are masked on load and store.  On an H200 (``bench/kernel_profile.py``, B=1024,
-Hq=32, Hkv=8) the padded layout costs two extra XLA passes (a pad of ``q`` to 16 rows
-per sequence, 22 us, and a transpose of the output, 7 us) and 4x the query and output traffic
-inside the kernel.
+of the tile are masked on load and store.  The padded layout costs two extra XLA passes (a pad
+of ``q`` to 16 rows per sequence and a transpose of the output) and ``16 / G`` times the query
+and output traffic inside the kernel (4x at ``G = 4``); their times:
+``docs/performance.md``, "Kernel design measurements".
 
 Masked rows past the last sequence are never touched on the GPU; in interpret mode (where a
 slice that runs past an array is clamped, not masked) ``q`` and the outputs carry ``R - G``
@@ -96,8 +96,7 @@ def _kernel(*refs, hq, grp, rows, strides, has_pos, has_span, block_k, seq_len, 
         s0 = sp * span_chunk
         n_span = jnp.clip(jnp.minimum(jnp.max(sn_ref[...]), span_max) - s0, 0, span_chunk)
         # (the start is always read from memory: with a start known to the compiler, e.g. 0,
-        # Triton builds a loop that ran 1.1-1.65x slower on an H200 at Hq=32 B=64-256
-        # P=4K-16K S=64-128)
+        # Triton builds a slower loop; docs/performance.md, "Kernel design measurements")
         carry = _attend_span(q, kp_ref, vp_ref, h, jnp.max(st_ref[...]) + s0, n_span,
                              carry, block_k=block_k, scale_log2=scale_log2, precision=precision)
     n = jnp.max(len_ref[...])  # keys of this sequence's suffix

@@ -41,10 +41,9 @@ Returns ``dq [R, Hkv, group, D]`` float32 in the original row order (``b * Tq + 
 column blocks, ``scale``; the tree itself is dynamic data (trees whose metadata buckets agree
 share one compilation).
 
-Tilings (on an H100, four trees of ``bench/tree_attention_grad.py``, each kernel timed
-alone): 32-column steps were the fastest of 32/64/128 for both kernels, with 4
-warps for dK/dV (8 warps: 1.3-1.4x the time, except 0.8x with Hq=8/Hkv=1) and 8 for dQ (4
-warps: 1.2-1.3x).
+Tilings: 32-column steps for both kernels, with 4 warps for dK/dV (8 are faster only with
+Hq=8/Hkv=1) and 8 for dQ, the fastest of the settings timed on the trees of
+``bench/tree_attention_grad.py`` (``docs/performance.md``, "Kernel design measurements").
 
 :func:`tree_grads_reference` is the dense pure-JAX computation of the same gradients from the
 token tables alone (no items): the independent check of the kernels' item walk.
