@@ -23,8 +23,19 @@ mask bottom-right aligned on ``[prefix[:pl]; suffix[:sl]]``
 (:func:`jax_prefix_attn.reference.clamp_shared_inputs`), ``check_ranges`` with ``checkify``,
 NaN propagation and the LSE convention.  It is computed as a prefix part (one product over
 every head of every sequence that shares the prefix) and a suffix part (per sequence), merged
-through their log-sum-exp (:func:`jax_prefix_attn.merge_attention_states`), in pure JAX and
-differentiable by autodiff.
+through their log-sum-exp (:func:`jax_prefix_attn.merge_attention_states`).
+
+``impl`` names the algorithm: ``"reference"`` (the default; pure JAX, differentiable by
+autodiff) or ``"mgpu"``, the Mosaic GPU kernels (Hopper; ``interpret=True`` runs them in Mosaic
+GPU's CPU interpreter): :func:`pallas_kernels.mla_prefix_mgpu.mla_prefix_attention` for the
+prefix part (every row of every head of every sequence against the one shared prefix) and
+:func:`pallas_kernels.mla_suffix_mgpu.mla_suffix_attention` for the suffix part (each
+sequence's rows against its own suffix, causal within it), merged through the LSE as above.
+The prefix kernel gives every row the same prefix length: with ``Tq > 1`` that holds when every
+``suffix_length >= Tq - 1`` (the earliest query then sees the whole prefix); a call whose
+traced lengths break it computes the reference instead (a branch on the device, no
+recompilation).  ``"mgpu"`` takes one prefix (no groups), 16-bit inputs, ``R`` a multiple of
+128 up to 512 and ``Dr`` 64 or 128, and has no gradient.
 """
 from __future__ import annotations
 
@@ -34,13 +45,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_prefix_attn._validation import (check_array, check_bool, check_prefix_groups,
-                                         check_same_dtype, check_sm_scale)
+from jax_prefix_attn._validation import (check_array, check_bool, check_impl,
+                                         check_prefix_groups, check_same_dtype, check_sm_scale)
 from jax_prefix_attn.merge import merge_attention_states
 from jax_prefix_attn.reference import clamp_shared_inputs, masked_softmax, row_limits
-from pallas_kernels._common import flag_nonfinite
+from pallas_kernels import mla_prefix_mgpu, mla_suffix_mgpu
+from pallas_kernels._common import cdiv, flag_nonfinite
 
-__all__ = ["latent_part", "mla_attention", "mla_reference"]
+__all__ = ["latent_part", "mla_attention", "mla_reference", "mla_kernels", "kernels_supported",
+           "IMPLS"]
+
+IMPLS = ("reference", "mgpu")
+# CTAs that fill the GPU once (an H100/H200 has 132 SMs): a kernel with fewer row blocks than
+# this splits its keys until it has about as many CTAs.
+_WAVE_CTAS = 132
 
 
 def _check_pair(name_c, c, name_k, k, ndim, lead: str, rank: int, rope: int, dtype_of: str, q):
@@ -159,9 +177,69 @@ def mla_reference(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent, s
 _mla_reference_jit = jax.jit(mla_reference, static_argnames=("scale",))
 
 
+def _key_splits(ctas: int, n_keys: int) -> int:
+    """Key splits of a kernel with ``ctas`` CTAs per split over ``n_keys`` keys in tiles of 64:
+    about one GPU wave, every split at least one tile."""
+    n_tiles = cdiv(n_keys, 64)
+    per_split = cdiv(n_tiles, max(1, min(n_tiles, cdiv(_WAVE_CTAS, ctas))))
+    return cdiv(n_tiles, per_split)
+
+
+def kernels_supported(q_nope, q_rope, prefix_latent, suffix_latent) -> str | None:
+    """``None`` when ``impl="mgpu"`` runs these canonical inputs (``prefix_latent [G, P, R]``),
+    else the reason."""
+    r, dr, dtype = q_nope.shape[-1], q_rope.shape[-1], q_nope.dtype
+    if prefix_latent.shape[0] != 1:
+        return f"one shared prefix (got G={prefix_latent.shape[0]} prefix groups)"
+    return (mla_prefix_mgpu.supported(rank=r, rope_dim=dr, prefix_len=prefix_latent.shape[1],
+                                      dtype=dtype)
+            or mla_suffix_mgpu.supported(rank=r, rope_dim=dr, suffix_cap=suffix_latent.shape[1],
+                                         dtype=dtype))
+
+
+def mla_kernels(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent, suffix_rope_k,
+                prefix_lengths, suffix_lengths, scale, interpret=False):
+    """The Mosaic GPU decomposition on canonical inputs with one prefix (``prefix_latent
+    [1, P, R]``): the prefix kernel over all ``B * Tq * H`` rows, the suffix kernel per
+    sequence, merged through their LSE; the reference where a query would see part of the
+    prefix only (``Tq > 1`` and a ``suffix_length < Tq - 1``).  Lengths are clamped.  Returns
+    ``(out [B, Tq, H, R]`` in the queries' dtype, ``lse [B, Tq, H]`` float32)."""
+    b, tq, h, r = q_nope.shape
+    dr = q_rope.shape[-1]
+    p, s = prefix_latent.shape[1], suffix_latent.shape[1]
+    p_len = jnp.clip(prefix_lengths[0].astype(jnp.int32), 0, p)
+    s_len = jnp.clip(suffix_lengths.astype(jnp.int32), 0, s)
+
+    def kernels():
+        o_p, l_p = mla_prefix_mgpu.mla_prefix_attention(
+            q_nope.reshape(b * tq * h, r), q_rope.reshape(b * tq * h, dr), prefix_latent[0],
+            prefix_rope_k[0], p_len, sm_scale=scale, interpret=interpret,
+            num_splits=_key_splits(cdiv(b * tq * h, 64), p))
+        o_s, l_s = mla_suffix_mgpu.mla_suffix_attention(
+            q_nope.reshape(b, tq * h, r), q_rope.reshape(b, tq * h, dr), suffix_latent,
+            suffix_rope_k, s_len, sm_scale=scale, seq_q=tq, interpret=interpret,
+            num_splits=_key_splits(b * cdiv(tq * h, 64), s))
+        out, lse = merge_attention_states(
+            [o_p.reshape(b, tq, h, r), o_s.reshape(b, tq, h, r)],
+            [l_p.reshape(b, tq, h), l_s.reshape(b, tq, h)])
+        return out.astype(q_nope.dtype), lse
+
+    if tq == 1:
+        return kernels()
+
+    def reference():
+        return mla_reference(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent,
+                             suffix_rope_k, jnp.zeros((b,), jnp.int32), p_len[None], s_len, scale)
+    return jax.lax.cond(jnp.all(s_len >= tq - 1), kernels, reference)
+
+
+_mla_kernels_jit = jax.jit(mla_kernels, static_argnames=("scale", "interpret"))
+
+
 def mla_attention(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k, suffix_latent,
                   suffix_rope_k, *, suffix_lengths, prefix_lengths=None, seq_to_prefix=None,
-                  sm_scale=None, return_lse: bool = False, check_ranges: bool = False):
+                  sm_scale=None, return_lse: bool = False, check_ranges: bool = False,
+                  impl: str = "reference", interpret: bool = False):
     """Absorbed MLA attention of each sequence over its (shared) latent prefix followed by its
     own latent suffix.
 
@@ -185,6 +263,9 @@ def mla_attention(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k, suffix_
       check_ranges: add ``checkify`` checks of traced lengths and ``seq_to_prefix`` (out-of-range
         values are clamped); the caller wraps the call in
         ``checkify.checkify(..., errors=checkify.user_checks)``.  Off: no check is compiled.
+      impl: ``"reference"`` (pure JAX) or ``"mgpu"`` (the Mosaic GPU kernels; see the module
+        docstring for what they take: a ``ValueError`` names what they cannot run).
+      interpret: with ``impl="mgpu"``, run the kernels in Mosaic GPU's CPU interpreter.
 
     Returns:
       ``out [B, Tq, H, R]`` in the queries' dtype: ``sum_j p_j c_j`` over the visible tokens
@@ -193,11 +274,22 @@ def mla_attention(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k, suffix_
       (the caller applies ``W_UV`` and ``W_O``); with ``return_lse`` also ``lse [B, Tq, H]``
       float32 (natural log; ``-inf`` for a row that sees no token).
     """
+    check_impl(impl, IMPLS)
+    check_bool("interpret", interpret)
     prefix_latent, prefix_rope_k, seq_to_prefix, prefix_lengths, suffix_lengths = _validate(
         q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k, suffix_latent, suffix_rope_k,
         suffix_lengths, prefix_lengths, seq_to_prefix, sm_scale, return_lse, check_ranges)
     width = q_nope_absorbed.shape[-1] + q_rope.shape[-1]
     scale = 1.0 / math.sqrt(width) if sm_scale is None else float(sm_scale)
+    if impl == "mgpu":
+        why = kernels_supported(q_nope_absorbed, q_rope, prefix_latent, suffix_latent)
+        if why is not None:
+            raise ValueError(f"impl='mgpu' (Mosaic GPU kernels) cannot run these inputs: {why}; "
+                             f"use impl='reference'")
+        out, lse = _mla_kernels_jit(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k,
+                                    suffix_latent, suffix_rope_k, prefix_lengths,
+                                    suffix_lengths, scale=scale, interpret=interpret)
+        return (out, lse) if return_lse else out
     out, lse = _mla_reference_jit(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k,
                                   suffix_latent, suffix_rope_k, seq_to_prefix, prefix_lengths,
                                   suffix_lengths, scale=scale)

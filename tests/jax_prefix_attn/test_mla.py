@@ -307,3 +307,42 @@ def test_groups_need_seq_to_prefix():
     del kw["seq_to_prefix"]
     with pytest.raises(ValueError, match="seq_to_prefix .* required .* G=2"):
         jpa.mla_attention(*args, **kw)
+
+
+# --------------------------------------------------------------------------- impl="mgpu"
+
+def test_mgpu_kernels_in_cpu_interpreter_match_oracle():
+    """``impl="mgpu"``: the Mosaic GPU prefix and suffix kernels in the CPU interpreter, merged
+    through the LSE (bfloat16; ``R = 128``, ``Dr = 64``, the smallest widths they take), against
+    the non-absorbed oracle.  ``Tq = 3``, prefix length 40 of 64 and NaN past every length, the
+    suffix lengths traced: ``[70, 5]`` (70 clamped to the capacity 64) runs the kernels; ``[64,
+    1]`` (a first query that sees only part of the prefix) takes the reference branch."""
+    args, kw, full = make_case(31, b=2, tq=3, h=2, r=128, dr=64, dn=16, dv=8, p=64, s=64,
+                               dtype=jnp.bfloat16)
+    q, qr, pc, pk, sc, sk = args
+    pc, pk = pc.at[40:].set(jnp.nan), pk.at[40:].set(jnp.nan)
+    f = jax.jit(lambda sl, *a: jpa.mla_attention(
+        *a, suffix_lengths=sl, prefix_lengths=jnp.array([40], jnp.int32), sm_scale=SCALE,
+        return_lse=True, impl="mgpu", interpret=True))
+    for sl, clamped in (([70, 5], [64, 5]), ([64, 1], [64, 1])):
+        poisoned = (q, qr, pc, pk, sc.at[1, clamped[1]:].set(jnp.nan),
+                    sk.at[1, clamped[1]:].set(jnp.nan))
+        out, lse = f(jnp.array(sl, jnp.int32), *poisoned)
+        assert out.dtype == jnp.bfloat16 and lse.shape == (2, 3, 2)
+        kw = {"suffix_lengths": np.array(clamped), "prefix_lengths": np.array([40])}
+        ref_out, ref_lse = oracle(poisoned, kw, full, SCALE)
+        got = up_v(np.asarray(out, np.float32), full)
+        assert np.linalg.norm(got - ref_out) / np.linalg.norm(ref_out) < 2e-2
+        np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-2, rtol=0)
+
+
+def test_mgpu_rejects_what_the_kernels_cannot_run():
+    args, kw, _ = make_case(3, b=2, tq=1, h=2, r=128, dr=64, p=64, s=64)
+    with pytest.raises(ValueError, match="impl='mgpu'.*bfloat16 or float16.*impl='reference'"):
+        jpa.mla_attention(*args, **kw, impl="mgpu")
+    args, kw, _ = make_case(3, b=2, tq=1, h=2, r=128, dr=64, p=64, s=64, g=2,
+                            dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="one shared prefix"):
+        jpa.mla_attention(*args, **kw, impl="mgpu")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        jpa.mla_attention(*args, **kw, impl="flash")
