@@ -28,13 +28,14 @@ recomputation of ``S`` counted).  GQA does not change the count.
 
 Execution: points run in batches of ``--batch-points``.  Every program of a batch (per point,
 contender and direction, and each point's input generator) is traced and lowered on the main
-thread and compiled in a pool of ``--compile-workers`` threads (XLA compiles release the GIL), then
-the programs are timed one after another with :func:`bench.timing.time_fn` (median of
+thread and compiled in a pool of ``--compile-workers`` threads (XLA compiles release the GIL;
+the Mosaic GPU contenders are submitted first, see :data:`COMPILE_ORDER`), then the programs are
+timed one after another with :func:`bench.timing.time_fn` (median of
 ``--iters`` calls after ``--warmup``, two input sets rotating); timing never overlaps
 compilation, whose autotuning also runs on the GPU.  Each contender's forward output is compared
 with cuDNN's (or XLA's where cuDNN failed): ``check.rel_err``.  The JSON is rewritten after
 every point, so a run cut off by the time limit keeps what finished; ``--budget-s`` (seconds
-from the start of the process) starts no batch that the slowest batch so far would carry past
+from the start of the run) starts no batch that the slowest batch so far would carry past
 it, and times no point past it.  ``--resume`` keeps the points already in the JSON and appends
 the new ones and the run's record; without it the file is started anew.
 
@@ -47,10 +48,11 @@ cuDNN), or ``error`` / ``skipped``.  ``bench/plot_flash_attention.py`` plots it.
 tokamax on the GPU machine (no network there): ``--pack-tokamax .whl/tokamax`` here downloads
 tokamax 0.0.17 and the pure-Python dependencies that the GPU image lacks (CPython 3.12 wheels),
 and writes a stand-in ``xprof`` wheel (tokamax imports ``xprof.cli.tools`` at import time, only
-for its own profiler-based timing, which is not used here; the real package is 32 MB).  There::
+for its own profiler-based timing, which is not used here; the real package is large and needs
+more dependencies).  There, with ``.whl`` carried::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/tk .whl/tokamax/*.whl
-    PYTHONPATH=/tmp/tk:$PWD python3 bench/flash_attention.py --budget-s 540 --commit <hash>
+    PYTHONPATH=/tmp/tk:$PWD python3 bench/flash_attention.py --budget-s 530 --commit <hash> --out <path>
 
 Other usage: ``--grid full --points 40:80 --resume``; ``--contenders triton,cudnn``;
 ``--sweep 128,64,256`` instead times tile configurations of our Triton kernel per head_dim
@@ -322,9 +324,18 @@ def compile_jobs(jobs: Sequence[Job], contenders: dict[str, Contender], *, worke
     return out
 
 
+# Compile order within a batch: the Mosaic GPU contenders first, their backward first.  Mosaic
+# GPU kernels are compiled under one process-wide lock (jaxlib's kernel cache), one after
+# another, so their chain is the batch's critical path and starts while the rest compile.
+COMPILE_ORDER = ("tokamax", "mgpu", "triton", "cudnn", "xla")
+
+
 def batch_jobs(points: Sequence[Point], names: Sequence[str]) -> list[Job]:
-    """Per point its input generator and every contender's directions."""
-    return [j for p in points for j in [Job(p, INPUTS)] + [Job(p, c, d) for c in names for d in DIRECTIONS]]
+    """Every contender's directions at every point, in :data:`COMPILE_ORDER`, then each point's
+    input generator."""
+    order = sorted(names, key=lambda n: COMPILE_ORDER.index(n) if n in COMPILE_ORDER else len(COMPILE_ORDER))
+    return ([Job(p, c, d) for c in order for p in points for d in reversed(DIRECTIONS)]
+            + [Job(p, INPUTS) for p in points])
 
 
 # -------------------------------------------------------------------------------------- measuring
