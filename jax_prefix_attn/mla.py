@@ -47,6 +47,7 @@ import numpy as np
 
 from jax_prefix_attn._validation import (check_array, check_bool, check_impl,
                                          check_prefix_groups, check_same_dtype, check_sm_scale)
+from jax_prefix_attn.device import planning_device_info
 from jax_prefix_attn.merge import merge_attention_states
 from jax_prefix_attn.reference import clamp_shared_inputs, masked_softmax, row_limits
 from pallas_kernels import mla_prefix_mgpu, mla_suffix_mgpu
@@ -56,9 +57,6 @@ __all__ = ["latent_part", "mla_attention", "mla_reference", "mla_kernels", "kern
            "IMPLS"]
 
 IMPLS = ("reference", "mgpu")
-# CTAs that fill the GPU once (an H100/H200 has 132 SMs): a kernel with fewer row blocks than
-# this splits its keys until it has about as many CTAs.
-_WAVE_CTAS = 132
 
 
 def _check_pair(name_c, c, name_k, k, ndim, lead: str, rank: int, rope: int, dtype_of: str, q):
@@ -177,11 +175,12 @@ def mla_reference(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent, s
 _mla_reference_jit = jax.jit(mla_reference, static_argnames=("scale",))
 
 
-def _key_splits(ctas: int, n_keys: int) -> int:
+def _key_splits(ctas: int, n_keys: int, sm_count: int) -> int:
     """Key splits of a kernel with ``ctas`` CTAs per split over ``n_keys`` keys in tiles of 64:
-    about one GPU wave, every split at least one tile."""
+    about one CTA per SM when ``ctas`` alone would leave SMs idle, every split at least one
+    tile."""
     n_tiles = cdiv(n_keys, 64)
-    per_split = cdiv(n_tiles, max(1, min(n_tiles, cdiv(_WAVE_CTAS, ctas))))
+    per_split = cdiv(n_tiles, max(1, min(n_tiles, cdiv(sm_count, ctas))))
     return cdiv(n_tiles, per_split)
 
 
@@ -198,12 +197,17 @@ def kernels_supported(q_nope, q_rope, prefix_latent, suffix_latent) -> str | Non
 
 
 def mla_kernels(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent, suffix_rope_k,
-                prefix_lengths, suffix_lengths, scale, interpret=False):
+                prefix_lengths, suffix_lengths, scale, interpret=False, sm_count=None):
     """The Mosaic GPU decomposition on canonical inputs with one prefix (``prefix_latent
     [1, P, R]``): the prefix kernel over all ``B * Tq * H`` rows, the suffix kernel per
     sequence, merged through their LSE; the reference where a query would see part of the
-    prefix only (``Tq > 1`` and a ``suffix_length < Tq - 1``).  Lengths are clamped.  Returns
-    ``(out [B, Tq, H, R]`` in the queries' dtype, ``lse [B, Tq, H]`` float32)."""
+    prefix only (``Tq > 1`` and a ``suffix_length < Tq - 1``).  Lengths are clamped; the keys
+    are split so that each kernel has about ``sm_count`` CTAs (default: the planning device's
+    SMs, :func:`jax_prefix_attn.device.planning_device_info`) when its rows alone give fewer.
+    Returns ``(out [B, Tq, H, R]`` in the queries' dtype, ``lse [B, Tq, H]`` float32)."""
+    if sm_count is None:
+        sm_count = planning_device_info().sm_count
+    sm_count = max(1, sm_count)
     b, tq, h, r = q_nope.shape
     dr = q_rope.shape[-1]
     p, s = prefix_latent.shape[1], suffix_latent.shape[1]
@@ -214,11 +218,11 @@ def mla_kernels(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent, suf
         o_p, l_p = mla_prefix_mgpu.mla_prefix_attention(
             q_nope.reshape(b * tq * h, r), q_rope.reshape(b * tq * h, dr), prefix_latent[0],
             prefix_rope_k[0], p_len, sm_scale=scale, interpret=interpret,
-            num_splits=_key_splits(cdiv(b * tq * h, 64), p))
+            num_splits=_key_splits(cdiv(b * tq * h, 64), p, sm_count))
         o_s, l_s = mla_suffix_mgpu.mla_suffix_attention(
             q_nope.reshape(b, tq * h, r), q_rope.reshape(b, tq * h, dr), suffix_latent,
             suffix_rope_k, s_len, sm_scale=scale, seq_q=tq, interpret=interpret,
-            num_splits=_key_splits(b * cdiv(tq * h, 64), s))
+            num_splits=_key_splits(b * cdiv(tq * h, 64), s, sm_count))
         out, lse = merge_attention_states(
             [o_p.reshape(b, tq, h, r), o_s.reshape(b, tq, h, r)],
             [l_p.reshape(b, tq, h), l_s.reshape(b, tq, h)])
@@ -233,7 +237,7 @@ def mla_kernels(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent, suf
     return jax.lax.cond(jnp.all(s_len >= tq - 1), kernels, reference)
 
 
-_mla_kernels_jit = jax.jit(mla_kernels, static_argnames=("scale", "interpret"))
+_mla_kernels_jit = jax.jit(mla_kernels, static_argnames=("scale", "interpret", "sm_count"))
 
 
 def mla_attention(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k, suffix_latent,
@@ -288,7 +292,8 @@ def mla_attention(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k, suffix_
                              f"use impl='reference'")
         out, lse = _mla_kernels_jit(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k,
                                     suffix_latent, suffix_rope_k, prefix_lengths,
-                                    suffix_lengths, scale=scale, interpret=interpret)
+                                    suffix_lengths, scale=scale, interpret=interpret,
+                                    sm_count=planning_device_info().sm_count)
         return (out, lse) if return_lse else out
     out, lse = _mla_reference_jit(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k,
                                   suffix_latent, suffix_rope_k, seq_to_prefix, prefix_lengths,

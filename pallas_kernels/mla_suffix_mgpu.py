@@ -165,13 +165,19 @@ def _softmax(s, carry, *, key0, n_keys, row0, seq_q, heads, dtype, scale_log2, c
                                scale_log2=scale_log2, dtype=dtype)
 
 
+_ZERO_COLS = 64   # columns zeroed at a time: 16 registers per thread next to the accumulator
+
+
 def _zero_past_length(c_half, key0, n_keys, cpu_check):
     """Zero the rows of the latent tile ``c_half [block_kv, R/2]`` (first key ``key0``) at and
-    past ``n_keys``, on the tile that holds the length."""
+    past ``n_keys``, on the tile that holds the length, ``_ZERO_COLS`` columns at a time."""
     @pl.when(key0 + c_half.shape[0] > n_keys)
     def _():
-        keys = key0 + wgmma_iota(c_half.shape, 0, hint=not cpu_check)
-        c_half[...] = jnp.where(keys < n_keys, c_half[...], jnp.zeros((), c_half.dtype))
+        shape = (c_half.shape[0], _ZERO_COLS)
+        keep = key0 + wgmma_iota(shape, 0, hint=not cpu_check) < n_keys
+        for j in range(c_half.shape[1] // _ZERO_COLS):
+            part = c_half.at[:, pl.ds(j * _ZERO_COLS, _ZERO_COLS)]
+            part[...] = jnp.where(keep, part[...], jnp.zeros((), c_half.dtype))
         plgpu.commit_smem()
 
 
@@ -264,9 +270,10 @@ def _kernel(len_ref, qn_ref, qr_ref, c_ref, kr_ref, *refs, n_tiles, tiles_per_sp
              plgpu.BlockSpec(block_shape=(block_kv, dr), index_map=lambda t: (tile0 + t, 0))]
     operands = [c_ref, c_ref, kr_ref]
     if cpu_check:
-        specs += [plgpu.BlockSpec(block_shape=(half, block_kv), index_map=lambda t, j=j: (j, tile0 + t))
-                  for j in range(2)]
-        specs.append(plgpu.BlockSpec(block_shape=(dr, block_kv), index_map=lambda t: (0, tile0 + t)))
+        specs += [plgpu.BlockSpec(block_shape=(half, block_kv),
+                                  index_map=lambda t, j=j: (j, tile0 + t)) for j in range(2)]
+        specs.append(plgpu.BlockSpec(block_shape=(dr, block_kv),
+                                     index_map=lambda t: (0, tile0 + t)))
         operands += [ct_ref, ct_ref, krt_ref]
     pipeline = wg_pipeline(tile_body, n_steps=n_steps, steps=stages,
                            compute_context=compute_context, in_specs=specs)
@@ -337,8 +344,8 @@ def mla_suffix_partials(q_nope: jax.Array, q_rope: jax.Array, c: jax.Array, k_ro
         scale_log2=float(sm_scale) * LOG2E, sched=bool(schedule_barrier),
         cpu_check=bool(interpret))
     dtype = q_nope.dtype
-    scratch = {"qn": plgpu.SMEM((2, BLOCK_Q, r // 2), dtype), "qr": plgpu.SMEM((BLOCK_Q, dr), dtype),
-               "x": plgpu.SMEM((BLOCK_Q,), jnp.float32),
+    scratch = {"qn": plgpu.SMEM((2, BLOCK_Q, r // 2), dtype),
+               "qr": plgpu.SMEM((BLOCK_Q, dr), dtype), "x": plgpu.SMEM((BLOCK_Q,), jnp.float32),
                "q_barrier": plgpu.Barrier(num_arrivals=3), "turns": plgpu.Barrier(num_arrivals=2)}
     if interpret:
         scratch["p2"] = plgpu.SMEM((2, BLOCK_Q, block_kv), dtype)
