@@ -432,6 +432,9 @@ class ResultStore:
     def __init__(self, path: str, run: dict, *, resume: bool):
         self.path = path
         doc = None
+        if not resume and os.path.exists(path):
+            raise FileExistsError(f"{path} exists: pass --resume to add this run's points to it, "
+                                  f"or another --out")
         if resume and os.path.exists(path):
             with open(path) as f:
                 doc = json.load(f)

@@ -162,10 +162,10 @@ def test_json_written_per_point_and_resumed(tmp_path):
     assert doc2["points"][:3] == pts and [p["run"] for p in doc2["points"]] == [0, 0, 0, 1, 1]
     assert len(doc2["runs"]) == 2 and doc2["runs"][1]["points_slice"] == "0:5"
 
-    # without --resume the file starts anew
-    res = fa.main(argv + ["--points", "4:5"], harness=fake_harness([]))
-    doc3 = _load(out)
-    assert len(doc3["runs"]) == 1 and [p["key"] for p in doc3["points"]] == [grid[4].key]
+    # without --resume an existing file is kept: the run refuses
+    with pytest.raises(FileExistsError, match="--resume"):
+        fa.main(argv + ["--points", "4:5"], harness=fake_harness([]))
+    assert _load(out) == doc2
 
 
 def test_resume_refuses_other_files(tmp_path):
@@ -173,6 +173,7 @@ def test_resume_refuses_other_files(tmp_path):
     out.write_text(json.dumps({"device": {}, "runs": []}))
     with pytest.raises(ValueError, match="cannot resume"):
         fa.main(["--out", str(out), "--resume", "--points", "0:1", "--contenders", "cudnn"], harness=fake_harness([]))
+    out.unlink()
     fa.ResultStore(str(out), {"device": {"device": "H200"}}, resume=False).save()
     with pytest.raises(ValueError, match="measured on"):
         fa.ResultStore(str(out), {"device": {"device": "H100"}}, resume=True)
