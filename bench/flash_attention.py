@@ -37,7 +37,7 @@ with cuDNN's (or XLA's where cuDNN failed): ``check.rel_err``.  The JSON is rewr
 every point, so a run cut off by the time limit keeps what finished; ``--budget-s`` (seconds
 from the start of the run) starts no batch that the slowest batch so far would carry past
 it, and times no point past it.  ``--resume`` keeps the points already in the JSON and appends
-the new ones and the run's record; without it the file is started anew.
+the new ones and the run's record; without it an existing file is refused.
 
 Result: ``bench/results/flash_attention_<gpu>.json`` by default: per run the device, the jax,
 jaxlib, cuDNN and tokamax versions, the git commit (``git rev-parse``, else ``--commit``), the
@@ -45,29 +45,21 @@ command line, the grid and its slice; per point its shape and, per contender and
 ``ms``, ``tflops`` and ``vs_cudnn`` (cuDNN's time over the contender's: above 1 is faster than
 cuDNN), or ``error`` / ``skipped``.  ``bench/plot_flash_attention.py`` plots it.
 
-tokamax on the GPU machine (no network there): ``--pack-tokamax .whl/tokamax`` here downloads
-tokamax 0.0.17 and the pure-Python dependencies that the GPU image lacks (CPython 3.12 wheels),
-and writes a stand-in ``xprof`` wheel (tokamax imports ``xprof.cli.tools`` at import time, only
-for its own profiler-based timing, which is not used here; the real package is large and needs
-more dependencies).  There, with ``.whl`` carried::
+tokamax on the GPU machine (no network there): ``python3 bench/pack_tokamax.py .whl/tokamax``
+here packs its wheels (see that script); there, with ``.whl`` carried::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/tk .whl/tokamax/*.whl
     PYTHONPATH=/tmp/tk:$PWD python3 bench/flash_attention.py --budget-s 530 --commit <hash> --out <path>
 
-Other usage: ``--grid full --points 40:80 --resume``; ``--contenders triton,cudnn``;
-``--sweep 128,64,256`` instead times tile configurations of our Triton kernel per head_dim
-(causal, B=4, T=4096, H*D=4096; each kernel tuned with the others at their best so far) and
-writes them to ``--out`` (default ``bench/results/flash_attention_sweep_<gpu>.json``): the
-defaults of :func:`pallas_kernels.flash_attention.default_config` come from such a sweep.
+Other usage: ``--grid full --points 40:80 --resume``; ``--contenders triton,cudnn``.
+``bench/flash_attention_sweep.py`` tunes the tiles of our Triton kernel.
 """
 from __future__ import annotations
 
 import argparse
-import base64
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import os
@@ -75,7 +67,6 @@ import shlex
 import subprocess
 import sys
 import time
-import zipfile
 from typing import Callable, Iterable, Sequence
 
 import jax
@@ -101,17 +92,6 @@ K = 1024
 FLOP_CONVENTION = ("fwd = 4*B*Hq*T*T*D, halved for causal; fwd+bwd = 3.5 x fwd "
                    "(2 forward + 5 backward matmuls)")
 TIMING = "median of jitted calls after warm-up, 2 rotating input sets (bench.timing.time_fn)"
-
-TOKAMAX_VERSION = "0.0.17"
-# tokamax and what the GPU image lacks of its import-time dependencies (jax, jaxlib, numpy,
-# absl-py, jaxtyping, tqdm and flax are there); typing-extensions is newer than pydantic needs.
-TOKAMAX_WHEELS = (f"tokamax=={TOKAMAX_VERSION}", "immutabledict==4.3.1", "einshape==1.0", "qwix==0.1.8",
-                  "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
-                  "typing-inspection==0.4.5", "typing-extensions==4.16.0")
-GPU_WHEEL_TAGS = ("--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-                  "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-                  "--platform", "manylinux2014_x86_64")
-
 
 # ------------------------------------------------------------------------------------------ grid
 def heads_q(head_dim: int) -> int:
@@ -555,39 +535,6 @@ def versions(contenders: dict[str, Contender]) -> dict:
     return out
 
 
-def pack_tokamax(dest: str) -> list[str]:
-    """Download :data:`TOKAMAX_WHEELS` for the GPU machine (CPython 3.12, Linux x86-64) into
-    ``dest`` and write the stand-in ``xprof`` wheel; returns the files there."""
-    os.makedirs(dest, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", *GPU_WHEEL_TAGS, "-d", dest,
-                    *TOKAMAX_WHEELS], check=True)
-    write_xprof_stub(dest)
-    return sorted(os.listdir(dest))
-
-
-def write_xprof_stub(dest: str) -> str:
-    """A wheel ``xprof 0.0.0`` holding the empty module ``xprof.cli.tools.get_kernel_stats_tool``."""
-    doc = '"""Stand-in: tokamax imports this at import time; only its xprof timing calls it."""\n'
-    files = {"xprof/__init__.py": doc, "xprof/cli/__init__.py": doc, "xprof/cli/tools/__init__.py": doc,
-             "xprof/cli/tools/get_kernel_stats_tool.py": doc,
-             "xprof-0.0.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: xprof\nVersion: 0.0.0\n"
-                                               "Summary: stand-in for tokamax's import of xprof.cli.tools\n",
-             "xprof-0.0.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: bench/flash_attention.py\n"
-                                            "Root-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = []
-    for name, text in files.items():
-        digest = hashlib.sha256(text.encode()).digest()
-        b64 = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-        record.append(f"{name},sha256={b64},{len(text.encode())}")
-    record.append("xprof-0.0.0.dist-info/RECORD,,")
-    path = os.path.join(dest, "xprof-0.0.0-py3-none-any.whl")
-    with zipfile.ZipFile(path, "w") as z:
-        for name, text in files.items():
-            z.writestr(name, text)
-        z.writestr("xprof-0.0.0.dist-info/RECORD", "\n".join(record) + "\n")
-    return path
-
-
 def _log_fn(start: float) -> Callable[[str], None]:
     return lambda msg: print(f"[{time.monotonic() - start:7.1f}s] {msg}", flush=True)
 
@@ -608,9 +555,6 @@ def parse_args(argv=None):
     ap.add_argument("--xla-max-scores-gib", type=float, default=8.0,
                     help="skip xla where the float32 scores [B, Hq, T, T] take more")
     ap.add_argument("--commit", default=None, help="the source's commit, where git cannot tell")
-    ap.add_argument("--pack-tokamax", metavar="DIR", default=None,
-                    help="download tokamax's wheels for the GPU machine into DIR and exit")
-    ap.add_argument("--sweep", default="", help="comma-separated head_dims: tune our Triton kernel's tiles instead")
     return ap.parse_args(argv)
 
 
@@ -619,12 +563,6 @@ def main(argv=None, harness: Harness | None = None) -> dict:
     start = time.monotonic()
     args = parse_args(argv)
     log = _log_fn(start)
-    if args.pack_tokamax:
-        files = pack_tokamax(args.pack_tokamax)
-        log(f"{args.pack_tokamax}: {', '.join(files)}")
-        return {"files": files}
-    if args.sweep:
-        return run_sweep([int(x) for x in args.sweep.split(",")], args, log)
     points = select_points(GRIDS[args.grid](), args.points)
     if args.list:
         offset = int((args.points or "0:").partition(":")[0] or 0)
@@ -662,89 +600,6 @@ def main(argv=None, harness: Harness | None = None) -> dict:
     store.save()
     log(f"done: {counts}")
     return {"counts": counts, "out": out}
-
-
-# ----------------------------------------------------------------------------------------- sweep
-# Candidate tiles (block_q, block_k, num_warps, num_stages) of our Triton kernel per head_dim.
-SWEEP = {
-    128: {"fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3),
-                  (256, 128, 8, 2), (128, 128, 8, 2)],
-          "dkv": [(32, 64, 4, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 2), (16, 64, 4, 3),
-                  (32, 64, 4, 4), (64, 64, 8, 3)],
-          "dq": [(128, 32, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3),
-                 (128, 32, 8, 4)]},
-    # Short list: the front-runners of the full D=128 sweep (for a final confirming run).
-    -128: {"fwd": [(128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 8, 3)],
-           "dkv": [(32, 64, 4, 3), (32, 64, 4, 4)],
-           "dq": [(128, 64, 8, 3), (128, 32, 8, 3)]},
-    64: {"fwd": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
-         "dkv": [(32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
-         "dq": [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)]},
-    256: {"fwd": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 2)],
-          "dkv": [(32, 64, 4, 2), (32, 32, 4, 3), (64, 64, 8, 2), (16, 64, 4, 2)],
-          "dq": [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)]},
-}
-
-
-def sweep(d: int, iters: int, log) -> tuple[dict, object]:
-    """Time tile configurations of our Triton kernel for head_dim ``|d|`` (causal bf16, B=4,
-    T=4096, H*D = 4096); each kernel is tuned with the others at their best so far.
-
-    Returns (records, best FlashConfig)."""
-    from pallas_kernels.flash_attention import KernelTiles, default_config, flash_attention  # noqa: PLC0415
-    cands = SWEEP[d]
-    d = abs(d)
-    point = Point(4 * 4096, 4096, d, 1, True)
-    hq = 4096 // d
-    sets = []
-    for i in range(2):
-        ks = jax.random.split(jax.random.PRNGKey(100 + i), 4)
-        sets.append(tuple(jax.random.normal(kk, (4, 4096, hq, d), jnp.float32).astype(jnp.bfloat16) for kk in ks))
-    best = default_config(d, jnp.bfloat16)
-    flops = fwd_flops(point.b, point.t, hq, d, True)
-    results = {"shape": dict(b=4, t=4096, h=hq, d=d)}
-
-    def time_cfg(part, cfg):
-        fn = lambda q, k, v: flash_attention(q, k, v, causal=True, config=cfg)[0]  # noqa: E731
-        if part == "fwd":
-            t = time_fn(jax.jit(fn), [x[:3] for x in sets], warmup=2, iters=iters)
-            return t, dict(ms=t * 1e3, tflops=flops / t / 1e12)
-        f = jax.jit(_program_fn(fn, "fwd_bwd"))
-        t = time_fn(f, sets, warmup=2, iters=iters)
-        return t, dict(fwd_bwd_ms=t * 1e3, tflops=FWD_BWD_FACTOR * flops / t / 1e12)
-
-    for part in ("fwd", "dkv", "dq"):
-        best_t, best_cfg = None, best
-        results[part] = []
-        for bq, bk, w, s in cands[part]:
-            cfg = dataclasses.replace(best, **{part: KernelTiles(bq, bk, w, s)})
-            rec = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
-            try:
-                t, info = time_cfg(part, cfg)
-                rec.update(info)
-                if best_t is None or t < best_t:
-                    best_t, best_cfg = t, cfg
-            except Exception as e:  # noqa: BLE001
-                rec["error"] = _short_error(e, 200)
-            results[part].append(rec)
-            log(f"sweep d={d} {part} {rec}")
-        best = best_cfg
-    return results, best
-
-
-def run_sweep(dims: Sequence[int], args, log) -> dict:
-    out = args.out or os.path.join(ROOT, "bench", "results", f"flash_attention_sweep_{gpu_slug()}.json")
-    commit, source = git_commit(args.commit)
-    doc = {"benchmark": "flash_attention_sweep", "device": device_info(), "commit": commit,
-           "commit_source": source, "sweep": {}, "tuned_config": {}}
-    for d in dims:
-        res, cfg = sweep(d, args.iters, log)
-        doc["sweep"][str(d)], doc["tuned_config"][str(d)] = res, dataclasses.asdict(cfg)
-        log(f"tuned config d={d}: {cfg}")
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(doc, f, indent=1)
-    return {"out": out, "tuned_config": doc["tuned_config"]}
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def _tiles(table: tuple) -> FlashConfig:
 
 
 # Per-(head_dim, dtype itemsize) defaults; 16-bit ones tuned on an H200 with
-# `bench/flash_attention.py --sweep` (causal, B=4, T=4096, H*D=4096).
+# `bench/flash_attention_sweep.py` (causal, B=4, T=4096, H*D=4096).
 _DEFAULTS = types.MappingProxyType({
     (64, 2): _tiles(((128, 64, 4, 3), (128, 64, 8, 3), (32, 128, 4, 3))),
     (128, 2): _tiles(((128, 128, 8, 3), (128, 64, 8, 3), (32, 64, 4, 3))),

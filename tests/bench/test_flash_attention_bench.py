@@ -18,6 +18,8 @@ sys.path.insert(0, ROOT)
 
 from bench import flash_attention as fa  # noqa: E402
 from bench import plot_flash_attention as pfa  # noqa: E402
+from bench import pack_tokamax  # noqa: E402
+from bench import flash_attention_sweep  # noqa: E402,F401  (imports cleanly)
 
 K = 1024
 
@@ -211,13 +213,13 @@ def test_budget_stops_before_new_points(tmp_path):
 
 
 def test_xprof_stub_wheel(tmp_path):
-    path = fa.write_xprof_stub(str(tmp_path))
+    path = pack_tokamax.write_xprof_stub(str(tmp_path))
     with zipfile.ZipFile(path) as z:
         names = set(z.namelist())
         assert "xprof/cli/tools/get_kernel_stats_tool.py" in names
         record = z.read("xprof-0.0.0.dist-info/RECORD").decode()
     assert all(n in record for n in names)
-    assert any(w.startswith("tokamax==") for w in fa.TOKAMAX_WHEELS)
+    assert any(w.startswith("tokamax==") for w in pack_tokamax.TOKAMAX_WHEELS)
 
 
 def _synthetic_doc():
