@@ -1,4 +1,5 @@
-"""Cost model of the planner: modelled seconds of a shared-family and a flat-family leaf plan.
+"""Cost model of the planner: modelled seconds of the kernels of each leaf plan (each leaf
+module of :mod:`jax_prefix_attn.leaves` charges itself through these functions).
 
 Both families are exact; they differ in memory traffic, tensor-core work, parallelism and
 launches.  With ``B`` sequences, ``Tq`` queries each, ``Hq``/``Hkv`` heads of size ``D``, ``G``
@@ -28,34 +29,62 @@ token of K+V is ``kv = 2 * Hkv * D * e`` bytes.  Each kernel costs
   overestimate where they run, where the flat family is several times slower, so no choice
   changes.
 
-The constants are fit to these kernels on an H200 (``docs/performance.md``, "Planner regions
-and tilings").  RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this
-comparison without the flops, parallelism and L2 terms.
+The rates come from the device profile (:func:`jax_prefix_attn.device_profile.device_profile`):
+``BW`` is the share ``COPY_SHARE`` of the profile's copy rate that the decode kernels stream at,
+``MMA`` and ``MMA_MGPU`` the shares ``MMA_SHARE`` and ``MMA_MGPU_SHARE`` of its matmul rate that
+the Triton and the Mosaic GPU prefix kernels reach.  The shares and the other constants are fit
+to these kernels on an H200 (``docs/performance.md``, "Planner regions and tilings").
+RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison without
+the flops, parallelism and L2 terms.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
 from jax_prefix_attn.device import DeviceInfo
-from jax_prefix_attn.plans import MgpuTwoLaunch, Shapes, TritonOverlap
+from jax_prefix_attn.device_profile import device_profile
+from jax_prefix_attn.leaves.base import Shapes
 from pallas_kernels._common import cdiv, next_pow2
 
-__all__ = ["flat_seconds", "shared_seconds"]
+__all__ = ["Rates", "rates", "flat_seconds", "mgpu_two_launch_seconds",
+           "triton_two_launch_seconds", "triton_overlap_seconds", "COPY_SHARE", "MMA_SHARE",
+           "MMA_MGPU_SHARE"]
 
-BW = 2.5e12          # bytes/s the decode kernels stream from DRAM
+COPY_SHARE = 0.912      # of the profile's copy rate: what the decode kernels stream from DRAM
+MMA_SHARE = 0.435       # of the profile's matmul rate: the Triton-lowered prefix kernel's dots
+MMA_MGPU_SHARE = 0.797  # of the profile's matmul rate: the Mosaic GPU prefix kernel
 L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kernel
-MMA = 3.0e14         # FLOP/s of the Triton-lowered prefix kernel's dots
-MMA_MGPU = 5.5e14    # FLOP/s of the Mosaic GPU prefix kernel
 T_LAUNCH = 3.5e-6    # seconds per kernel launch / dependent stage (launch + ramp + tail)
 T_KEY = 3.0e-8       # seconds per key on one program's critical path (tile load latency)
 T_KEY_FLAT = 4.0e-8  # the same for the flat decode kernel
 SLOTS_PER_SM = 1.5   # programs per SM that reach full bandwidth (fewer: proportionally less)
 
 
-def _kernel_s(nbytes: float, flops: float, programs: int, slots: float, *, l2_bytes: float = 0.0,
-              serial_keys: float = 0.0, mma: float = MMA, t_key: float = T_KEY) -> float:
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """Bytes/s of the decode kernels (``bw``), FLOP/s of the Triton (``mma``) and of the Mosaic
+    GPU (``mma_mgpu``) prefix kernels on one device."""
+    bw: float
+    mma: float
+    mma_mgpu: float
+
+
+def rates(dev: DeviceInfo) -> Rates:
+    """The kernels' :class:`Rates` on ``dev`` from its device profile (the nearest measured
+    part where ``dev`` has none)."""
+    profile, _ = device_profile(dev)
+    return Rates(COPY_SHARE * profile.copy_bytes_per_s, MMA_SHARE * profile.matmul_flops_per_s,
+                 MMA_MGPU_SHARE * profile.matmul_flops_per_s)
+
+
+def _kernel_s(r: Rates, nbytes: float, flops: float, programs: int, slots: float, *,
+              l2_bytes: float = 0.0, serial_keys: float = 0.0, mgpu: bool = False,
+              t_key: float = T_KEY) -> float:
     util = min(1.0, programs / slots)
-    throughput = max(nbytes / BW + l2_bytes / L2_BW, flops / mma) / util
+    throughput = max(nbytes / r.bw + l2_bytes / L2_BW,
+                     flops / (r.mma_mgpu if mgpu else r.mma)) / util
     return max(throughput, serial_keys * t_key) + T_LAUNCH
 
 
@@ -66,68 +95,90 @@ def _common_terms(s: Shapes):
     return kv, q_bytes, min(s.groups, s.batch)
 
 
-def flat_seconds(s: Shapes, leaf, dev: DeviceInfo) -> float:
-    """Modelled seconds of the flat leaf plan ``leaf`` (``FlatOwn`` or ``FlatRows``)."""
+def flat_seconds(s: Shapes, num_splits: int, dev: DeviceInfo) -> float:
+    """Modelled seconds of a flat decode leaf with ``num_splits`` key splits."""
+    r = rates(dev)
     b, p, sl, hkv = s.batch, s.prefix_len, s.suffix_len, s.heads_kv
     kv, q_bytes, g = _common_terms(s)
     slots = SLOTS_PER_SM * dev.sm_count
-    splits = leaf.num_splits
-    t = _kernel_s((g * p + b * sl) * kv + q_bytes, 0.0, b * hkv * splits, slots,
+    splits = num_splits
+    t = _kernel_s(r, (g * p + b * sl) * kv + q_bytes, 0.0, b * hkv * splits, slots,
                   l2_bytes=(b - g) * p * kv, serial_keys=cdiv(p + sl, splits), t_key=T_KEY_FLAT)
     if splits > 1:  # XLA merge of float32 partials: the real rows when decoding, else rows
         # padded to >= 16 per (sequence, kv head)
         rows_m = b * s.heads_q if s.tq == 1 else b * hkv * max(16, next_pow2(s.tq * s.group))
-        t += _kernel_s(2 * splits * rows_m * (s.head_dim + 1) * 4, 0.0, 2 * dev.sm_count, slots)
+        t += _kernel_s(r, 2 * splits * rows_m * (s.head_dim + 1) * 4, 0.0, 2 * dev.sm_count,
+                       slots)
     return t
 
 
-def shared_seconds(s: Shapes, leaf, dev: DeviceInfo) -> float:
-    """Modelled seconds of the shared leaf plan ``leaf`` (``TritonTwoLaunch``,
-    ``TritonOverlap`` or ``MgpuTwoLaunch``)."""
+def mgpu_two_launch_seconds(s: Shapes, num_splits: int, suffix_splits: int,
+                            dev: DeviceInfo) -> float:
+    """Modelled seconds of the Mosaic GPU two-launch leaf (``num_splits`` prefix splits,
+    ``suffix_splits`` suffix splits): q gather, prefix kernel, suffix kernel, XLA merge."""
+    r = rates(dev)
     b, p, sl, hkv, d = s.batch, s.prefix_len, s.suffix_len, s.heads_kv, s.head_dim
     kv, q_bytes, g = _common_terms(s)
     sms = dev.sm_count
     slots = SLOTS_PER_SM * sms
     r2 = next_pow2(s.tq * s.group)
     e = jnp.dtype(s.dtype).itemsize
-    if isinstance(leaf, MgpuTwoLaunch):
-        m128 = cdiv(b * r2, 128) * 128
-        ctas = hkv * (m128 // 128) * leaf.num_splits
-        part16 = leaf.num_splits * hkv * m128 * (d * e + 4)
-        t_prefix = _kernel_s(g * p * kv + part16, 4.0 * m128 * hkv * p * d, ctas, sms,
-                             mma=MMA_MGPU)
-        ss = leaf.suffix_splits
-        t_suffix = _kernel_s(b * sl * kv + q_bytes, 0.0, b * hkv * ss, slots,
-                             serial_keys=cdiv(sl, ss))
-        n_parts = leaf.num_splits + ss
-        t_merge = _kernel_s(part16 + n_parts * b * s.heads_q * (d + 1) * 4 + q_bytes, 0.0,
-                            2 * sms, slots)
-        t_gather = _kernel_s(q_bytes, 0.0, 2 * sms, slots)
-        return t_gather + t_prefix + t_suffix + t_merge
-    # Triton prefix kernel: row blocks of 128 or 64 rows, the prefix split to fill the GPU.
-    rows = b * r2
+    m128 = cdiv(b * r2, 128) * 128
+    ctas = hkv * (m128 // 128) * num_splits
+    part16 = num_splits * hkv * m128 * (d * e + 4)
+    t_prefix = _kernel_s(r, g * p * kv + part16, 4.0 * m128 * hkv * p * d, ctas, sms, mgpu=True)
+    ss = suffix_splits
+    t_suffix = _kernel_s(r, b * sl * kv + q_bytes, 0.0, b * hkv * ss, slots,
+                         serial_keys=cdiv(sl, ss))
+    n_parts = num_splits + ss
+    t_merge = _kernel_s(r, part16 + n_parts * b * s.heads_q * (d + 1) * 4 + q_bytes, 0.0,
+                        2 * sms, slots)
+    t_gather = _kernel_s(r, q_bytes, 0.0, 2 * sms, slots)
+    return t_gather + t_prefix + t_suffix + t_merge
+
+
+def triton_two_launch_seconds(s: Shapes, suffix_splits: int, dev: DeviceInfo) -> float:
+    """Modelled seconds of the Triton two-launch leaf: the prefix kernel, then the suffix
+    kernel reading its partials (+ one XLA merge when the suffix is split)."""
+    return _triton_seconds(s, suffix_splits, dev, overlap=False)
+
+
+def triton_overlap_seconds(s: Shapes, suffix_splits: int, dev: DeviceInfo) -> float:
+    """Modelled seconds of the Triton overlap leaf: ``max`` of its prefix and suffix programs
+    plus 30% of the smaller (imperfect overlap), then one XLA merge."""
+    return _triton_seconds(s, suffix_splits, dev, overlap=True)
+
+
+def _triton_seconds(s: Shapes, ss: int, dev: DeviceInfo, *, overlap: bool) -> float:
+    r = rates(dev)
+    b, p, sl, hkv, d = s.batch, s.prefix_len, s.suffix_len, s.heads_kv, s.head_dim
+    kv, q_bytes, g = _common_terms(s)
+    sms = dev.sm_count
+    slots = SLOTS_PER_SM * sms
+    # the Triton prefix kernel as the model sizes it: row blocks of 128 or 64 rows, the prefix
+    # split to fill the GPU
+    rows = b * next_pow2(s.tq * s.group)
     block_m = 128 if rows >= 1024 else 64
     n_rb = cdiv(rows + 16, block_m)
     p_splits = (1 if hkv * n_rb >= 2 * sms
                 else max(1, min(cdiv(2 * sms, hkv * n_rb), cdiv(p, 256))))
-    ss = leaf.suffix_splits
     merge_rows = b * s.tq * s.heads_q * (d + 1) * 4
-    if isinstance(leaf, TritonOverlap):
+    if overlap:
         # its suffix programs do not read the prefix partials (its XLA merge does), and its
         # prefix rows are not padded for a suffix pass
-        t_suffix = _kernel_s(b * sl * kv + q_bytes, 0.0, b * hkv * ss, slots,
+        t_suffix = _kernel_s(r, b * sl * kv + q_bytes, 0.0, b * hkv * ss, slots,
                              serial_keys=cdiv(sl, ss))
         n_rb = cdiv(rows, block_m)
-        t_prefix = _kernel_s(g * p * kv + p_splits * n_rb * block_m * hkv * (d + 1) * 4,
+        t_prefix = _kernel_s(r, g * p * kv + p_splits * n_rb * block_m * hkv * (d + 1) * 4,
                              4.0 * n_rb * block_m * hkv * p * d, hkv * n_rb * p_splits, slots,
                              serial_keys=cdiv(p, p_splits))
         return (max(t_prefix, t_suffix) + 0.3 * min(t_prefix, t_suffix)
-                + _kernel_s(2 * (p_splits + ss) * merge_rows, 0.0, 2 * sms, slots))
+                + _kernel_s(r, 2 * (p_splits + ss) * merge_rows, 0.0, 2 * sms, slots))
     partial_bytes = p_splits * n_rb * block_m * hkv * (d + 1) * 4
-    t_prefix = _kernel_s(g * p * kv + partial_bytes, 4.0 * n_rb * block_m * hkv * p * d,
+    t_prefix = _kernel_s(r, g * p * kv + partial_bytes, 4.0 * n_rb * block_m * hkv * p * d,
                          hkv * n_rb * p_splits, slots, serial_keys=cdiv(p, p_splits))
-    t = t_prefix + _kernel_s(b * sl * kv + q_bytes + partial_bytes, 0.0, b * hkv * ss, slots,
+    t = t_prefix + _kernel_s(r, b * sl * kv + q_bytes + partial_bytes, 0.0, b * hkv * ss, slots,
                              serial_keys=cdiv(sl, ss))
     if ss > 1:
-        t += _kernel_s((p_splits + ss) * merge_rows, 0.0, 2 * sms, slots)
+        t += _kernel_s(r, (p_splits + ss) * merge_rows, 0.0, 2 * sms, slots)
     return t

@@ -1,11 +1,12 @@
 """Planner of shared-prefix attention: static shapes + :class:`DeviceInfo` -> a frozen plan.
 
-:func:`plan_shared_prefix` walks one decision tree (:func:`_decide`; the same tree with its
-reasons is ``docs/dispatch.md``), then builds the chosen leaf's tiling and splits for each query
-chunk (:mod:`jax_prefix_attn.leaf_plans`).  Every number here is a static function of the
-shapes and the device: a jitted caller never sees a stale choice.  ``impl="auto"`` compares the
-shared and the flat family with the cost model (:mod:`jax_prefix_attn.cost_model`) on the plans
-built for them.
+The planner keeps an ordered registry of leaf modules (:data:`LEAVES`, each following
+:class:`jax_prefix_attn.leaves.base.Leaf`).  It takes the leaves of the asked family (both
+families for ``impl="auto"`` on a GPU) whose ``why_not`` is ``None`` for the shapes, and picks
+the one of least modelled seconds (:mod:`jax_prefix_attn.cost_model`), ties to the earlier
+leaf of the registry; then it builds the leaf's tiling and splits for each query chunk.  Every
+number here is a static function of the shapes and the device: a jitted caller never sees a
+stale choice.  ``docs/dispatch.md`` lists the leaves, their regions and how to add one.
 """
 from __future__ import annotations
 
@@ -14,19 +15,27 @@ import types
 
 import jax.numpy as jnp
 
-from jax_prefix_attn import cost_model
-from jax_prefix_attn import leaf_plans as lp
-from jax_prefix_attn.device import H100_SXM, DeviceInfo, device_info
+from jax_prefix_attn.device import DeviceInfo, device_info
+from jax_prefix_attn.leaves import (flat_own, flat_rows, mgpu_joint, mgpu_one_launch,
+                                    mgpu_split, mgpu_two_launch, triton_overlap,
+                                    triton_two_launch)
+from jax_prefix_attn.leaves.base import (DECODE_SUFFIX, planning_part, query_chunks,
+                                         shared_prefix_supported, supported)
+from jax_prefix_attn.leaves.triton_prefix import OVERLAP_BELOW_PROGRAMS
 from jax_prefix_attn.plans import (BackwardPlan, ChunkPlan, Reference, SharedPrefixPlan,
                                    Shapes)
 from pallas_kernels import prefix_attention_bwd, suffix_attention_bwd
-from pallas_kernels._common import cdiv, kernel_head_dim
-from pallas_kernels.decode_attention import supported as triton_supported
 
-__all__ = ["plan_shared_prefix", "SharedPrefixPlan", "PATHS", "SHARED_PATHS", "FLAT_PATHS",
-           "DECODE_SUFFIX_TILING", "shared_prefix_supported", "suffix_grad_key_splits",
-           "row_splits"]
+__all__ = ["plan_shared_prefix", "SharedPrefixPlan", "LEAVES", "leaf_module", "candidates",
+           "PATHS", "SHARED_PATHS", "FLAT_PATHS", "DECODE_SUFFIX_TILING", "OVERLAP_BELOW_PROGRAMS",
+           "shared_prefix_supported", "suffix_grad_key_splits", "row_splits"]
 
+# The registry, in order of preference among leaves of equal modelled cost: the one-launch
+# Mosaic GPU leaves are charged as the two launches they replace, and each was measured to beat
+# those launches (and the ones after it) in its region.
+LEAVES = (mgpu_split, mgpu_joint, mgpu_one_launch, mgpu_two_launch, triton_overlap,
+          triton_two_launch, flat_own, flat_rows)
+_BY_PATH = types.MappingProxyType({leaf.PATH: leaf for leaf in LEAVES})
 SHARED_PATHS = ("triton_two_launch", "triton_overlap", "mgpu_two_launch", "mgpu_one_launch",
                 "mgpu_joint", "mgpu_split")
 FLAT_PATHS = ("flat_own", "flat_rows")
@@ -34,25 +43,12 @@ PATHS = ("reference",) + FLAT_PATHS + SHARED_PATHS
 IMPLS = ("auto", "shared", "flat", "reference")
 BACKWARDS = ("kernels", "reference")
 # Tiling of the own-layout decode suffix kernel (``suffix_decode_merge``) after a prefix pass.
-DECODE_SUFFIX_TILING = types.MappingProxyType(dict(block_k=32, num_warps=2, num_stages=3))
-# Below this many (sequence, kv head) suffix programs the Triton family takes the overlap launch.
-OVERLAP_BELOW_PROGRAMS = 2048
+DECODE_SUFFIX_TILING = types.MappingProxyType(dataclasses.asdict(DECODE_SUFFIX))
 
 
-def shared_prefix_supported(q_shape, dtype, prefix_len: int, suffix_len: int) -> str | None:
-    """``None`` when the Pallas kernels handle ``q [B, Tq, Hq, D]`` of ``dtype`` with a prefix of
-    ``prefix_len`` keys and suffixes of capacity ``suffix_len``, else the reason.  Any head_dim
-    runs: :func:`jax_prefix_attn.shared_prefix_attention` zero-pads it to the kernels' power of
-    two (:func:`pallas_kernels._common.kernel_head_dim`, e.g. 96 -> 128)."""
-    why = triton_supported(head_dim=kernel_head_dim(q_shape[-1]), dtype=dtype)
-    if why is not None:
-        return why
-    if prefix_len == 0 or suffix_len == 0:
-        return (f"prefix and suffix axes must be non-empty, got P={prefix_len} and "
-                f"S_max={suffix_len}")
-    if q_shape[0] == 0 or q_shape[1] == 0:
-        return f"q must hold at least one sequence and one query, got shape {tuple(q_shape)}"
-    return None
+def leaf_module(leaf_plan):
+    """The registered leaf module that builds and runs ``leaf_plan`` (by its ``path``)."""
+    return _BY_PATH[leaf_plan.path]
 
 
 def row_splits(programs: int, row_blocks: int, sms: int) -> int:
@@ -66,88 +62,46 @@ def row_splits(programs: int, row_blocks: int, sms: int) -> int:
 def suffix_grad_key_splits(batch: int, heads_kv: int, suffix_len: int,
                            device: DeviceInfo | None = None) -> int:
     """Key splits of ``suffix_attention_bwd.suffix_grads`` for ``B * Hkv`` programs."""
-    dev = _tdev(device_info() if device is None else device)
+    dev = planning_part(device_info() if device is None else device)
     return row_splits(batch * heads_kv, suffix_attention_bwd.suffix_grad_tiles(suffix_len),
                       dev.sm_count)
 
 
-def _decide(s: Shapes, dev: DeviceInfo, impl: str, interpret: bool) -> str:
-    """The decision tree: which leaf runs these shapes (``docs/dispatch.md``)."""
-    if impl == "reference":
-        return "reference"
-    if impl == "auto" and (dev.platform != "gpu" or _unsupported(s) is not None):
-        return "reference"                                  # no GPU kernels here
-    # The flat family: one ragged decode launch over shared storage.
-    flat = ("flat_own" if s.tq == 1 and lp.flat_layout(s, _tdev(dev)) == "own"
-            else "flat_rows")
-    # The shared family.  Decoding with one prefix on Hopper, enough 128-row CTAs: Mosaic GPU.
-    if s.groups == 1 and s.tq == 1 and lp.mosaic_region(s, dev, interpret):
-        if lp.split_region(s, dev):           # G = 4, B * G >= 2048, D = 128, P 4K-16K, S 64-256
-            shared = "mgpu_split"
-        elif lp.joint_region(s, dev):         # P 1K-4K, S = 64 (G >= 4) or S <= 256 (G >= 8)
-            shared = "mgpu_joint"
-        elif lp.one_launch_region(s, dev):    # P = 4K, S 128-256, or G >= 8 P = 16K S = 1K
-            shared = "mgpu_one_launch"
-        else:
-            shared = "mgpu_two_launch"
-    elif s.batch * s.heads_kv < OVERLAP_BELOW_PROGRAMS:  # few suffix programs: overlap them
-        shared = "triton_overlap"
-    else:
-        shared = "triton_two_launch"
-    if impl == "flat":
-        return flat
-    if impl == "shared":
-        return shared
-    # auto on a GPU: the cheaper family by the cost model (one-launch leaves charged as the
-    # two launches they replace, an overestimate where they run).
-    costed = "mgpu_two_launch" if shared.startswith("mgpu") else shared
-    t_shared = cost_model.shared_seconds(s, lp.build_leaf(costed, s, _tdev(dev), interpret),
-                                         _tdev(dev))
-    t_flat = cost_model.flat_seconds(s, lp.build_leaf(flat, s, _tdev(dev), interpret), _tdev(dev))
-    return shared if t_shared <= t_flat else flat
+def candidates(s: Shapes, dev: DeviceInfo, family: str, interpret: bool = False) -> tuple:
+    """The registered leaves of ``family`` (``"shared"``, ``"flat"``, or ``"auto"``: both) whose
+    ``why_not`` is ``None`` for shapes ``s`` on ``dev``, in registry order."""
+    return tuple(leaf for leaf in LEAVES if family in ("auto", leaf.FAMILY)
+                 and leaf.why_not(s, dev, interpret) is None)
 
 
-def _tdev(dev: DeviceInfo) -> DeviceInfo:
-    return dev if dev.is_gpu else H100_SXM
+def _choose(s: Shapes, dev: DeviceInfo, family: str, interpret: bool):
+    """The candidate of least modelled seconds, ties to the earlier in the registry."""
+    found = candidates(s, dev, family, interpret)
+    if not found:   # every family has a leaf for every supported shape (tests/jax_prefix_attn)
+        raise AssertionError(f"no {family} leaf accepts {s}")
+    if len(found) == 1:
+        return found[0]
+    tdev = planning_part(dev)
+    return min(enumerate(found), key=lambda il: (il[1].seconds(s, tdev, interpret), il[0]))[1]
 
 
-def _unsupported(s: Shapes) -> str | None:
-    return shared_prefix_supported((s.batch, s.tq, s.heads_q, s.head_dim), s.dtype, s.prefix_len,
-                                   s.suffix_len)
-
-
-def _why_not(path: str, s: Shapes, dev: DeviceInfo, interpret: bool) -> str | None:
-    """``None`` when leaf ``path`` can run these shapes on ``dev``, else the reason."""
-    if path == "reference":
-        return None
-    why = _unsupported(s)
-    if why is not None or path in ("flat_rows", "triton_two_launch", "triton_overlap"):
-        return why
-    if path == "flat_own":
-        return None if s.tq == 1 else f"flat_own decodes one query per sequence, got Tq={s.tq}"
-    return lp.mosaic_why_not(path, s, dev, interpret)
-
-
-def _build(path: str, s: Shapes, dev: DeviceInfo, interpret: bool, forced: bool = True) -> tuple:
-    """The chunk plans of leaf ``path``: one per chunk of query positions.  Unless ``forced``,
-    each chunk takes the leaf the tree gives for its own shapes within ``path``'s family (a
-    chunk of one position is a decode step)."""
-    if path == "reference":
-        return (ChunkPlan(0, s.tq, Reference()),)
-    tdev = _tdev(dev)
-    family = "flat" if path in FLAT_PATHS else "shared"
+def _build(leaf, s: Shapes, dev: DeviceInfo, interpret: bool, forced: bool) -> tuple:
+    """The chunk plans of ``leaf``: one per chunk of query positions.  Unless ``forced``, each
+    chunk takes the leaf the planner picks for its own shapes within ``leaf``'s family (a chunk
+    of one position is a decode step)."""
+    tdev = planning_part(dev)
     chunks = []
-    for a, b in lp.query_chunks(s.tq, s.group):
+    for a, b in query_chunks(s.tq, s.group):
         s_c = dataclasses.replace(s, tq=b - a)
-        path_c = path if forced or s_c == s else _decide(s_c, dev, family, interpret)
-        chunks.append(ChunkPlan(a, b, lp.build_leaf(path_c, s_c, tdev, interpret)))
+        leaf_c = leaf if forced or s_c == s else _choose(s_c, dev, leaf.FAMILY, interpret)
+        chunks.append(ChunkPlan(a, b, leaf_c.build(s_c, tdev, interpret)))
     return tuple(chunks)
 
 
 def _backward(s: Shapes, dev: DeviceInfo, mode: str) -> BackwardPlan:
     if mode not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {mode!r}")
-    sms = _tdev(dev).sm_count
+    sms = planning_part(dev).sm_count
     dq_blocks, dq_tiles, dkv_blocks, dkv_rows = prefix_attention_bwd.prefix_grad_grid(
         s.batch * s.tq, s.prefix_len)
     return BackwardPlan(
@@ -165,8 +119,8 @@ def plan_shared_prefix(*, batch: int, tq: int, heads_q: int, heads_kv: int, head
     """Plan ``shared_prefix_attention`` for these static shapes (``q [batch, tq, heads_q,
     head_dim]``, ``groups`` prefixes of ``prefix_len`` keys, suffix capacity ``suffix_len``).
 
-    ``impl``: ``"auto"`` (on a GPU the cheaper of the shared and flat family by the cost model,
-    elsewhere the reference), ``"shared"`` / ``"flat"`` (the best leaf of that family),
+    ``impl``: ``"auto"`` (on a GPU the cheapest leaf of both families by the cost model,
+    elsewhere the reference), ``"shared"`` / ``"flat"`` (the cheapest leaf of that family),
     ``"reference"``.  ``path``: force one leaf (:data:`PATHS`); raises ``ValueError`` naming the
     path and the reason when it cannot run these shapes.  ``device``: default
     :func:`device_info` (tests pass a known part such as ``device.H100_SXM``).  ``interpret``:
@@ -179,21 +133,29 @@ def plan_shared_prefix(*, batch: int, tq: int, heads_q: int, heads_kv: int, head
     s = Shapes(int(batch), int(tq), int(heads_q), int(heads_kv), int(head_dim), int(groups),
                int(prefix_len), int(suffix_len), jnp.dtype(dtype).name)
     dev = device_info() if device is None else device
-    forced = path is not None
-    if path is None:
-        path = _decide(s, dev, impl, interpret)
-        why = _why_not(path, s, dev, interpret)
-        if why is not None:
-            raise ValueError(f"impl={impl!r} (Pallas kernels) cannot run these shapes: {why}; "
-                             f"use impl='reference'")
-    else:
+    if path is not None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        why = _why_not(path, s, dev, interpret)
+        leaf = None if path == "reference" else _BY_PATH[path]
+        why = None if leaf is None else leaf.unsupported(s, dev, interpret)
         if why is not None:
             raise ValueError(f"path={path!r} cannot run these shapes: {why}")
-    family = ("reference" if path == "reference" else "flat" if path in FLAT_PATHS
-              else "shared")
-    return SharedPrefixPlan(impl=family, path=path, shapes=s,
-                            chunks=_build(path, s, dev, interpret, forced=forced),
-                            backward=_backward(s, dev, backward), interpret=bool(interpret))
+    elif impl == "reference":
+        leaf = None
+    else:
+        why = supported(s)
+        if impl == "auto" and (dev.platform != "gpu" or why is not None):
+            leaf = None                                 # no GPU kernels here
+        elif why is not None:
+            raise ValueError(f"impl={impl!r} (Pallas kernels) cannot run these shapes: {why}; "
+                             f"use impl='reference'")
+        else:
+            leaf = _choose(s, dev, impl, interpret)
+    backward_plan = _backward(s, dev, backward)
+    if leaf is None:
+        return SharedPrefixPlan(impl="reference", path="reference", shapes=s,
+                                chunks=(ChunkPlan(0, s.tq, Reference()),),
+                                backward=backward_plan, interpret=bool(interpret))
+    return SharedPrefixPlan(impl=leaf.FAMILY, path=leaf.PATH, shapes=s,
+                            chunks=_build(leaf, s, dev, interpret, forced=path is not None),
+                            backward=backward_plan, interpret=bool(interpret))

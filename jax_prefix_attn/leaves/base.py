@@ -1,0 +1,148 @@
+"""What every plan leaf of shared-prefix attention shares: the static shapes a leaf is planned
+for, the kernel tilings several leaves use, the :class:`Leaf` protocol of a leaf module, and the
+split rules common to several leaves.
+
+Each leaf is one module of :mod:`jax_prefix_attn.leaves` holding its frozen plan dataclass, the
+reason it cannot be chosen for given shapes (:func:`Leaf.why_not`), its modelled cost, its
+builder (tiling and splits for one chunk of query positions) and how it runs its kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+from jax_prefix_attn.device import H100_SXM, DeviceInfo
+from pallas_kernels._common import MAX_ROWS_PER_TILE, cdiv, kernel_head_dim
+from pallas_kernels.decode_attention import supported as triton_supported
+
+__all__ = ["Shapes", "PrefixTiling", "SuffixTiling", "DECODE_SUFFIX", "Leaf",
+           "shared_prefix_supported", "supported", "query_chunks", "planning_part", "two_per_sm", "splits_to_fill", "suffix_splits"]
+
+_frozen = dataclasses.dataclass(frozen=True)
+
+
+@_frozen
+class Shapes:
+    """Static shapes of a call: ``q [batch, tq, heads_q, head_dim]``, ``groups`` prefixes of
+    ``prefix_len`` keys, suffixes of capacity ``suffix_len``, ``dtype`` the name of q's dtype."""
+    batch: int
+    tq: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    groups: int
+    prefix_len: int
+    suffix_len: int
+    dtype: str
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head, ``G = Hq / Hkv``."""
+        return self.heads_q // self.heads_kv
+
+
+@_frozen
+class PrefixTiling:
+    """Tiling of the Triton prefix kernel (``pallas_kernels.prefix_attention.prefix_partials``)."""
+    block_m: int
+    block_k: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    two_phase: bool = False
+
+
+@_frozen
+class SuffixTiling:
+    """Tiling of a suffix / decode kernel."""
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Tiling of the own-layout decode suffix kernel (``suffix_decode_merge``) beside a prefix pass.
+DECODE_SUFFIX = SuffixTiling(block_k=32, num_warps=2, num_stages=3)
+
+
+@runtime_checkable
+class Leaf(Protocol):
+    """A leaf module.  ``PATH``: its name (the plan's ``path``, ``path=`` of the planner);
+    ``FAMILY``: ``"shared"`` (prefix pass batched over the sequences) or ``"flat"`` (one ragged
+    decode over shared storage); ``PLAN``: its frozen plan dataclass.
+
+    * ``unsupported(s, dev, interpret)``: ``None`` when its kernels run shapes ``s`` on ``dev``
+      (what a forced ``path=`` needs), else the reason.
+    * ``why_not(s, dev, interpret)``: ``None`` when the planner may choose it for ``s``: its
+      kernels run and ``s`` lies in the region where it was measured to pay; else the reason.
+    * ``build(s, dev, interpret)``: its plan for one chunk of query positions.
+    * ``seconds(s, dev, interpret)``: the modelled seconds the planner compares it by.
+    * ``run(leaf, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s, *,
+      scale, interpret, prefix_len_g)``: ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])`` of one chunk
+      (``jax_prefix_attn.executor.run_plan`` gives the inputs).
+    """
+    PATH: str
+    FAMILY: str
+    PLAN: type
+
+    def unsupported(self, s: Shapes, dev, interpret: bool) -> str | None: ...
+
+    def why_not(self, s: Shapes, dev, interpret: bool) -> str | None: ...
+
+    def build(self, s: Shapes, dev, interpret: bool): ...
+
+    def seconds(self, s: Shapes, dev, interpret: bool) -> float: ...
+
+    def run(self, leaf, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,
+            *, scale, interpret, prefix_len_g): ...
+
+
+def shared_prefix_supported(q_shape, dtype, prefix_len: int, suffix_len: int) -> str | None:
+    """``None`` when the Pallas kernels handle ``q [B, Tq, Hq, D]`` of ``dtype`` with a prefix of
+    ``prefix_len`` keys and suffixes of capacity ``suffix_len``, else the reason.  Any head_dim
+    runs: :func:`jax_prefix_attn.shared_prefix_attention` zero-pads it to the kernels' power of
+    two (:func:`pallas_kernels._common.kernel_head_dim`, e.g. 96 -> 128)."""
+    why = triton_supported(head_dim=kernel_head_dim(q_shape[-1]), dtype=dtype)
+    if why is not None:
+        return why
+    if prefix_len == 0 or suffix_len == 0:
+        return (f"prefix and suffix axes must be non-empty, got P={prefix_len} and "
+                f"S_max={suffix_len}")
+    if q_shape[0] == 0 or q_shape[1] == 0:
+        return f"q must hold at least one sequence and one query, got shape {tuple(q_shape)}"
+    return None
+
+
+def supported(s: Shapes) -> str | None:
+    """:func:`shared_prefix_supported` of shapes ``s``: what every leaf needs first."""
+    return shared_prefix_supported((s.batch, s.tq, s.heads_q, s.head_dim), s.dtype, s.prefix_len,
+                                   s.suffix_len)
+
+
+def query_chunks(tq: int, group: int, max_rows: int = MAX_ROWS_PER_TILE) -> list:
+    """``[(start, stop), ...]`` over ``Tq`` so that each chunk has at most ``max_rows`` rows
+    (``chunk * group`` rows, at least one position per chunk)."""
+    step = max(1, max_rows // group)
+    return [(c, min(c + step, tq)) for c in range(0, tq, step)]
+
+
+def planning_part(dev: DeviceInfo) -> DeviceInfo:
+    """The part grids and costs are sized for: ``dev`` on a GPU, else :data:`H100_SXM` (so that
+    interpret mode off the GPU makes the choices that GPU would)."""
+    return dev if dev.is_gpu else H100_SXM
+
+
+def two_per_sm(dev) -> int:
+    """Programs that fill the GPU: two per SM."""
+    return 2 * dev.sm_count
+
+
+def splits_to_fill(programs: int, keys: int, block_k: int, target: int) -> int:
+    """Key splits so that ``programs * splits`` reaches ``target``, at least two tiles each."""
+    if programs >= target:
+        return 1
+    return max(1, min(cdiv(target, programs), cdiv(keys, 2 * block_k)))
+
+
+def suffix_splits(s: Shapes, dev) -> int:
+    """Splits of the suffix keys when ``B * Hkv`` programs cannot fill the GPU."""
+    return splits_to_fill(s.batch * s.heads_kv, s.suffix_len, 64, two_per_sm(dev))

@@ -1,0 +1,95 @@
+"""The Triton prefix pass shared by the ``triton_two_launch`` and ``triton_overlap`` leaves (and
+the row layout of ``flat_rows``): its tiling and the prefix rows it reads.
+
+The prefix pass batches all sequences' query rows (``R2`` rows per sequence and kv head, sorted
+by prefix group) into row blocks of one kernel call; its tiling fills the GPU with two programs
+per SM by splitting the prefix when the (kv head, row block) programs are fewer.
+"""
+from __future__ import annotations
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_prefix_attn.leaves.base import PrefixTiling, Shapes, supported
+from jax_prefix_attn.leaves.mgpu_prefix import mosaic_region
+from pallas_kernels._common import cdiv, next_pow2, pad_rows, row_meta, rows_from_q, seq_rows
+
+__all__ = ["OVERLAP_BELOW_PROGRAMS", "LARGE_M_TILING", "large_m_layout", "prefix_tiling",
+           "triton_why_not", "prefix_rows"]
+
+# Below this many (sequence, kv head) suffix programs the Triton family takes the overlap launch
+# (triton_overlap), from it the two launches (triton_two_launch).
+OVERLAP_BELOW_PROGRAMS = 2048
+# Triton prefix kernel with enough rows to run unsplit: 64-key tiles, 8 warps, 3 stages and the
+# two-phase key loop (otherwise 128 x 64 tiles, 4 warps, 2 stages).
+LARGE_M_TILING = types.MappingProxyType(dict(block_k=64, num_warps=8, num_stages=3))
+
+
+def large_m_layout(batch: int, rows_per_seq: int, heads_kv: int, target: int) -> bool:
+    """Enough rows that the Triton prefix kernel runs unsplit 128-row blocks (the configuration
+    of the two-phase key loop)."""
+    m = batch * next_pow2(rows_per_seq)
+    return m >= 1024 and heads_kv * cdiv(m + 16, 128) >= target
+
+
+def prefix_tiling(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
+                  target: int) -> PrefixTiling:
+    """Tiling of the Triton prefix kernel: ``target`` programs (two per SM) by splitting the
+    prefix when the (kv head, row block) programs are fewer."""
+    r2 = next_pow2(rows_per_seq)
+    m = batch * r2
+    block_m = 128 if m >= 1024 else 64 if m >= 64 else max(16, next_pow2(m))
+    block_m = max(block_m, r2)
+    programs = heads_kv * cdiv(m + 16, block_m)  # +16: the suffix pass reads past the last row
+    splits = 1
+    if programs < target:
+        splits = max(1, min(cdiv(target, programs), cdiv(prefix_len, 4 * 64)))
+    if splits == 1 and block_m == 128 and large_m_layout(batch, rows_per_seq, heads_kv, target):
+        return PrefixTiling(block_m, two_phase=True, num_splits=1, **LARGE_M_TILING)
+    return PrefixTiling(block_m, 64, splits, 4, 2)
+
+
+def triton_why_not(s: Shapes, dev, interpret: bool, *, overlap: bool) -> str | None:
+    """``None`` where the planner may choose the Triton overlap leaf (``overlap``) or the
+    two-launch leaf: the kernels run, the Mosaic GPU region does not hold, and the (sequence,
+    kv head) suffix programs are fewer than ``OVERLAP_BELOW_PROGRAMS`` (overlap) or not."""
+    why = supported(s)
+    if why is None and mosaic_region(s, dev, interpret):
+        why = "the Mosaic GPU region holds: its prefix kernel is faster than the Triton one"
+    programs = s.batch * s.heads_kv
+    if why is None and overlap and programs >= OVERLAP_BELOW_PROGRAMS:
+        why = (f"B * Hkv = {programs} >= {OVERLAP_BELOW_PROGRAMS} suffix programs fill the GPU: "
+               f"two launches (triton_two_launch) are faster")
+    if why is None and not overlap and programs < OVERLAP_BELOW_PROGRAMS:
+        why = (f"B * Hkv = {programs} < {OVERLAP_BELOW_PROGRAMS} suffix programs: the overlap "
+               f"launch (triton_overlap) is faster")
+    return why
+
+
+def prefix_rows(cfg: PrefixTiling, q, seq_to_prefix, lim_p, *, groups: int, hkv: int, r2: int,
+                tail_rows: int):
+    """The prefix pass's rows: ``(order, inv, qp [Hkv, M_pad, D], grp_rows [M_pad],
+    lim_rows [M_pad])``.  ``order``/``inv``: the sequences sorted by prefix group and back
+    (``None`` with one group); ``R2`` rows per sequence, padded by ``tail_rows`` (rows a suffix
+    pass reads past the last sequence) up to whole ``cfg.block_m`` blocks.  Padding rows (zero
+    queries, results never used) take the last real row's entry and limit, so they load no key
+    that the real rows of their block do not (a prefix may hold anything, NaN included, past its
+    length: ``0 * NaN`` in ``p @ v`` would reach those rows)."""
+    b = q.shape[0]
+    grp = q.shape[2] // hkv
+    if groups == 1:
+        order = inv = None
+        s2p_sorted = np.zeros((b,), np.int32)  # (a constant: see ``seq_rows``)
+    else:
+        order = jnp.argsort(seq_to_prefix, stable=True).astype(jnp.int32)
+        inv = jnp.argsort(order).astype(jnp.int32)
+        s2p_sorted = seq_to_prefix[order]
+    m = b * r2
+    m_pad = cdiv(m + tail_rows, cfg.block_m) * cfg.block_m
+    qp = rows_from_q(q, hkv, r2, order)
+    qp = jnp.pad(qp, ((0, 0), (0, m_pad - m), (0, 0))) if m_pad > m else qp
+    grp_rows = pad_rows(seq_rows(s2p_sorted, r2), m_pad - m, mode="edge")
+    lim_rows = pad_rows(row_meta(lim_p, grp, r2, order), m_pad - m, mode="edge")
+    return order, inv, qp, grp_rows, lim_rows
