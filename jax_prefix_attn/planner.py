@@ -16,6 +16,7 @@ import types
 import jax.numpy as jnp
 
 from jax_prefix_attn.device import DeviceInfo, device_info
+from jax_prefix_attn.device_profile import device_profile
 from jax_prefix_attn.leaves import (flat_own, flat_rows, mgpu_joint, mgpu_one_launch,
                                     mgpu_split, mgpu_two_launch, triton_overlap,
                                     triton_two_launch)
@@ -74,15 +75,20 @@ def candidates(s: Shapes, dev: DeviceInfo, family: str, interpret: bool = False)
                  and leaf.why_not(s, dev, interpret) is None)
 
 
-def _choose(s: Shapes, dev: DeviceInfo, family: str, interpret: bool):
-    """The candidate of least modelled seconds, ties to the earlier in the registry."""
+def _choose(s: Shapes, dev: DeviceInfo, family: str, interpret: bool) -> tuple:
+    """``(leaf, reason)``: the candidate of least modelled seconds, ties to the earlier in the
+    registry."""
     found = candidates(s, dev, family, interpret)
     if not found:   # every family has a leaf for every supported shape (tests/jax_prefix_attn)
         raise AssertionError(f"no {family} leaf accepts {s}")
     if len(found) == 1:
-        return found[0]
+        return found[0], f"{found[0].PATH}: the only leaf (impl={family!r}) whose why_not is None"
     tdev = planning_part(dev)
-    return min(enumerate(found), key=lambda il: (il[1].seconds(s, tdev, interpret), il[0]))[1]
+    cost = [leaf.seconds(s, tdev, interpret) for leaf in found]
+    best = min(range(len(found)), key=lambda i: (cost[i], i))
+    costs = ", ".join(f"{leaf.PATH} {c * 1e6:.1f} us" for leaf, c in zip(found, cost))
+    return found[best], (f"{found[best].PATH}: least modelled time, ties to the registry order "
+                         f"({costs})")
 
 
 def _build(leaf, s: Shapes, dev: DeviceInfo, interpret: bool, forced: bool) -> tuple:
@@ -93,7 +99,7 @@ def _build(leaf, s: Shapes, dev: DeviceInfo, interpret: bool, forced: bool) -> t
     chunks = []
     for a, b in query_chunks(s.tq, s.group):
         s_c = dataclasses.replace(s, tq=b - a)
-        leaf_c = leaf if forced or s_c == s else _choose(s_c, dev, leaf.FAMILY, interpret)
+        leaf_c = leaf if forced or s_c == s else _choose(s_c, dev, leaf.FAMILY, interpret)[0]
         chunks.append(ChunkPlan(a, b, leaf_c.build(s_c, tdev, interpret)))
     return tuple(chunks)
 
@@ -140,22 +146,27 @@ def plan_shared_prefix(*, batch: int, tq: int, heads_q: int, heads_kv: int, head
         why = None if leaf is None else leaf.unsupported(s, dev, interpret)
         if why is not None:
             raise ValueError(f"path={path!r} cannot run these shapes: {why}")
+        reason = f"path={path!r} forced"
     elif impl == "reference":
-        leaf = None
+        leaf, reason = None, "impl='reference'"
     else:
         why = supported(s)
-        if impl == "auto" and (dev.platform != "gpu" or why is not None):
-            leaf = None                                 # no GPU kernels here
+        if impl == "auto" and dev.platform != "gpu":
+            leaf, reason = None, f"impl='auto' on {dev.platform}: no GPU kernels"
+        elif impl == "auto" and why is not None:
+            leaf, reason = None, f"impl='auto': the kernels cannot run these shapes: {why}"
         elif why is not None:
             raise ValueError(f"impl={impl!r} (Pallas kernels) cannot run these shapes: {why}; "
                              f"use impl='reference'")
         else:
-            leaf = _choose(s, dev, impl, interpret)
+            leaf, reason = _choose(s, dev, impl, interpret)
     backward_plan = _backward(s, dev, backward)
     if leaf is None:
         return SharedPrefixPlan(impl="reference", path="reference", shapes=s,
                                 chunks=(ChunkPlan(0, s.tq, Reference()),),
-                                backward=backward_plan, interpret=bool(interpret))
+                                backward=backward_plan, interpret=bool(interpret), reason=reason)
+    _, note = device_profile(planning_part(dev))
     return SharedPrefixPlan(impl=leaf.FAMILY, path=leaf.PATH, shapes=s,
                             chunks=_build(leaf, s, dev, interpret, forced=path is not None),
-                            backward=backward_plan, interpret=bool(interpret))
+                            backward=backward_plan, interpret=bool(interpret),
+                            reason=f"{reason}; {note}" if note else reason)

@@ -57,10 +57,13 @@ class BackwardPlan:
 @_frozen
 class SharedPrefixPlan:
     """A complete plan: ``impl`` (``"shared"``, ``"flat"``, ``"reference"``), ``path`` (the
-    leaf), the shapes it was made for, its query chunks, the backward and interpret mode."""
+    leaf), the shapes it was made for, its query chunks, the backward and interpret mode, and
+    ``reason``: why the planner took this leaf, in one line (with a note where the device has
+    no measured profile and the cost model used the nearest one)."""
     impl: str
     path: str
     shapes: Shapes
     chunks: tuple
     backward: BackwardPlan
     interpret: bool = False
+    reason: str = ""

@@ -103,3 +103,13 @@ def test_executor_dispatches_each_leaf_plan_to_its_module():
         plan = _plan(s, H100_SXM, path=leaf.PATH, interpret=True)
         assert {leaf_module(c.leaf) for c in plan.chunks} == {leaf}
         assert all(type(c.leaf) is leaf.PLAN for c in plan.chunks)
+
+
+def test_reason_names_the_choice_and_a_stand_in_profile():
+    s = Shapes(256, 1, 32, 8, 128, 1, 4096, 128, "bfloat16")
+    plan = _plan(s, H200)
+    assert plan.reason.startswith(f"{plan.path}: least modelled time") and "flat_own" in plan.reason
+    assert "profile" not in plan.reason                      # the H200 has a measured profile
+    assert "planned with the H200 profile" in _plan(s, A100, impl="shared").reason
+    assert _plan(s, H200, path="flat_rows").reason.startswith("path='flat_rows' forced")
+    assert _plan(s, CPU).reason == "impl='auto' on cpu: no GPU kernels"

@@ -10,7 +10,7 @@ import dataclasses
 from jax_prefix_attn import plan_shared_prefix, reference, shared_prefix_attention
 from jax_prefix_attn.device import H100_SXM
 from jax_prefix_attn.executor import run_plan
-from jax_prefix_attn.leaf_plans import query_chunks
+from jax_prefix_attn.leaves.base import query_chunks
 from helpers import TOL, check, make_case, oracle, ref_attention_jit, rel_err
 
 # test names of the kernel paths in interpret mode -> shared_prefix_attention's arguments
