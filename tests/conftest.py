@@ -44,7 +44,7 @@ jax.config.update("jax_enable_x64", False)
 # run and test process reuses: a kernel compiled once is read back instead of compiled again.
 # The cache is unbounded (a few GB for the whole suite): a size bound makes jax hold one file
 # lock across all test processes for every read and write, and list and stat the whole folder
-# on every write, which serialized the processes' compilations.  Not on the CPU: there the
+# on every write, which serializes the processes' compilations.  Not on the CPU: there the
 # suite's many small programs compile faster than the cache stores them (a cold run was 20%
 # slower with it), and CI starts from a fresh clone.
 if not _ON_CPU:
