@@ -1,4 +1,6 @@
-"""Planner of shared-prefix attention: static shapes + :class:`DeviceInfo` -> a frozen plan.
+"""Planner of shared-prefix attention: static shapes + :class:`DeviceInfo` -> a frozen plan;
+and of tree attention (:func:`plan_tree_attention`, a :class:`TreePlan`, from
+:mod:`jax_prefix_attn.tree_plan`).
 
 The planner keeps an ordered registry of leaf modules (:data:`LEAVES`, each following
 :class:`jax_prefix_attn.leaves.base.Leaf`).  It takes the leaves of the asked family (both
@@ -25,11 +27,13 @@ from jax_prefix_attn.leaves.base import (DECODE_SUFFIX, planning_part, query_chu
 from jax_prefix_attn.leaves.triton_prefix import OVERLAP_BELOW_PROGRAMS
 from jax_prefix_attn.plans import (BackwardPlan, ChunkPlan, Reference, SharedPrefixPlan,
                                    Shapes)
+from jax_prefix_attn.tree_plan import TreePlan, plan_tree_attention
 from pallas_kernels import prefix_attention_bwd, suffix_attention_bwd
 
 __all__ = ["plan_shared_prefix", "SharedPrefixPlan", "LEAVES", "leaf_module", "candidates",
            "PATHS", "SHARED_PATHS", "FLAT_PATHS", "DECODE_SUFFIX_TILING", "OVERLAP_BELOW_PROGRAMS",
-           "shared_prefix_supported", "suffix_grad_key_splits", "row_splits"]
+           "shared_prefix_supported", "suffix_grad_key_splits", "row_splits", "plan_tree_attention",
+           "TreePlan"]
 
 # The registry, in order of preference among leaves of equal modelled cost: the one-launch
 # Mosaic GPU leaves are charged as the two launches they replace, and each was measured to beat

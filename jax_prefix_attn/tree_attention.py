@@ -22,7 +22,8 @@ Algorithms (``impl``):
   (e.g. a tree-of-thought leaf) streamed in place by the decode suffix kernel together with its
   suffix, which merges everything in its epilogue
   (:func:`jax_prefix_attn.tree_paths.hybrid_attention`).
-* ``"auto"``: :func:`auto_path`.
+* ``"auto"``: the schedule of :func:`jax_prefix_attn.planner.plan_tree_attention` (a
+  :class:`~jax_prefix_attn.tree_plan.TreePlan`; :func:`auto_path` names it).
 * ``"reference"``: gathers each sequence's context and calls ``reference.attention``.
 
 ``interpret=True`` runs the Pallas kernels of a named algorithm in interpret mode (CPU
@@ -60,12 +61,14 @@ import numpy as np
 
 from jax_prefix_attn._validation import (check_array, check_bool, check_gqa, check_impl, check_kv, check_lengths,
                                          check_sm_scale)
-from jax_prefix_attn.device import device_info
+from jax_prefix_attn.planner import plan_tree_attention
 from jax_prefix_attn.prefix_tree import PrefixTree
 from jax_prefix_attn.tree_drafts import check_draft_parents
 from jax_prefix_attn.tree_grad import grads_via_kernels, mirror_grads
 from jax_prefix_attn.tree_metadata import TreeMetadata, build_tree_metadata
 from jax_prefix_attn.tree_paths import schedule_forward, shallow_attention, single_level_attention
+from jax_prefix_attn.tree_plan import (PLATFORMS, TREE_IMPLS, default_platform, hybrid_unsupported_shapes,
+                                       shallow_takes, single_level_takes)
 from jax_prefix_attn.tree_reference import tree_reference_attention
 from pallas_kernels._common import (flag_nonfinite, kernel_group, kernel_head_dim, pad_axis, pad_group,
                                      unpad_group)
@@ -73,17 +76,10 @@ from pallas_kernels._common import (flag_nonfinite, kernel_group, kernel_head_di
 __all__ = ["tree_attention", "auto_path", "default_platform", "use_single_level", "use_shallow",
            "hybrid_unsupported", "IMPLS", "BACKWARDS", "PLATFORMS"]
 
-IMPLS = ("auto", "levelwise", "flatten", "hybrid", "nodes", "reference")
+IMPLS = TREE_IMPLS
 # Backward of the kernel paths: "kernels" (the backward kernels) or "mirror" (autodiff of the
 # pure-JAX mirror of the flatten schedule).
 BACKWARDS = ("kernels", "mirror")
-PLATFORMS = ("gpu", "cpu")
-
-
-def default_platform() -> str:
-    """``"gpu"`` when the default device (:func:`jax_prefix_attn.device.device_info`) is a GPU,
-    else ``"cpu"``: where :func:`tree_attention` runs when ``platform`` is not given."""
-    return "gpu" if device_info().platform == "gpu" else "cpu"
 
 
 def _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_scale, impl, interpret, backward,
@@ -130,52 +126,28 @@ def _validate(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, sm_sc
 
 
 
-def _supported_dtype_and_dim(q) -> str | None:
-    d = q.shape[-1]
-    if d < 16 or d & (d - 1):
-        return f"head_dim must be a power of two >= 16, got {d}"
-    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        return f"dtype must be float32, bfloat16 or float16, got {q.dtype}"
-    return None
-
-
 def use_single_level(meta: TreeMetadata, q, suffix_k) -> bool:
-    """Whether the single-level path takes these inputs: every sequence hangs from a root, a
-    suffix axis, and shapes the shared-prefix kernels take."""
-    return meta.single_level and suffix_k.shape[1] > 0 and _supported_dtype_and_dim(q) is None
+    """Whether the single-level path takes these inputs (:func:`tree_plan.single_level_takes`)."""
+    return single_level_takes(meta, q.shape, q.dtype, suffix_k.shape[1])
 
 
 def use_shallow(meta: TreeMetadata, q) -> bool:
-    """Whether the shallow path takes these inputs: decoding a shallow forest
-    (``meta.shallow_pad > 0``) with shapes the shared-prefix kernels take."""
-    return meta.shallow_pad > 0 and meta.tq == 1 and q.shape[1] == 1 and _supported_dtype_and_dim(q) is None
+    """Whether the shallow path takes these inputs (:func:`tree_plan.shallow_takes`)."""
+    return shallow_takes(meta, q.shape, q.dtype)
 
 
 def hybrid_unsupported(meta: TreeMetadata, q) -> str | None:
-    """``None`` when the hybrid schedule can run these inputs, else why not."""
-    if meta.excl_span is None or q.shape[1] != 1:
-        return f"it decodes one query per sequence (seq_q == 1), got seq_q={q.shape[1]}"
-    return _supported_dtype_and_dim(q)
+    """``None`` when the hybrid schedule can run these inputs, else why not
+    (:func:`tree_plan.hybrid_unsupported_shapes`)."""
+    return hybrid_unsupported_shapes(meta, q.shape, q.dtype)
 
 
 def auto_path(meta: TreeMetadata, q, suffix_k, *, draft_parents=None, platform: str | None = None) -> str:
-    """What ``impl="auto"`` runs for these (static) shapes: ``"single_level"``, ``"hybrid"``,
-    ``"shallow"``, ``"levelwise"`` or ``"flatten"``.
-
-    Off the GPU: ``meta.preferred`` (the cost model's schedule).  On the GPU, in order: a
-    single-level forest with a suffix axis goes to the shared-prefix path; when decoding, a
-    shallow forest to the shallow path (on speculative trees the hybrid schedule measured
-    slower at most sizes: ``docs/performance.md``, "Kernel design measurements"), else the
-    hybrid schedule where the cost model prefers it (``meta.hybrid``); then ``meta.preferred``."""
-    if (platform or default_platform()) != "gpu" or draft_parents is not None:
-        return meta.preferred
-    if use_single_level(meta, q, suffix_k):
-        return "single_level"
-    if use_shallow(meta, q):
-        return "shallow"
-    if meta.hybrid and hybrid_unsupported(meta, q) is None:
-        return "hybrid"
-    return meta.preferred
+    """What ``impl="auto"`` runs for these (static) shapes: the ``schedule`` of
+    :func:`jax_prefix_attn.planner.plan_tree_attention` (``"single_level"``, ``"shallow"``,
+    ``"hybrid"``, ``"levelwise"`` or ``"flatten"``)."""
+    return plan_tree_attention(meta, q_shape=q.shape, dtype=q.dtype, suffix_len=suffix_k.shape[1],
+                               draft=draft_parents is not None, platform=platform).schedule
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
@@ -296,17 +268,12 @@ def _kernel_shapes_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix
                                    pool_size=k_pool.shape[0], device=False)  # host arrays: jit constants
     else:
         meta = tree
+    # Planned before the arrays become jnp arrays: host metadata carries the modelled times.
+    plan = plan_tree_attention(meta, q_shape=q.shape, dtype=q.dtype, suffix_len=suffix_k.shape[1],
+                               draft=draft_parents is not None, impl=impl, platform=platform,
+                               interpret=interpret)
     meta = jax.tree_util.tree_map(jnp.asarray, meta)
-    if impl == "hybrid":
-        why = hybrid_unsupported(meta, q) or ("it does not take draft_parents" if draft_parents is not None else None)
-        if why is not None:
-            raise ValueError(f"impl='hybrid' cannot run these inputs: {why}")
-        if platform != "gpu" and not interpret:
-            raise ValueError("impl='hybrid' runs Pallas GPU kernels and needs a GPU; pass interpret=True "
-                             "on the CPU")
-    if impl == "auto":
-        interpret = interpret and platform == "gpu"  # auto runs kernels only where they compile
-        impl = auto_path(meta, q, suffix_k, draft_parents=draft_parents, platform=platform)
+    impl, interpret = plan.schedule, plan.interpret
     if impl in ("single_level", "shallow"):
         path = single_level_attention if impl == "single_level" else shallow_attention
         return path(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,

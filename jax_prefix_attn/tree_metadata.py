@@ -6,7 +6,9 @@ function), so a decode step under ``jax.jit`` does no host work and growing suff
 a rebuild.  It holds the schedules of :mod:`jax_prefix_attn.tree_schedule` over the same tree:
 ``flatten`` (DeFT-Flatten), ``levels`` (Hydragen hierarchical: one node schedule per depth),
 ``nodes`` (every node one item, one launch), the hybrid decode schedule's pieces, the tables of
-the single-level and shallow paths, and the cost model's choice (:mod:`jax_prefix_attn.tree_cost`).
+the single-level and shallow paths, and the modelled times of the schedules
+(:mod:`jax_prefix_attn.tree_cost`) with the planner's choice among them
+(:func:`jax_prefix_attn.tree_plan.choose_schedules`).
 
 Padding buckets (metadata of trees whose bucketed sizes agree has identical shapes and static
 fields, so they share one compilation): items per schedule, chunks and parts per row are
@@ -28,6 +30,7 @@ import numpy as np
 from jax_prefix_attn.device import planning_device_info
 from jax_prefix_attn.prefix_tree import PrefixTree
 from jax_prefix_attn.tree_cost import exclusive_spans_cost, root_launch_cost, schedule_cost
+from jax_prefix_attn.tree_plan import ScheduleCosts, choose_schedules
 from jax_prefix_attn.tree_schedule import Schedule, flatten_schedule, next_pow2, node_schedule
 from pallas_kernels._common import kernel_group
 
@@ -71,6 +74,9 @@ class TreeMetadata:
     shared-prefix kernels); ``hybrid`` (static): the cost model prefers this schedule to
     ``preferred``.  ``spans_overlap`` (static): two nodes' spans share pool tokens, so the
     backward sums their gradients there (a scatter-add instead of a gather).
+    ``costs`` (:class:`~jax_prefix_attn.tree_plan.ScheduleCosts`, host only): the modelled times
+    behind ``preferred`` and ``hybrid``, for the plan's reason; not pytree data (like
+    ``Schedule.stats``), so device metadata has ``None``.
     """
     flatten: Schedule
     nodes: Schedule
@@ -95,6 +101,7 @@ class TreeMetadata:
     hybrid: bool = False
     hybrid_root: bool = False
     spans_overlap: bool = False
+    costs: Any = None
 
     def tree_flatten(self):
         return ((self.flatten, self.nodes, self.levels, self.sorted_rows, self.row_key, self.seq_path_len,
@@ -153,10 +160,10 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
     sorted_rows[:n_rows] = sorted_rows_real
     row_key = np.full((r_pad,), -1, np.int32)
     row_key[:n_rows] = np.repeat(sorted_keys, tq)
-    cost_flat = schedule_cost(flat, group=group, sm_count=sm_count)
-    cost_lvl = sum(schedule_cost(lv, group=group, sm_count=sm_count) for lv in levels)
-    preferred = "flatten" if cost_flat < cost_lvl else "levelwise"
-    hybrid = hyb["excl_span"] is not None and hyb["cost"] < min(cost_flat, cost_lvl)
+    costs = ScheduleCosts(flatten=schedule_cost(flat, group=group, sm_count=sm_count),
+                          levelwise=sum(schedule_cost(lv, group=group, sm_count=sm_count) for lv in levels),
+                          hybrid=hyb["cost"])
+    preferred, hybrid = choose_schedules(costs)
     p_arr = np.asarray(tree.parents, np.int64)
     roots = np.nonzero(p_arr < 0)[0]
     root_index = np.full(tree.num_nodes, -1, np.int64)
@@ -184,7 +191,7 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
                         root_pad=root_bucket(int(root_span[:, 1].max())),
                         shallow_idx=shallow_idx, shallow_len=shallow_len, shallow_pad=shallow_pad,
                         mid=hyb["mid"], excl_span=hyb["excl_span"], hybrid=bool(hybrid),
-                        hybrid_root=hyb["root"], spans_overlap=tree.spans_overlap)
+                        hybrid_root=hyb["root"], spans_overlap=tree.spans_overlap, costs=costs)
 
 
 
