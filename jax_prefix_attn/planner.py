@@ -33,7 +33,7 @@ from pallas_kernels import prefix_attention_bwd, suffix_attention_bwd
 __all__ = ["plan_shared_prefix", "SharedPrefixPlan", "LEAVES", "leaf_module", "candidates",
            "PATHS", "SHARED_PATHS", "FLAT_PATHS", "DECODE_SUFFIX_TILING", "OVERLAP_BELOW_PROGRAMS",
            "shared_prefix_supported", "suffix_grad_key_splits", "row_splits", "plan_tree_attention",
-           "TreePlan"]
+           "TreePlan", "FLAT_DECODE_MAX_TQ", "use_flat_decode"]
 
 # The registry, in order of preference among leaves of equal modelled cost: the one-launch
 # Mosaic GPU leaves are charged as the two launches they replace, and each was measured to beat
@@ -49,11 +49,28 @@ IMPLS = ("auto", "shared", "flat", "reference")
 BACKWARDS = ("kernels", "reference")
 # Tiling of the own-layout decode suffix kernel (``suffix_decode_merge``) after a prefix pass.
 DECODE_SUFFIX_TILING = types.MappingProxyType(dataclasses.asdict(DECODE_SUFFIX))
+# Queries per sequence up to which attention over per-sequence buffers (no shared prefix) runs
+# the flat decode kernels rather than flash attention (:func:`use_flat_decode`).
+FLAT_DECODE_MAX_TQ = 8
 
 
 def leaf_module(leaf_plan):
     """The registered leaf module that builds and runs ``leaf_plan`` (by its ``path``)."""
     return _BY_PATH[leaf_plan.path]
+
+
+def use_flat_decode(q_shape, dtype, kv_len: int, *, impl: str = "auto",
+                    device: DeviceInfo | None = None) -> bool:
+    """Whether causal attention of ``q [B, T, Hq, D]`` (the newest ``T`` tokens) over
+    per-sequence buffers of ``kv_len`` keys runs through ``shared_prefix_attention(impl="flat")``
+    behind an empty prefix rather than flash attention: ``impl="auto"`` on a GPU, ``T <=``
+    :data:`FLAT_DECODE_MAX_TQ` and shapes the kernels take.  The flat decode kernels put the
+    ``Hq / Hkv`` query heads of a kv head in one tile, so each key is read once per kv head
+    rather than once per query head."""
+    dev = device_info() if device is None else device
+    if impl != "auto" or dev.platform != "gpu" or q_shape[1] > FLAT_DECODE_MAX_TQ:
+        return False
+    return shared_prefix_supported(tuple(q_shape), dtype, 1, kv_len) is None
 
 
 def row_splits(programs: int, row_blocks: int, sms: int) -> int:

@@ -6,8 +6,9 @@ each sequence, already written into the suffix buffer), exact causal attention o
 sequence's prefix path followed by its suffix:
 
 * ``backend="flat"``: the buffer holds the whole sequence; one
-  :func:`jax_prefix_attn.attention` call (flash kernel on GPU) with ``kv_lengths``.  For decoding
-  (``T <= FLAT_DECODE_MAX_TQ``) on GPU it calls
+  :func:`jax_prefix_attn.attention` call (flash kernel on GPU) with ``kv_lengths``.  Where the
+  library's planner says so (:func:`jax_prefix_attn.planner.use_flat_decode`: decoding, ``T <=
+  FLAT_DECODE_MAX_TQ``, on GPU) it calls
   :func:`jax_prefix_attn.shared_prefix_attention` with ``impl="flat"`` instead: its ragged split-KV
   decode kernel puts the ``Hq/Hkv`` query heads of a kv head in one tile, so each key/value is read
   once per kv head rather than once per query head.  The buffer is passed as the per-sequence
@@ -34,18 +35,10 @@ import jax
 import jax.numpy as jnp
 
 import jax_prefix_attn
+from jax_prefix_attn.planner import FLAT_DECODE_MAX_TQ, use_flat_decode
 
 __all__ = ["FLAT_DECODE_MAX_TQ", "cache_attention", "flat_decode_attention", "level_attention", "prefix_tree",
            "tree_cache_attention"]
-
-FLAT_DECODE_MAX_TQ = 8  # flat backend: queries per sequence up to which the decode kernel is used on GPU
-
-
-def _use_flat_decode(q_bthd: jax.Array, k_bshd: jax.Array, impl: str) -> bool:
-    """Whether the flat backend decodes through the ragged decode kernel (else flash attention)."""
-    if impl != "auto" or jax.default_backend() != "gpu" or q_bthd.shape[1] > FLAT_DECODE_MAX_TQ:
-        return False
-    return jax_prefix_attn.shared_prefix_supported(q_bthd.shape, q_bthd.dtype, 1, k_bshd.shape[1]) is None
 
 
 def flat_decode_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, lengths_b: jax.Array,
@@ -133,7 +126,7 @@ def cache_attention(q_bthd: jax.Array, prefix_k: tuple, prefix_v: tuple, prefix_
     if backend == "flat":
         if prefix_k:
             raise ValueError("the flat backend keeps no prefix levels; build its cache with flatten_prefix")
-        if _use_flat_decode(q_bthd, k_bshd, impl):
+        if use_flat_decode(q_bthd.shape, q_bthd.dtype, k_bshd.shape[1], impl=impl):
             return flat_decode_attention(q_bthd, k_bshd, v_bshd, lengths_b, impl="flat", interpret=interpret)
         out, _ = jax_prefix_attn.attention(q_bthd, k_bshd, v_bshd, causal=True, kv_lengths=lengths_b, impl=impl,
                                            interpret=interpret)
