@@ -130,7 +130,8 @@ def _auto(meta, q_shape, dtype, suffix_len: int, draft: bool, platform: str, tim
     """``(schedule, reason)`` of ``impl="auto"``."""
     pref = meta.preferred
     if platform != "gpu":
-        return pref, f"{pref}: impl='auto' on {platform} runs the pure-JAX mirror of the schedule of least modelled time ({times})"
+        return pref, (f"{pref}: impl='auto' on {platform} runs the pure-JAX mirror of the schedule of least "
+                      f"modelled time ({times})")
     if draft:
         return pref, (f"{pref}: draft_parents given (only the tree-kernel schedules take draft token trees); "
                       f"least modelled time ({times})")
