@@ -12,7 +12,8 @@ Public API:
   :class:`DeviceInfo`, :func:`device_info` -- the device facts the planner reads;
   :func:`concurrent_compiler_options` -- optional ``jax.jit`` options that let XLA run its
   independent launches concurrently.
-* :class:`PrefixTree`, :func:`tree_attention` -- attention over a forest of shared prefixes (Hydragen 3.3, DeFT-Flatten).
+* :class:`PrefixTree`, :func:`tree_attention` -- attention over a forest of shared prefixes (Hydragen 3.3, DeFT-Flatten);
+  :func:`plan_tree_attention` / :class:`TreePlan` -- the planner's choice of its schedule.
 * :func:`mla_attention` -- absorbed multi-head latent attention (DeepSeek-V2/V3) over shared
   latent prefixes.
 """
@@ -20,7 +21,8 @@ from jax_prefix_attn import reference
 from jax_prefix_attn.attention import attention
 from jax_prefix_attn.merge import merge_attention_states, merge_two
 from jax_prefix_attn.device import DeviceInfo, device_info
-from jax_prefix_attn.planner import SharedPrefixPlan, plan_shared_prefix
+from jax_prefix_attn.planner import (SharedPrefixPlan, TreePlan, plan_shared_prefix,
+                                     plan_tree_attention)
 from jax_prefix_attn.shared_prefix import (concurrent_compiler_options, shared_prefix_attention,
                                            shared_prefix_supported)
 from jax_prefix_attn.prefix_tree import PrefixTree
@@ -30,7 +32,7 @@ from jax_prefix_attn.tree_metadata import TreeMetadata, build_tree_metadata
 __all__ = ["concurrent_compiler_options", "shared_prefix_supported", "plan_shared_prefix",
            "SharedPrefixPlan", "DeviceInfo", "device_info", "attention", "merge_attention_states", "merge_two",
            "reference", "shared_prefix_attention", "PrefixTree", "tree_attention", "TreeMetadata",
-           "build_tree_metadata", "auto_path"]
+           "build_tree_metadata", "auto_path", "plan_tree_attention", "TreePlan"]
 from jax_prefix_attn.mla import mla_attention
 
 __all__ += ["mla_attention"]
