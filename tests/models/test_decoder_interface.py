@@ -152,24 +152,42 @@ def test_greedy_samples_of_each_prompt_share_one_folded_level(llm, checkpoint):
         assert [list(c.token_ids) for c in out[j]] == [want, want]
 
 
-def test_logprobs_are_log_softmax_of_the_forward(llm):
+@pytest.fixture(scope="module")
+def forward_log_softmax(llm):
+    """``f(seqs)``: log-softmax of the plain forward's logits ``[len(seq), V]`` of each token
+    sequence, from one jitted program for every call: the sequences are right-padded to 64
+    tokens and run as one batch (the forward is causal: a position does not see the padding
+    after it)."""
+    width = 64
+    fn = jax.jit(lambda params, tokens: jax.nn.log_softmax(llm.model.forward(params, tokens), axis=-1))
+
+    def f(seqs):
+        assert len(seqs) <= 2 and max(map(len, seqs)) <= width
+        tokens = np.zeros((2, width), np.int32)
+        for i, seq in enumerate(seqs):
+            tokens[i, :len(seq)] = seq
+        out = np.asarray(fn(llm.params, tokens))
+        return [out[i, :len(seq)] for i, seq in enumerate(seqs)]
+    return f
+
+
+def test_logprobs_are_log_softmax_of_the_forward(llm, forward_log_softmax):
     out = llm.generate(PROMPTS[:2], n=1, max_new_tokens=M, temperature=0, ignore_eos=True, logprobs=2)
     for j, p in enumerate(PROMPTS[:2]):
         c = out[j][0]
         seq = llm.prompt_ids(p) + list(c.token_ids)
-        logits = np.asarray(llm.model.forward(llm.params, np.asarray([seq[:-1]])))[0, -M:]
-        ref = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+        ref = forward_log_softmax([seq[:-1]])[0][-M:]
         np.testing.assert_allclose(c.logprobs, ref[np.arange(M), c.token_ids], atol=1e-4)
         assert [t[0][0] for t in c.top_logprobs] == np.argmax(ref, axis=-1).tolist()
 
 
-def test_prompt_logprobs_are_log_softmax_of_the_forward(llm):
+def test_prompt_logprobs_are_log_softmax_of_the_forward(llm, forward_log_softmax):
     out = llm.generate(PROMPTS[:2], max_new_tokens=1, temperature=0, prompt_logprobs=2)
     for j, p in enumerate(PROMPTS[:2]):
         ids = llm.prompt_ids(p)
         entries = out[j][0].prompt_logprobs
         assert len(entries) == len(ids) and entries[0] is None
-        ref = np.asarray(jax.nn.log_softmax(llm.model.forward(llm.params, np.asarray([ids])), axis=-1))[0]
+        ref = forward_log_softmax([ids])[0]
         for i in range(1, len(ids)):
             chosen, top = entries[i]
             np.testing.assert_allclose(chosen, ref[i - 1, ids[i]], atol=1e-4)

@@ -42,16 +42,23 @@ def test_shared_and_flat_equal_the_plain_forward(model_params):
     shared = np.asarray(completion_logprobs(model, params, prompts, plen, comps, clen, impl="shared"))
     flat = np.asarray(completion_logprobs(model, params, prompts, plen, comps, clen, impl="flat"))
     np.testing.assert_allclose(shared, flat, rtol=1e-5, atol=1e-5)
+    # The plain forward of every (prompt, completion) sequence, right-padded to one length and
+    # run as one jitted batch: the forward is causal and routes each token on its own, so a
+    # position's logits do not depend on the padding after it.
+    seqs = [(g, n) for g in range(3) for n in range(4) if clen[g, n] > 0]
+    width = prompts.shape[1] + comps.shape[2]
+    tokens = np.zeros((len(seqs), width), np.int64)
+    for i, (g, n) in enumerate(seqs):
+        row = np.concatenate([prompts[g, :plen[g]], comps[g, n, :clen[g, n]]])
+        tokens[i, :len(row)] = row
+    lps = np.asarray(jax.jit(lambda p, t: jax.nn.log_softmax(model.forward(p, t), axis=-1))(params, tokens))
     for g in range(3):
         for n in range(4):
-            c = clen[g, n]
-            assert (shared[g, n, c:] == 0).all()
-            if c == 0:
-                continue
-            tokens = np.concatenate([prompts[g, :plen[g]], comps[g, n, :c]])[None]
-            lp = jax.nn.log_softmax(model.forward(params, tokens), axis=-1)[0]
-            want = [float(lp[plen[g] - 1 + t, comps[g, n, t]]) for t in range(c)]
-            np.testing.assert_allclose(shared[g, n, :c], want, rtol=1e-5, atol=1e-5)
+            assert (shared[g, n, clen[g, n]:] == 0).all()
+    for i, (g, n) in enumerate(seqs):
+        c = clen[g, n]
+        want = [float(lps[i, plen[g] - 1 + t, comps[g, n, t]]) for t in range(c)]
+        np.testing.assert_allclose(shared[g, n, :c], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("remat", [False, True])
