@@ -77,6 +77,11 @@ def _hf_logits(model, tokens) -> np.ndarray:
         return model(torch.tensor(np.asarray(tokens))).logits.numpy()
 
 
+def _forward(model, params, tokens):
+    """``model.forward`` as one jitted program (op by op it dispatches hundreds of small ops)."""
+    return jax.jit(model.forward)(params, tokens)
+
+
 def _rel(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(b)))
 
@@ -89,7 +94,7 @@ def test_prefill_logits_match_transformers(checkpoints, case):
     assert config.architecture == f"{family}ForCausalLM"
     assert config.q_lora_rank == CASES[case][1]["q_lora_rank"]
     tokens = np.random.default_rng(1).integers(0, V, (2, 19))   # past YaRN's original 8 positions
-    got = Deepseek(config).forward(params, tokens)
+    got = _forward(Deepseek(config), params, tokens)
     assert got.shape == (2, 19, V) and got.dtype == jnp.float32
     assert _rel(got, _hf_logits(hf, tokens)) < 1e-4
 
@@ -135,7 +140,7 @@ def test_absorbed_decode_logits_match_forward_with_grouped_prompts(checkpoints):
     padded = np.zeros((3, max(map(len, seqs))), np.int32)   # right padding: causal, rows unaffected
     for i, seq in enumerate(seqs):
         padded[i, :len(seq)] = seq
-    full = np.asarray(model.forward(params, padded))
+    full = np.asarray(_forward(model, params, padded))
     for i in range(3):
         n = len(seqs[i])
         assert _rel(logits[i], full[i, n - 2]) < 1e-4
@@ -166,7 +171,7 @@ def test_moe_routing_ties_match_transformers(tmp_path):
         assert np.all(experts[:, 0] // 2 == experts[:, 1] // 2) and np.all(experts[:, 0] != experts[:, 1])
         np.testing.assert_array_equal(weights[:, 0], weights[:, 1])
         tokens = np.random.default_rng(6).integers(0, V, (2, 7))
-        assert _rel(Deepseek(config).forward(params, tokens), _hf_logits(hf, tokens)) < 1e-4
+        assert _rel(_forward(Deepseek(config), params, tokens), _hf_logits(hf, tokens)) < 1e-4
 
 
 def test_route_breaks_ties_toward_lower_expert():
@@ -341,7 +346,7 @@ def test_bfloat16_weights_prefill_and_decode(tmp_path):
     assert params["layers"][1]["experts_gate"].dtype == jnp.bfloat16
     model = Deepseek(config)
     tokens = np.random.default_rng(8).integers(0, V, (1, 9))
-    got = model.forward(params, tokens)
+    got = _forward(model, params, tokens)
     with torch.no_grad():
         want = hf.to(torch.bfloat16)(torch.tensor(tokens)).logits.float().numpy()
     assert got.dtype == jnp.float32 and _rel(got, want) < 5e-2
