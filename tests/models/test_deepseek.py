@@ -301,7 +301,7 @@ def test_latent_cache_of_wrong_rank_is_reported(checkpoints):
     _, path = checkpoints["v2_direct_q"]
     config, params = load_hf_checkpoint(path)
     model = Deepseek(config)
-    prefix = model.prefill_prefix(params, np.array([[1, 2, 3]]))
+    prefix = model.prefill_prefix_jit(params, np.array([[1, 2, 3]]))
     cache = init_latent_cache(config.replace(kv_lora_rank=8), prefix, np.zeros(2, np.int32), 4)
     with pytest.raises(ValueError, match=r"cache.latent\[0\] must have shape \[batch=2, S_max, kv_lora_rank=16\], "
                        r"got \(2, 4, 8\)"):
