@@ -1,4 +1,6 @@
 """merge_attention_states: split-attend-merge property and gradients."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,19 +33,11 @@ def test_split_attend_merge_equals_whole(seed):
     # Key j of the whole is visible iff j < L and (not causal or j <= i + L - Tq). Each part
     # [a, e) is a key subset; express the same mask via a per-part attention on explicit masks.
     for a, e in zip(bounds[:-1], bounds[1:]):
-        kp, vp = k[:, a:e], v[:, a:e]
         if e == a:
             outs.append(jnp.full(q.shape, jnp.nan))  # garbage in an empty part must be ignored
             lses.append(jnp.full(q.shape[:3], -jnp.inf))
             continue
-        part_len = jnp.clip(lengths - a, 0, e - a)
-        if causal:
-            # Queries are the last Tq of length L: visible key index in part <= i + L - Tq - a.
-            # Equivalent to causal over a sequence of length (L - a) truncated to the part.
-            qpos_end = lengths - a  # causal alignment length for this part
-            o, l = _causal_part(q, kp, vp, part_len, qpos_end)
-        else:
-            o, l = reference.attention(q, kp, vp, kv_lengths=part_len)
+        o, l = _part_attention(q, k, v, jnp.int32(a), jnp.int32(e), lengths, causal=causal)
         outs.append(o)
         lses.append(l)
     mo, ml = merge_attention_states(outs, lses)
@@ -55,6 +49,22 @@ def test_split_attend_merge_equals_whole(seed):
     # Stacked form gives the same.
     so, sl = merge_attention_states(jnp.stack(outs), jnp.stack(lses))
     np.testing.assert_array_equal(np.asarray(so), np.asarray(mo))
+
+
+@functools.partial(jax.jit, static_argnames=("causal",))
+def _part_attention(q, k, v, a, e, lengths, causal):
+    """Attention of ``q`` to the keys ``[a, e)`` of ``k``, ``v`` (``a < e`` traced: one compiled
+    program for every part of every case): the part's keys are moved to the front of a buffer
+    of the whole's length and those past the part are masked by the part's length, so the part
+    is ``k[:, a:e]`` attended with the lengths ``clip(L - a, 0, e - a)``."""
+    idx = jnp.clip(a + jnp.arange(k.shape[1]), 0, k.shape[1] - 1)
+    kp, vp = k[:, idx], v[:, idx]
+    part_len = jnp.clip(lengths - a, 0, e - a)
+    if causal:
+        # Queries are the last Tq of length L: visible key index in part <= i + L - Tq - a.
+        # Equivalent to causal over a sequence of length (L - a) truncated to the part.
+        return _causal_part(q, kp, vp, part_len, lengths - a)
+    return reference.attention(q, kp, vp, kv_lengths=part_len)
 
 
 def _causal_part(q, kp, vp, part_len, align_len):
