@@ -127,8 +127,7 @@ def _check(b, hq, hkv, d, p, plen, s, *, interpret=False, **kw):
     def fn(q, pk, pv, sk, sv, sl):
         return _split_decode(q, pk, pv, jnp.array([plen], jnp.int32), sk, sv, sl,
                              interpret=interpret, **{"num_splits": 1, **kw})
-    o, lse = (fn if interpret else jax.jit(fn))(q, pk, pv, nan(sk), nan(sv),
-                                                jnp.asarray(sl, jnp.int32))
+    o, lse = jax.jit(fn)(q, pk, pv, nan(sk), nan(sv), jnp.asarray(sl, jnp.int32))
     o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
     ref_o, ref_l = _oracle(q, pk, pv, plen, sk, sv, sl)
     assert np.isfinite(o).all() and np.isfinite(lse).all()
@@ -234,7 +233,7 @@ def _shared_path(b, hq, hkv, d, p, s, seed, interpret):
     assert leaf.prefix_ctas + leaf.stream_ctas <= (4 if interpret else device_info().sm_count)
     fn = lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, plan=plan,  # noqa: E731
                                             interpret=interpret)
-    out, lse = (fn if interpret else jax.jit(fn))(*args)
+    out, lse = jax.jit(fn)(*args)
     check(out, lse, oracle(args, kw, meta), BF)
 
 

@@ -89,7 +89,7 @@ def _check(b, hq, hkv, d, s, *, interpret=False, **kw):
     g = hq // hkv
     q, pk, pv, sk, sv, sl = decode_rows_case(b, b, hq, hkv, d, P, s)
     fn = lambda *a: _states(*a, group=g, interpret=interpret, **kw)  # noqa: E731
-    got = (fn if interpret else jax.jit(fn))(q, pk, pv, sk, sv, jnp.asarray(sl, jnp.int32))
+    got = jax.jit(fn)(q, pk, pv, sk, sv, jnp.asarray(sl, jnp.int32))
     want = decode_row_states(q, pk, pv, P_LEN, sk, sv, sl, g, d ** -0.5)
     check_row_states(got, want, b, g)
 
