@@ -74,7 +74,7 @@ from pallas_kernels.prefix_attention_mgpu import (masked_softmax_step, take_turn
                                                   wg_accumulate, wg_accumulate_pv, wg_pipeline,
                                                   wgmma_iota)
 
-__all__ = ["mla_prefix_partials", "mla_prefix_attention", "supported", "smem_bytes",
+__all__ = ["mla_prefix_partials", "mla_prefix_attention", "supported", "smem_bytes", "dup_step",
            "SMEM_LIMIT", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -199,11 +199,12 @@ def _arrive(barriers):
         plgpu.barrier_arrive(barrier)
 
 
-def _dup_step(carry, *, q_ops, k_ops, c_lo, c_hi, consumed, p_smem, turn, sched, softmax,
-              cpu_check):
+def dup_step(carry, *, q_ops, k_ops, c_lo, c_hi, consumed, p_smem, turn, sched, softmax,
+             cpu_check, before_pv=None):
     """One key tile for one compute warpgroup when both compute the scores: ``S`` (``turn``
     between issuing and reading it), the key-only tiles released, the online softmax, the
-    ping-pong turn, ``O += P c_w`` with ``c_w`` the warpgroup's half, the latent tiles
+    ping-pong turn, ``O += P c_w`` with ``c_w`` the warpgroup's half (``before_pv(c_w)`` first,
+    where given: e.g. the suffix kernel zeroes the value rows past a length), the latent tiles
     released."""
     s = _scores(q_ops, k_ops, block_kv=c_lo.shape[0], cpu_check=cpu_check, after_issue=turn)
     _arrive(consumed[2:])
@@ -211,9 +212,13 @@ def _dup_step(carry, *, q_ops, k_ops, c_lo, c_hi, consumed, p_smem, turn, sched,
     if sched:  # softmax done: wait for the tensor cores' turn
         acc, m_new, l_new, p16 = lax.optimization_barrier((acc, m_new, l_new, p16))
         turn()
-    acc = lax.cond(lax.axis_index("wg") == 0,
-                   lambda a: wg_accumulate_pv(a, p16, c_lo, p_smem, cpu_check=cpu_check),
-                   lambda a: wg_accumulate_pv(a, p16, c_hi, p_smem, cpu_check=cpu_check), acc)
+    def pv(c_half):
+        def accumulate(a):
+            if before_pv is not None:
+                before_pv(c_half)
+            return wg_accumulate_pv(a, p16, c_half, p_smem, cpu_check=cpu_check)
+        return accumulate
+    acc = lax.cond(lax.axis_index("wg") == 0, pv(c_lo), pv(c_hi), acc)
     _arrive(consumed[:2])
     return acc, m_new, l_new
 
@@ -319,7 +324,7 @@ def _kernel(len_ref, qn_ref, qr_ref, c_ref, kr_ref, *refs, n_tiles, tiles_per_sp
         c_lo, c_hi, kr = tiles[:3]
         k_ops = tiles[3:] if cpu_check else tuple(x.transpose((1, 0)) for x in (c_lo, c_hi, kr))
         step = functools.partial(
-            _shared_p_step if share_p else _dup_step, tuple(carry),
+            _shared_p_step if share_p else dup_step, tuple(carry),
             q_ops=(qn_smem.at[0], qn_smem.at[1], q_rope if rope_in_regs else qr_smem),
             k_ops=k_ops, c_lo=c_lo, c_hi=c_hi, consumed=consumed, cpu_check=cpu_check,
             softmax=functools.partial(softmax, key0=(first_tile + indices[0]) * block_kv))

@@ -55,9 +55,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LN2, LOG2E, cdiv, merge_partials, pad_axis
 from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu, store_gmem
-from pallas_kernels.mla_prefix_mgpu import SMEM_LIMIT, SUPPORTED_DTYPES, smem_bytes
-from pallas_kernels.prefix_attention_mgpu import (masked_softmax_step, take_turn,
-                                                  wg_accumulate_pv, wg_pipeline, wgmma_iota)
+from pallas_kernels.mla_prefix_mgpu import (SMEM_LIMIT, SUPPORTED_DTYPES, dup_step,
+                                            smem_bytes)
+from pallas_kernels.prefix_attention_mgpu import (masked_softmax_step, take_turn, wg_pipeline,
+                                                  wgmma_iota)
 
 __all__ = ["mla_suffix_partials", "mla_suffix_attention", "supported"]
 
@@ -128,25 +129,6 @@ def _check_operands(q_nope, q_rope, c, k_rope, lengths, seq_q, out_dtype):
         raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
 
 
-def _scores(q_ops, k_ops, *, block_kv, cpu_check, after_issue=None):
-    """``S = sum_i q_ops[i] @ k_ops[i]`` float32 ``[rows, block_kv]`` on the tensor cores (in
-    interpret mode one accumulator per product, summed: the interpreter's wgmma does not
-    accumulate), with ``after_issue`` between issuing the products and reading them."""
-    def product(s_ref, pairs, last):
-        for a, b in pairs:
-            plgpu.wgmma(s_ref, a, b)
-        if last and after_issue is not None:
-            after_issue()
-        return s_ref[...]
-    pairs = list(zip(q_ops, k_ops))
-    acc_type = plgpu.ACC((q_ops[0].shape[0], block_kv), jnp.float32)
-    if cpu_check:
-        return sum(pl.run_scoped(functools.partial(product, pairs=[pair],
-                                                   last=i == len(pairs) - 1), acc_type)
-                   for i, pair in enumerate(pairs))
-    return pl.run_scoped(functools.partial(product, pairs=pairs, last=True), acc_type)
-
-
 def _softmax(s, carry, *, key0, n_keys, row0, seq_q, heads, dtype, scale_log2, cpu_check):
     """The online-softmax step of the tile whose first key is ``key0``.  Row ``row0 + i`` is
     query position ``t = (row0 + i) // heads``, which sees the keys ``j < n - seq_q + t + 1``
@@ -179,33 +161,6 @@ def _zero_past_length(c_half, key0, n_keys, cpu_check):
             part = c_half.at[:, pl.ds(j * _ZERO_COLS, _ZERO_COLS)]
             part[...] = jnp.where(keep, part[...], jnp.zeros((), c_half.dtype))
         plgpu.commit_smem()
-
-
-def _arrive(barriers):
-    for barrier in barriers:
-        plgpu.barrier_arrive(barrier)
-
-
-def _step(carry, *, q_ops, k_ops, c_lo, c_hi, consumed, p_smem, turn, sched, softmax, key0,
-          n_keys, cpu_check):
-    """One key tile for one compute warpgroup: ``S`` (``turn`` between issuing and reading it),
-    the key-only tiles released, the online softmax, the ping-pong turn, the warpgroup's value
-    half ``c_w`` zeroed past the length, ``O += P c_w``, the latent tiles released."""
-    s = _scores(q_ops, k_ops, block_kv=c_lo.shape[0], cpu_check=cpu_check, after_issue=turn)
-    _arrive(consumed[2:])
-    acc, m_new, l_new, p16 = softmax(s, carry)
-    if sched:  # softmax done: wait for the tensor cores' turn
-        acc, m_new, l_new, p16 = lax.optimization_barrier((acc, m_new, l_new, p16))
-        turn()
-
-    def pv(c_half):
-        def accumulate(a):
-            _zero_past_length(c_half, key0, n_keys, cpu_check)
-            return wg_accumulate_pv(a, p16, c_half, p_smem, cpu_check=cpu_check)
-        return accumulate
-    acc = lax.cond(lax.axis_index("wg") == 0, pv(c_lo), pv(c_hi), acc)
-    _arrive(consumed[:2])
-    return acc, m_new, l_new
 
 
 def _kernel(len_ref, qn_ref, qr_ref, c_ref, kr_ref, *refs, n_tiles, tiles_per_split, n_blk,
@@ -258,11 +213,13 @@ def _kernel(len_ref, qn_ref, qr_ref, c_ref, kr_ref, *refs, n_tiles, tiles_per_sp
         c_lo, c_hi, kr = tiles[:3]
         k_ops = tiles[3:] if cpu_check else tuple(x.transpose((1, 0)) for x in (c_lo, c_hi, kr))
         key0 = (first_tile + indices[0]) * block_kv
-        return _step(tuple(carry), q_ops=(qn_smem.at[0], qn_smem.at[1], qr_smem), k_ops=k_ops,
-                     c_lo=c_lo, c_hi=c_hi, consumed=consumed,
-                     p_smem=scratch["p2"].at[wg] if cpu_check else None, turn=turn,
-                     sched=sched, softmax=functools.partial(softmax, key0=key0), key0=key0,
-                     n_keys=n_keys, cpu_check=cpu_check)
+        return dup_step(tuple(carry), q_ops=(qn_smem.at[0], qn_smem.at[1], qr_smem), k_ops=k_ops,
+                        c_lo=c_lo, c_hi=c_hi, consumed=consumed,
+                        p_smem=scratch["p2"].at[wg] if cpu_check else None, turn=turn,
+                        sched=sched, softmax=functools.partial(softmax, key0=key0),
+                        cpu_check=cpu_check,
+                        before_pv=functools.partial(_zero_past_length, key0=key0, n_keys=n_keys,
+                                                    cpu_check=cpu_check))
 
     dr = qr_ref.shape[-1]
     specs = [plgpu.BlockSpec(block_shape=(block_kv, half), index_map=lambda t: (tile0 + t, 0)),
