@@ -75,7 +75,7 @@ from pallas_kernels.prefix_attention_mgpu import (masked_softmax_step, take_turn
                                                   wgmma_iota)
 
 __all__ = ["mla_prefix_partials", "mla_prefix_attention", "supported", "smem_bytes", "dup_step",
-           "SMEM_LIMIT", "SUPPORTED_DTYPES"]
+           "check_operand_types", "SMEM_LIMIT", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Shared memory one CTA may use on a Hopper SM (sm_90: 227 KiB of the 228).
@@ -136,19 +136,27 @@ def supported(*, rank: int, rope_dim: int, prefix_len: int, dtype, block_q: int 
     return None
 
 
-def _check_operands(q_nope, q_rope, c, k_rope, out_dtype):
-    for name, x, layout in (("q_nope", q_nope, "[M, R]"), ("q_rope", q_rope, "[M, Dr]"),
-                            ("c", c, "[P, R]"), ("k_rope", k_rope, "[P, Dr]")):
+def check_operand_types(operands, rank: int) -> None:
+    """``operands``: ``(name, array, layout)`` of ``q_nope``, ``q_rope``, ``c``, ``k_rope`` (in
+    that order): arrays of rank ``rank``, ``q_nope`` 16-bit and the others of its dtype
+    (``TypeError``/``ValueError`` naming the argument and its layout)."""
+    for name, x, layout in operands:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}")
-        if x.ndim != 2:
-            raise ValueError(f"{name} must have rank 2 {layout}, got shape {tuple(x.shape)}")
+        if x.ndim != rank:
+            raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(x.shape)}")
+    q_nope = operands[0][1]
     if jnp.dtype(q_nope.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"q_nope must be bfloat16 or float16 (Hopper wgmma on 16-bit operands), "
                         f"got {q_nope.dtype}")
-    for name, x in (("q_rope", q_rope), ("c", c), ("k_rope", k_rope)):
+    for name, x, _ in operands[1:]:
         if x.dtype != q_nope.dtype:
             raise TypeError(f"{name} must have q_nope's dtype {q_nope.dtype}, got {x.dtype}")
+
+
+def _check_operands(q_nope, q_rope, c, k_rope, out_dtype):
+    check_operand_types((("q_nope", q_nope, "[M, R]"), ("q_rope", q_rope, "[M, Dr]"),
+                         ("c", c, "[P, R]"), ("k_rope", k_rope, "[P, Dr]")), rank=2)
     m, r = q_nope.shape
     p, dr = c.shape[0], q_rope.shape[1]
     if q_rope.shape[0] != m:

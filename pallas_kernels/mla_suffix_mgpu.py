@@ -55,8 +55,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LN2, LOG2E, cdiv, merge_partials, pad_axis
 from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu, store_gmem
-from pallas_kernels.mla_prefix_mgpu import (SMEM_LIMIT, SUPPORTED_DTYPES, dup_step,
-                                            smem_bytes)
+from pallas_kernels.mla_prefix_mgpu import (SMEM_LIMIT, SUPPORTED_DTYPES,
+                                            check_operand_types, dup_step, smem_bytes)
 from pallas_kernels.prefix_attention_mgpu import (masked_softmax_step, take_turn, wg_pipeline,
                                                   wgmma_iota)
 
@@ -91,18 +91,8 @@ def supported(*, rank: int, rope_dim: int, suffix_cap: int, dtype, block_kv: int
 
 
 def _check_operands(q_nope, q_rope, c, k_rope, lengths, seq_q, out_dtype):
-    for name, x, layout in (("q_nope", q_nope, "[B, M, R]"), ("q_rope", q_rope, "[B, M, Dr]"),
-                            ("c", c, "[B, S, R]"), ("k_rope", k_rope, "[B, S, Dr]")):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}")
-        if x.ndim != 3:
-            raise ValueError(f"{name} must have rank 3 {layout}, got shape {tuple(x.shape)}")
-    if jnp.dtype(q_nope.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"q_nope must be bfloat16 or float16 (Hopper wgmma on 16-bit operands), "
-                        f"got {q_nope.dtype}")
-    for name, x in (("q_rope", q_rope), ("c", c), ("k_rope", k_rope)):
-        if x.dtype != q_nope.dtype:
-            raise TypeError(f"{name} must have q_nope's dtype {q_nope.dtype}, got {x.dtype}")
+    check_operand_types((("q_nope", q_nope, "[B, M, R]"), ("q_rope", q_rope, "[B, M, Dr]"),
+                         ("c", c, "[B, S, R]"), ("k_rope", k_rope, "[B, S, Dr]")), rank=3)
     b, m, r = q_nope.shape
     s, dr = c.shape[1], q_rope.shape[2]
     if q_rope.shape[:2] != (b, m):
