@@ -40,7 +40,7 @@ def prefix_tiling(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
     prefix when the (kv head, row block) programs are fewer."""
     r2 = next_pow2(rows_per_seq)
     m = batch * r2
-    block_m = 128 if m >= 1024 else 64 if m >= 64 else max(16, next_pow2(m))
+    block_m = 128 if m >= 1024 else 64 if m >= 64 else max(32, next_pow2(m))
     block_m = max(block_m, r2)
     programs = heads_kv * cdiv(m + 16, block_m)  # +16: the suffix pass reads past the last row
     splits = 1
