@@ -40,7 +40,7 @@ it, and times no point past it.  ``--resume`` keeps the points already in the JS
 the new ones and the run's record; without it an existing file is refused.
 
 Result: ``bench/results/flash_attention_<gpu>.json`` by default: per run the device, the jax,
-jaxlib, cuDNN and tokamax versions, the git commit (``git rev-parse``, else ``--commit``), the
+jaxlib, cuDNN and tokamax versions, the commit (``--commit``, else ``git rev-parse``), the
 command line, the grid and its slice; per point its shape and, per contender and direction,
 ``ms``, ``tflops`` and ``vs_cudnn`` (cuDNN's time over the contender's: above 1 is faster than
 cuDNN), or ``error`` / ``skipped``.  ``bench/plot_flash_attention.py`` plots it.
@@ -506,7 +506,10 @@ def run_grid(points: Sequence[Point], store: ResultStore, names: Sequence[str], 
 
 # ------------------------------------------------------------------------------------------- run
 def git_commit(explicit: str | None) -> tuple[str | None, str | None]:
-    """``(commit, source)``: ``git rev-parse --short HEAD`` in the repository, else ``explicit``."""
+    """``(commit, source)``: ``explicit`` where given (a copied checkout's git can be stale), else
+    ``git rev-parse --short HEAD`` in the repository."""
+    if explicit:
+        return explicit, "argument"
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=20)
@@ -514,7 +517,7 @@ def git_commit(explicit: str | None) -> tuple[str | None, str | None]:
             return out.stdout.strip(), "git"
     except (OSError, subprocess.SubprocessError):
         pass
-    return (explicit, "argument") if explicit else (None, None)
+    return None, None
 
 
 def versions(contenders: dict[str, Contender]) -> dict:
