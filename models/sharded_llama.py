@@ -9,8 +9,12 @@ heads, FFN columns and vocabulary rows (the per-shard config of
 Attention goes through the same :func:`models.attention.cache_attention` and therefore the same
 ``jax_prefix_attn`` kernels, on the local heads; per layer there are exactly two all-reduces
 (``psum`` of ``[B_loc, T, H]`` after the o projection and after the down projection) plus one
-for the embedding lookup per call.  Logits stay split over the vocabulary: greedy sampling and
-log-probabilities reduce ``[B]`` vectors across shards (:mod:`models.vocab_parallel`).
+for the embedding lookup per call.  ``collective_matmul``
+(:class:`models.collective_matmul.CollectiveMatmul`) with ``overlap_chunks > 1`` runs the decode
+step's layers with those all-reduces split by rows and overlapped with the other rows' matmuls
+(:class:`models.collective_matmul.OverlappedLlama`; the same results); prefill is unchanged.
+Logits stay split over the vocabulary: greedy sampling and log-probabilities reduce ``[B]``
+vectors across shards (:mod:`models.vocab_parallel`).
 
 Arrays in and out are global arrays laid out by :mod:`models.sharding` (parameters padded and
 placed with :func:`models.sharding.shard_params` / :func:`~models.sharding.place_params`;
@@ -31,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models import kv_cache as kvc
 from models import sharding
 from models import vocab_parallel
+from models.collective_matmul import CollectiveMatmul, OverlappedLlama
 from models.kv_cache import KVCache, PrefixCache
 from models.decoder import DecoderFacts
 from models.llama import Llama, prefill_levels
@@ -45,9 +50,11 @@ class ShardedLlama:
     static ``jax.jit`` argument like :class:`~models.llama.Llama`.
 
     ``config`` is the model's (global) config; ``local`` the :class:`~models.llama.Llama` each
-    device runs; ``shapes`` the padded global sizes."""
+    device runs (``local_decode``: the one of the decode step, an
+    :class:`~models.collective_matmul.OverlappedLlama` when ``collective_matmul.overlap_chunks >
+    1``, else ``local``); ``shapes`` the padded global sizes."""
 
-    def __init__(self, model: Llama, mesh: Mesh):
+    def __init__(self, model: Llama, mesh: Mesh, *, collective_matmul: CollectiveMatmul = CollectiveMatmul()):
         if not isinstance(model, Llama):
             raise TypeError(f"model must be a Llama, got {type(model).__name__}")
         if model.model_axis is not None:
@@ -55,6 +62,9 @@ class ShardedLlama:
                              f"{model.model_axis!r}")
         if model.shared_impl == "tree":
             raise ValueError("shared_impl='tree' is not available on a mesh; use shared_impl='levels'")
+        if not isinstance(collective_matmul, CollectiveMatmul):
+            raise TypeError(f"collective_matmul must be a models.collective_matmul.CollectiveMatmul, got "
+                            f"{type(collective_matmul).__name__}")
         self.data_parallel, self.tensor_parallel = sharding.mesh_sizes(mesh)
         self.mesh = mesh
         self.base = model
@@ -63,12 +73,19 @@ class ShardedLlama:
         self.shapes = sharding.padded_shapes(model.config, self.tensor_parallel)
         self.local = Llama(self.shapes.local_config(model.config), impl=model.impl, shared_impl=model.shared_impl,
                            interpret=model.interpret, model_axis=MODEL)
+        self.collective_matmul = collective_matmul
+        self.local_decode = self.local
+        if collective_matmul.overlapped and self.tensor_parallel > 1:
+            self.local_decode = OverlappedLlama(self.local.config, collective=collective_matmul, impl=model.impl,
+                                                shared_impl=model.shared_impl, interpret=model.interpret,
+                                                model_axis=MODEL)
 
     def __hash__(self):
-        return hash((self.base, self.mesh))
+        return hash((self.base, self.mesh, self.collective_matmul))
 
     def __eq__(self, other):
-        return isinstance(other, ShardedLlama) and (self.base, self.mesh) == (other.base, other.mesh)
+        return isinstance(other, ShardedLlama) and ((self.base, self.mesh, self.collective_matmul)
+                                                    == (other.base, other.mesh, other.collective_matmul))
 
     # ------------------------------------------------------------------ parameters
     def place_params(self, params: dict) -> dict:
@@ -144,7 +161,7 @@ class ShardedLlama:
 
         def local(params, prefix, layers, lengths, pos_offset, tok, active):
             c = KVCache(prefix=prefix, layers=layers, lengths=lengths, pos_offset=pos_offset, backend=backend)
-            logits, c = self.local.decode_step(params, c, tok, active)
+            logits, c = self.local_decode.decode_step(params, c, tok, active)
             return logits, c.layers, c.lengths
 
         layer_specs = sharding.cache_specs(cache.layers)

@@ -1,0 +1,118 @@
+"""The overlapped tensor-parallel decode step (``models.collective_matmul``) on 4 CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=4``): tp 2 and tp 4 with 2 and 4 row chunks
+(and tp 2 x dp 2, and a batch the chunks do not divide) give the greedy tokens of the plain
+sharded step and of one device, the same logits in a decode step, the chained all-reduces in
+the lowered program; bad options raise errors that name the field."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from models import Llama, LlamaConfig, PromptBatch, generate, params_from_hf_state_dict
+from models import kv_cache as kvc
+from models.collective_matmul import CollectiveMatmul, OverlappedLlama, row_chunks
+from models.sharded_llama import ShardedLlama
+from models.sharding import make_mesh
+from helpers import tiny_config, tiny_state_dict
+
+NEW = 4
+
+
+@pytest.fixture(scope="module")
+def case():
+    """A 4-kv-head tiny model, 6 sequences over one shared prefix, and one device's greedy run."""
+    cfg = tiny_config(num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    rng = np.random.default_rng(3)
+    tok = lambda n: rng.integers(3, cfg["vocab_size"], n).tolist()  # noqa: E731
+    pb = PromptBatch.shared(tok(11), suffixes=[tok(2), tok(1), tok(3)], num_samples=2)
+    sd = {k: v * 2.0 if k.endswith("_proj.weight") else v for k, v in tiny_state_dict(cfg, seed=4).items()}
+    config = LlamaConfig(**cfg)
+    model = Llama(config)
+    params = params_from_hf_state_dict(config, sd, jnp.float32)
+    base = generate(model, params, pb, max_new_tokens=NEW, eos_token_ids=())
+    assert len({tuple(r) for r in base.tokens}) >= 2   # the rows differ: a meaningful reference
+    return config, model, params, pb, base
+
+
+@pytest.mark.parametrize("tp,dp,chunks,layout", [(2, 1, 2, "stacked"), (2, 1, 4, "list"), (4, 1, 2, "stacked"),
+                                                 (4, 1, 4, "stacked"), (2, 2, 2, "stacked")])
+def test_overlapped_greedy_tokens_equal_plain_and_one_device(case, tp, dp, chunks, layout):
+    """Greedy tokens and their log-probabilities; the list layout (unrolled layers, the GPU's)
+    and the stacked one (a scan); on tp 2 x dp 2 each data shard chunks its own 3 rows."""
+    _, model, params, pb, base = case
+    mesh = make_mesh(tp, dp)
+    run = dict(max_new_tokens=NEW, eos_token_ids=(), mesh=mesh, layout=layout)
+    plain = generate(ShardedLlama(model, mesh), params, pb, **run)
+    sharded = ShardedLlama(model, mesh, collective_matmul=CollectiveMatmul(overlap_chunks=chunks))
+    assert isinstance(sharded.local_decode, OverlappedLlama)
+    out = generate(sharded, params, pb, **run)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.tokens, base.tokens)
+    np.testing.assert_allclose(out.logprobs, plain.logprobs, atol=1e-5)
+
+
+def test_decode_step_logits_and_chained_all_reduces(case):
+    """One decode step: the overlapped logits equal the plain ones (6 rows in 4 chunks of 2, 2,
+    1, 1 rows on tp 2), and the lowered program holds 2 all-reduces per layer and chunk, each
+    after an optimization barrier that ties it to the one before."""
+    _, model, params, pb, _ = case
+    mesh = make_mesh(2, 1)
+    plain = ShardedLlama(model, mesh)
+    over = ShardedLlama(model, mesh, collective_matmul=CollectiveMatmul(overlap_chunks=4))
+    placed = plain.place_params(params)
+    out = generate(plain, placed, pb, max_new_tokens=1, eos_token_ids=(), mesh=mesh)
+    tokens = jnp.asarray(out.tokens[:, 0], jnp.int32)
+    want, _ = plain.decode_step(placed, out.cache, tokens)
+    got, _ = over.decode_step(placed, out.cache, tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    def count(model, name):
+        text = jax.jit(model.decode_step).lower(placed, out.cache, tokens).as_text()
+        return text.count(name)
+
+    # stacked parameters: the layer loop is a scan, its body lowered once
+    assert kvc.is_stacked(placed["layers"])
+    chunks = len(row_chunks(pb.batch, 4))
+    assert chunks == 4
+    assert count(plain, "all_reduce") == 2 + 1                 # o and down projections, embedding
+    assert count(over, "all_reduce") == 2 * chunks + 1
+    assert count(plain, "optimization_barrier") == 0
+    assert count(over, "optimization_barrier") == 2 * chunks - 1
+
+
+def test_one_chunk_and_one_shard_run_the_plain_layers(case):
+    _, model, _, _, _ = case
+    one = ShardedLlama(model, make_mesh(2), collective_matmul=CollectiveMatmul(overlap_chunks=1))
+    assert one.local_decode is one.local and not isinstance(one.local, OverlappedLlama)
+    dp_only = ShardedLlama(model, make_mesh(1, 2), collective_matmul=CollectiveMatmul(overlap_chunks=4))
+    assert dp_only.local_decode is dp_only.local
+    # the option is part of the static identity of the sharded model (jit caches)
+    a = ShardedLlama(model, make_mesh(2), collective_matmul=CollectiveMatmul(overlap_chunks=2))
+    b = ShardedLlama(model, make_mesh(2), collective_matmul=CollectiveMatmul(overlap_chunks=2))
+    assert a == b and hash(a) == hash(b) and a != one
+
+
+def test_row_chunks():
+    assert row_chunks(8, 2) == ((0, 4), (4, 8))
+    assert row_chunks(6, 4) == ((0, 2), (2, 4), (4, 5), (5, 6))
+    assert row_chunks(3, 4) == ((0, 1), (1, 2), (2, 3))
+    assert row_chunks(5, 1) == ((0, 5),)
+    assert row_chunks(0, 3) == ((0, 0),)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2", None])
+def test_bad_overlap_chunks_raise_naming_the_field(bad):
+    with pytest.raises(ValueError, match=r"CollectiveMatmul\.overlap_chunks must be an int >= 1"):
+        CollectiveMatmul(overlap_chunks=bad)
+
+
+def test_bad_option_types_raise(case):
+    _, model, _, _, _ = case
+    with pytest.raises(TypeError, match="collective_matmul must be a models.collective_matmul.CollectiveMatmul"):
+        ShardedLlama(model, make_mesh(2), collective_matmul=2)
+    assert CollectiveMatmul(np.int64(3)).overlap_chunks == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CollectiveMatmul(2).overlap_chunks = 3
