@@ -9,12 +9,13 @@ token of K+V is ``kv = 2 * Hkv * D * e`` bytes.  Each kernel costs
     t = max(max(bytes / BW, flops / MMA) / util, serial_keys * T_KEY) + T_LAUNCH
     util = min(1, programs / slots)       # serial_keys: one program's chain of keys (latency)
 
-(``util`` models a grid too small to fill the GPU; ``slots = 1.5`` programs per SM), and
+(``util`` models a grid too small to fill the GPU; ``slots``: the profile's ``slots_per_sm``
+programs per SM), and
 
 * **flat** (one ragged split-KV decode launch over shared storage, + one small XLA merge when
   the plan splits the keys): DRAM ``bytes = (G * P + B * S) * kv``; the other
   ``(B - G) * P * kv`` bytes of prefix re-reads by every sequence come from L2 (all sequences
-  stream the same prefix at the same time), charged at ``L2_BW``.  Matrix-vector flops never
+  stream the same prefix at the same time), charged at ``L2``.  Matrix-vector flops never
   bind.
 * **shared**, Triton leaves: prefix ``bytes = G * P * kv``, ``flops = 4 * rows * Hkv * P * D``
   (``R2`` = query rows per sequence and kv head, padded to a power of two, in row blocks of 128
@@ -29,11 +30,14 @@ token of K+V is ``kv = 2 * Hkv * D * e`` bytes.  Each kernel costs
   overestimate where they run, where the flat family is several times slower, so no choice
   changes.
 
-The rates come from the device profile (:func:`jax_prefix_attn.device_profile.device_profile`):
-``BW`` is the share ``COPY_SHARE`` of the profile's copy rate that the decode kernels stream at,
-``MMA`` and ``MMA_MGPU`` the shares ``MMA_SHARE`` and ``MMA_MGPU_SHARE`` of its matmul rate that
-the Triton and the Mosaic GPU prefix kernels reach.  The shares and the other constants are fit
-to these kernels on an H200 (``docs/performance.md``, "Planner regions and tilings").
+Every function takes the device profile
+(:func:`jax_prefix_attn.device_profile.planning_profile`, :func:`rates`): ``BW`` is the share
+``copy_share`` of the profile's copy rate that the decode kernels stream at, ``MMA`` and
+``MMA_MGPU`` the shares ``mma_share`` and ``mma_mgpu_share`` of its matmul rate that the Triton
+and the Mosaic GPU prefix kernels reach, ``L2``, ``T_LAUNCH``, ``T_KEY`` its
+``l2_bytes_per_s``, ``launch_s`` and ``key_latency_s`` (``flat_key_latency_s`` in the flat
+kernel), and the SM count the device's.  Each part's values are in its data file
+(``jax_prefix_attn/device_data/``).
 RelayAttention's speedup model ``p = (s + c + 2) / (s / b + c + 7)`` is this comparison without
 the flops, parallelism and L2 terms.
 """
@@ -43,49 +47,48 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_prefix_attn.device import DeviceInfo
-from jax_prefix_attn.device_profile import device_profile
+from jax_prefix_attn.device_profile import DeviceProfile
 from jax_prefix_attn.leaves.base import Shapes
 from pallas_kernels._common import cdiv, next_pow2
 
 __all__ = ["Rates", "rates", "flat_seconds", "mgpu_two_launch_seconds",
-           "triton_two_launch_seconds", "triton_overlap_seconds", "COPY_SHARE", "MMA_SHARE",
-           "MMA_MGPU_SHARE"]
-
-COPY_SHARE = 0.912      # of the profile's copy rate: what the decode kernels stream from DRAM
-MMA_SHARE = 0.435       # of the profile's matmul rate: the Triton-lowered prefix kernel's dots
-MMA_MGPU_SHARE = 0.797  # of the profile's matmul rate: the Mosaic GPU prefix kernel
-L2_BW = 8.9e12       # bytes/s of prefix re-reads served by L2 in the flat kernel
-T_LAUNCH = 3.5e-6    # seconds per kernel launch / dependent stage (launch + ramp + tail)
-T_KEY = 3.0e-8       # seconds per key on one program's critical path (tile load latency)
-T_KEY_FLAT = 4.0e-8  # the same for the flat decode kernel
-SLOTS_PER_SM = 1.5   # programs per SM that reach full bandwidth (fewer: proportionally less)
+           "triton_two_launch_seconds", "triton_overlap_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """Bytes/s of the decode kernels (``bw``), FLOP/s of the Triton (``mma``) and of the Mosaic
-    GPU (``mma_mgpu``) prefix kernels on one device."""
+    """The kernels' rates on one device: bytes/s of the decode kernels (``bw``), FLOP/s of the
+    Triton (``mma``) and of the Mosaic GPU (``mma_mgpu``) prefix kernels, bytes/s of prefix
+    re-reads served by L2 (``l2``), seconds per launch (``launch``) and per key on a program's
+    critical path (``t_key``; ``t_key_flat`` in the flat kernel), programs per SM that reach
+    full bandwidth (``slots_per_sm``)."""
     bw: float
     mma: float
     mma_mgpu: float
+    l2: float
+    launch: float
+    t_key: float
+    t_key_flat: float
+    slots_per_sm: float
 
 
-def rates(dev: DeviceInfo) -> Rates:
-    """The kernels' :class:`Rates` on ``dev`` from its device profile (the nearest measured
-    part where ``dev`` has none)."""
-    profile, _ = device_profile(dev)
-    return Rates(COPY_SHARE * profile.copy_bytes_per_s, MMA_SHARE * profile.matmul_flops_per_s,
-                 MMA_MGPU_SHARE * profile.matmul_flops_per_s)
+def rates(profile: DeviceProfile) -> Rates:
+    """The kernels' :class:`Rates` from a device profile
+    (:func:`jax_prefix_attn.device_profile.planning_profile`)."""
+    return Rates(profile.copy_share * profile.copy_bytes_per_s,
+                 profile.mma_share * profile.matmul_flops_per_s,
+                 profile.mma_mgpu_share * profile.matmul_flops_per_s, profile.l2_bytes_per_s,
+                 profile.launch_s, profile.key_latency_s, profile.flat_key_latency_s,
+                 profile.slots_per_sm)
 
 
 def _kernel_s(r: Rates, nbytes: float, flops: float, programs: int, slots: float, *,
               l2_bytes: float = 0.0, serial_keys: float = 0.0, mgpu: bool = False,
-              t_key: float = T_KEY) -> float:
+              flat: bool = False) -> float:
     util = min(1.0, programs / slots)
-    throughput = max(nbytes / r.bw + l2_bytes / L2_BW,
+    throughput = max(nbytes / r.bw + l2_bytes / r.l2,
                      flops / (r.mma_mgpu if mgpu else r.mma)) / util
-    return max(throughput, serial_keys * t_key) + T_LAUNCH
+    return max(throughput, serial_keys * (r.t_key_flat if flat else r.t_key)) + r.launch
 
 
 def _common_terms(s: Shapes):
@@ -95,32 +98,32 @@ def _common_terms(s: Shapes):
     return kv, q_bytes, min(s.groups, s.batch)
 
 
-def flat_seconds(s: Shapes, num_splits: int, dev: DeviceInfo) -> float:
+def flat_seconds(s: Shapes, num_splits: int, profile: DeviceProfile) -> float:
     """Modelled seconds of a flat decode leaf with ``num_splits`` key splits."""
-    r = rates(dev)
+    r = rates(profile)
     b, p, sl, hkv = s.batch, s.prefix_len, s.suffix_len, s.heads_kv
     kv, q_bytes, g = _common_terms(s)
-    slots = SLOTS_PER_SM * dev.sm_count
+    slots = r.slots_per_sm * profile.sm_count
     splits = num_splits
     t = _kernel_s(r, (g * p + b * sl) * kv + q_bytes, 0.0, b * hkv * splits, slots,
-                  l2_bytes=(b - g) * p * kv, serial_keys=cdiv(p + sl, splits), t_key=T_KEY_FLAT)
+                  l2_bytes=(b - g) * p * kv, serial_keys=cdiv(p + sl, splits), flat=True)
     if splits > 1:  # XLA merge of float32 partials: the real rows when decoding, else rows
         # padded to >= 16 per (sequence, kv head)
         rows_m = b * s.heads_q if s.tq == 1 else b * hkv * max(16, next_pow2(s.tq * s.group))
-        t += _kernel_s(r, 2 * splits * rows_m * (s.head_dim + 1) * 4, 0.0, 2 * dev.sm_count,
+        t += _kernel_s(r, 2 * splits * rows_m * (s.head_dim + 1) * 4, 0.0, 2 * profile.sm_count,
                        slots)
     return t
 
 
 def mgpu_two_launch_seconds(s: Shapes, num_splits: int, suffix_splits: int,
-                            dev: DeviceInfo) -> float:
+                            profile: DeviceProfile) -> float:
     """Modelled seconds of the Mosaic GPU two-launch leaf (``num_splits`` prefix splits,
     ``suffix_splits`` suffix splits): q gather, prefix kernel, suffix kernel, XLA merge."""
-    r = rates(dev)
+    r = rates(profile)
     b, p, sl, hkv, d = s.batch, s.prefix_len, s.suffix_len, s.heads_kv, s.head_dim
     kv, q_bytes, g = _common_terms(s)
-    sms = dev.sm_count
-    slots = SLOTS_PER_SM * sms
+    sms = profile.sm_count
+    slots = r.slots_per_sm * sms
     r2 = next_pow2(s.tq * s.group)
     e = jnp.dtype(s.dtype).itemsize
     m128 = cdiv(b * r2, 128) * 128
@@ -137,24 +140,24 @@ def mgpu_two_launch_seconds(s: Shapes, num_splits: int, suffix_splits: int,
     return t_gather + t_prefix + t_suffix + t_merge
 
 
-def triton_two_launch_seconds(s: Shapes, suffix_splits: int, dev: DeviceInfo) -> float:
+def triton_two_launch_seconds(s: Shapes, suffix_splits: int, profile: DeviceProfile) -> float:
     """Modelled seconds of the Triton two-launch leaf: the prefix kernel, then the suffix
     kernel reading its partials (+ one XLA merge when the suffix is split)."""
-    return _triton_seconds(s, suffix_splits, dev, overlap=False)
+    return _triton_seconds(s, suffix_splits, profile, overlap=False)
 
 
-def triton_overlap_seconds(s: Shapes, suffix_splits: int, dev: DeviceInfo) -> float:
+def triton_overlap_seconds(s: Shapes, suffix_splits: int, profile: DeviceProfile) -> float:
     """Modelled seconds of the Triton overlap leaf: ``max`` of its prefix and suffix programs
     plus 30% of the smaller (imperfect overlap), then one XLA merge."""
-    return _triton_seconds(s, suffix_splits, dev, overlap=True)
+    return _triton_seconds(s, suffix_splits, profile, overlap=True)
 
 
-def _triton_seconds(s: Shapes, ss: int, dev: DeviceInfo, *, overlap: bool) -> float:
-    r = rates(dev)
+def _triton_seconds(s: Shapes, ss: int, profile: DeviceProfile, *, overlap: bool) -> float:
+    r = rates(profile)
     b, p, sl, hkv, d = s.batch, s.prefix_len, s.suffix_len, s.heads_kv, s.head_dim
     kv, q_bytes, g = _common_terms(s)
-    sms = dev.sm_count
-    slots = SLOTS_PER_SM * sms
+    sms = profile.sm_count
+    slots = r.slots_per_sm * sms
     # the Triton prefix kernel as the model sizes it: row blocks of 128 or 64 rows, the prefix
     # split to fill the GPU
     rows = b * next_pow2(s.tq * s.group)

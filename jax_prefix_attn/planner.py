@@ -22,9 +22,9 @@ from jax_prefix_attn.device_profile import device_profile
 from jax_prefix_attn.leaves import (flat_own, flat_rows, mgpu_joint, mgpu_one_launch,
                                     mgpu_split, mgpu_two_launch, triton_overlap,
                                     triton_two_launch)
-from jax_prefix_attn.leaves.base import (DECODE_SUFFIX, planning_part, query_chunks,
-                                         shared_prefix_supported, supported)
-from jax_prefix_attn.leaves.triton_prefix import OVERLAP_BELOW_PROGRAMS
+from jax_prefix_attn.device_profile import reference_profile
+from jax_prefix_attn.leaves.base import (planning_part, query_chunks, shared_prefix_supported,
+                                         supported)
 from jax_prefix_attn.plans import (BackwardPlan, ChunkPlan, Reference, SharedPrefixPlan,
                                    Shapes)
 from jax_prefix_attn.tree_plan import TreePlan, plan_tree_attention
@@ -47,11 +47,22 @@ FLAT_PATHS = ("flat_own", "flat_rows")
 PATHS = ("reference",) + FLAT_PATHS + SHARED_PATHS
 IMPLS = ("auto", "shared", "flat", "reference")
 BACKWARDS = ("kernels", "reference")
-# Tiling of the own-layout decode suffix kernel (``suffix_decode_merge``) after a prefix pass.
-DECODE_SUFFIX_TILING = types.MappingProxyType(dataclasses.asdict(DECODE_SUFFIX))
 # Queries per sequence up to which attention over per-sequence buffers (no shared prefix) runs
 # the flat decode kernels rather than flash attention (:func:`use_flat_decode`).
 FLAT_DECODE_MAX_TQ = 8
+
+
+def __getattr__(name: str):
+    # DECODE_SUFFIX_TILING (the own-layout decode suffix kernel's tiling after a prefix pass)
+    # and OVERLAP_BELOW_PROGRAMS: the reference part's, for the tree paths and benchmarks that
+    # read them; the leaves read each device's own (``leaves.base.tuning``)
+    t = reference_profile().tuning
+    if name == "DECODE_SUFFIX_TILING":
+        return types.MappingProxyType(dict(zip(("block_k", "num_warps", "num_stages"),
+                                               t.decode_suffix_tiling)))
+    if name == "OVERLAP_BELOW_PROGRAMS":
+        return t.overlap_below_programs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def leaf_module(leaf_plan):

@@ -9,14 +9,17 @@ builder (tiling and splits for one chunk of query positions) and how it runs its
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol, runtime_checkable
 
 from jax_prefix_attn.device import H100_SXM, DeviceInfo
+from jax_prefix_attn.device_profile import Tuning, device_profile, reference_profile
 from pallas_kernels._common import MAX_ROWS_PER_TILE, cdiv, kernel_head_dim
 from pallas_kernels.decode_attention import supported as triton_supported
 
 __all__ = ["Shapes", "PrefixTiling", "SuffixTiling", "DECODE_SUFFIX", "Leaf",
-           "shared_prefix_supported", "supported", "query_chunks", "planning_part", "two_per_sm", "splits_to_fill", "suffix_splits"]
+           "shared_prefix_supported", "supported", "query_chunks", "planning_part", "tuning",
+           "suffix_tiling", "describe_regions", "two_per_sm", "splits_to_fill", "suffix_splits"]
 
 _frozen = dataclasses.dataclass(frozen=True)
 
@@ -60,8 +63,34 @@ class SuffixTiling:
     num_stages: int
 
 
-# Tiling of the own-layout decode suffix kernel (``suffix_decode_merge``) beside a prefix pass.
-DECODE_SUFFIX = SuffixTiling(block_k=32, num_warps=2, num_stages=3)
+@functools.cache
+def suffix_tiling(tiling: tuple) -> SuffixTiling:
+    """The :class:`SuffixTiling` of a data file's ``(block_k, num_warps, num_stages)``."""
+    return SuffixTiling(*tiling)
+
+
+def tuning(dev: DeviceInfo) -> Tuning:
+    """The tuned regions and tilings of ``dev``'s profile (the nearest measured part's where it
+    has none: :func:`jax_prefix_attn.device_profile.device_profile`)."""
+    return device_profile(dev)[0].tuning
+
+
+def describe_regions(regions: tuple, extra: tuple = ()) -> str:
+    """``"P 1024-4096 and S 64-64 (G >= 4), or ..."``: a region list of a data file in words;
+    ``extra`` names the counts after the bounds (e.g. ``("G >=", "CTAs >=")``)."""
+    def one(r):
+        (p0, p1), (s0, s1) = r[0], r[1]
+        more = ", ".join(f"{name} {v}" for name, v in zip(extra, r[2:]))
+        return f"P {p0}-{p1} and S {s0}-{s1}" + (f" ({more})" if more else "")
+    return ", or ".join(one(r) for r in regions)
+
+
+def __getattr__(name: str):
+    # DECODE_SUFFIX, the own-layout decode suffix tiling beside a prefix pass: the reference
+    # part's (leaves read each device's own through ``tuning``)
+    if name == "DECODE_SUFFIX":
+        return suffix_tiling(reference_profile().tuning.decode_suffix_tiling)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @runtime_checkable

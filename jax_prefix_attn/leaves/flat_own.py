@@ -8,13 +8,17 @@ except where few programs each stream a long prefix chunk (``flat_rows`` there).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 
 import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn import cost_model
-from jax_prefix_attn.leaves.base import (Shapes, SuffixTiling, planning_part, supported,
-                                         two_per_sm)
+from jax_prefix_attn.device_profile import (default_profile, planning_profile,
+                                            reference_profile)
+from jax_prefix_attn.leaves.base import (Shapes, SuffixTiling, planning_part, suffix_tiling,
+                                         supported, tuning, two_per_sm)
 from pallas_kernels._common import cdiv, split_chunk
 from pallas_kernels.merge_splits import merge_splits
 from pallas_kernels.suffix_attention import suffix_decode_merge
@@ -37,37 +41,47 @@ PATH = "flat_own"
 FAMILY = "flat"
 PLAN = FlatOwn
 
-# Tiling by program count (kv heads x sequences x key splits): up to the bound, that tiling
-# (None: any count).
-FLAT_TILES = ((400, SuffixTiling(128, 4, 2)), (1024, SuffixTiling(64, 4, 2)),
-              (None, SuffixTiling(32, 2, 3)))
-# Key splits when the (sequence, kv head) programs cannot fill the GPU: as many as make two
-# programs per SM, each at least FLAT_OWN_MIN_SPLIT_KEYS keys (prefix and suffix together), at
-# most FLAT_OWN_MAX_SPLITS (None: no cap); no key tile longer than a split (see
-# flat_own_tiling); splits the kernel would leave without keys are dropped (busy_splits).
-# ``bench/flat_decode_sweep.py`` fits the two constants ("rule_fit").
-FLAT_OWN_MIN_SPLIT_KEYS = 64
-FLAT_OWN_MAX_SPLITS = 64
-# At most FLAT_TILES[0]'s bound of programs, each streaming a prefix chunk longer than this:
-# the flat row layout instead of the own layout.
-FLAT_OWN_MAX_CHUNK = 1024
+# FLAT_TILES, FLAT_OWN_MIN_SPLIT_KEYS, FLAT_OWN_MAX_SPLITS and FLAT_OWN_MAX_CHUNK: the reference
+# part's ``flat_tiles``, ``flat_own_min_split_keys``, ``flat_own_max_splits`` and
+# ``flat_own_max_chunk`` (for the benchmark that sweeps them); the leaf reads each device's own.
+_LEGACY = types.MappingProxyType({"FLAT_TILES": "flat_tiles", "FLAT_OWN_MIN_SPLIT_KEYS": "flat_own_min_split_keys",
+           "FLAT_OWN_MAX_SPLITS": "flat_own_max_splits", "FLAT_OWN_MAX_CHUNK": "flat_own_max_chunk"})
 
 
-def flat_own_leaf(s: Shapes, dev, *, min_split_keys: int = FLAT_OWN_MIN_SPLIT_KEYS,
-                  max_splits: int | None = FLAT_OWN_MAX_SPLITS) -> FlatOwn:
+def __getattr__(name: str):
+    if name in _LEGACY:
+        value = getattr(reference_profile().tuning, _LEGACY[name])
+        return _tiles(value) if name == "FLAT_TILES" else value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _tiles(flat_tiles: tuple) -> tuple:
+    """``((max_programs or None, SuffixTiling), ...)`` of a data file's ``flat_tiles``."""
+    return tuple((bound, suffix_tiling(t)) for bound, t in flat_tiles)
+
+
+def flat_own_leaf(s: Shapes, dev, *, min_split_keys: int | None = None,
+                  max_splits: int | None | str = "tuned") -> FlatOwn:
     """The leaf plan: key splits enough for ``2 * SMs`` (sequence, kv head, split) programs, at
-    least ``min_split_keys`` keys per split, at most ``max_splits``; the :func:`flat_own_tiling`
-    of its programs and keys per split.  (The keyword arguments let a tuning sweep evaluate
-    other values of the module constants.)"""
+    least ``min_split_keys`` keys per split, at most ``max_splits`` (``None``: no cap); the
+    :func:`flat_own_tiling` of its programs and keys per split.  Key splits when the (sequence,
+    kv head) programs cannot fill the GPU; no key tile longer than a split; splits the kernel
+    would leave without keys are dropped (:func:`busy_splits`).  By default the device's tuned
+    ``flat_own_min_split_keys`` and ``flat_own_max_splits``; the keyword arguments let a tuning
+    sweep (``bench/flat_decode_sweep.py``) evaluate other values."""
+    t = tuning(dev)
+    min_split_keys = t.flat_own_min_split_keys if min_split_keys is None else min_split_keys
+    max_splits = t.flat_own_max_splits if max_splits == "tuned" else max_splits
     programs = s.batch * s.heads_kv
     n = 1
     if programs < two_per_sm(dev):
         n = min(cdiv(two_per_sm(dev), programs), cdiv(s.prefix_len + s.suffix_len, min_split_keys))
         n = max(1, n if max_splits is None else min(n, max_splits))
-    tiling = flat_own_tiling(s, n)
+    tiling = flat_own_tiling(s, n, t.flat_tiles)
     while n > 1 and (used := busy_splits(s.prefix_len, s.suffix_len, n, tiling.block_k)) < n:
         n = used                       # (splits past the last key would run idle programs)
-        tiling = flat_own_tiling(s, n)
+        tiling = flat_own_tiling(s, n, t.flat_tiles)
     return FlatOwn(num_splits=n, tiling=tiling)
 
 
@@ -80,17 +94,19 @@ def busy_splits(prefix_len: int, suffix_len: int, num_splits: int, block_k: int)
     return max(1, used(prefix_len), used(suffix_len))
 
 
-def flat_own_tiling(s: Shapes, num_splits: int) -> SuffixTiling:
-    """The :data:`FLAT_TILES` tiling with ``num_splits`` key splits: the one for its
-    ``B * Hkv * num_splits`` programs, or, where that tiling's key tile is longer than a split's
-    keys (prefix and suffix), the tiling with the longest tile that fits one (a split shorter
-    than one tile would leave the last splits without keys)."""
+def flat_own_tiling(s: Shapes, num_splits: int, flat_tiles: tuple | None = None) -> SuffixTiling:
+    """The tiling of ``flat_tiles`` (a data file's, by program count: up to each bound that
+    tiling, ``None`` any count; default the planning device's) with ``num_splits`` key splits:
+    the one for its ``B * Hkv * num_splits`` programs, or, where that tiling's key tile is
+    longer than a split's keys (prefix and suffix), the tiling with the longest tile that fits
+    one (a split shorter than one tile would leave the last splits without keys)."""
+    table = _tiles(default_profile().tuning.flat_tiles if flat_tiles is None else flat_tiles)
     programs = s.batch * s.heads_kv * num_splits
-    tiling = next(t for bound, t in FLAT_TILES if bound is None or programs <= bound)
+    tiling = next(t for bound, t in table if bound is None or programs <= bound)
     split_keys = cdiv(s.prefix_len + s.suffix_len, num_splits)
     if num_splits == 1 or tiling.block_k <= split_keys:
         return tiling
-    tiles = sorted((t for _, t in FLAT_TILES), key=lambda t: t.block_k)
+    tiles = sorted((t for _, t in table), key=lambda t: t.block_k)
     shorter = [t for t in tiles if t.block_k <= split_keys]
     return shorter[-1] if shorter else tiles[0]
 
@@ -98,10 +114,11 @@ def flat_own_tiling(s: Shapes, num_splits: int) -> SuffixTiling:
 def flat_layout(s: Shapes, dev) -> str:
     """``"own"`` or ``"rows"`` for the flat decode (``Tq == 1``): the row layout where the own
     layout's programs (:func:`flat_own_leaf`) are few and each streams a long prefix chunk."""
+    t = tuning(dev)
     n = flat_own_leaf(s, dev).num_splits
     programs = s.batch * s.heads_kv * n
-    return "rows" if programs <= FLAT_TILES[0][0] and cdiv(s.prefix_len, n) > FLAT_OWN_MAX_CHUNK \
-        else "own"
+    return ("rows" if programs <= t.flat_tiles[0][0]
+            and cdiv(s.prefix_len, n) > t.flat_own_max_chunk else "own")
 
 
 def unsupported(s: Shapes, dev, interpret: bool) -> str | None:
@@ -114,7 +131,8 @@ def unsupported(s: Shapes, dev, interpret: bool) -> str | None:
 def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
     why = unsupported(s, dev, interpret)
     if why is None and flat_layout(s, planning_part(dev)) != "own":
-        why = (f"few programs each stream more than {FLAT_OWN_MAX_CHUNK} prefix keys: the row "
+        why = (f"few programs each stream more than {tuning(dev).flat_own_max_chunk} prefix "
+               f"keys: the row "
                f"layout (flat_rows) is faster there")
     return why
 
@@ -124,7 +142,8 @@ def build(s: Shapes, dev, interpret: bool) -> FlatOwn:
 
 
 def seconds(s: Shapes, dev, interpret: bool) -> float:
-    return cost_model.flat_seconds(s, build(s, dev, interpret).num_splits, dev)
+    return cost_model.flat_seconds(s, build(s, dev, interpret).num_splits,
+                                   planning_profile(dev))
 
 
 def run(leaf: FlatOwn, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,

@@ -11,9 +11,10 @@ import dataclasses
 import numpy as np
 
 from jax_prefix_attn import cost_model
+from jax_prefix_attn.device_profile import planning_profile
 from jax_prefix_attn.leaves import flat_own
 from jax_prefix_attn.leaves.base import (Shapes, planning_part, splits_to_fill, supported,
-                                         two_per_sm)
+                                         tuning, two_per_sm)
 from jax_prefix_attn.leaves.triton_prefix import large_m_layout
 from pallas_kernels._common import (merge_partials, q_rows_layout, row_meta, rows_from_q,
                                     rows_to_out, seq_rows)
@@ -41,7 +42,9 @@ PLAN = FlatRows
 
 def flat_splits(s: Shapes, dev) -> int:
     """Key splits toward two (sequence, kv head, split) programs per SM."""
-    return splits_to_fill(s.batch * s.heads_kv, s.prefix_len + s.suffix_len, 128, two_per_sm(dev))
+    block_k = tuning(dev).flat_rows_tiling[0]
+    return splits_to_fill(s.batch * s.heads_kv, s.prefix_len + s.suffix_len, block_k,
+                          two_per_sm(dev))
 
 
 def unsupported(s: Shapes, dev, interpret: bool) -> str | None:
@@ -57,13 +60,15 @@ def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
 
 
 def build(s: Shapes, dev, interpret: bool) -> FlatRows:
-    return FlatRows(num_splits=flat_splits(s, dev), block_k=128, num_warps=4, num_stages=2,
-                    two_phase=large_m_layout(s.batch, s.tq * s.group, s.heads_kv,
+    block_k, num_warps, num_stages = tuning(dev).flat_rows_tiling
+    return FlatRows(num_splits=flat_splits(s, dev), block_k=block_k, num_warps=num_warps,
+                    num_stages=num_stages, two_phase=large_m_layout(s.batch, s.tq * s.group, s.heads_kv,
                                              two_per_sm(dev)))
 
 
 def seconds(s: Shapes, dev, interpret: bool) -> float:
-    return cost_model.flat_seconds(s, build(s, dev, interpret).num_splits, dev)
+    return cost_model.flat_seconds(s, build(s, dev, interpret).num_splits,
+                                   planning_profile(dev))
 
 
 def run(leaf: FlatRows, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p, lim_s,

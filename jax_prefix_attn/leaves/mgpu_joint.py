@@ -1,8 +1,8 @@
 """Leaf ``mgpu_joint``: one Mosaic GPU pass streaming each CTA's suffix tiles through the prefix
 pipeline (no second launch), + one XLA merge when the prefix is split.
 
-Taken in the Mosaic GPU region with (prefix, suffix, G, CTAs) in one of ``JOINT_REGIONS``
-unless the role split (``mgpu_split``) takes the shapes.
+Taken in the Mosaic GPU region with (prefix, suffix, G, CTAs) in one of the device's
+``joint_regions`` unless the role split (``mgpu_split``) takes the shapes.
 """
 from __future__ import annotations
 
@@ -11,21 +11,14 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_prefix_attn.leaves import mgpu_two_launch
-from jax_prefix_attn.leaves.base import Shapes, supported
+from jax_prefix_attn.leaves.base import Shapes, describe_regions, supported, tuning
 from jax_prefix_attn.leaves.mgpu_prefix import (decode_operands, mosaic_unsupported,
                                                 region_why_not)
 from pallas_kernels import joint_decode_mgpu
 from pallas_kernels._common import cdiv, merge_row_parts, rows_128, rows_to_out
 
-__all__ = ["MgpuJoint", "PATH", "FAMILY", "PLAN", "JOINT_REGIONS", "JOINT_STAGES",
-           "JOINT_SCHEDULE_BARRIER", "joint_region", "unsupported", "why_not", "build", "seconds",
-           "run"]
-
-# (prefix keys, suffix capacity, minimum G, minimum CTAs before splitting) regions.
-JOINT_REGIONS = (((1024, 4096), (64, 64), 4, 16), ((1024, 4096), (64, 256), 8, 64))
-JOINT_STAGES = 2
-# Without ping-pong turns a warpgroup's suffix tile does not hold the other at its next turn.
-JOINT_SCHEDULE_BARRIER = False
+__all__ = ["MgpuJoint", "PATH", "FAMILY", "PLAN", "joint_region", "unsupported", "why_not",
+           "build", "seconds", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +39,7 @@ PLAN = MgpuJoint
 
 def _tiles(s: Shapes, dev) -> tuple[int, int]:
     return joint_decode_mgpu.joint_tiles(s.head_dim, dev.smem_per_block,
-                                         jnp.dtype(s.dtype).itemsize, JOINT_STAGES)
+                                         jnp.dtype(s.dtype).itemsize, tuning(dev).joint_stages)
 
 
 def _kernel_why_not(s: Shapes, dev) -> str | None:
@@ -56,12 +49,14 @@ def _kernel_why_not(s: Shapes, dev) -> str | None:
 
 
 def joint_region(s: Shapes, dev) -> bool:
-    """Where the one pass was measured to beat the two launches (given the Mosaic GPU
-    region)."""
+    """Where the one pass was measured to beat the two launches (given the Mosaic GPU region):
+    (prefix keys, suffix capacity, minimum G, minimum CTAs before splitting) in one of the
+    device's ``joint_regions``."""
     ctas = s.heads_kv * cdiv(s.batch * s.group, 128)
     return (_kernel_why_not(s, dev) is None
             and any(p0 <= s.prefix_len <= p1 and s0 <= s.suffix_len <= s1 and s.group >= g_min
-                    and ctas >= c_min for (p0, p1), (s0, s1), g_min, c_min in JOINT_REGIONS))
+                    and ctas >= c_min
+                    for (p0, p1), (s0, s1), g_min, c_min in tuning(dev).joint_regions))
 
 
 def unsupported(s: Shapes, dev, interpret: bool) -> str | None:
@@ -71,14 +66,16 @@ def unsupported(s: Shapes, dev, interpret: bool) -> str | None:
 def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
     why = unsupported(s, dev, interpret) or region_why_not(s, dev, interpret)
     if why is None and not joint_region(s, dev):
-        why = ("outside the one pass's region (P 1K-4K and S = 64 with G >= 4, or S <= 256 with "
-               "G >= 8 and >= 64 CTAs)")
+        why = (f"outside the one pass's region "
+               f"({describe_regions(tuning(dev).joint_regions, ('G >=', 'CTAs >='))})")
     return why
 
 
 def build(s: Shapes, dev, interpret: bool) -> MgpuJoint:
     """Prefix splits: the largest power of two up to 16 dividing the tiles with the CTAs
-    within one wave."""
+    within one wave; the device's ``joint_stages`` and ``joint_schedule_barrier`` (without
+    ping-pong turns a warpgroup's suffix tile does not hold the other at its next turn)."""
+    t = tuning(dev)
     block_kv, block_s = _tiles(s, dev)
     ctas = s.heads_kv * cdiv(s.batch * s.group, 128)
     n_tiles = s.prefix_len // block_kv
@@ -86,8 +83,8 @@ def build(s: Shapes, dev, interpret: bool) -> MgpuJoint:
     for c in (2, 4, 8, 16):
         if n_tiles % c == 0 and ctas * c <= dev.sm_count:
             splits = c
-    return MgpuJoint(num_splits=splits, block_kv=block_kv, block_s=block_s, steps=JOINT_STAGES,
-                     schedule_barrier=JOINT_SCHEDULE_BARRIER)
+    return MgpuJoint(num_splits=splits, block_kv=block_kv, block_s=block_s, steps=t.joint_stages,
+                     schedule_barrier=t.joint_schedule_barrier)
 
 
 def seconds(s: Shapes, dev, interpret: bool) -> float:

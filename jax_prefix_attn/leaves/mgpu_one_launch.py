@@ -1,9 +1,10 @@
 """Leaf ``mgpu_one_launch``: prefix and suffix tasks interleaved in one Mosaic GPU launch, then
 one XLA merge.
 
-Taken in the Mosaic GPU region with an unsplit suffix, ``G >= ONE_LAUNCH_MIN_GROUP`` (the suffix
-tasks spend ``64 / G`` times the useful tensor-core work), at least ``ONE_LAUNCH_MIN_CTAS``
-prefix CTAs and (prefix, suffix) in one of ``ONE_LAUNCH_REGIONS``.
+Taken in the Mosaic GPU region with an unsplit suffix, ``G`` at least the device's
+``one_launch_min_group`` (the suffix tasks spend ``64 / G`` times the useful tensor-core work),
+at least ``one_launch_min_ctas`` prefix CTAs and (prefix, suffix, minimum G) in one of its
+``one_launch_regions``.
 """
 from __future__ import annotations
 
@@ -12,20 +13,14 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_prefix_attn.leaves import mgpu_two_launch
-from jax_prefix_attn.leaves.base import Shapes, supported
+from jax_prefix_attn.leaves.base import Shapes, describe_regions, supported, tuning
 from jax_prefix_attn.leaves.mgpu_prefix import (decode_operands, mgpu_suffix_splits,
                                                 mosaic_unsupported, region_why_not)
 from pallas_kernels import shared_decode_mgpu
 from pallas_kernels._common import cdiv, merge_row_parts, rows_128
 
-__all__ = ["MgpuOneLaunch", "PATH", "FAMILY", "PLAN", "ONE_LAUNCH_REGIONS", "ONE_LAUNCH_MIN_CTAS",
-           "ONE_LAUNCH_MIN_GROUP", "one_launch_region", "unsupported", "why_not", "build",
-           "seconds", "run"]
-
-# (prefix keys, suffix capacity, minimum G) regions.
-ONE_LAUNCH_REGIONS = (((4096, 4096), (128, 256), 4), ((16384, 16384), (1024, 1024), 8))
-ONE_LAUNCH_MIN_CTAS = 64
-ONE_LAUNCH_MIN_GROUP = 4
+__all__ = ["MgpuOneLaunch", "PATH", "FAMILY", "PLAN", "one_launch_region", "unsupported",
+           "why_not", "build", "seconds", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +47,12 @@ def _kernel_why_not(s: Shapes) -> str | None:
 def one_launch_region(s: Shapes, dev) -> bool:
     """Where the one launch was measured to beat the two launches (given the Mosaic GPU
     region)."""
+    t = tuning(dev)
     ctas = s.heads_kv * cdiv(s.batch * s.group, 128)
-    return (mgpu_suffix_splits(s, dev) == 1 and s.group >= ONE_LAUNCH_MIN_GROUP
-            and _kernel_why_not(s) is None and ctas >= ONE_LAUNCH_MIN_CTAS
+    return (mgpu_suffix_splits(s, dev) == 1 and s.group >= t.one_launch_min_group
+            and _kernel_why_not(s) is None and ctas >= t.one_launch_min_ctas
             and any(p0 <= s.prefix_len <= p1 and s0 <= s.suffix_len <= s1 and s.group >= g_min
-                    for (p0, p1), (s0, s1), g_min in ONE_LAUNCH_REGIONS))
+                    for (p0, p1), (s0, s1), g_min in t.one_launch_regions))
 
 
 def unsupported(s: Shapes, dev, interpret: bool) -> str | None:
@@ -66,8 +62,10 @@ def unsupported(s: Shapes, dev, interpret: bool) -> str | None:
 def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
     why = unsupported(s, dev, interpret) or region_why_not(s, dev, interpret)
     if why is None and not one_launch_region(s, dev):
-        why = ("outside the one launch's region (unsplit suffix, G >= 4, >= 64 CTAs, P = 4K and "
-               "S 128-256, or G >= 8, P = 16K and S = 1K)")
+        t = tuning(dev)
+        why = (f"outside the one launch's region (unsplit suffix, G >= {t.one_launch_min_group}, "
+               f">= {t.one_launch_min_ctas} CTAs, "
+               f"{describe_regions(t.one_launch_regions, ('G >=',))})")
     return why
 
 

@@ -2,61 +2,52 @@
 Mosaic GPU region), its prefix splits, and its call on the decode rows.
 
 The Mosaic GPU leaves decode (``Tq == 1``) with one prefix on a GPU of compute capability >= 9.0.
-The region: the kernel runs, at least ``MGPU_MIN_CTAS`` CTAs after splitting the prefix and at
-least ``MGPU_MIN_REAL_ROWS`` of real (not padding) rows in its 128-row blocks.
+The region: the kernel runs, at least the device's ``mgpu_min_ctas`` CTAs after splitting the
+prefix and ``mgpu_min_real_rows`` of real (not padding) rows in its 128-row blocks
+(:class:`jax_prefix_attn.device_profile.Tuning`).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_prefix_attn.leaves.base import Shapes, suffix_splits
+from jax_prefix_attn.device_profile import Tuning, default_profile
+from jax_prefix_attn.leaves.base import Shapes, suffix_splits, tuning
 from pallas_kernels._common import cdiv, next_pow2, q_rows_layout, rows_from_q
 from pallas_kernels.prefix_attention_mgpu import mgpu_supported, prefix_partials_mgpu
 
-__all__ = ["MGPU_MIN_CTAS", "MGPU_MIN_REAL_ROWS", "FEW_CTAS", "LONG_TILES", "SPLIT_WASTE",
-           "MGPU_SUFFIX_SPLIT_BELOW", "even_enough", "choose_splits", "mgpu_ctas", "mgpu_splits",
-           "mosaic_unsupported", "mosaic_region", "region_why_not", "mgpu_suffix_splits",
-           "decode_operands", "mgpu_prefix_partials"]
-
-# At least this many CTAs after splitting the prefix and this share of real (not padding) rows
-# in its 128-row blocks.
-MGPU_MIN_CTAS = 64
-MGPU_MIN_REAL_ROWS = 0.75
-# choose_splits: below FEW_CTAS (kv head, 128-row block) CTAs split to about one wave; from
-# LONG_TILES key tiles (a 14K prefix) at most 2 splits with >= FEW_CTAS CTAs.
-FEW_CTAS = 48
-LONG_TILES = 112
-# Prefix splits need not divide the key tiles: the last split may run up to 1 / SPLIT_WASTE of
-# the tiles past the end (fully masked re-reads of the last tile).  A 16256-key prefix (127
-# tiles, a prime) then gets 2 splits rather than 1 (64 CTAs on 132 SMs at Hq=32/Hkv=8, B=256).
-SPLIT_WASTE = 16
-# Beside the Mosaic GPU prefix kernel the suffix is split only below this many (sequence, kv
-# head) programs.
-MGPU_SUFFIX_SPLIT_BELOW = 256
+__all__ = ["even_enough", "choose_splits", "mgpu_ctas", "mgpu_splits", "mosaic_unsupported",
+           "mosaic_region", "region_why_not", "mgpu_suffix_splits", "decode_operands",
+           "mgpu_prefix_partials"]
 
 
-def even_enough(n_tiles: int, splits: int) -> bool:
+def even_enough(n_tiles: int, splits: int, split_waste: int | None = None) -> bool:
     """Whether ``splits`` prefix splits of ``ceil(n_tiles / splits)`` tiles each cover
-    ``n_tiles`` tiles with every split holding one and at most ``n_tiles / SPLIT_WASTE`` tile
-    steps past the last (the kernel re-reads the last tile there, all keys masked)."""
+    ``n_tiles`` tiles with every split holding one and at most ``n_tiles / split_waste`` tile
+    steps past the last (the kernel re-reads the last tile there, all keys masked; default the
+    planning device's ``split_waste``)."""
+    waste = default_profile().tuning.split_waste if split_waste is None else split_waste
     per = cdiv(n_tiles, splits)
-    return (splits - 1) * per < n_tiles and SPLIT_WASTE * (per * splits - n_tiles) <= n_tiles
+    return (splits - 1) * per < n_tiles and waste * (per * splits - n_tiles) <= n_tiles
 
 
-def choose_splits(n_tiles: int, ctas: int, sms: int, *, uneven: bool = True) -> int:
+def choose_splits(n_tiles: int, ctas: int, sms: int, *, uneven: bool = True,
+                  tuned: Tuning | None = None) -> int:
     """Prefix splits for ``ctas`` (kv head, 128-row block) CTAs over ``n_tiles`` key tiles: 1
-    when the CTAs fill most of a wave; with at least FEW_CTAS, the largest count up to 4 (2 from
-    LONG_TILES tiles) within two waves; with fewer, the largest up to 16 within one wave and at
-    least 2 tiles per split.  Divisors of ``n_tiles`` first; where none above 1 qualifies and
-    ``uneven``, the largest :func:`even_enough` count (e.g. 127 tiles: 2)."""
+    when the CTAs fill most of a wave; with at least ``few_ctas``, the largest count up to 4 (2
+    from ``long_tiles`` tiles) within two waves; with fewer, the largest up to 16 within one
+    wave and at least 2 tiles per split.  Divisors of ``n_tiles`` first; where none above 1
+    qualifies and ``uneven``, the largest :func:`even_enough` count (e.g. 127 tiles: 2): prefix
+    splits need not divide the key tiles, the last may run past the end (masked re-reads of the
+    last tile).  ``tuned``: the device's tuning (default the planning device's)."""
+    t = default_profile().tuning if tuned is None else tuned
     if 4 * ctas >= 3 * sms:
         return 1
-    few = ctas < FEW_CTAS
-    max_splits, limit = (16, sms) if few else (2 if n_tiles >= LONG_TILES else 4, 2 * sms)
+    few = ctas < t.few_ctas
+    max_splits, limit = (16, sms) if few else (2 if n_tiles >= t.long_tiles else 4, 2 * sms)
     fits = [c for c in range(2, min(n_tiles, max_splits) + 1)
             if ctas * c <= limit and (not few or n_tiles // c >= 2)]
     return max([c for c in fits if n_tiles % c == 0]
-               or [c for c in fits if uneven and even_enough(n_tiles, c)] or [1])
+               or [c for c in fits if uneven and even_enough(n_tiles, c, t.split_waste)] or [1])
 
 
 def mgpu_ctas(s: Shapes) -> tuple[int, int]:
@@ -68,7 +59,8 @@ def mgpu_ctas(s: Shapes) -> tuple[int, int]:
 def mgpu_splits(s: Shapes, dev, *, uneven: bool = True) -> int:
     """Prefix splits of the Mosaic GPU prefix kernel (:func:`choose_splits`)."""
     _, ctas = mgpu_ctas(s)
-    return choose_splits(max(1, s.prefix_len // 128), ctas, dev.sm_count, uneven=uneven)
+    return choose_splits(max(1, s.prefix_len // 128), ctas, dev.sm_count, uneven=uneven,
+                         tuned=tuning(dev))
 
 
 def mosaic_unsupported(s: Shapes, dev, interpret: bool) -> str | None:
@@ -84,14 +76,16 @@ def mosaic_unsupported(s: Shapes, dev, interpret: bool) -> str | None:
 
 def mosaic_region(s: Shapes, dev, interpret: bool) -> bool:
     """The Mosaic GPU prefix kernel runs and has enough work: not interpret mode, a Hopper GPU,
-    >= MGPU_MIN_CTAS CTAs after splitting, >= MGPU_MIN_REAL_ROWS real rows."""
+    at least the device's ``mgpu_min_ctas`` CTAs after splitting and ``mgpu_min_real_rows`` real
+    (not padding) rows in its 128-row blocks."""
     if interpret or mosaic_unsupported(s, dev, interpret) is not None:
         return False
+    t = tuning(dev)
     m128, ctas = mgpu_ctas(s)
-    # (the region counts divisor splits only: where the CTAs reach MGPU_MIN_CTAS only through
+    # (the region counts divisor splits only: where the CTAs reach mgpu_min_ctas only through
     # uneven splits, the Mosaic GPU leaves' choice against the Triton ones was never timed)
-    return (ctas * mgpu_splits(s, dev, uneven=False) >= MGPU_MIN_CTAS
-            and s.batch * next_pow2(s.group) / m128 >= MGPU_MIN_REAL_ROWS)
+    return (ctas * mgpu_splits(s, dev, uneven=False) >= t.mgpu_min_ctas
+            and s.batch * next_pow2(s.group) / m128 >= t.mgpu_min_real_rows)
 
 
 def region_why_not(s: Shapes, dev, interpret: bool) -> str | None:
@@ -101,13 +95,15 @@ def region_why_not(s: Shapes, dev, interpret: bool) -> str | None:
     why = mosaic_unsupported(s, dev, interpret)
     if why is None and interpret:
         return "interpret mode runs a Mosaic GPU leaf only when the plan forces it"
-    return why or (f"the Mosaic GPU prefix kernel needs >= {MGPU_MIN_CTAS} CTAs after splitting "
-                   f"and >= {MGPU_MIN_REAL_ROWS:.0%} real rows in its 128-row blocks")
+    t = tuning(dev)
+    return why or (f"the Mosaic GPU prefix kernel needs >= {t.mgpu_min_ctas} CTAs after "
+                   f"splitting and >= {t.mgpu_min_real_rows:.0%} real rows in its 128-row blocks")
 
 
 def mgpu_suffix_splits(s: Shapes, dev) -> int:
-    """Suffix splits beside the Mosaic GPU prefix kernel."""
-    if s.batch * s.heads_kv >= MGPU_SUFFIX_SPLIT_BELOW:
+    """Suffix splits beside the Mosaic GPU prefix kernel: split only below the device's
+    ``mgpu_suffix_split_below`` (sequence, kv head) programs."""
+    if s.batch * s.heads_kv >= tuning(dev).mgpu_suffix_split_below:
         return 1
     return suffix_splits(s, dev)
 

@@ -1,9 +1,10 @@
 """Leaf ``mgpu_split``: the SMs split by role in one Mosaic GPU launch (persistent prefix CTAs
 on the tensor cores beside suffix-streaming CTAs on HBM), then one XLA merge.
 
-Taken in the Mosaic GPU region with ``G = SPLIT_GROUP``, ``B * G >= SPLIT_MIN_ROWS``, ``D = 128``
-and (prefix, suffix) in one of ``SPLIT_REGIONS``; the role split itself comes from a two-term
-time model (:func:`plan_roles`).
+Taken in the Mosaic GPU region with ``G`` the device's ``split_group``, ``B * G`` at least its
+``split_min_rows``, ``D = 128`` and (prefix, suffix) in one of its ``split_regions``; the role
+split itself comes from a two-term time model (:func:`plan_roles`, with the profile's role
+rates).
 """
 from __future__ import annotations
 
@@ -12,26 +13,15 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_prefix_attn.leaves import mgpu_two_launch
-from jax_prefix_attn.leaves.base import Shapes, supported
+from jax_prefix_attn.device_profile import DeviceProfile, default_profile, device_profile
+from jax_prefix_attn.leaves.base import Shapes, describe_regions, supported, tuning
 from jax_prefix_attn.leaves.mgpu_prefix import (decode_operands, mosaic_unsupported,
                                                 region_why_not)
 from pallas_kernels import split_decode_mgpu, suffix_stream_mgpu
 from pallas_kernels._common import cdiv, merge_row_parts, rows_128
 
-__all__ = ["MgpuSplit", "PATH", "FAMILY", "PLAN", "SPLIT_REGIONS", "SPLIT_GROUP",
-           "SPLIT_MIN_ROWS", "ROLE_PREFIX_FLOPS", "ROLE_TASK_S", "ROLE_STREAM_BPS", "plan_roles",
-           "split_region", "unsupported", "why_not", "build", "seconds", "run"]
-
-# G = SPLIT_GROUP, B * G >= SPLIT_MIN_ROWS, D = 128, (prefix, suffix) in a region.
-SPLIT_REGIONS = (((4096, 8192), (64, 256)), ((16384, 16384), (128, 256)))
-SPLIT_GROUP = 4
-SPLIT_MIN_ROWS = 2048
-# plan_roles's time model of the role-split launch: the prefix role's FLOP/s per CTA (the whole
-# kernel's rate over 132 SMs), a fixed cost per prefix task (pipeline fill, q load, output),
-# the suffix K/V bytes/s per stream CTA (latency bound).
-ROLE_PREFIX_FLOPS = 5.5e14 / 132
-ROLE_TASK_S = 2.5e-6
-ROLE_STREAM_BPS = 5.5e10
+__all__ = ["MgpuSplit", "PATH", "FAMILY", "PLAN", "plan_roles", "split_region", "unsupported",
+           "why_not", "build", "seconds", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,20 +49,24 @@ def _kernel_why_not(s: Shapes, dev) -> str | None:
 
 def split_region(s: Shapes, dev) -> bool:
     """Where the role split was measured to beat the other Mosaic GPU leaves (given the Mosaic
-    GPU region)."""
-    return (_kernel_why_not(s, dev) is None and s.group == SPLIT_GROUP
-            and s.batch * s.group >= SPLIT_MIN_ROWS and s.head_dim == 128
+    GPU region): the device's ``split_group``, ``split_min_rows`` and ``split_regions``."""
+    t = tuning(dev)
+    return (_kernel_why_not(s, dev) is None and s.group == t.split_group
+            and s.batch * s.group >= t.split_min_rows and s.head_dim == 128
             and any(p0 <= s.prefix_len <= p1 and s0 <= s.suffix_len <= s1
-                    for (p0, p1), (s0, s1) in SPLIT_REGIONS))
+                    for (p0, p1), (s0, s1) in t.split_regions))
 
 
-def plan_roles(s: Shapes, sms: int) -> tuple[int, int, int]:
+def plan_roles(s: Shapes, sms: int, profile: DeviceProfile | None = None) -> tuple[int, int, int]:
     """``(prefix_ctas, num_splits, stream_ctas)`` of the role-split launch: the split of the
     ``sms`` SMs that a two-term time model finds fastest.  For prefix splits ``c`` in (1, 2, 4,
     8) dividing the 128-key tiles and each number of rounds ``r`` of its ``T`` tasks (on
-    ``n = ceil(T / r)`` CTAs): ``max(r * (task flops / ROLE_PREFIX_FLOPS + ROLE_TASK_S),
-    suffix bytes / (m * ROLE_STREAM_BPS))`` with ``m = sms - n`` stream CTAs (at most the
-    suffix tasks)."""
+    ``n = ceil(T / r)`` CTAs): ``max(r * (task flops / F + T0), suffix bytes / (m * W))`` with
+    ``m = sms - n`` stream CTAs (at most the suffix tasks).  ``F``, ``T0``, ``W``: the profile's
+    ``role_prefix_flops_per_cta`` (the prefix role's rate per CTA), ``role_task_s`` (fixed cost
+    of a prefix task: pipeline fill, q load, output) and ``role_stream_bytes_per_s`` (suffix K/V
+    bytes per stream CTA, latency bound); default the planning device's profile."""
+    p = default_profile() if profile is None else profile
     g = s.group
     m_blocks = cdiv(s.batch * g, 128)
     n_tiles = s.prefix_len // 128
@@ -83,13 +77,14 @@ def plan_roles(s: Shapes, sms: int) -> tuple[int, int, int]:
         if n_tiles % splits:
             continue
         tasks = s.heads_kv * m_blocks * splits
-        t_task = 4.0 * 128 * (s.prefix_len // splits) * s.head_dim / ROLE_PREFIX_FLOPS + ROLE_TASK_S
+        t_task = (4.0 * 128 * (s.prefix_len // splits) * s.head_dim / p.role_prefix_flops_per_cta
+                  + p.role_task_s)
         for rounds in range(1, tasks + 1):
             n = cdiv(tasks, rounds)
             if n > sms - 1:
                 continue
             m = min(sms - n, s_tasks)
-            t = max(rounds * t_task, s_bytes / (m * ROLE_STREAM_BPS))
+            t = max(rounds * t_task, s_bytes / (m * p.role_stream_bytes_per_s))
             if best is None or t < best[0] * (1 - 1e-9):
                 best = (t, n, splits, m)
             if n == 1:
@@ -104,14 +99,15 @@ def unsupported(s: Shapes, dev, interpret: bool) -> str | None:
 def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
     why = unsupported(s, dev, interpret) or region_why_not(s, dev, interpret)
     if why is None and not split_region(s, dev):
-        why = ("outside the role split's region (G = 4, B * G >= 2048, D = 128, P 4K-8K and "
-               "S 64-256, or P = 16K and S 128-256)")
+        t = tuning(dev)
+        why = (f"outside the role split's region (G = {t.split_group}, B * G >= "
+               f"{t.split_min_rows}, D = 128, {describe_regions(t.split_regions)})")
     return why
 
 
 def build(s: Shapes, dev, interpret: bool) -> MgpuSplit:
     # (Mosaic GPU's CPU interpreter simulates every CTA: there, a 4-SM split of the work)
-    n, splits, m = plan_roles(s, 4 if interpret else dev.sm_count)
+    n, splits, m = plan_roles(s, 4 if interpret else dev.sm_count, device_profile(dev)[0])
     return MgpuSplit(prefix_ctas=n, stream_ctas=m, num_splits=splits,
                      smem_bytes=dev.smem_per_block)
 

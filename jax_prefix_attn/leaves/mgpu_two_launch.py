@@ -12,7 +12,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_prefix_attn import cost_model
-from jax_prefix_attn.leaves.base import DECODE_SUFFIX, Shapes, SuffixTiling, supported
+from jax_prefix_attn.device_profile import planning_profile
+from jax_prefix_attn.leaves.base import Shapes, SuffixTiling, suffix_tiling, supported, tuning
 from jax_prefix_attn.leaves.mgpu_prefix import (decode_operands, mgpu_prefix_partials,
                                                 mgpu_splits, mgpu_suffix_splits,
                                                 mosaic_unsupported, region_why_not)
@@ -48,14 +49,15 @@ def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
 
 def build(s: Shapes, dev, interpret: bool) -> MgpuTwoLaunch:
     return MgpuTwoLaunch(num_splits=mgpu_splits(s, dev), suffix_splits=mgpu_suffix_splits(s, dev),
-                         suffix=DECODE_SUFFIX)
+                         suffix=suffix_tiling(tuning(dev).decode_suffix_tiling))
 
 
 def seconds(s: Shapes, dev, interpret: bool) -> float:
     """The modelled seconds of this leaf's plan; the one-launch Mosaic GPU leaves are charged
     the same (an overestimate where they run)."""
     leaf = build(s, dev, interpret)
-    return cost_model.mgpu_two_launch_seconds(s, leaf.num_splits, leaf.suffix_splits, dev)
+    return cost_model.mgpu_two_launch_seconds(s, leaf.num_splits, leaf.suffix_splits,
+                                              planning_profile(dev))
 
 
 def run(leaf: MgpuTwoLaunch, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p,

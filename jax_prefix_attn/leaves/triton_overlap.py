@@ -2,7 +2,8 @@
 XLA merge.
 
 The shared family's leaf wherever the Mosaic GPU region does not hold and the (sequence, kv
-head) suffix programs are too few to fill the GPU alone (``B * Hkv < OVERLAP_BELOW_PROGRAMS``):
+head) suffix programs are too few to fill the GPU alone (``B * Hkv`` below the device's
+``overlap_below_programs``):
 the prefix programs run beside them.
 """
 from __future__ import annotations
@@ -12,8 +13,9 @@ import dataclasses
 import numpy as np
 
 from jax_prefix_attn import cost_model
+from jax_prefix_attn.device_profile import planning_profile
 from jax_prefix_attn.leaves.base import (PrefixTiling, Shapes, suffix_splits, supported,
-                                         two_per_sm)
+                                         tuning, two_per_sm)
 from jax_prefix_attn.leaves.triton_prefix import prefix_rows, prefix_tiling, triton_why_not
 from pallas_kernels._common import (merge_row_parts, next_pow2, q_rows_layout, row_meta,
                                     rows_from_q, seq_rows)
@@ -47,12 +49,14 @@ def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
 
 def build(s: Shapes, dev, interpret: bool) -> TritonOverlap:
     return TritonOverlap(
-        prefix=prefix_tiling(s.batch, s.tq * s.group, s.heads_kv, s.prefix_len, two_per_sm(dev)),
+        prefix=prefix_tiling(s.batch, s.tq * s.group, s.heads_kv, s.prefix_len, two_per_sm(dev),
+                             tuned=tuning(dev)),
         suffix_splits=suffix_splits(s, dev), suffix_block_k=64)
 
 
 def seconds(s: Shapes, dev, interpret: bool) -> float:
-    return cost_model.triton_overlap_seconds(s, build(s, dev, interpret).suffix_splits, dev)
+    return cost_model.triton_overlap_seconds(s, build(s, dev, interpret).suffix_splits,
+                                             planning_profile(dev))
 
 
 def run(leaf: TritonOverlap, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p,

@@ -12,19 +12,25 @@ import types
 import jax.numpy as jnp
 import numpy as np
 
-from jax_prefix_attn.leaves.base import PrefixTiling, Shapes, supported
+from jax_prefix_attn.device_profile import Tuning, default_profile, reference_profile
+from jax_prefix_attn.leaves.base import PrefixTiling, Shapes, supported, tuning
 from jax_prefix_attn.leaves.mgpu_prefix import mosaic_region
 from pallas_kernels._common import cdiv, next_pow2, pad_rows, row_meta, rows_from_q, seq_rows
 
 __all__ = ["OVERLAP_BELOW_PROGRAMS", "LARGE_M_TILING", "large_m_layout", "prefix_tiling",
            "triton_why_not", "prefix_rows"]
 
-# Below this many (sequence, kv head) suffix programs the Triton family takes the overlap launch
-# (triton_overlap), from it the two launches (triton_two_launch).
-OVERLAP_BELOW_PROGRAMS = 2048
-# Triton prefix kernel with enough rows to run unsplit: 64-key tiles, 8 warps, 3 stages and the
-# two-phase key loop (otherwise 128 x 64 tiles, 4 warps, 2 stages).
-LARGE_M_TILING = types.MappingProxyType(dict(block_k=64, num_warps=8, num_stages=3))
+
+def __getattr__(name: str):
+    # OVERLAP_BELOW_PROGRAMS and LARGE_M_TILING: the reference part's (for the benchmarks that
+    # report them); the planner reads each device's own (``tuning``)
+    t = reference_profile().tuning
+    if name == "OVERLAP_BELOW_PROGRAMS":
+        return t.overlap_below_programs
+    if name == "LARGE_M_TILING":
+        return types.MappingProxyType(dict(zip(("block_k", "num_warps", "num_stages"),
+                                               t.large_m_tiling)))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def large_m_layout(batch: int, rows_per_seq: int, heads_kv: int, target: int) -> bool:
@@ -35,9 +41,13 @@ def large_m_layout(batch: int, rows_per_seq: int, heads_kv: int, target: int) ->
 
 
 def prefix_tiling(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
-                  target: int) -> PrefixTiling:
+                  target: int, *, tuned: Tuning | None = None) -> PrefixTiling:
     """Tiling of the Triton prefix kernel: ``target`` programs (two per SM) by splitting the
-    prefix when the (kv head, row block) programs are fewer."""
+    prefix when the (kv head, row block) programs are fewer.  ``tuned``: the device's tuning
+    (its ``prefix_tiling``, and ``large_m_tiling`` with the two-phase key loop where the rows
+    run unsplit 128-row blocks); default the planning device's."""
+    t = default_profile().tuning if tuned is None else tuned
+    block_k, num_warps, num_stages = t.prefix_tiling
     r2 = next_pow2(rows_per_seq)
     m = batch * r2
     block_m = 128 if m >= 1024 else 64 if m >= 64 else max(32, next_pow2(m))
@@ -45,26 +55,29 @@ def prefix_tiling(batch: int, rows_per_seq: int, heads_kv: int, prefix_len: int,
     programs = heads_kv * cdiv(m + 16, block_m)  # +16: the suffix pass reads past the last row
     splits = 1
     if programs < target:
-        splits = max(1, min(cdiv(target, programs), cdiv(prefix_len, 4 * 64)))
+        splits = max(1, min(cdiv(target, programs), cdiv(prefix_len, 4 * block_k)))
     if splits == 1 and block_m == 128 and large_m_layout(batch, rows_per_seq, heads_kv, target):
-        return PrefixTiling(block_m, two_phase=True, num_splits=1, **LARGE_M_TILING)
-    return PrefixTiling(block_m, 64, splits, 4, 2)
+        large_k, large_warps, large_stages = t.large_m_tiling
+        return PrefixTiling(block_m, large_k, 1, large_warps, large_stages, two_phase=True)
+    return PrefixTiling(block_m, block_k, splits, num_warps, num_stages)
 
 
 def triton_why_not(s: Shapes, dev, interpret: bool, *, overlap: bool) -> str | None:
     """``None`` where the planner may choose the Triton overlap leaf (``overlap``) or the
     two-launch leaf: the kernels run, the Mosaic GPU region does not hold, and the (sequence,
-    kv head) suffix programs are fewer than ``OVERLAP_BELOW_PROGRAMS`` (overlap) or not."""
+    kv head) suffix programs are fewer than the device's ``overlap_below_programs`` (overlap) or
+    not."""
     why = supported(s)
+    below = tuning(dev).overlap_below_programs
     if why is None and mosaic_region(s, dev, interpret):
         why = "the Mosaic GPU region holds: its prefix kernel is faster than the Triton one"
     programs = s.batch * s.heads_kv
-    if why is None and overlap and programs >= OVERLAP_BELOW_PROGRAMS:
-        why = (f"B * Hkv = {programs} >= {OVERLAP_BELOW_PROGRAMS} suffix programs fill the GPU: "
-               f"two launches (triton_two_launch) are faster")
-    if why is None and not overlap and programs < OVERLAP_BELOW_PROGRAMS:
-        why = (f"B * Hkv = {programs} < {OVERLAP_BELOW_PROGRAMS} suffix programs: the overlap "
-               f"launch (triton_overlap) is faster")
+    if why is None and overlap and programs >= below:
+        why = (f"B * Hkv = {programs} >= {below} suffix programs fill the GPU: two launches "
+               f"(triton_two_launch) are faster")
+    if why is None and not overlap and programs < below:
+        why = (f"B * Hkv = {programs} < {below} suffix programs: the overlap launch "
+               f"(triton_overlap) is faster")
     return why
 
 

@@ -3,7 +3,8 @@ suffix kernel merging the prefix partials in its epilogue (``suffix_splits == 1`
 suffix kernel and one XLA merge.
 
 The shared family's leaf wherever the Mosaic GPU region does not hold and the (sequence, kv
-head) suffix programs fill the GPU alone (``B * Hkv >= OVERLAP_BELOW_PROGRAMS``).
+head) suffix programs fill the GPU alone (``B * Hkv`` from the device's
+``overlap_below_programs``).
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import dataclasses
 import numpy as np
 
 from jax_prefix_attn import cost_model
-from jax_prefix_attn.leaves.base import (DECODE_SUFFIX, PrefixTiling, Shapes, SuffixTiling,
-                                         suffix_splits, supported, two_per_sm)
+from jax_prefix_attn.device_profile import planning_profile
+from jax_prefix_attn.leaves.base import (PrefixTiling, Shapes, SuffixTiling, suffix_splits,
+                                         suffix_tiling, supported, tuning, two_per_sm)
 from jax_prefix_attn.leaves.triton_prefix import prefix_rows, prefix_tiling, triton_why_not
 from pallas_kernels._common import (merge_row_parts, next_pow2, q_rows_layout, row_meta,
                                     rows_from_q, rows_to_out, seq_rows)
@@ -21,11 +23,8 @@ from pallas_kernels.decode_attention import Source, ragged_attention
 from pallas_kernels.prefix_attention import prefix_partials
 from pallas_kernels.suffix_attention import suffix_decode_merge
 
-__all__ = ["TritonTwoLaunch", "PATH", "FAMILY", "PLAN", "ROW_SUFFIX", "unsupported", "why_not",
-           "build", "seconds", "run"]
-
-# Tiling of the row-layout suffix pass.
-ROW_SUFFIX = SuffixTiling(block_k=64, num_warps=4, num_stages=3)
+__all__ = ["TritonTwoLaunch", "PATH", "FAMILY", "PLAN", "unsupported", "why_not", "build",
+           "seconds", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +51,20 @@ def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
 
 
 def build(s: Shapes, dev, interpret: bool) -> TritonTwoLaunch:
+    """The suffix pass: the own-layout decode tiling when it merges the prefix partials in its
+    epilogue (decoding, unsplit), else the row-layout tiling."""
     ss = suffix_splits(s, dev)
+    t = tuning(dev)
     return TritonTwoLaunch(
-        prefix=prefix_tiling(s.batch, s.tq * s.group, s.heads_kv, s.prefix_len, two_per_sm(dev)),
-        suffix_splits=ss, suffix=DECODE_SUFFIX if s.tq == 1 and ss == 1 else ROW_SUFFIX)
+        prefix=prefix_tiling(s.batch, s.tq * s.group, s.heads_kv, s.prefix_len, two_per_sm(dev),
+                             tuned=t),
+        suffix_splits=ss, suffix=suffix_tiling(t.decode_suffix_tiling if s.tq == 1 and ss == 1
+                                               else t.row_suffix_tiling))
 
 
 def seconds(s: Shapes, dev, interpret: bool) -> float:
-    return cost_model.triton_two_launch_seconds(s, build(s, dev, interpret).suffix_splits, dev)
+    return cost_model.triton_two_launch_seconds(s, build(s, dev, interpret).suffix_splits,
+                                                planning_profile(dev))
 
 
 def run(leaf: TritonTwoLaunch, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, lim_p,

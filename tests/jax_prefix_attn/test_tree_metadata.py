@@ -1,12 +1,14 @@
 """Tree metadata: schedules, padding buckets, pytree behaviour and the cost model's choices
 (host-side; fast)."""
+import dataclasses
 import jax
 import numpy as np
 import pytest
 
 from helpers import random_forest
 from jax_prefix_attn import PrefixTree, TreeMetadata, build_tree_metadata
-from jax_prefix_attn.tree_cost import COST_MODEL, schedule_cost
+from jax_prefix_attn.device_profile import default_profile
+from jax_prefix_attn.tree_cost import schedule_cost
 from jax_prefix_attn.tree_metadata import root_bucket
 from pallas_kernels.tree_attention import CHUNK, KV_START, LENGTH, NEVER, NTILES, OFF0, ROW_START, TIN, TOUT
 
@@ -158,8 +160,8 @@ def test_build_metadata_hybrid_mid_options():
 
 
 def test_cost_model_is_immutable():
-    with pytest.raises(TypeError):
-        COST_MODEL["hbm_bytes_per_s"] = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        default_profile().tree_copy_bytes_per_s = 1.0
 
 
 def test_root_bucket():
