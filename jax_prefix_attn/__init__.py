@@ -2,7 +2,8 @@
 
 Public API:
 
-* :func:`attention` -- flash attention returning ``(out, lse)`` (Pallas on GPU).
+* :func:`attention` -- flash attention returning ``(out, lse)`` (Pallas on GPU);
+  :func:`plan_flash` / :class:`FlashPlan` -- the kernels its ``impl="auto"`` runs.
 * :func:`merge_attention_states`, :func:`merge_two` -- exact LSE merging of partial states.
 * :mod:`jax_prefix_attn.reference` -- the pure-JAX oracle.
 * :func:`shared_prefix_attention` -- decode/suffix attention over shared prefixes (Hydragen);
@@ -19,6 +20,7 @@ Public API:
 """
 from jax_prefix_attn import reference
 from jax_prefix_attn.attention import attention
+from jax_prefix_attn.flash_plan import FlashPlan, plan_flash
 from jax_prefix_attn.merge import merge_attention_states, merge_two
 from jax_prefix_attn.device import DeviceInfo, device_info
 from jax_prefix_attn.planner import (SharedPrefixPlan, TreePlan, plan_shared_prefix,
@@ -32,7 +34,8 @@ from jax_prefix_attn.tree_metadata import TreeMetadata, build_tree_metadata
 __all__ = ["concurrent_compiler_options", "shared_prefix_supported", "plan_shared_prefix",
            "SharedPrefixPlan", "DeviceInfo", "device_info", "attention", "merge_attention_states", "merge_two",
            "reference", "shared_prefix_attention", "PrefixTree", "tree_attention", "TreeMetadata",
-           "build_tree_metadata", "auto_path", "plan_tree_attention", "TreePlan"]
+           "build_tree_metadata", "auto_path", "plan_tree_attention", "TreePlan", "FlashPlan",
+           "plan_flash"]
 from jax_prefix_attn.mla import mla_attention
 
 __all__ += ["mla_attention"]

@@ -9,28 +9,31 @@
   bfloat16 and float16);
 * ``"reference"``: :func:`jax_prefix_attn.reference.attention` (pure JAX, materialises the
   scores);
-* ``"auto"``: ``"flash"`` on a GPU where the kernel supports the shapes
-  (:func:`pallas_kernels.flash_attention.supported`), else ``"reference"``.
+* ``"auto"``: the kernels :func:`jax_prefix_attn.flash_plan.plan_flash` picks for the shapes
+  and the device (on Hopper and newer GPUs the Mosaic GPU kernels for 16-bit inputs, with the
+  Triton backward above head_dim 128; the Triton kernels on other GPUs and for float32; the
+  reference off the GPU).
 
 ``interpret=True`` runs the Pallas kernels in interpret mode (any backend, e.g. CPU tests with
 ``impl="flash"`` or ``impl="flash_mgpu"``).
 """
 from __future__ import annotations
 
+import types
+
 import jax
 
-from jax_prefix_attn import reference
 from jax_prefix_attn._validation import check_bool, check_impl, check_qkv
+from jax_prefix_attn.device import device_info
+from jax_prefix_attn.flash_plan import FlashPlan, plan_flash, run_flash_plan
 from pallas_kernels import flash_attention as flash
 from pallas_kernels import flash_attention_mgpu as flash_mgpu
-from pallas_kernels.flash_attention_mgpu_vjp import flash_attention_mgpu_vjp
 from pallas_kernels._common import flag_nonfinite
 
 IMPLS = ("auto", "flash", "flash_mgpu", "reference")
-
-
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+# The kernel families (forward, backward) of each impl other than "auto".
+FIXED_PLANS = types.MappingProxyType({"flash": ("triton", "triton"), "flash_mgpu": ("mgpu", "mgpu"),
+                                      "reference": ("reference", "reference")})
 
 
 def attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=None, impl: str = "auto",
@@ -51,19 +54,16 @@ def attention(q, k, v, *, causal: bool = False, kv_lengths=None, sm_scale=None, 
     check_bool("causal", causal)
     check_bool("interpret", interpret)
     if impl == "auto":
-        impl = "flash" if on_gpu() and flash.supported(q.shape, k.shape, q.dtype) is None \
-            else "reference"
-    if impl == "reference":
-        return reference.attention(q, k, v, causal=causal, kv_lengths=kv_lengths, sm_scale=sm_scale)
-    kernel = flash_mgpu if impl == "flash_mgpu" else flash
-    reason = kernel.supported(q.shape, k.shape, q.dtype)
-    if reason is not None:
-        raise ValueError(f"impl={impl!r} (Pallas kernel) cannot run these shapes: {reason}; "
-                         f"use impl='reference'")
-    if impl == "flash_mgpu":
-        out, lse = flash_attention_mgpu_vjp(q, k, v, causal=causal, kv_lengths=kv_lengths,
-                                            sm_scale=sm_scale, interpret=interpret)
+        plan = plan_flash(q.shape, k.shape, q.dtype, device_info())
     else:
-        out, lse = flash.flash_attention(q, k, v, causal=causal, kv_lengths=kv_lengths,
-                                         sm_scale=sm_scale, interpret=interpret)
+        plan = FlashPlan(*FIXED_PLANS[impl], reason=f"impl={impl!r}")
+        kernel = {"mgpu": flash_mgpu, "triton": flash}.get(plan.forward)
+        reason = None if kernel is None else kernel.supported(q.shape, k.shape, q.dtype)
+        if reason is not None:
+            raise ValueError(f"impl={impl!r} (Pallas kernel) cannot run these shapes: {reason}; "
+                             f"use impl='reference'")
+    out, lse = run_flash_plan(plan, q, k, v, causal=causal, kv_lengths=kv_lengths,
+                              sm_scale=sm_scale, interpret=interpret)
+    if plan.forward == "reference":
+        return out, lse
     return out, flag_nonfinite(jax.lax.stop_gradient(out), lse)
