@@ -22,7 +22,8 @@ programs per SM), and
   or 64 rows, the prefix split to fill the GPU) at the Triton tensor-core rate ``MMA``; suffix
   ``bytes = B * S * kv`` plus the float32 partials, split as the plan splits it.  The two-launch
   leaf runs them in sequence (+ one XLA merge when the suffix is split); the overlap leaf
-  ``max`` of the two plus 30% of the smaller (imperfect overlap) + one XLA merge.
+  ``max`` of the two plus the profile's ``overlap_serial_share`` of the smaller (imperfect
+  overlap) + one XLA merge.
 * **shared**, Mosaic GPU leaves: q row gather, the prefix kernel (one CTA per SM, ``MMA_MGPU``,
   the plan's prefix splits; no per-key latency term: 128-key TMA tiles prefetched two ahead),
   the suffix kernel (the plan's suffix splits) and one XLA merge, in sequence.  The planner
@@ -61,7 +62,8 @@ class Rates:
     Triton (``mma``) and of the Mosaic GPU (``mma_mgpu``) prefix kernels, bytes/s of prefix
     re-reads served by L2 (``l2``), seconds per launch (``launch``) and per key on a program's
     critical path (``t_key``; ``t_key_flat`` in the flat kernel), programs per SM that reach
-    full bandwidth (``slots_per_sm``)."""
+    full bandwidth (``slots_per_sm``), the share of the smaller of two overlapped launches that
+    stays serial (``overlap_serial_share``)."""
     bw: float
     mma: float
     mma_mgpu: float
@@ -70,6 +72,7 @@ class Rates:
     t_key: float
     t_key_flat: float
     slots_per_sm: float
+    overlap_serial_share: float
 
 
 def rates(profile: DeviceProfile) -> Rates:
@@ -79,7 +82,7 @@ def rates(profile: DeviceProfile) -> Rates:
                  profile.mma_share * profile.matmul_flops_per_s,
                  profile.mma_mgpu_share * profile.matmul_flops_per_s, profile.l2_bytes_per_s,
                  profile.launch_s, profile.key_latency_s, profile.flat_key_latency_s,
-                 profile.slots_per_sm)
+                 profile.slots_per_sm, profile.overlap_serial_share)
 
 
 def _kernel_s(r: Rates, nbytes: float, flops: float, programs: int, slots: float, *,
@@ -148,7 +151,8 @@ def triton_two_launch_seconds(s: Shapes, suffix_splits: int, profile: DeviceProf
 
 def triton_overlap_seconds(s: Shapes, suffix_splits: int, profile: DeviceProfile) -> float:
     """Modelled seconds of the Triton overlap leaf: ``max`` of its prefix and suffix programs
-    plus 30% of the smaller (imperfect overlap), then one XLA merge."""
+    plus the profile's ``overlap_serial_share`` of the smaller (imperfect overlap), then one XLA
+    merge."""
     return _triton_seconds(s, suffix_splits, profile, overlap=True)
 
 
@@ -175,7 +179,7 @@ def _triton_seconds(s: Shapes, ss: int, profile: DeviceProfile, *, overlap: bool
         t_prefix = _kernel_s(r, g * p * kv + p_splits * n_rb * block_m * hkv * (d + 1) * 4,
                              4.0 * n_rb * block_m * hkv * p * d, hkv * n_rb * p_splits, slots,
                              serial_keys=cdiv(p, p_splits))
-        return (max(t_prefix, t_suffix) + 0.3 * min(t_prefix, t_suffix)
+        return (max(t_prefix, t_suffix) + r.overlap_serial_share * min(t_prefix, t_suffix)
                 + _kernel_s(r, 2 * (p_splits + ss) * merge_rows, 0.0, 2 * sms, slots))
     partial_bytes = p_splits * n_rb * block_m * hkv * (d + 1) * 4
     t_prefix = _kernel_s(r, g * p * kv + partial_bytes, 4.0 * n_rb * block_m * hkv * p * d,

@@ -26,7 +26,8 @@ import types
 from jax_prefix_attn.device import DeviceInfo, planning_device_info
 
 __all__ = ["DeviceProfile", "Tuning", "PROFILES", "H200_PROFILE", "device_profile",
-           "planning_profile", "default_profile", "reference_profile", "profiles", "load_part", "data_files"]
+           "planning_profile", "default_profile", "reference_profile", "profiles", "load_part",
+           "data_files"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,9 @@ class DeviceProfile:
     re-reads served by L2 in the flat kernel; ``launch_s``: one kernel launch or dependent stage
     (launch, ramp, tail); ``key_latency_s``, ``flat_key_latency_s``: one key on a program's
     critical path (shared and flat kernels); ``slots_per_sm``: programs per SM that reach full
-    bandwidth.  The role split (``leaves.mgpu_split.plan_roles``):
+    bandwidth; ``overlap_serial_share``: the share of the shorter of the overlapped prefix and
+    suffix programs that stays serial (imperfect overlap).  The role split
+    (``leaves.mgpu_split.plan_roles``):
     ``role_prefix_flops_per_cta``, ``role_task_s`` (fixed cost of a prefix task),
     ``role_stream_bytes_per_s`` (per stream CTA).  The tree cost model
     (:mod:`jax_prefix_attn.tree_cost`): ``tree_copy_bytes_per_s``, ``tree_program_bytes_per_s``
@@ -125,6 +128,7 @@ class DeviceProfile:
     key_latency_s: float
     flat_key_latency_s: float
     slots_per_sm: float
+    overlap_serial_share: float
     role_prefix_flops_per_cta: float
     role_task_s: float
     role_stream_bytes_per_s: float

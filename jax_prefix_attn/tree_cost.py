@@ -37,9 +37,10 @@ def schedule_cost(sched: Schedule, *, group: int, sm_count: int, head_dim: int =
     programs = s["items"] * heads_kv
     waves = -(-programs // sm_count)
     longest = s["max_item_tokens"] * head_dim * 2 * kv_bytes / p.tree_program_bytes_per_s
-    partial_bytes = s["partial_rows"] * heads_kv * group * (head_dim * kv_bytes + 4) * 2  # write + read
-    return (p.tree_launch_s + max(kv_bytes_read / p.tree_copy_bytes_per_s, flops / p.tree_flops_per_s,
-                                  waves * p.tree_program_s, longest)
+    # (written, then read)
+    partial_bytes = s["partial_rows"] * heads_kv * group * (head_dim * kv_bytes + 4) * 2
+    return (p.tree_launch_s + max(kv_bytes_read / p.tree_copy_bytes_per_s,
+                                  flops / p.tree_flops_per_s, waves * p.tree_program_s, longest)
             + partial_bytes / p.tree_copy_bytes_per_s)
 
 

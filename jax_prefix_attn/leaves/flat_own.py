@@ -44,8 +44,9 @@ PLAN = FlatOwn
 # FLAT_TILES, FLAT_OWN_MIN_SPLIT_KEYS, FLAT_OWN_MAX_SPLITS and FLAT_OWN_MAX_CHUNK: the reference
 # part's ``flat_tiles``, ``flat_own_min_split_keys``, ``flat_own_max_splits`` and
 # ``flat_own_max_chunk`` (for the benchmark that sweeps them); the leaf reads each device's own.
-_LEGACY = types.MappingProxyType({"FLAT_TILES": "flat_tiles", "FLAT_OWN_MIN_SPLIT_KEYS": "flat_own_min_split_keys",
-           "FLAT_OWN_MAX_SPLITS": "flat_own_max_splits", "FLAT_OWN_MAX_CHUNK": "flat_own_max_chunk"})
+_LEGACY = types.MappingProxyType({
+    "FLAT_TILES": "flat_tiles", "FLAT_OWN_MIN_SPLIT_KEYS": "flat_own_min_split_keys",
+    "FLAT_OWN_MAX_SPLITS": "flat_own_max_splits", "FLAT_OWN_MAX_CHUNK": "flat_own_max_chunk"})
 
 
 def __getattr__(name: str):

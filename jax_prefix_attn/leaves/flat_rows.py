@@ -61,9 +61,9 @@ def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
 
 def build(s: Shapes, dev, interpret: bool) -> FlatRows:
     block_k, num_warps, num_stages = tuning(dev).flat_rows_tiling
+    two_phase = large_m_layout(s.batch, s.tq * s.group, s.heads_kv, two_per_sm(dev))
     return FlatRows(num_splits=flat_splits(s, dev), block_k=block_k, num_warps=num_warps,
-                    num_stages=num_stages, two_phase=large_m_layout(s.batch, s.tq * s.group, s.heads_kv,
-                                             two_per_sm(dev)))
+                    num_stages=num_stages, two_phase=two_phase)
 
 
 def seconds(s: Shapes, dev, interpret: bool) -> float:
