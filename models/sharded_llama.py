@@ -52,7 +52,9 @@ class ShardedLlama:
     ``config`` is the model's (global) config; ``local`` the :class:`~models.llama.Llama` each
     device runs (``local_decode``: the one of the decode step, an
     :class:`~models.collective_matmul.OverlappedLlama` when ``collective_matmul.overlap_chunks >
-    1``, else ``local``); ``shapes`` the padded global sizes."""
+    1``, else ``local``); ``shapes`` the padded global sizes; ``prefill_model``: the model whose
+    jitted prefills :meth:`prefill_jit` and :meth:`prefill_prefixes_jit` run (this one without
+    the option, so models that differ only in it share the compiled prefills)."""
 
     def __init__(self, model: Llama, mesh: Mesh, *, collective_matmul: CollectiveMatmul = CollectiveMatmul()):
         if not isinstance(model, Llama):
@@ -79,6 +81,8 @@ class ShardedLlama:
             self.local_decode = OverlappedLlama(self.local.config, collective=collective_matmul, impl=model.impl,
                                                 shared_impl=model.shared_impl, interpret=model.interpret,
                                                 model_axis=MODEL)
+        # prefill does not depend on the option: one compiled prefill per model and mesh
+        self.prefill_model = self if self.local_decode is self.local else ShardedLlama(model, mesh)
 
     def __hash__(self):
         return hash((self.base, self.mesh, self.collective_matmul))
@@ -174,12 +178,13 @@ class ShardedLlama:
     # ------------------------------------------------------------------ jitted entry points
     def prefill_prefixes_jit(self, params: dict, level_tokens: tuple, level_lengths: tuple) -> PrefixCache:
         """Jitted :meth:`prefill_prefixes` (compiled once per shape and mesh)."""
-        return _prefill_prefixes(self, params, level_tokens, level_lengths)
+        return _prefill_prefixes(self.prefill_model, params, level_tokens, level_lengths)
 
     def prefill_jit(self, params: dict, prefix: PrefixCache, tokens_bt, n_tokens_b, *, capacity: int,
                     backend: str = "shared") -> tuple[jax.Array, KVCache]:
         """Jitted :meth:`prefill` (``capacity`` and ``backend`` static)."""
-        return _prefill(self, params, prefix, tokens_bt, n_tokens_b, capacity=capacity, backend=backend)
+        return _prefill(self.prefill_model, params, prefix, tokens_bt, n_tokens_b, capacity=capacity,
+                        backend=backend)
 
     def decode_step_jit(self, params: dict, cache: KVCache, tokens_b, active_b=None):
         """Jitted :meth:`decode_step` that donates the cache's suffix buffers (not its prefix)."""

@@ -37,18 +37,32 @@ def case():
     return config, model, params, pb, base
 
 
+@pytest.fixture(scope="module")
+def plain_runs(case):
+    """The plain sharded step's greedy run on a ``(tp, dp)`` mesh (stacked layers), once each."""
+    _, model, params, pb, _ = case
+    runs = {}
+
+    def run(tp, dp):
+        if (tp, dp) not in runs:
+            mesh = make_mesh(tp, dp)
+            runs[tp, dp] = generate(ShardedLlama(model, mesh), params, pb, max_new_tokens=NEW, eos_token_ids=(),
+                                    mesh=mesh, layout="stacked")
+        return runs[tp, dp]
+    return run
+
+
 @pytest.mark.parametrize("tp,dp,chunks,layout", [(2, 1, 2, "stacked"), (2, 1, 4, "list"), (4, 1, 2, "stacked"),
                                                  (4, 1, 4, "stacked"), (2, 2, 2, "stacked")])
-def test_overlapped_greedy_tokens_equal_plain_and_one_device(case, tp, dp, chunks, layout):
+def test_overlapped_greedy_tokens_equal_plain_and_one_device(case, plain_runs, tp, dp, chunks, layout):
     """Greedy tokens and their log-probabilities; the list layout (unrolled layers, the GPU's)
     and the stacked one (a scan); on tp 2 x dp 2 each data shard chunks its own 3 rows."""
     _, model, params, pb, base = case
     mesh = make_mesh(tp, dp)
-    run = dict(max_new_tokens=NEW, eos_token_ids=(), mesh=mesh, layout=layout)
-    plain = generate(ShardedLlama(model, mesh), params, pb, **run)
+    plain = plain_runs(tp, dp)
     sharded = ShardedLlama(model, mesh, collective_matmul=CollectiveMatmul(overlap_chunks=chunks))
     assert isinstance(sharded.local_decode, OverlappedLlama)
-    out = generate(sharded, params, pb, **run)
+    out = generate(sharded, params, pb, max_new_tokens=NEW, eos_token_ids=(), mesh=mesh, layout=layout)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.tokens, base.tokens)
     np.testing.assert_allclose(out.logprobs, plain.logprobs, atol=1e-5)
@@ -58,20 +72,19 @@ def test_decode_step_logits_and_chained_all_reduces(case):
     """One decode step: the overlapped logits equal the plain ones (6 rows in 4 chunks of 2, 2,
     1, 1 rows on tp 2), and the lowered program holds 2 all-reduces per layer and chunk, each
     after an optimization barrier that ties it to the one before."""
-    _, model, params, pb, _ = case
+    _, model, params, pb, base = case
     mesh = make_mesh(2, 1)
     plain = ShardedLlama(model, mesh)
     over = ShardedLlama(model, mesh, collective_matmul=CollectiveMatmul(overlap_chunks=4))
     placed = plain.place_params(params)
-    out = generate(plain, placed, pb, max_new_tokens=1, eos_token_ids=(), mesh=mesh)
-    tokens = jnp.asarray(out.tokens[:, 0], jnp.int32)
-    want, _ = plain.decode_step(placed, out.cache, tokens)
-    got, _ = over.decode_step(placed, out.cache, tokens)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    _, cache = plain.prefill_prompts(placed, pb, None, capacity=2, attention="shared", shape_buckets=False)
+    tokens = jnp.asarray(base.tokens[:, 0], jnp.int32)
+    lowered = {m: jax.jit(m.decode_step).lower(placed, cache, tokens) for m in (plain, over)}
+    want, got = (np.asarray(lowered[m].compile()(placed, cache, tokens)[0]) for m in (plain, over))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
     def count(model, name):
-        text = jax.jit(model.decode_step).lower(placed, out.cache, tokens).as_text()
-        return text.count(name)
+        return lowered[model].as_text().count(name)
 
     # stacked parameters: the layer loop is a scan, its body lowered once
     assert kvc.is_stacked(placed["layers"])
