@@ -31,7 +31,8 @@ CUDA graph (:func:`bench.timing.loop_time`, median of 3 / ``n``, ``n`` for ~30 m
 floor); where the floor predicts under 200 us, 8 calls per loop iteration (``unroll``), so the
 loop's own 15-19 us per iteration is shared by 8 calls; ``runs[i].harness`` records the loop's
 per-call cost with an identity body at unroll 1 and 8.  FlashInfer: planned outside the timed
-region, a ``torch.cuda.CUDAGraph`` of 10-200 calls, median of 7 replays timed with CUDA events
+region, a ``torch.cuda.CUDAGraph`` of 10-200 calls on the same inputs (independent calls, as
+FlashInfer's own benchmarks), median of 7 replays timed with CUDA events
 (:func:`bench.peers_flashinfer.graph_time`; ``runs[i].harness.torch_graph_empty_kernel``).  With
 ``--interpret`` (CPU smoke) every column is the wall time of one call, compile included: no
 measurement.
