@@ -245,7 +245,7 @@ class Bench:
     def caches(self, point):
         """``shared``: random prefix keys/values (one node per data shard) and empty suffix
         buffers; ``flat``: buffers of ``P + k`` rows per sequence, the first ``P`` random."""
-        mesh, (tp, dp) = self.mesh_obj, self.split(point)
+        mesh, dp = self.mesh_obj, self.split(point)[1]
         b, p, k, flat = point["batch"], point["prefix"], self.k, point["layout"] == "flat"
         cfg = self.model.config
         hkv = self.model.shapes.heads_kv if mesh is not None else cfg.num_key_value_heads

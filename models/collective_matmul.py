@@ -25,26 +25,26 @@ prefix once per batch, and splitting it would read it once per chunk.
 Why batch rows and ``psum`` rather than the other forms of a collective matmul:
 
 * XLA on GPU runs an all-reduce as an asynchronous pair (``all-reduce-start`` /
-  ``all-reduce-done``) on its own stream, and its schedulers (the default one moves starts early
-  and dones late; the latency hiding scheduler, ``--xla_gpu_enable_latency_hiding_scheduler``,
-  plans the overlap with a cost model) put independent compute between the two.  What they
-  need is independent compute to place there, which row chunks give.
+  ``all-reduce-done``) on a stream of its own and may schedule independent compute between the
+  two (the latency hiding scheduler, ``--xla_gpu_enable_latency_hiding_scheduler=true``, plans
+  this with a cost model).  What it needs is independent compute to place there, which row
+  chunks give.  Whether a given XLA version's schedule does overlap them is a measurement
+  (``bench/tensor_parallel.py --overlap-chunks``), not a property of this code.
 * Splitting the output columns (``H``) instead gives chunks whose all-reduces are independent
   too, but the next op (RMSNorm over ``H``) needs every column, so the overlap ends at the
   projection; row chunks carry it through the whole MLP.
 * A ``ppermute`` ring reduce-scatter (the TPU collective matmul) on 2 GPUs has one step: it hides
   the send of the peer's half behind the matmul of one's own half, and the all-gather that
-  follows stays exposed (half the traffic).  Collective permutes on GPU are send/recv pairs,
-  overlapped only under the latency hiding scheduler.
-* A reduce-scatter + all-gather per chunk moves the same bytes as the all-reduce (NCCL runs its
-  all-reduce as exactly that) as two collectives, each with its own latency.
+  follows stays exposed (half the traffic).
+* A reduce-scatter + all-gather per chunk moves the same bytes as the all-reduce (a ring
+  all-reduce is exactly that) as two collectives, each with its own latency.
 
 Independent all-reduces are what XLA's all-reduce combiner merges into one (to save latency),
 which would put every chunk's reduction after the last chunk's matmul.  Each chunk's all-reduce
 therefore takes its operand through an ``optimization_barrier`` together with the previous
-all-reduce's result: the collectives form one chain (they run on one NCCL stream in that order
-anyway), none can be combined with another, and no matmul waits for a collective it does not
-read.
+all-reduce's result: the collectives form one chain (the collectives of one communicator run
+in order anyway), none can be combined with another, and no matmul waits for a collective it
+does not read.
 
 The result equals the plain step's: every row goes through the same ops; only the matmuls are
 issued per chunk (on a GPU the chunked GEMMs may pick other kernels, so the sums can differ in
