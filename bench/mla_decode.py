@@ -18,9 +18,9 @@ Contenders (``--contenders``; ``results[<name>]`` of each point):
 * ``flat_xla``: XLA over per-sequence caches ``[B, P + S, R]`` / ``[B, P + S, Dr]`` (the prefix
   copied into every sequence's cache, as a cache without sharing holds it; built outside the
   timed region): scores by two batched dots (bf16, float32 accumulation), the softmax in
-  float32, ``p c`` with ``p`` in bf16: what XLA makes of a per-sequence decode
-  (``jax_prefix_attn.mla_reference`` computes in float32 at HIGHEST precision: a reference,
-  not a decode path);
+  float32, ``p c`` with ``p`` in bf16: what XLA makes of a per-sequence decode (the
+  library's ``impl="reference"`` computes in float32 at HIGHEST precision: a reference, not
+  a decode path);
 * ``flashinfer``: ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` over a paged cache whose
   every sequence lists the shared prefix pages then its own suffix pages (``--page-size``, 64;
   ``bench/mla_decode_flashinfer.py``).  Optional: where it cannot be imported, the reason is
