@@ -25,38 +25,32 @@ NaN propagation and the LSE convention.  It is computed as a prefix part (one pr
 every head of every sequence that shares the prefix) and a suffix part (per sequence), merged
 through their log-sum-exp (:func:`jax_prefix_attn.merge_attention_states`).
 
-``impl`` names the algorithm: ``"reference"`` (the default; pure JAX, differentiable by
-autodiff) or ``"mgpu"``, the Mosaic GPU kernels (Hopper; ``interpret=True`` runs them in Mosaic
-GPU's CPU interpreter): :func:`pallas_kernels.mla_prefix_mgpu.mla_prefix_attention` for the
-prefix part (every row of every head of every sequence against the one shared prefix) and
-:func:`pallas_kernels.mla_suffix_mgpu.mla_suffix_attention` for the suffix part (each
-sequence's rows against its own suffix, causal within it), merged through the LSE as above.
-The prefix kernel gives every row the same prefix length: with ``Tq > 1`` that holds when every
-``suffix_length >= Tq - 1`` (the earliest query then sees the whole prefix); a call whose
-traced lengths break it computes the reference instead (a branch on the device, no
-recompilation).  ``"mgpu"`` takes one prefix (no groups), 16-bit inputs, ``R`` a multiple of
-128 up to 512 and ``Dr`` 64 or 128, and has no gradient.
+``impl`` names the algorithm: ``"reference"`` (pure JAX, :mod:`jax_prefix_attn.mla_reference`,
+differentiable by autodiff), ``"mgpu"``, the Mosaic GPU kernels (:mod:`jax_prefix_attn.mla_kernels`:
+the prefix kernel over every row of every head of the sequences of one prefix, the suffix kernel
+per sequence; one prefix, or ``G`` groups of equally many contiguous sequences; 16-bit inputs,
+``R`` a multiple of 128 up to 512, ``Dr`` 64 or 128; differentiable through the reference's
+gradients; ``interpret=True`` runs them in Mosaic GPU's CPU interpreter), or ``"auto"`` (the
+default): the kernels on a GPU of compute capability 9.0+ where they take the inputs, else the
+reference (:func:`jax_prefix_attn.mla_kernels.auto_impl`).  Traced values the kernels cannot
+serve (a ``Tq > 1`` call with a ``suffix_length < Tq - 1``, a ``seq_to_prefix`` other than the
+contiguous layout) take the reference on the device, without recompiling.
 """
 from __future__ import annotations
 
 import math
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jax_prefix_attn._validation import (check_array, check_bool, check_impl,
                                          check_prefix_groups, check_same_dtype, check_sm_scale)
-from jax_prefix_attn.device import planning_device_info
-from jax_prefix_attn.merge import merge_attention_states
-from jax_prefix_attn.reference import clamp_shared_inputs, masked_softmax, row_limits
-from pallas_kernels import mla_prefix_mgpu, mla_suffix_mgpu
-from pallas_kernels._common import cdiv, flag_nonfinite
+from jax_prefix_attn.device import device_info, planning_device_info
+from jax_prefix_attn.mla_kernels import auto_impl, kernels_supported, mla_kernels
+from jax_prefix_attn.mla_reference import mla_reference
 
-__all__ = ["latent_part", "mla_attention", "mla_reference", "mla_kernels", "kernels_supported",
-           "IMPLS"]
+__all__ = ["mla_attention", "IMPLS"]
 
-IMPLS = ("reference", "mgpu")
+IMPLS = ("auto", "reference", "mgpu")
 
 
 def _check_pair(name_c, c, name_k, k, ndim, lead: str, rank: int, rope: int, dtype_of: str, q):
@@ -108,142 +102,14 @@ def _validate(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent, suffi
     return prefix_latent, prefix_rope_k, seq_to_prefix, prefix_lengths, suffix_lengths
 
 
-def latent_part(q_nope_bthr, q_rope_bthd, c_nsr, k_rope_nsd, kv_index_b, limit_bt, scale):
-    """Absorbed MLA attention of each sequence's queries over the cached tokens
-    ``c_nsr[kv_index_b[b], :limit_bt[b, i]]`` (values: the latents themselves).
-
-    Args:
-      q_nope_bthr: ``[B, Tq, H, R]`` absorbed queries; q_rope_bthd: ``[B, Tq, H, Dr]``.
-      c_nsr, k_rope_nsd: ``[N, S, R]`` latents and ``[N, S, Dr]`` RoPE keys of ``N`` caches.
-      kv_index_b: int ``[B]`` the cache of each sequence; limit_bt: int ``[B, Tq]`` key limits.
-
-    Returns ``(out [B, Tq, H, R] float32, lse [B, Tq, H] float32)``; rows with no visible key
-    give ``out = 0``, ``lse = -inf`` with finite gradients, as
-    :func:`jax_prefix_attn.reference.part_attention`.
-    """
-    b, tq, h, r = q_nope_bthr.shape
-    n, s, _ = c_nsr.shape
-    if s == 0 or b * tq == 0:
-        return jnp.zeros((b, tq, h, r), jnp.float32), jnp.full((b, tq, h), -jnp.inf, jnp.float32)
-    hi = jax.lax.Precision.HIGHEST
-    qn = q_nope_bthr.astype(jnp.float32)
-    qr = q_rope_bthd.astype(jnp.float32)
-    c = c_nsr.astype(jnp.float32)
-    kr = k_rope_nsd.astype(jnp.float32)
-    # Cached tokens no row sees may hold anything (NaN too): zeroed, so that 0 * NaN reaches
-    # neither ``p @ c`` nor, in the backward, ``ds @ c``.  (The last query sees the most.)
-    j = jnp.arange(s, dtype=jnp.int32)
-    if n == 1:  # one cache for everyone: every head of every sequence in one product
-        live = (j < jnp.max(limit_bt[:, -1]))[:, None]
-        c, kr = jnp.where(live, c[0], 0.0), jnp.where(live, kr[0], 0.0)
-        sc = (jnp.einsum("bqhr,kr->bhqk", qn, c, precision=hi)
-              + jnp.einsum("bqhd,kd->bhqk", qr, kr, precision=hi))
-    else:
-        live = (j[None, :] < limit_bt[:, -1:])[:, :, None]
-        c, kr = jnp.where(live, c[kv_index_b], 0.0), jnp.where(live, kr[kv_index_b], 0.0)
-        sc = (jnp.einsum("bqhr,bkr->bhqk", qn, c, precision=hi)
-              + jnp.einsum("bqhd,bkd->bhqk", qr, kr, precision=hi))
-    mask = (j[None, None, :] < limit_bt[:, :, None])[:, None]             # [B, 1, Tq, S]
-    pr, lse = masked_softmax(sc * scale, mask)
-    if n == 1:
-        o = jnp.einsum("bhqk,kr->bqhr", pr, c, precision=hi)
-    else:
-        o = jnp.einsum("bhqk,bkr->bqhr", pr, c, precision=hi)
-    lse = flag_nonfinite(jax.lax.stop_gradient(o), jnp.transpose(lse[..., 0], (0, 2, 1)))
-    return o, lse
-
-
-def mla_reference(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent, suffix_rope_k,
-                  seq_to_prefix, prefix_lengths, suffix_lengths, scale):
-    """Pure-JAX decomposition on canonical inputs (``prefix_latent [G, P, R]``): the prefix
-    part and the suffix part, merged through their LSE.  Out-of-range lengths and groups are
-    clamped (:func:`jax_prefix_attn.reference.clamp_shared_inputs`).  Returns
-    ``(out [B, Tq, H, R]`` in the queries' dtype, ``lse [B, Tq, H]`` float32)."""
-    b, tq = q_nope.shape[:2]
-    seq_to_prefix, prefix_lengths, suffix_lengths = clamp_shared_inputs(
-        seq_to_prefix, prefix_lengths, suffix_lengths, prefix_latent.shape[0],
-        prefix_latent.shape[1], suffix_latent.shape[1])
-    lim_p, lim_s = row_limits(tq, prefix_lengths[seq_to_prefix], suffix_lengths)
-    o_p, l_p = latent_part(q_nope, q_rope, prefix_latent, prefix_rope_k, seq_to_prefix, lim_p,
-                           scale)
-    o_s, l_s = latent_part(q_nope, q_rope, suffix_latent, suffix_rope_k,
-                           jnp.arange(b, dtype=jnp.int32), lim_s, scale)
-    out, lse = merge_attention_states([o_p, o_s], [l_p, l_s])
-    return out.astype(q_nope.dtype), lse
-
-
 _mla_reference_jit = jax.jit(mla_reference, static_argnames=("scale",))
-
-
-def _key_splits(ctas: int, n_keys: int, sm_count: int) -> int:
-    """Key splits of a kernel with ``ctas`` CTAs per split over ``n_keys`` keys in tiles of 64:
-    about one CTA per SM when ``ctas`` alone would leave SMs idle, every split at least one
-    tile."""
-    n_tiles = cdiv(n_keys, 64)
-    per_split = cdiv(n_tiles, max(1, min(n_tiles, cdiv(sm_count, ctas))))
-    return cdiv(n_tiles, per_split)
-
-
-def kernels_supported(q_nope, q_rope, prefix_latent, suffix_latent) -> str | None:
-    """``None`` when ``impl="mgpu"`` runs these canonical inputs (``prefix_latent [G, P, R]``),
-    else the reason."""
-    r, dr, dtype = q_nope.shape[-1], q_rope.shape[-1], q_nope.dtype
-    if prefix_latent.shape[0] != 1:
-        return f"one shared prefix (got G={prefix_latent.shape[0]} prefix groups)"
-    return (mla_prefix_mgpu.supported(rank=r, rope_dim=dr, prefix_len=prefix_latent.shape[1],
-                                      dtype=dtype)
-            or mla_suffix_mgpu.supported(rank=r, rope_dim=dr, suffix_cap=suffix_latent.shape[1],
-                                         dtype=dtype))
-
-
-def mla_kernels(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent, suffix_rope_k,
-                prefix_lengths, suffix_lengths, scale, interpret=False, sm_count=None):
-    """The Mosaic GPU decomposition on canonical inputs with one prefix (``prefix_latent
-    [1, P, R]``): the prefix kernel over all ``B * Tq * H`` rows, the suffix kernel per
-    sequence, merged through their LSE; the reference where a query would see part of the
-    prefix only (``Tq > 1`` and a ``suffix_length < Tq - 1``).  Lengths are clamped; the keys
-    are split so that each kernel has about ``sm_count`` CTAs (default: the planning device's
-    SMs, :func:`jax_prefix_attn.device.planning_device_info`) when its rows alone give fewer.
-    Returns ``(out [B, Tq, H, R]`` in the queries' dtype, ``lse [B, Tq, H]`` float32)."""
-    if sm_count is None:
-        sm_count = planning_device_info().sm_count
-    sm_count = max(1, sm_count)
-    b, tq, h, r = q_nope.shape
-    dr = q_rope.shape[-1]
-    p, s = prefix_latent.shape[1], suffix_latent.shape[1]
-    p_len = jnp.clip(prefix_lengths[0].astype(jnp.int32), 0, p)
-    s_len = jnp.clip(suffix_lengths.astype(jnp.int32), 0, s)
-
-    def kernels():
-        o_p, l_p = mla_prefix_mgpu.mla_prefix_attention(
-            q_nope.reshape(b * tq * h, r), q_rope.reshape(b * tq * h, dr), prefix_latent[0],
-            prefix_rope_k[0], p_len, sm_scale=scale, interpret=interpret,
-            num_splits=_key_splits(cdiv(b * tq * h, 64), p, sm_count))
-        o_s, l_s = mla_suffix_mgpu.mla_suffix_attention(
-            q_nope.reshape(b, tq * h, r), q_rope.reshape(b, tq * h, dr), suffix_latent,
-            suffix_rope_k, s_len, sm_scale=scale, seq_q=tq, interpret=interpret,
-            num_splits=_key_splits(b * cdiv(tq * h, 64), s, sm_count))
-        out, lse = merge_attention_states(
-            [o_p.reshape(b, tq, h, r), o_s.reshape(b, tq, h, r)],
-            [l_p.reshape(b, tq, h), l_s.reshape(b, tq, h)])
-        return out.astype(q_nope.dtype), lse
-
-    if tq == 1:
-        return kernels()
-
-    def reference():
-        return mla_reference(q_nope, q_rope, prefix_latent, prefix_rope_k, suffix_latent,
-                             suffix_rope_k, jnp.zeros((b,), jnp.int32), p_len[None], s_len, scale)
-    return jax.lax.cond(jnp.all(s_len >= tq - 1), kernels, reference)
-
-
 _mla_kernels_jit = jax.jit(mla_kernels, static_argnames=("scale", "interpret", "sm_count"))
 
 
 def mla_attention(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k, suffix_latent,
                   suffix_rope_k, *, suffix_lengths, prefix_lengths=None, seq_to_prefix=None,
                   sm_scale=None, return_lse: bool = False, check_ranges: bool = False,
-                  impl: str = "reference", interpret: bool = False):
+                  impl: str = "auto", interpret: bool = False):
     """Absorbed MLA attention of each sequence over its (shared) latent prefix followed by its
     own latent suffix.
 
@@ -267,8 +133,8 @@ def mla_attention(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k, suffix_
       check_ranges: add ``checkify`` checks of traced lengths and ``seq_to_prefix`` (out-of-range
         values are clamped); the caller wraps the call in
         ``checkify.checkify(..., errors=checkify.user_checks)``.  Off: no check is compiled.
-      impl: ``"reference"`` (pure JAX) or ``"mgpu"`` (the Mosaic GPU kernels; see the module
-        docstring for what they take: a ``ValueError`` names what they cannot run).
+      impl: ``"auto"``, ``"reference"`` or ``"mgpu"`` (the module docstring; ``"mgpu"``
+        raises a ``ValueError`` naming what the kernels cannot run).
       interpret: with ``impl="mgpu"``, run the kernels in Mosaic GPU's CPU interpreter.
 
     Returns:
@@ -285,13 +151,15 @@ def mla_attention(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k, suffix_
         suffix_lengths, prefix_lengths, seq_to_prefix, sm_scale, return_lse, check_ranges)
     width = q_nope_absorbed.shape[-1] + q_rope.shape[-1]
     scale = 1.0 / math.sqrt(width) if sm_scale is None else float(sm_scale)
+    if impl == "auto":
+        impl, _ = auto_impl(q_nope_absorbed, q_rope, prefix_latent, suffix_latent, device_info())
     if impl == "mgpu":
         why = kernels_supported(q_nope_absorbed, q_rope, prefix_latent, suffix_latent)
         if why is not None:
             raise ValueError(f"impl='mgpu' (Mosaic GPU kernels) cannot run these inputs: {why}; "
                              f"use impl='reference'")
         out, lse = _mla_kernels_jit(q_nope_absorbed, q_rope, prefix_latent, prefix_rope_k,
-                                    suffix_latent, suffix_rope_k, prefix_lengths,
+                                    suffix_latent, suffix_rope_k, seq_to_prefix, prefix_lengths,
                                     suffix_lengths, scale=scale, interpret=interpret,
                                     sm_count=planning_device_info().sm_count)
         return (out, lse) if return_lse else out

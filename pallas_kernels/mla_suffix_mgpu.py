@@ -36,7 +36,7 @@ memory before ``P c`` (``0 * NaN`` would otherwise leak a NaN stored there).  Th
 warpgroup may read those rows at the same time for its scores; they are masked keys, so what it
 reads never reaches a result.  ``NaN`` in ``k_rope`` past the length is masked out of the scores.
 A NaN in a key that only later query positions see also makes the earlier rows NaN (their
-weight 0 times the NaN), as in :func:`jax_prefix_attn.mla.latent_part`.
+weight 0 times the NaN), as in :func:`jax_prefix_attn.mla_reference.latent_part`.
 
 Padding: rows to a multiple of 64 per sequence and ``S`` to a multiple of ``block_kv`` (a copy of
 the cache: give ``S`` a multiple of ``block_kv`` to avoid it).

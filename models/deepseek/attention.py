@@ -84,14 +84,14 @@ def attend_expanded(config: DeepseekConfig, lp: dict, q_nope, q_rope, latent_btr
 
 def attend_absorbed(config: DeepseekConfig, lp: dict, q_nope, q_rope, prefix_latent, prefix_rope_k,
                     suffix_latent, suffix_rope_k, *, suffix_lengths, prefix_lengths,
-                    seq_to_prefix) -> jax.Array:
+                    seq_to_prefix, impl: str = "auto") -> jax.Array:
     """Attention of the newest ``T`` tokens of each sequence over its latent prefix and suffix
-    in the absorbed form: ``[B, T, Hn, Dv]`` (the module docstring; the cache layout and the
-    lengths as :func:`jax_prefix_attn.mla_attention`)."""
+    in the absorbed form: ``[B, T, Hn, Dv]`` (the module docstring; the cache layout, the
+    lengths and ``impl`` as :func:`jax_prefix_attn.mla_attention`)."""
     w_uk, w_uv = up_projections(config, lp["wkv_b"])
     q_abs = _mm("bthn,rhn->bthr", q_nope, w_uk).astype(prefix_latent.dtype)
     o = jpa.mla_attention(q_abs, q_rope.astype(prefix_latent.dtype), prefix_latent, prefix_rope_k,
                           suffix_latent, suffix_rope_k, suffix_lengths=suffix_lengths,
                           prefix_lengths=prefix_lengths, seq_to_prefix=seq_to_prefix,
-                          sm_scale=config.softmax_scale)
+                          sm_scale=config.softmax_scale, impl=impl)
     return _mm("bthr,rhv->bthv", o, w_uv)

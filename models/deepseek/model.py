@@ -52,7 +52,10 @@ class Deepseek:
 
     ``impl`` is the attention implementation of the non-absorbed prefill
     (:func:`jax_prefix_attn.attention`: ``"auto"``, ``"flash"`` or ``"reference"``) and
-    ``interpret`` runs its kernels in Pallas interpret mode."""
+    ``interpret`` runs its kernels in Pallas interpret mode; the absorbed form (decoding and
+    the completions of ``completion_logprobs``) runs :func:`jax_prefix_attn.mla_attention`
+    with ``impl="auto"`` (its Mosaic GPU kernels where they run), or the reference when
+    ``impl="reference"``."""
 
     def __init__(self, config: DeepseekConfig, *, impl: str = "auto", interpret: bool = False):
         if not isinstance(config, DeepseekConfig):
@@ -63,6 +66,9 @@ class Deepseek:
             raise TypeError(f"interpret must be a bool, got {type(interpret).__name__}")
         self.config = config
         self.impl = impl
+        # The absorbed form's kernels (Mosaic GPU, :func:`jax_prefix_attn.mla_attention`):
+        # "auto" takes them where they run, "reference" never.
+        self.mla_impl = "reference" if impl == "reference" else "auto"
         self.interpret = interpret
         self.inv_freq = rope_inv_freq(config)
         self.rope_factor = rope_cos_sin_factor(config)
@@ -205,7 +211,7 @@ class Deepseek:
                 rope_ks[i] = write_suffix(rope_ks[i], kr, cache.lengths, n_new)
                 return attend_absorbed(c, lp, qn, qr, prefix.latent[i], prefix.rope_k[i], latents[i],
                                        rope_ks[i], suffix_lengths=new_lengths, prefix_lengths=prefix.lengths,
-                                       seq_to_prefix=cache.seq_to_prefix)
+                                       seq_to_prefix=cache.seq_to_prefix, impl=self.mla_impl)
             x, _ = self._layer(i, lp, x, pos, attend)
         logits = lm_head(rms_norm(x[:, -1], params["final_norm"], c.rms_norm_eps), params)
         return logits, cache.replace(latent=tuple(latents), rope_k=tuple(rope_ks), lengths=new_lengths)
@@ -244,7 +250,7 @@ class Deepseek:
                 x_p, (lat_p, kr_p) = self._layer(i, lp, x_p, pos_p, expanded(lp))
                 absorbed = lambda qn, qr, lat, kr: attend_absorbed(  # noqa: E731
                     c, lp, qn, qr, lat_p, kr_p, lat, kr, suffix_lengths=full, prefix_lengths=plen_g,
-                    seq_to_prefix=s2p)
+                    seq_to_prefix=s2p, impl=self.mla_impl)
                 return x_p, self._layer(i, lp, x_c, pos_c, absorbed)[0]
             carry = (embed(params["embed"], prompt_gp).astype(dtype), embed(params["embed"], comp_bc).astype(dtype))
         else:

@@ -341,9 +341,9 @@ def test_mgpu_rejects_what_the_kernels_cannot_run():
     args, kw, _ = make_case(3, b=2, tq=1, h=2, r=128, dr=64, p=64, s=64)
     with pytest.raises(ValueError, match="impl='mgpu'.*bfloat16 or float16.*impl='reference'"):
         jpa.mla_attention(*args, **kw, impl="mgpu")
-    args, kw, _ = make_case(3, b=2, tq=1, h=2, r=128, dr=64, p=64, s=64, g=2,
+    args, kw, _ = make_case(3, b=3, tq=1, h=2, r=128, dr=64, p=64, s=64, g=2,
                             dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="one shared prefix"):
+    with pytest.raises(ValueError, match=r"equally many sequences \(batch 3 .* G=2"):
         jpa.mla_attention(*args, **kw, impl="mgpu")
     with pytest.raises(ValueError, match="impl must be one of"):
         jpa.mla_attention(*args, **kw, impl="flash")
@@ -368,3 +368,104 @@ def test_gpu_mgpu_matches_reference(b, tq, h, p, s):
     out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
     assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 2e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-2, rtol=0)
+
+
+def test_mgpu_prefix_groups_and_gradients_in_cpu_interpreter():
+    """``impl="mgpu"`` with ``G = 2`` prefix groups (bfloat16, ``R = 128``, ``Dr = 64``) in the
+    CPU interpreter, against the non-absorbed oracle: the kernels alone
+    (:func:`jax_prefix_attn.mla_kernels.kernel_parts`, one launch of the prefix kernel per group)
+    on the contiguous layout; then ``mla_attention`` under ``jax.value_and_grad`` with
+    ``seq_to_prefix`` traced, once contiguous (kernels) and once not (the reference branch),
+    values against the oracle and gradients of a loss of ``out`` and ``lse`` against the
+    reference's (the kernel path's backward differentiates the reference)."""
+    from jax_prefix_attn.mla_kernels import kernel_parts
+    args, kw, full = make_case(41, b=2, tq=1, h=2, r=128, dr=64, dn=16, dv=8, p=64, s=64, g=2,
+                               dtype=jnp.bfloat16, suffix_lengths=[64, 0])
+    p_len, s_len = jnp.array([40, 64], jnp.int32), jnp.array([64, 0], jnp.int32)
+    out, lse = jax.jit(lambda *a: kernel_parts(*a, p_len, s_len, SCALE, True, 132))(*args)
+    want_out, want_lse = oracle(args, dict(kw, seq_to_prefix=np.array([0, 1]),
+                                           prefix_lengths=p_len), full, SCALE)
+    got = up_v(np.asarray(out, np.float32), full)
+    assert np.linalg.norm(got - want_out) / np.linalg.norm(want_out) < 2e-2
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-2, rtol=0)
+
+    rng = np.random.default_rng(1)
+    w_out = jnp.asarray(rng.standard_normal(args[0].shape), jnp.float32)
+    w_lse = jnp.asarray(rng.standard_normal(args[0].shape[:3]), jnp.float32)
+
+    def loss(impl, s2p, *a):
+        out, lse = jpa.mla_attention(*a, suffix_lengths=s_len, prefix_lengths=p_len,
+                                     seq_to_prefix=s2p, sm_scale=SCALE, return_lse=True,
+                                     impl=impl, interpret=True)
+        return (jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(lse * w_lse)), (out, lse)
+
+    argnums = tuple(range(1, 7))
+    run = {impl: jax.jit(jax.value_and_grad(functools.partial(loss, impl), argnums, has_aux=True))
+           for impl in ("mgpu", "reference")}
+    for s2p in ([0, 1], [1, 0]):
+        s2p = jnp.array(s2p, jnp.int32)
+        (_, (out, lse)), got = run["mgpu"](s2p, *args)
+        _, want = run["reference"](s2p, *args)
+        ref_out, ref_lse = oracle(args, dict(kw, seq_to_prefix=np.asarray(s2p),
+                                             prefix_lengths=p_len), full, SCALE)
+        assert np.linalg.norm(up_v(np.asarray(out, np.float32), full) - ref_out) \
+            / np.linalg.norm(ref_out) < 2e-2
+        np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-2, rtol=0)
+        for name, a, b_ in zip(("q_nope", "q_rope", "prefix_latent", "prefix_rope_k",
+                                "suffix_latent", "suffix_rope_k"), got, want):
+            assert a.dtype == jnp.bfloat16, name
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_, np.float32),
+                                       rtol=2e-2, atol=2e-2, err_msg=name)
+
+
+def test_auto_takes_the_kernels_on_hopper_where_they_run():
+    from jax_prefix_attn.device import CPU, H200, DeviceInfo
+    from jax_prefix_attn.mla_kernels import auto_impl
+    a100 = DeviceInfo("gpu", "NVIDIA A100-SXM4-80GB", 108, 166912, "8.0")
+    bf = jnp.zeros((4, 1, 16, 512), jnp.bfloat16), jnp.zeros((4, 1, 16, 64), jnp.bfloat16)
+    one, two = jnp.zeros((1, 4096, 512), jnp.bfloat16), jnp.zeros((2, 4096, 512), jnp.bfloat16)
+    suffix = jnp.zeros((4, 256, 512), jnp.bfloat16)
+    assert auto_impl(*bf, one, suffix, H200)[0] == "mgpu"
+    assert auto_impl(*bf, two, suffix, H200)[0] == "mgpu"
+    assert auto_impl(*bf, jnp.zeros((3, 4096, 512), jnp.bfloat16), suffix, H200) == (
+        "reference", "the Mosaic GPU kernels need prefix groups of equally many sequences "
+                     "(batch 4 is not a multiple of G=3 prefix groups)")
+    f32 = tuple(x.astype(jnp.float32) for x in bf)
+    assert auto_impl(*f32, one.astype(jnp.float32), suffix.astype(jnp.float32), H200)[0] == \
+        "reference"
+    for dev in (CPU, a100):
+        impl, why = auto_impl(*bf, one, suffix, dev)
+        assert impl == "reference" and "compute capability 9.0+" in why
+
+
+@pytest.mark.gpu
+def test_gpu_auto_prefix_groups_and_gradients():
+    """On an H200, ``impl="auto"`` (the kernels) at DeepSeek-V2-Lite widths with 4 prompts of 16
+    samples each (the contiguous group layout), against the reference: values, and gradients of
+    a loss of ``out`` and ``lse`` in one program."""
+    b, g, tq, h, r, dr, p, s = 64, 4, 1, 16, 512, 64, 2048, 256
+    rng = np.random.default_rng(5)
+    shapes = ((b, tq, h, r), (b, tq, h, dr), (g, p, r), (g, p, dr), (b, s, r), (b, s, dr))
+    args = tuple(jnp.asarray(rng.standard_normal(x) * 0.5, jnp.bfloat16) for x in shapes)
+    kw = dict(suffix_lengths=jnp.asarray(rng.integers(0, s + 1, b), jnp.int32),
+              prefix_lengths=jnp.array([p, p - 100, 1, 777], jnp.int32),
+              seq_to_prefix=jnp.arange(b, dtype=jnp.int32) // (b // g), sm_scale=192 ** -0.5,
+              return_lse=True)
+    w_out = jnp.asarray(rng.standard_normal((b, tq, h, r)), jnp.float32)
+
+    def loss(impl, *a):
+        out, lse = jpa.mla_attention(*a, **kw, impl=impl)
+        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(lse), (out, lse)
+
+    @jax.jit
+    def run(*a):
+        grad = lambda impl: jax.grad(functools.partial(loss, impl), range(6), has_aux=True)  # noqa: E731
+        return grad("auto")(*a), grad("reference")(*a)
+
+    (got, (out, lse)), (want, (ref_out, ref_lse)) = run(*args)
+    out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+    assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 2e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-2, rtol=0)
+    for a, b_ in zip(got, want):
+        a, b_ = np.asarray(a, np.float32), np.asarray(b_, np.float32)
+        assert np.linalg.norm(a - b_) / np.linalg.norm(b_) < 2e-2

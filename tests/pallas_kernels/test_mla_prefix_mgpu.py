@@ -8,7 +8,7 @@ NumPy reference written from the equations ``s = scale (q_nope . c + q_rope . k_
 or ``share_p``): ragged lengths, padded rows, NaN past the length, empty splits, splits
 merged against the unsplit kernel; (3) lowering for CUDA at DeepSeek-V3 shapes.
 GPU (marker ``gpu``): the compiled kernel against the library's pure-JAX prefix part
-(:func:`jax_prefix_attn.mla.latent_part`) at DeepSeek-V2-Lite and V3 shapes.
+(:func:`jax_prefix_attn.mla_reference.latent_part`) at DeepSeek-V2-Lite and V3 shapes.
 """
 import functools
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from helpers import lower_for_cuda
-from jax_prefix_attn.mla import latent_part
+from jax_prefix_attn.mla_reference import latent_part
 from pallas_kernels._common import merge_partials
 from pallas_kernels.mla_prefix_mgpu import (SMEM_LIMIT, mla_prefix_attention, mla_prefix_partials,
                                             smem_bytes, supported)

@@ -10,7 +10,7 @@ visible key (must), key splits with traced lengths.  The interpreter runs one CT
 split, sequence) at about a second each, so the cases are small: ``R = 128`` (the kernel takes
 multiples of 128 up to 512), heads 3 and 16.  (3) Lowering for CUDA at DeepSeek shapes.
 GPU (marker ``gpu``): the compiled kernel against the library's pure-JAX suffix part
-(:func:`jax_prefix_attn.mla.latent_part`) at DeepSeek-V2-Lite and V3 shapes.
+(:func:`jax_prefix_attn.mla_reference.latent_part`) at DeepSeek-V2-Lite and V3 shapes.
 """
 import functools
 
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from helpers import lower_for_cuda
-from jax_prefix_attn.mla import latent_part
+from jax_prefix_attn.mla_reference import latent_part
 from jax_prefix_attn.reference import row_limits
 from pallas_kernels._common import merge_partials
 from pallas_kernels.mla_suffix_mgpu import mla_suffix_attention, mla_suffix_partials, supported
