@@ -41,10 +41,13 @@ Why batch rows and ``psum`` rather than the other forms of a collective matmul:
 
 Independent all-reduces are what XLA's all-reduce combiner merges into one (to save latency),
 which would put every chunk's reduction after the last chunk's matmul.  Each chunk's all-reduce
-therefore takes its operand through an ``optimization_barrier`` together with the previous
-all-reduce's result: the collectives form one chain (the collectives of one communicator run
-in order anyway), none can be combined with another, and no matmul waits for a collective it
-does not read.
+operand therefore depends on the previous all-reduce's result through data: it adds
+``0 * s``, ``s`` one element of that result (replaced by 0 unless finite, so the sum is exact up to
+the sign of a zero, and no NaN or infinity crosses rows).  The collectives form one chain (the collectives of one
+communicator run in order anyway), none can be combined with another, and no matmul waits for a
+collective it does not read.  An ``optimization_barrier`` tying each operand to the previous
+result does not do this: XLA expands barriers into their operands before it combines
+collectives (XLA:CPU then combined the chunks' all-reduces in pairs).
 
 The result equals the plain step's: every row goes through the same ops; only the matmuls are
 issued per chunk (on a GPU the chunked GEMMs may pick other kernels, so the sums can differ in
@@ -102,11 +105,13 @@ def row_chunks(rows: int, chunks: int) -> tuple[tuple[int, int], ...]:
 
 
 def _after(x: jax.Array, token: jax.Array | None) -> jax.Array:
-    """``x``, released to its consumer only once ``token`` is computed."""
+    """``x`` made data-dependent on ``token`` without changing its value: ``x + 0 * s``, ``s``
+    the first element of ``token`` where finite, else 0 (XLA does not fold a floating ``* 0``)."""
     if token is None:
         return x
-    x, _ = jax.lax.optimization_barrier((x, token))
-    return x
+    s = token.reshape(-1)[0]
+    zero = jnp.where(jnp.isfinite(s), s, jnp.zeros((), s.dtype)) * jnp.zeros((), s.dtype)
+    return x + zero.astype(x.dtype)
 
 
 def overlapped_layer_tail(lp: dict, x_bth: jax.Array, attn_btk: jax.Array, *, eps: float, axis: str,
