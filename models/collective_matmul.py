@@ -41,13 +41,13 @@ Why batch rows and ``psum`` rather than the other forms of a collective matmul:
 
 Independent all-reduces are what XLA's all-reduce combiner merges into one (to save latency),
 which would put every chunk's reduction after the last chunk's matmul.  Each chunk's all-reduce
-operand therefore depends on the previous all-reduce's result through data: it adds
-``0 * s``, ``s`` one element of that result (replaced by 0 unless finite, so the sum is exact up to
-the sign of a zero, and no NaN or infinity crosses rows).  The collectives form one chain (the collectives of one
-communicator run in order anyway), none can be combined with another, and no matmul waits for a
-collective it does not read.  An ``optimization_barrier`` tying each operand to the previous
-result does not do this: XLA expands barriers into their operands before it combines
-collectives (XLA:CPU then combined the chunks' all-reduces in pairs).
+operand therefore depends on the previous all-reduce's result through data: it adds ``0 * s``,
+``s`` one element of that result, replaced by 0 unless finite (so the sum is exact up to the
+sign of a zero, and no NaN or infinity crosses rows).  The collectives form one chain (the
+collectives of one communicator run in order anyway), none can be combined with another, and
+no matmul waits for a collective it does not read.  An ``optimization_barrier`` tying each
+operand to the previous result does not do this: XLA expands barriers into their operands
+before it combines collectives (XLA:CPU then combined the chunks' all-reduces in pairs).
 
 The result equals the plain step's: every row goes through the same ops; only the matmuls are
 issued per chunk (on a GPU the chunked GEMMs may pick other kernels, so the sums can differ in
