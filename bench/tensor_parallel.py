@@ -290,6 +290,8 @@ class Bench:
         return rec
 
     def timed(self, point, split) -> dict:
+        if self.rates is None:   # before any parameters are placed: the copy test takes 2 GB
+            self.rates = measure_rates(small=self.args.smoke)
         self.setup(point)
         args, k, b = self.args, self.k, point["batch"]
         prefix, layers, lengths0, pos0, tokens0 = self.caches(point)
@@ -344,8 +346,6 @@ class Bench:
 
     def roofline(self, point, split, step_ms, allreduce_floor_ms) -> dict:
         """The step's floor over all the point's GPUs (module docstring), with measured rates."""
-        if self.rates is None:
-            self.rates = measure_rates(small=self.args.smoke)
         cfg, (tp, dp), b, p = self.cfg(point), split, point["batch"], point["prefix"]
         gpus, item, s_mean = tp * dp, jnp.dtype(self.dtype).itemsize, self.k / 2
         kv_tok = ec.kv_bytes_per_token(cfg, item)
