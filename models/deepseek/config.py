@@ -8,6 +8,8 @@
   ``num_experts_per_tok``, ``routed_scaling_factor``, ``scoring_func``, ``topk_method`` with
   ``n_group``/``topk_group``, ``norm_topk_prob``, ``moe_intermediate_size``) and YaRN RoPE
   scaling (:class:`YarnRopeScaling`).
+* :data:`PRESETS` -- architecture presets of public checkpoints (``"DeepSeek-V2-Lite"``: the
+  fields of its ``config.json``), for benchmarks with random weights.
 * :meth:`DeepseekConfig.from_hf_config(path_or_dict)` -- a checkpoint directory, the file or the
   parsed dict; both the transformers < 5 layout (``rope_theta`` + ``rope_scaling``) and the
   transformers >= 5 layout (``rope_parameters``) are read.  An architecture other than the two
@@ -31,7 +33,7 @@ from typing import Any, Mapping
 
 from models.config import hf_config_dict
 
-__all__ = ["ARCHITECTURES", "DeepseekConfig", "YarnRopeScaling"]
+__all__ = ["ARCHITECTURES", "DeepseekConfig", "PRESETS", "YarnRopeScaling"]
 
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _MODEL_TYPES = types.MappingProxyType({"deepseek_v2": "DeepseekV2ForCausalLM",
@@ -333,3 +335,20 @@ def _from_hf_dict(raw: Mapping[str, Any]) -> DeepseekConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids)
+
+
+#: Architecture presets of public checkpoints (values from their config.json files).
+PRESETS: types.MappingProxyType = types.MappingProxyType({
+    "DeepSeek-V2-Lite": _from_hf_dict({
+        "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048,
+        "intermediate_size": 10944, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1,
+        "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "max_position_embeddings": 163840, "tie_word_embeddings": False, "bos_token_id": 100000,
+        "eos_token_id": 100001}),
+})
