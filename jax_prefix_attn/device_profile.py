@@ -250,9 +250,12 @@ def _share(v, path, key):
     return v
 
 
-_PROFILE_FIELDS = {f.name: f.type for f in dataclasses.fields(DeviceProfile)
-                   if f.name not in ("name", "compute_capability", "tuning")}
-_TUNING = {
+# the data file's keys: its ``profile`` (every rate of DeviceProfile, by type) and its
+# ``tuning`` (every field of Tuning, by parser)
+_PROFILE_FIELDS = types.MappingProxyType({
+    f.name: f.type for f in dataclasses.fields(DeviceProfile)
+    if f.name not in ("name", "compute_capability", "tuning")})
+_TUNING = types.MappingProxyType({
     "decode_suffix_tiling": _tiling, "row_suffix_tiling": _tiling,
     "overlap_below_programs": _count, "prefix_tiling": _tiling, "large_m_tiling": _tiling,
     "flat_tiles": _flat_tiles, "flat_rows_tiling": _tiling, "flat_own_min_split_keys": _count,
@@ -263,8 +266,7 @@ _TUNING = {
     "one_launch_min_group": _count, "joint_regions": _regions("min_group", "min_ctas"),
     "joint_stages": _count, "joint_schedule_barrier": _flag,
     "split_regions": _regions(), "split_group": _count, "split_min_rows": _count,
-}
-assert tuple(_TUNING) == tuple(f.name for f in dataclasses.fields(Tuning))
+})
 
 
 def load_part(path) -> DeviceProfile:
