@@ -40,14 +40,19 @@ Why batch rows and ``psum`` rather than the other forms of a collective matmul:
   all-reduce is exactly that) as two collectives, each with its own latency.
 
 Independent all-reduces are what XLA's all-reduce combiner merges into one (to save latency),
-which would put every chunk's reduction after the last chunk's matmul.  Each chunk's all-reduce
-operand therefore depends on the previous all-reduce's result through data: it adds ``0 * s``,
-``s`` one element of that result, replaced by 0 unless finite (so the sum is exact up to the
-sign of a zero, and no NaN or infinity crosses rows).  The collectives form one chain (the
-collectives of one communicator run in order anyway), none can be combined with another, and
-no matmul waits for a collective it does not read.  An ``optimization_barrier`` tying each
-operand to the previous result does not do this: XLA expands barriers into their operands
-before it combines collectives (XLA:CPU then combined the chunks' all-reduces in pairs).
+which would put every chunk's reduction after the last chunk's matmul.  The chunks' all-reduces
+are therefore chained by data: before its all-reduce, the first element of a chunk's partial
+sums gets ``0 * s`` added in place, ``s`` one element of the previous all-reduce's result
+(replaced by 0 unless finite, so the value is unchanged up to the sign of a zero and no NaN or
+infinity crosses rows).  The collectives form one chain (the collectives of one communicator
+run in order anyway), none can be combined with another, and no matmul waits for a collective
+it does not read: the dependence enters through a one-element in-place update after the GEMM,
+not through an elementwise op on its whole output, which XLA could fuse into the GEMM as an
+epilogue (the GEMM would then wait for the previous all-reduce).  Two other ways do not hold on
+XLA:CPU: an ``optimization_barrier`` tying each operand to the previous result (XLA expands
+barriers into their operands before it combines collectives, and it combined the chunks'
+all-reduces in pairs), and a scalar token reduced beside each chunk (``psum`` of a tuple lowers
+to one all-reduce per operand, which XLA then combines anew).
 
 The result equals the plain step's: every row goes through the same ops; only the matmuls are
 issued per chunk (on a GPU the chunked GEMMs may pick other kernels, so the sums can differ in
@@ -104,14 +109,16 @@ def row_chunks(rows: int, chunks: int) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
-def _after(x: jax.Array, token: jax.Array | None) -> jax.Array:
-    """``x`` made data-dependent on ``token`` without changing its value: ``x + 0 * s``, ``s``
-    the first element of ``token`` where finite, else 0 (XLA does not fold a floating ``* 0``)."""
-    if token is None:
+def _after(x: jax.Array, previous: jax.Array | None) -> jax.Array:
+    """``x`` made data-dependent on ``previous`` without changing its value (module docstring):
+    its first element plus ``0 * s``, ``s`` the first element of ``previous`` where finite, else
+    0 (XLA does not fold a floating ``* 0``), written back in place."""
+    if previous is None:
         return x
-    s = token.reshape(-1)[0]
-    zero = jnp.where(jnp.isfinite(s), s, jnp.zeros((), s.dtype)) * jnp.zeros((), s.dtype)
-    return x + zero.astype(x.dtype)
+    s = previous.reshape(-1)[0]
+    zero = (jnp.where(jnp.isfinite(s), s, jnp.zeros((), s.dtype)) * jnp.zeros((), s.dtype)).astype(x.dtype)
+    origin = (0,) * x.ndim
+    return jax.lax.dynamic_update_slice(x, jax.lax.dynamic_slice(x, origin, (1,) * x.ndim) + zero, origin)
 
 
 def overlapped_layer_tail(lp: dict, x_bth: jax.Array, attn_btk: jax.Array, *, eps: float, axis: str,
@@ -129,12 +136,10 @@ def overlapped_layer_tail(lp: dict, x_bth: jax.Array, attn_btk: jax.Array, *, ep
 
     computed per chunk of rows of ``B``, with the ``2 * min(chunks, B)`` all-reduces chained in
     the order o projections of every chunk, then down projections of every chunk."""
-    spans = row_chunks(x_bth.shape[0], chunks)
     last = None
     mids = []
-    for a, b in spans:
-        partial = dense(attn_btk[a:b], lp["wo"])
-        last = jax.lax.psum(_after(partial, last), axis)
+    for a, b in row_chunks(x_bth.shape[0], chunks):
+        last = jax.lax.psum(_after(dense(attn_btk[a:b], lp["wo"]), last), axis)
         mids.append(x_bth[a:b] + last.astype(x_bth.dtype))
     outs = []
     for mid in mids:

@@ -70,9 +70,10 @@ def test_overlapped_greedy_tokens_equal_plain_and_one_device(case, plain_runs, t
 
 
 def compiled_all_reduces(hlo: str) -> list[int]:
-    """Operands of each all-reduce of compiled HLO text (more than 1: all-reduces combined)."""
-    found = re.findall(r" all-reduce(?:-start)?\((.*?)\), (?:channel_id|replica_groups)", hlo)
-    return [ops.count("%") for ops in found]
+    """For each all-reduce of compiled HLO text, the non-scalar arrays it reduces (more than 1:
+    all-reduces were combined; a chained one also reduces its scalar token)."""
+    types = re.findall(r"= (.*?) all-reduce(?:-start)?\(", hlo)
+    return [len(re.findall(r"\[\d[\d,]*\]", t)) for t in types]
 
 
 def schedule_summary(hlo: str) -> dict:
@@ -97,7 +98,7 @@ def schedule_summary(hlo: str) -> dict:
 def test_decode_step_logits_and_chained_all_reduces(case):
     """One decode step: the overlapped logits equal the plain ones (6 rows in 4 chunks of 2, 2,
     1, 1 rows on tp 2), and the compiled program keeps 2 all-reduces per layer and chunk, none
-    combined with another."""
+    combined with another (each reduces one chunk, beside the chain's scalar token)."""
     _, model, params, pb, base = case
     mesh = make_mesh(2, 1)
     plain = ShardedLlama(model, mesh)
@@ -133,6 +134,8 @@ def test_schedule_summary_reads_async_pairs():
     assert schedule_summary(hlo) == {"all_reduce_sync": 1, "all_reduce_async": 2, "async_with_compute_between": 1,
                                      "compute_between": [2, 0]}
     assert compiled_all_reduces(hlo) == [1, 1, 1]
+    combined = "%ar = (f32[8,64]{1,0}, f32[]) all-reduce(%a, %t)\n%ar2 = (f32[2,1,64]{2,1,0}, f32[4]{0}) all-reduce("
+    assert compiled_all_reduces(combined) == [1, 2]
 
 
 def test_one_chunk_and_one_shard_run_the_plain_layers(case):
