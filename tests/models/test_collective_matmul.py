@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 
 from models import Llama, LlamaConfig, PromptBatch, generate, init_params, params_from_hf_state_dict
-from models import kv_cache as kvc
 from models.collective_matmul import CollectiveMatmul, OverlappedLlama, row_chunks
 from models.sharded_llama import ShardedLlama
 from models.sharding import make_mesh
@@ -103,20 +102,18 @@ def test_decode_step_logits_and_chained_all_reduces(case):
     mesh = make_mesh(2, 1)
     plain = ShardedLlama(model, mesh)
     over = ShardedLlama(model, mesh, collective_matmul=CollectiveMatmul(overlap_chunks=4))
-    placed = plain.place_params(params)
+    placed = plain.params_in_layout(plain.place_params(params), stacked=False)   # unrolled layers, the GPU's
     _, cache = plain.prefill_prompts(placed, pb, None, capacity=2, attention="shared", shape_buckets=False)
     tokens = jnp.asarray(base.tokens[:, 0], jnp.int32)
     compiled = {m: jax.jit(m.decode_step).lower(placed, cache, tokens).compile() for m in (plain, over)}
     want, got = (np.asarray(compiled[m](placed, cache, tokens)[0]) for m in (plain, over))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    # stacked parameters: the layer loop is a scan, its body compiled once
-    assert kvc.is_stacked(placed["layers"])
-    chunks = len(row_chunks(pb.batch, 4))
+    layers, chunks = len(placed["layers"]), len(row_chunks(pb.batch, 4))
     assert chunks == 4
-    assert compiled_all_reduces(compiled[plain].as_text()) == [1] * (2 + 1)   # o, down; embedding
-    assert compiled_all_reduces(compiled[over].as_text()) == [1] * (2 * chunks + 1)
+    assert compiled_all_reduces(compiled[plain].as_text()) == [1] * (2 * layers + 1)   # o, down; embedding
+    assert compiled_all_reduces(compiled[over].as_text()) == [1] * (2 * chunks * layers + 1)
     summary = schedule_summary(compiled[over].as_text())
-    assert summary["all_reduce_sync"] + summary["all_reduce_async"] == 2 * chunks + 1
+    assert summary["all_reduce_sync"] + summary["all_reduce_async"] == 2 * chunks * layers + 1
 
 
 def test_schedule_summary_reads_async_pairs():
