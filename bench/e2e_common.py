@@ -10,6 +10,9 @@
   bf16 weights; ``--layers`` keeps the first ``N`` layers of the preset's shape).
 * :func:`random_params` -- random bf16 parameters in the unrolled (list) layer layout, the
   decoder's fast GPU path (see ``bench/decode_step.py``).
+* :func:`deepseek_smoke_config`, :func:`deepseek_param_shapes`, :func:`deepseek_random_params`,
+  :func:`deepseek_param_bytes` -- the same for DeepSeek (MLA + MoE) shapes
+  (``e2e_decode_mla``): random weights drawn on the device leaf by leaf.
 * :func:`measure_plan` -- one script's run: open its store, measure its planned points (or
   list them with ``--list``).
 * :func:`finish_args` -- smoke and full defaults of unset arguments, the memory limit.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,10 +37,14 @@ import numpy as np
 
 from bench.timing import device_info, gpu_slug, is_oom  # noqa: F401 (is_oom re-exported)
 from models.config import LlamaConfig
+from models.deepseek import DeepseekConfig
+from models.deepseek.config import PRESETS as DEEPSEEK_PRESETS
+from models.deepseek.weights import hf_param_shapes
 from models.weights import init_params, unstack_layers
 
 __all__ = ["ResultStore", "add_common_args", "default_out_path", "finish_args", "free_memory", "is_oom", "measure_plan",
-           "memory_limit_bytes", "oom_reason", "model_config", "random_params", "smoke_config", "Budget"]
+           "memory_limit_bytes", "oom_reason", "model_config", "random_params", "smoke_config", "Budget",
+           "deepseek_param_bytes", "deepseek_param_shapes", "deepseek_random_params", "deepseek_smoke_config"]
 
 SCHEMA_VERSION = 1
 
@@ -105,6 +113,72 @@ def param_bytes(cfg: LlamaConfig, itemsize: int = 2) -> int:
 def kv_bytes_per_token(cfg: LlamaConfig, itemsize: int = 2) -> int:
     """Bytes of keys + values of one token over all layers."""
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+
+def deepseek_smoke_config(layers: int) -> DeepseekConfig:
+    """A tiny DeepSeek-V2-shaped model for CPU runs: 2 heads, R=32, Dr=8, 8 experts (2 per token,
+    1 shared), layer 0 dense."""
+    return DEEPSEEK_PRESETS["DeepSeek-V2-Lite"].replace(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=2,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=4096)
+
+
+def deepseek_param_shapes(cfg: DeepseekConfig) -> dict:
+    """The parameter pytree's shapes (layout of ``models/deepseek/weights.py``: matrices
+    ``[in, out]``, one dict per layer)."""
+    h, hn, r, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    q_out = hn * cfg.qk_head_dim
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        lp = {"attn_norm": (h,), "mlp_norm": (h,), "wkv_a": (h, r + dr), "kv_a_norm": (r,),
+              "wkv_b": (r, hn * (cfg.qk_nope_head_dim + cfg.v_head_dim)), "wo": (hn * cfg.v_head_dim, h)}
+        if cfg.q_lora_rank is None:
+            lp["wq"] = (h, q_out)
+        else:
+            lp.update(wq_a=(h, cfg.q_lora_rank), q_a_norm=(cfg.q_lora_rank,), wq_b=(cfg.q_lora_rank, q_out))
+        if cfg.is_moe_layer(i):
+            e, f = cfg.n_routed_experts, cfg.moe_intermediate_size
+            lp.update(router=(h, e), experts_gate=(e, h, f), experts_up=(e, h, f), experts_down=(e, f, h))
+            if cfg.topk_method == "noaux_tc":
+                lp["e_score_correction_bias"] = (e,)
+            if cfg.n_shared_experts:
+                fs = f * cfg.n_shared_experts
+                lp.update(shared_gate=(h, fs), shared_up=(h, fs), shared_down=(fs, h))
+        else:
+            f = cfg.intermediate_size
+            lp.update(w_gate=(h, f), w_up=(h, f), w_down=(f, h))
+        layers.append(lp)
+    out = {"embed": (cfg.vocab_size, h), "final_norm": (h,), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = (h, cfg.vocab_size)
+    return out
+
+
+def deepseek_random_params(cfg: DeepseekConfig, seed: int, dtype, *, host: bool) -> dict:
+    """Random parameters of :func:`deepseek_param_shapes`: norms ``1 + normal(0.1)``, correction bias 0
+    (float32), other matrices ``normal(0.02)``.  ``host``: numpy (CPU smoke runs), else drawn on
+    the device leaf by leaf (15.7B values never pass through the host)."""
+    rng = np.random.default_rng(seed)
+    draw = jax.jit(lambda key, shape, scale, shift: (jax.random.normal(key, shape, jnp.float32) * scale
+                                                      + shift).astype(dtype), static_argnums=(1,))
+    counter = iter(range(1 << 30))
+
+    def leaf(path, shape):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name.endswith("e_score_correction_bias"):
+            return jnp.zeros(shape, jnp.float32)
+        scale, shift = (0.1, 1.0) if name.endswith("norm") else (0.02, 0.0)
+        if host:
+            return jnp.asarray(shift + scale * rng.standard_normal(shape, np.float32), dtype)
+        return draw(jax.random.fold_in(jax.random.PRNGKey(seed), next(counter)), shape, scale, shift)
+
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    return jax.block_until_ready(jax.tree_util.tree_map_with_path(leaf, deepseek_param_shapes(cfg), is_leaf=is_shape))
+
+
+def deepseek_param_bytes(cfg: DeepseekConfig, itemsize: int) -> int:
+    return sum(math.prod(s) for s in hf_param_shapes(cfg).values()) * itemsize
 
 
 def memory_limit_bytes(override_gb: float | None = None) -> int | None:

@@ -23,8 +23,10 @@ Layouts (:class:`models.deepseek.LatentCache`, every layer's attention through
   same kernels without sharing.  (``PromptBatch`` prefill's flat layout, ``G = B`` prompt
   entries of one sequence each, runs the prefix kernel once per sequence; not timed here.)
 
-Both start from identical cache contents and tokens: ``rel_err_first_logits_vs_<other>``
-compares their first step's logits.  ``mla_auto_impl`` records what ``impl="auto"`` picks for the
+Both start from identical cache contents and tokens: every point stores a corner of its first
+step's logits (``first_logits_head``, 2 x 64) and every ``flat`` point the relative error of its
+corner against its ``shared`` twin's (``rel_err_first_logits_vs_shared``, filled in at the end of
+every run).  ``mla_auto_impl`` records what ``impl="auto"`` picks for the
 point's shapes on this device (and why).
 
 Roofline (:func:`bench.roofline.mla_moe_roofline`): per step ``max(bytes / copy rate, flops /
@@ -73,7 +75,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -87,7 +88,6 @@ from jax_prefix_attn.device import device_info as planning_device  # noqa: E402
 from jax_prefix_attn.mla_kernels import auto_impl  # noqa: E402
 from models.deepseek import Deepseek, DeepseekConfig, LatentCache, LatentPrefix  # noqa: E402
 from models.deepseek.config import PRESETS  # noqa: E402
-from models.deepseek.weights import hf_param_shapes  # noqa: E402
 
 NAME = "e2e_decode_mla"
 KEY_FIELDS = ("model", "layers", "batch", "prefix", "backend", "moe_lowering")
@@ -99,80 +99,14 @@ FLAT_PLACEHOLDER = 64       # rows of the flat layout's empty prompt entry (one 
 TARGET = {"min_batch": 256, "min_prefix": 4096, "roofline_fraction": 0.9}
 
 
-def smoke_config(layers: int) -> DeepseekConfig:
-    """A tiny DeepSeek-V2-shaped model for CPU runs: 2 heads, R=32, Dr=8, 8 experts (2 per token,
-    1 shared), layer 0 dense."""
-    return PRESETS["DeepSeek-V2-Lite"].replace(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=2,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=4096)
-
-
 def model_config(name: str, layers: int, *, smoke: bool) -> DeepseekConfig:
     if smoke:
-        return smoke_config(layers)
+        return ec.deepseek_smoke_config(layers)
     return PRESETS[MODELS[name]].replace(num_hidden_layers=layers)
 
 
-def param_shapes(cfg: DeepseekConfig) -> dict:
-    """The parameter pytree's shapes (layout of ``models/deepseek/weights.py``: matrices
-    ``[in, out]``, one dict per layer)."""
-    h, hn, r, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    q_out = hn * cfg.qk_head_dim
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        lp = {"attn_norm": (h,), "mlp_norm": (h,), "wkv_a": (h, r + dr), "kv_a_norm": (r,),
-              "wkv_b": (r, hn * (cfg.qk_nope_head_dim + cfg.v_head_dim)), "wo": (hn * cfg.v_head_dim, h)}
-        if cfg.q_lora_rank is None:
-            lp["wq"] = (h, q_out)
-        else:
-            lp.update(wq_a=(h, cfg.q_lora_rank), q_a_norm=(cfg.q_lora_rank,), wq_b=(cfg.q_lora_rank, q_out))
-        if cfg.is_moe_layer(i):
-            e, f = cfg.n_routed_experts, cfg.moe_intermediate_size
-            lp.update(router=(h, e), experts_gate=(e, h, f), experts_up=(e, h, f), experts_down=(e, f, h))
-            if cfg.topk_method == "noaux_tc":
-                lp["e_score_correction_bias"] = (e,)
-            if cfg.n_shared_experts:
-                fs = f * cfg.n_shared_experts
-                lp.update(shared_gate=(h, fs), shared_up=(h, fs), shared_down=(fs, h))
-        else:
-            f = cfg.intermediate_size
-            lp.update(w_gate=(h, f), w_up=(h, f), w_down=(f, h))
-        layers.append(lp)
-    out = {"embed": (cfg.vocab_size, h), "final_norm": (h,), "layers": layers}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = (h, cfg.vocab_size)
-    return out
-
-
-def random_params(cfg: DeepseekConfig, seed: int, dtype, *, host: bool) -> dict:
-    """Random parameters of :func:`param_shapes`: norms ``1 + normal(0.1)``, correction bias 0
-    (float32), other matrices ``normal(0.02)``.  ``host``: numpy (CPU smoke runs), else drawn on
-    the device leaf by leaf (15.7B values never pass through the host)."""
-    rng = np.random.default_rng(seed)
-    draw = jax.jit(lambda key, shape, scale, shift: (jax.random.normal(key, shape, jnp.float32) * scale
-                                                      + shift).astype(dtype), static_argnums=(1,))
-    counter = iter(range(1 << 30))
-
-    def leaf(path, shape):
-        name = str(getattr(path[-1], "key", path[-1]))
-        if name.endswith("e_score_correction_bias"):
-            return jnp.zeros(shape, jnp.float32)
-        scale, shift = (0.1, 1.0) if name.endswith("norm") else (0.02, 0.0)
-        if host:
-            return jnp.asarray(shift + scale * rng.standard_normal(shape, np.float32), dtype)
-        return draw(jax.random.fold_in(jax.random.PRNGKey(seed), next(counter)), shape, scale, shift)
-
-    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
-    return jax.block_until_ready(jax.tree_util.tree_map_with_path(leaf, param_shapes(cfg), is_leaf=is_shape))
-
-
-def param_bytes(cfg: DeepseekConfig, itemsize: int) -> int:
-    return sum(math.prod(s) for s in hf_param_shapes(cfg).values()) * itemsize
-
-
 def plan_points(args) -> list[dict]:
-    """Every point, in run order (batch, prefix, backend)."""
+    """Every point, in run order: ``shared`` over the grid (batch, prefix), then ``flat``."""
     if args.smoke:
         batches, prefixes = (2,), (8,)
     elif args.quick:
@@ -182,7 +116,7 @@ def plan_points(args) -> list[dict]:
     batches, prefixes = tuple(args.batches or batches), tuple(args.prefixes or prefixes)
     return [{"model": args.model, "layers": args.layers, "batch": b, "prefix": p, "backend": backend,
              "moe_lowering": args.moe_lowering}
-            for b in batches for p in prefixes for backend in BACKENDS if backend in args.backends]
+            for backend in BACKENDS if backend in args.backends for b in batches for p in prefixes]
 
 
 class Bench:
@@ -193,7 +127,6 @@ class Bench:
         self.dtype = jnp.float32 if args.smoke else jnp.bfloat16
         self.k = args.gen_tokens
         self.loaded = None
-        self.first_logits: dict = {}
         self.rates: dict | None = None
 
     def cfg(self, point) -> DeepseekConfig:
@@ -208,12 +141,12 @@ class Bench:
             if self.rates is None:   # before the weights take the memory the copy measurement uses
                 self.rates = roofline.measure_rates(self.args.smoke)
             t0 = time.perf_counter()
-            self.params = random_params(cfg, seed=0, dtype=self.dtype, host=self.args.smoke)
+            self.params = ec.deepseek_random_params(cfg, seed=0, dtype=self.dtype, host=self.args.smoke)
             # CPU smoke runs take the reference attention; "auto" takes the kernels on the GPU
             self.model_obj = Deepseek(cfg, impl="reference" if self.args.smoke else "auto")
             self.runner = make_runner(self.model_obj)
             self.loaded = key
-            print(f"model {key}: {param_bytes(cfg, 1) / 1e9:.2f}B params, built in "
+            print(f"model {key}: {ec.deepseek_param_bytes(cfg, 1) / 1e9:.2f}B params, built in "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)
         return self.model_obj
 
@@ -228,7 +161,7 @@ class Bench:
         rows = b * (c.num_experts_per_tok or 1)
         expand = (c.n_routed_experts or 1) * rows * max(c.hidden_size, c.moe_intermediate_size or 1) * item * 2
         act = b * c.vocab_size * 4 * 3 + expand + b * c.num_attention_heads * c.kv_lora_rank * 4 * 4
-        return param_bytes(c, item) + c.num_hidden_layers * tokens * w * item + act + (512 << 20)
+        return ec.deepseek_param_bytes(c, item) + c.num_hidden_layers * tokens * w * item + act + (512 << 20)
 
     def predict_oom(self, point) -> str | None:
         return ec.oom_reason(self.predicted_bytes(point), self.args.mem_limit,
@@ -287,7 +220,7 @@ class Bench:
             return time.perf_counter() - t0, head, finite
 
         compile_s, head, finite = call(1)
-        head = np.asarray(head, np.float64)
+        head = np.asarray(head[:2, :64], np.float64)
         call(min(k, 16))
         t1 = [call(1)[0] for _ in range(3)]
         tk = []
@@ -295,7 +228,7 @@ class Bench:
             dt, _, fin = call(k)
             tk.append(dt)
             finite = finite & fin
-        del suffix, kept, cache
+        del suffix, cache
         m1, mk = statistics.median(t1), statistics.median(tk)
         decode_s = mk - m1
         valid = decode_s > 0     # False only when timing noise exceeds the decode time (tiny smoke shapes)
@@ -304,14 +237,8 @@ class Bench:
                     "step_ms": step_ms, "tokens_per_s": b * (k - 1) / decode_s if valid else None,
                     "tokens_per_s_reps": [b * (k - 1) / (t - m1) if t > m1 else None for t in tk],
                     "compile_and_first_call_s": compile_s, "logits_finite": bool(finite),
-                    "predicted_bytes": int(self.predicted_bytes(point))})
+                    "predicted_bytes": int(self.predicted_bytes(point)), "first_logits_head": head.tolist()})
         rec.update(self.roofline(c, point, step_ms))
-        ckey = (point["model"], point["layers"], b, point["prefix"], point["moe_lowering"])
-        other = self.first_logits.get(ckey)
-        if other is not None and other[0] != point["backend"]:
-            rec[f"rel_err_first_logits_vs_{other[0]}"] = float(
-                np.linalg.norm(head - other[1]) / max(np.linalg.norm(other[1]), 1e-30))
-        self.first_logits[ckey] = (point["backend"], head)
         return rec
 
     def roofline(self, c: DeepseekConfig, point, step_ms: float | None) -> dict:
@@ -325,6 +252,21 @@ class Bench:
             out.update(roofline_fraction=roof["roofline_step_ms"] / step_ms,
                        measured_over_roofline=step_ms / roof["roofline_step_ms"])
         return out
+
+
+def compare_layouts(points: list[dict]) -> int:
+    """``rel_err_first_logits_vs_shared`` of every finished ``flat`` point whose ``shared`` twin
+    (the other key fields equal) finished; returns how many were compared."""
+    twin = lambda p: tuple(p.get(k) for k in KEY_FIELDS if k != "backend")  # noqa: E731
+    shared = {twin(p): p for p in points if p.get("backend") == "shared" and "first_logits_head" in p}
+    n = 0
+    for p in points:
+        ref = shared.get(twin(p))
+        if p.get("backend") == "flat" and "first_logits_head" in p and ref is not None:
+            a, r = np.asarray(p["first_logits_head"]), np.asarray(ref["first_logits_head"])
+            p["rel_err_first_logits_vs_shared"] = float(np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30))
+            n += 1
+    return n
 
 
 def mla_auto(c: DeepseekConfig, point, k: int, dtype) -> dict:
@@ -436,6 +378,8 @@ def main(argv=None) -> dict:
     def after(store, bench, counts):
         store.note("commit", args.commit_measured)
         store.note("xla_flags", os.environ.get("XLA_FLAGS", ""))
+        compare_layouts(store.data["points"])
+        store.save()
         ec.report_targets(store, targets)
 
     budget = ec.Budget(None if args.budget_s is None else args.budget_s / 60) if args.budget_min is None else None

@@ -17,6 +17,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from bench import e2e_common as ec  # noqa: E402
 from bench import e2e_decode_mla as mla  # noqa: E402
 from bench import roofline  # noqa: E402
 from jax_prefix_attn.mla_kernels import kernels_supported  # noqa: E402
@@ -71,11 +72,11 @@ def test_existing_file_needs_resume_which_keeps_it(smoke):
 
 
 def test_random_params_have_the_models_layout():
-    cfg = mla.smoke_config(layers=3)
+    cfg = ec.deepseek_smoke_config(layers=3)
     shapes = lambda t: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
-    ours = mla.random_params(cfg, seed=0, dtype=jnp.float32, host=True)
+    ours = ec.deepseek_random_params(cfg, seed=0, dtype=jnp.float32, host=True)
     assert shapes(ours) == shapes(init_params(cfg, seed=0, dtype=jnp.float32))
-    assert sum(x.size for x in jax.tree_util.tree_leaves(ours)) == mla.param_bytes(cfg, 1)
+    assert sum(x.size for x in jax.tree_util.tree_leaves(ours)) == ec.deepseek_param_bytes(cfg, 1)
 
 
 def test_full_grid_memory_prediction_and_kernel_layout(tmp_path):
@@ -100,7 +101,7 @@ def test_full_grid_memory_prediction_and_kernel_layout(tmp_path):
 
 def test_mla_moe_roofline_arithmetic():
     c, item = V2_LITE, 2
-    params = mla.param_bytes(c, item)
+    params = ec.deepseek_param_bytes(c, item)
     assert round(params / item / 1e9, 1) == 15.7
     one = roofline.mla_moe_step_cost(c, batch=1, prefix=1024, suffix=1, shared=True)
     full = roofline.mla_moe_step_cost(c, batch=64, prefix=1024, suffix=1, shared=True)
