@@ -56,7 +56,7 @@ this checkout; a copied checkout's git may be stale), recorded per point and per
 
 Usage::
 
-    python bench/e2e_decode_mla.py --budget-s 480 --commit SHA            # then the same with --resume
+    python bench/e2e_decode_mla.py --budget-s 360 --commit SHA            # then the same with --resume
     python bench/e2e_decode_mla.py --quick --out /tmp/q.json                # B 256, 1024 x P 1K, 16K
     python bench/e2e_decode_mla.py --smoke                                  # tiny model on CPU
 """
@@ -100,6 +100,7 @@ TARGET = {"min_batch": 256, "min_prefix": 4096, "roofline_fraction": 0.9}
 
 
 def model_config(name: str, layers: int, *, smoke: bool) -> DeepseekConfig:
+    """The config of ``--model`` at ``layers`` layers (``smoke``: the tiny CPU model)."""
     if smoke:
         return ec.deepseek_smoke_config(layers)
     return PRESETS[MODELS[name]].replace(num_hidden_layers=layers)
