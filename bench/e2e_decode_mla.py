@@ -358,6 +358,9 @@ def parse_args(argv=None):
         ap.error("--gen-tokens must be >= 2 (decode-only time is t(k) - t(1))")
     if args.budget_s is not None and args.budget_min is not None:
         ap.error("pass --budget-s or --budget-min, not both")
+    fusion_flag = "--xla_gpu_experimental_use_ragged_dot_fusion=true" in os.environ.get("XLA_FLAGS", "")
+    if args.ragged_dot_fusion and not fusion_flag:
+        ap.error("--ragged-dot-fusion must be on the command line (XLA reads XLA_FLAGS once, when jax starts)")
     args.moe_lowering = "cudnn_ragged_dot_fusion" if args.ragged_dot_fusion else "xla_default"
     args.out = args.out or ec.default_out_path(NAME, args.smoke)
     args.commit_measured = args.commit or ec.commit_of_checkout()
