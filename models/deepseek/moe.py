@@ -30,9 +30,10 @@ expert products:
 * grouped (:func:`grouped_experts`): ``jax.lax.ragged_dot`` over the sorted rows, used when an
   expert has more than ``C`` rows (a branch on the device, decided by the routing).
 
-XLA lowers ``ragged_dot`` on the GPU as a product of every row with every expert (``E / K``
-times the multiply-adds the routing asks for; 64 / 6 for DeepSeek-V2-Lite); the buckets cost
-about twice the routed multiply-adds when the routing is balanced.
+XLA's generic lowering of ``ragged_dot`` (its ragged-dot rewriter, which the GPU takes unless
+cuDNN's grouped GEMM is enabled) multiplies every row with every expert: ``E / K`` times the
+multiply-adds the routing asks for (64 / 6 for DeepSeek-V2-Lite); the buckets cost about twice
+the routed multiply-adds when the routing is balanced.
 """
 from __future__ import annotations
 
