@@ -1,14 +1,15 @@
 """Tuning sweep of the flat own-layout decode (``flat_own``) at small batch: every key split count
 and tiling, timed like ``bench/peers.py``'s small points, to calibrate the planner's split rule
-(``jax_prefix_attn.leaf_plans.FLAT_OWN_MIN_SPLIT_KEYS`` / ``FLAT_OWN_MAX_SPLITS``).
+(the device's ``flat_own_min_split_keys`` / ``flat_own_max_splits``,
+``jax_prefix_attn.leaf_plans.tuning``).
 
 Points: B in {1, 8, 16, 32} x P in {1K, 4K, 16K}, S = 64 (full suffixes), Hq/Hkv 32/8 and 8/1,
 D = 128, bf16.  Per point: ``num_splits`` in {1, 2, 4, 8, 16, 32, 64} where every split holds
 keys (else it runs a smaller count's work plus idle programs) with at most 8 programs per SM,
-times the ``FLAT_TILES`` tilings, plus the planner's own leaf (``planned``).  Each runs through
-the public entry point with a forced plan: ``plan_shared_prefix(path="flat_own")`` with its
-chunk's leaf replaced by ``FlatOwn(num_splits, tiling)`` (``shared_prefix_attention(plan=)``
-runs exactly that leaf).
+times the device's ``flat_tiles`` tilings (:func:`tilings`), plus the planner's own leaf
+(``planned``).  Each runs through the public entry point with a forced plan:
+``plan_shared_prefix(path="flat_own")`` with its chunk's leaf replaced by
+``FlatOwn(num_splits, tiling)`` (``shared_prefix_attention(plan=)`` runs exactly that leaf).
 
 Each configuration: ``us`` per call from :func:`bench.timing.loop_time` (dependent calls in one
 jitted loop, 8 calls per iteration, one CUDA graph per body: ``GRAPH_ALWAYS``, as ``peers.py``'s
@@ -52,15 +53,21 @@ from jax_prefix_attn.plans import ChunkPlan, FlatOwn, Shapes  # noqa: E402
 from pallas_kernels._common import split_chunk  # noqa: E402
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
-TILINGS = tuple(t for _, t in lp.FLAT_TILES)
 HEADS = ((32, 8), (8, 1))
 BATCHES, PREFIXES, SUFFIX, HEAD_DIM = (1, 8, 16, 32), (1024, 4096, 16384), 64, 128
 MAX_PROGRAMS_PER_SM = 8
 RULE_KEYS, RULE_MAX = (32, 64, 128, 256, 512, 1024), (None, 4, 8, 16, 32, 64)
+# (smoke mode times the last of the device's tilings only: the one for the most programs)
 SMOKE = dict(heads=((4, 2),), batches=(1, 2), prefixes=(40,), suffix=8, head_dim=16,
-             splits=(2,), tilings=(TILINGS[-1],))
+             splits=(2,))
 NO_LAUNCH = frozenset(("parameter", "constant", "bitcast", "tuple", "get-tuple-element", "call",
                        "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id"))
+
+
+def tilings(dev) -> tuple:
+    """The tilings the sweep times on ``dev``: its ``flat_tiles`` (``leaf_plans.flat_tilings``),
+    the planner's choices for the flat own-layout decode."""
+    return tuple(t for _, t in lp.flat_tilings(dev))
 
 
 def kernel_launches(hlo: str) -> int:
@@ -179,6 +186,7 @@ def summarize(results, dev):
         if r.get("status") == "ok":
             by_point.setdefault(r["point"], []).append(r)
     points, fits = {}, []
+    tuned = lp.tuning(dev)
     for key, rs in by_point.items():
         best = min(rs, key=lambda r: r["us"])
         planned = next((r for r in rs if r["planned"]), None)
@@ -204,7 +212,8 @@ def summarize(results, dev):
             if logs:
                 fits.append(dict(min_split_keys=k, max_splits=m, approx=approx, worst=worst,
                                  geomean_over_best=math.exp(sum(logs) / len(logs)),
-                                 current=(k, m) == (lp.FLAT_OWN_MIN_SPLIT_KEYS, lp.FLAT_OWN_MAX_SPLITS)))
+                                 current=(k, m) == (tuned.flat_own_min_split_keys,
+                                                    tuned.flat_own_max_splits)))
     fits.sort(key=lambda f: (f["geomean_over_best"], f["worst"], not f["current"]))
     return dict(points=points, rule_fit=fits, recommended=fits[0] if fits else None)
 
@@ -234,15 +243,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     t0 = time.time()
     sm = SMOKE if args.smoke else dict(heads=HEADS, batches=BATCHES, prefixes=PREFIXES,
-                                      suffix=SUFFIX, head_dim=HEAD_DIM, splits=SPLITS,
-                                      tilings=TILINGS)
+                                      suffix=SUFFIX, head_dim=HEAD_DIM, splits=SPLITS)
     if args.smoke:
         args.unroll, args.reps, args.calls = 2, 1, args.calls or 2
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads] if args.heads else sm["heads"]
     points = [(hq, hkv, sm["head_dim"], b, p, sm["suffix"]) for b in args.batches or sm["batches"]
               for p in args.prefixes or sm["prefixes"] for hq, hkv in heads]
     dev = planning_device_info()   # (off the GPU: the H100 SXM the interpret-mode plans target)
-    todo = configs(points, tuple(args.splits or sm["splits"]), sm["tilings"], dev)
+    timed = tilings(dev)[-1:] if args.smoke else tilings(dev)
+    todo = configs(points, tuple(args.splits or sm["splits"]), timed, dev)
     info = device_info()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"flat_decode_sweep_{gpu_slug()}.json")

@@ -4,15 +4,16 @@
 For each point (Tq = 1, one prefix, every suffix full, bf16), all in one run:
 
 * ``shared_ms``: the whole shared path as the planner runs it (leaf ``shared_path``);
-  ``shared_triton_ms`` / ``shared_mgpu_ms``: with the Triton two-launch leaf (or, below 2048
-  (sequence, kv head) pairs, the overlap leaf) / the Mosaic GPU two-launch leaf forced
-  (``plan_shared_prefix(..., path=...)``), each checked against the reference;
+  ``shared_triton_ms`` / ``shared_mgpu_ms``: with the Triton two-launch leaf (or, below the
+  device's ``overlap_below_programs`` (sequence, kv head) pairs, the overlap leaf) / the Mosaic
+  GPU two-launch leaf forced (``plan_shared_prefix(..., path=...)``), each checked against the
+  reference;
 * ``prefix_triton_ms`` / ``prefix_mgpu_ms[...]``: the prefix launch alone (prefix partials),
   Triton with the planner's tiling, the Mosaic GPU kernel at a few ``(num_splits,
   schedule_barrier)`` settings (``None``: the planner's splits), with achieved TFLOP/s
   (``4 * rows * P * D`` flops per kv head);
 * ``suffix_merge_ms``: the suffix launch alone (the decode suffix kernel merging fixed prefix
-  partials in its epilogue) with the planner's tiling (``planner.DECODE_SUFFIX_TILING``), its
+  partials in its epilogue) with the planner's tiling (``leaf_plans.decode_suffix_tiling``), its
   bandwidth as a fraction of the copy bandwidth, and ``suffix_merge_ms[bk=,w=,st=]`` a sweep of
   its ``(block_k, num_warps, num_stages)`` at points with short suffixes;
 * ``floor_ms``: as in ``bench/shared_prefix.py``.
@@ -38,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.shared_prefix import floor_s, make_inputs, ours, plan_device, plan_for, prefix_rows  # noqa: E402
 from bench.timing import device_info, loop_time, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
 from jax_prefix_attn import leaf_plans  # noqa: E402
-from jax_prefix_attn.planner import DECODE_SUFFIX_TILING, OVERLAP_BELOW_PROGRAMS  # noqa: E402
 from jax_prefix_attn.plans import Shapes  # noqa: E402
 from pallas_kernels._common import cdiv, merge_partials, next_pow2, q_rows_layout  # noqa: E402
 from pallas_kernels.prefix_attention import prefix_partials  # noqa: E402
@@ -50,9 +50,8 @@ POINTS = [(256, 4096, 128, 32, 8, 128), (512, 8192, 128, 32, 8, 128), (1024, 409
 # (num_splits, schedule_barrier) of the Mosaic GPU prefix kernel alone (None: the planner's)
 MGPU_SETTINGS = [(None, True), (1, True), (2, True), (4, True), (8, True), (None, False),
                  (2, False)]
-# (block_k, num_warps, num_stages) of the suffix launch alone; the first is the planner's tiling
-SUFFIX_SETTINGS = [tuple(DECODE_SUFFIX_TILING[k] for k in ("block_k", "num_warps", "num_stages")),
-                   (64, 4, 3), (64, 4, 2), (32, 4, 2), (32, 4, 3), (64, 8, 3), (128, 4, 1),
+# (block_k, num_warps, num_stages) of the suffix launch alone, swept after the planner's tiling
+SUFFIX_SETTINGS = [(64, 4, 3), (64, 4, 2), (32, 4, 2), (32, 4, 3), (64, 8, 3), (128, 4, 1),
                    (128, 4, 2), (128, 8, 2), (16, 2, 4)]
 SUFFIX_SWEEP_MAX_S = 256  # sweep the suffix settings only at points with short suffixes
 
@@ -75,7 +74,8 @@ def run_point(b, p, s, hq, hkv, d, bw, mma):
     prefix_flops = 4.0 * hkv * m * p * d
 
     # the whole shared path: the planner's leaf, and the Triton and Mosaic GPU leaves forced
-    triton = "triton_overlap" if b * hkv < OVERLAP_BELOW_PROGRAMS else "triton_two_launch"
+    overlap_below = leaf_plans.tuning(dev).overlap_below_programs
+    triton = "triton_overlap" if b * hkv < overlap_below else "triton_two_launch"
     ref = jax.jit(ours(plan_for(b, p, s, hq, hkv, d, impl="reference")))(q, pk, pv, sk, sv, sl)
     for name, path in (("shared", None), ("shared_triton", triton),
                        ("shared_mgpu", "mgpu_two_launch")):
@@ -137,7 +137,9 @@ def run_point(b, p, s, hq, hkv, d, bw, mma):
     rec["suffix_partials_from"] = "mgpu" if mgpu_parts is not None else "triton"
     suf_bytes = b * s * 2 * hkv * d * 2 + 2 * b * hq * d * 2
     rec["suffix_floor_ms"] = suf_bytes / bw * 1e3
-    settings = SUFFIX_SETTINGS if s <= SUFFIX_SWEEP_MAX_S else SUFFIX_SETTINGS[:1]
+    planned = dataclasses.astuple(leaf_plans.decode_suffix_tiling(dev))
+    settings = [planned] + ([x for x in SUFFIX_SETTINGS if x != planned]
+                            if s <= SUFFIX_SWEEP_MAX_S else [])
     for bk, nw, ns in settings:
         def suf(q, sk, sv, sl, bk=bk, nw=nw, ns=ns):
             out, _ = suffix_decode_merge(q, sk, sv, sl, (o_in, l_in), in_stride=r2, scale=scale,
@@ -151,7 +153,7 @@ def run_point(b, p, s, hq, hkv, d, bw, mma):
             rec[key.replace("_ms", "_error")] = _err(e)
             continue
         rec[key] = t
-        if (bk, nw, ns) == SUFFIX_SETTINGS[0]:
+        if (bk, nw, ns) == planned:
             rec["suffix_merge_ms"] = t
             rec["suffix_merge_bw_frac_of_copy"] = suf_bytes / (t * 1e-3) / bw
     rec["prefix_floor_ms"] = max(p * 2 * hkv * d * 2 / bw, 4.0 * b * hq * p * d / mma) * 1e3

@@ -128,8 +128,9 @@ def prefix_rows(q, hkv, p, block_m):
 
 def tune_large_m(doc):
     """Sweep the prefix kernel's tiling for unsplit (large-M) prefixes on this GPU; records the
-    sweep, the fastest setting and the library's ``leaf_plans.LARGE_M_TILING`` (which it does not
-    change: a faster setting is adopted by editing that table)."""
+    sweep, the fastest setting and the library's: the planning device's ``large_m_tiling``
+    (``leaf_plans.tuning``; which it does not change: a faster setting is adopted by editing
+    the part's data file, ``jax_prefix_attn/device_data/``)."""
     b, p, hq, hkv, d = 1024, 4096, 32, 8, 128
     q, pk, pv, _, _, _ = make_inputs(b, p, 64, hkv, hq, d)
     qp, grp, lim, m = prefix_rows(q, hkv, p, 128)
@@ -153,7 +154,8 @@ def tune_large_m(doc):
         best = min(ok, key=lambda x: x["ms"])
         doc["large_m_tiling_fastest"] = {k: best[k] for k in ("block_k", "num_warps", "num_stages")}
     doc["large_m_tiling_sweep"] = res
-    doc["large_m_tiling"] = dict(leaf_plans.LARGE_M_TILING)
+    doc["large_m_tiling"] = dict(zip(("block_k", "num_warps", "num_stages"),
+                                     leaf_plans.tuning(plan_device()).large_m_tiling))
 
 
 # ----------------------------------------------------------------------------- columns

@@ -7,7 +7,8 @@ spec_t32), in-loop times (``bench.timing.loop_time``) of
 * ``root``: the root's prefix partials alone (``decode_prefix_partials``, root gather included);
 * ``mid``: the tree kernel over the other shared nodes plus the XLA merge of its partials;
 * ``span_suffix``: the decode suffix kernel streaming each sequence's exclusive node and
-  suffix, no incoming state; ``suffix``: the same without the spans;
+  suffix, no incoming state; ``suffix``: the same without the spans, with the planning device's
+  ``decode_suffix_tiling``;
 and the bytes each streaming launch reads, as a rate.  ``--mid-sweep WORKLOAD ...`` first times the
 whole hybrid call under several tilings of its tree-kernel launch (``MID_SETTINGS``: key tile,
 row block, warps, stages, node or flatten mode).
@@ -17,6 +18,7 @@ row block, warps, stages, node or flatten mode).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,7 +32,8 @@ from bench.timing import device_info, loop_time  # noqa: E402
 from bench.tree_attention import HKV, HQ, D, make_case, workloads  # noqa: E402
 from jax_prefix_attn import build_tree_metadata  # noqa: E402
 from jax_prefix_attn.executor import decode_prefix_partials  # noqa: E402
-from jax_prefix_attn.planner import DECODE_SUFFIX_TILING  # noqa: E402
+from jax_prefix_attn.device import planning_device_info  # noqa: E402
+from jax_prefix_attn.leaf_plans import decode_suffix_tiling  # noqa: E402
 from jax_prefix_attn.tree_layout import gather_parts, merge_states, q_sorted, row_tables  # noqa: E402
 from jax_prefix_attn.tree_paths import hybrid_attention, partials, root_spans  # noqa: E402
 from pallas_kernels.suffix_attention import suffix_decode_merge  # noqa: E402
@@ -68,8 +71,9 @@ def bench(name):
                 g, q, (kp, vp, sk, sv, sl, meta.excl_span[:, 0], meta.excl_span[:, 1])) * 1e3
         del span
     if sk.shape[1]:
+        planned = dataclasses.asdict(decode_suffix_tiling(planning_device_info()))
         h = lambda q, sk, sv, sl: suffix_decode_merge(q[:, 0], sk, sv, sl, None, scale=scale,  # noqa: E731
-                                                      **DECODE_SUFFIX_TILING)[0][:, None]
+                                                      **planned)[0][:, None]
         rec["ms"]["suffix"] = loop_time(h, q, (sk, sv, sl)) * 1e3
     if meta.hybrid_root:
         def root(q, m, kp, vp):

@@ -25,9 +25,8 @@ import types
 
 from jax_prefix_attn.device import DeviceInfo, planning_device_info
 
-__all__ = ["DeviceProfile", "Tuning", "PROFILES", "H200_PROFILE", "device_profile",
-           "planning_profile", "default_profile", "reference_profile", "profiles", "load_part",
-           "data_files"]
+__all__ = ["DeviceProfile", "Tuning", "device_profile", "planning_profile", "default_profile",
+           "reference_profile", "profiles", "load_part", "data_files"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,19 +311,10 @@ def profiles() -> types.MappingProxyType:
 
 
 def reference_profile() -> DeviceProfile:
-    """The H200's profile: the part whose values the module-level names kept for benchmarks and
-    older callers (``planner.DECODE_SUFFIX_TILING``, ``leaves.flat_own.FLAT_TILES``, ...) give;
-    the planner itself reads each device's own (:func:`device_profile`)."""
+    """The H200's profile: the part whose values the documentation quotes, and what benchmarks
+    and tests that report a setting with no device at hand read; the planner reads each
+    device's own (:func:`device_profile`)."""
     return profiles()["H200"]
-
-
-def __getattr__(name: str):
-    # PROFILES and H200_PROFILE: read from the data files when first used
-    if name == "PROFILES":
-        return profiles()
-    if name == "H200_PROFILE":
-        return reference_profile()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _cc(cc: str) -> tuple[int, ...]:

@@ -22,7 +22,6 @@ from jax_prefix_attn.device_profile import device_profile
 from jax_prefix_attn.leaves import (flat_own, flat_rows, mgpu_joint, mgpu_one_launch,
                                     mgpu_split, mgpu_two_launch, triton_overlap,
                                     triton_two_launch)
-from jax_prefix_attn.device_profile import reference_profile
 from jax_prefix_attn.leaves.base import (planning_part, query_chunks, shared_prefix_supported,
                                          supported)
 from jax_prefix_attn.plans import (BackwardPlan, ChunkPlan, Reference, SharedPrefixPlan,
@@ -31,9 +30,9 @@ from jax_prefix_attn.tree_plan import TreePlan, plan_tree_attention
 from pallas_kernels import prefix_attention_bwd, suffix_attention_bwd
 
 __all__ = ["plan_shared_prefix", "SharedPrefixPlan", "LEAVES", "leaf_module", "candidates",
-           "PATHS", "SHARED_PATHS", "FLAT_PATHS", "DECODE_SUFFIX_TILING", "OVERLAP_BELOW_PROGRAMS",
-           "shared_prefix_supported", "suffix_grad_key_splits", "row_splits", "plan_tree_attention",
-           "TreePlan", "FLAT_DECODE_MAX_TQ", "use_flat_decode"]
+           "PATHS", "SHARED_PATHS", "FLAT_PATHS", "shared_prefix_supported",
+           "suffix_grad_key_splits", "row_splits", "plan_tree_attention", "TreePlan",
+           "FLAT_DECODE_MAX_TQ", "use_flat_decode"]
 
 # The registry, in order of preference among leaves of equal modelled cost: the one-launch
 # Mosaic GPU leaves are charged as the two launches they replace, and each was measured to beat
@@ -50,19 +49,6 @@ BACKWARDS = ("kernels", "reference")
 # Queries per sequence up to which attention over per-sequence buffers (no shared prefix) runs
 # the flat decode kernels rather than flash attention (:func:`use_flat_decode`).
 FLAT_DECODE_MAX_TQ = 8
-
-
-def __getattr__(name: str):
-    # DECODE_SUFFIX_TILING (the own-layout decode suffix kernel's tiling after a prefix pass)
-    # and OVERLAP_BELOW_PROGRAMS: the reference part's, for the tree paths and benchmarks that
-    # read them; the leaves read each device's own (``leaves.base.tuning``)
-    t = reference_profile().tuning
-    if name == "DECODE_SUFFIX_TILING":
-        return types.MappingProxyType(dict(zip(("block_k", "num_warps", "num_stages"),
-                                               t.decode_suffix_tiling)))
-    if name == "OVERLAP_BELOW_PROGRAMS":
-        return t.overlap_below_programs
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def leaf_module(leaf_plan):

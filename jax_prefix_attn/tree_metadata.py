@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from jax_prefix_attn.device import planning_device_info
+from jax_prefix_attn.device_profile import DeviceProfile, planning_profile
 from jax_prefix_attn.prefix_tree import PrefixTree
 from jax_prefix_attn.tree_cost import exclusive_spans_cost, root_launch_cost, schedule_cost
 from jax_prefix_attn.tree_plan import ScheduleCosts, choose_schedules
@@ -127,7 +128,7 @@ class TreeMetadata:
 @functools.lru_cache(maxsize=64)
 def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_kv: int,
                   max_block_m: int, chunks_per_item: int | None, mid_tiling: tuple,
-                  mid_mode: str | None, sm_count: int) -> TreeMetadata:
+                  mid_mode: str | None, sm_count: int, profile: DeviceProfile) -> TreeMetadata:
     info = tree.info
     b = tree.num_seqs
     n_rows = b * tq
@@ -152,7 +153,7 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
         levels.append(node_schedule(at, tree, info, seq_lo, seq_hi, tq, group, block_kv, max_block_m,
                                     sorted_rows_real, n_rows))
     hyb = hybrid_parts(tree, info, seq_lo, seq_hi, sorted_keys, tq, group, block_kv, max_block_m, pool_size,
-                       sorted_rows_real, n_rows, chunks_per_item, mid_tiling, mid_mode, sm_count)
+                       sorted_rows_real, n_rows, chunks_per_item, mid_tiling, mid_mode, sm_count, profile)
     max_br = max([flat.block_rows, nodes.block_rows] + [lv.block_rows for lv in levels]
                  + ([hyb["mid"].block_rows] if hyb["mid"] is not None else []))
     r_pad = n_rows + max_br
@@ -160,8 +161,9 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
     sorted_rows[:n_rows] = sorted_rows_real
     row_key = np.full((r_pad,), -1, np.int32)
     row_key[:n_rows] = np.repeat(sorted_keys, tq)
-    costs = ScheduleCosts(flatten=schedule_cost(flat, group=group, sm_count=sm_count),
-                          levelwise=sum(schedule_cost(lv, group=group, sm_count=sm_count) for lv in levels),
+    costs = ScheduleCosts(flatten=schedule_cost(flat, group=group, sm_count=sm_count, profile=profile),
+                          levelwise=sum(schedule_cost(lv, group=group, sm_count=sm_count, profile=profile)
+                                        for lv in levels),
                           hybrid=hyb["cost"])
     preferred, hybrid = choose_schedules(costs)
     p_arr = np.asarray(tree.parents, np.int64)
@@ -198,10 +200,11 @@ def _build_cached(tree: PrefixTree, tq: int, group: int, pool_size: int, block_k
 
 def hybrid_parts(tree: PrefixTree, info: dict, seq_lo, seq_hi, sorted_keys, tq: int, group: int, block_kv: int,
                  max_m: int, pool_size: int, sorted_rows: np.ndarray, n_rows: int, chunks_per_item,
-                 mid_tiling: tuple, mid_mode: str | None, sm_count: int) -> dict:
+                 mid_tiling: tuple, mid_mode: str | None, sm_count: int, profile: DeviceProfile) -> dict:
     """Hybrid decode schedule (see :class:`TreeMetadata`): ``excl_span``, ``mid``, ``root`` and its
     estimated ``cost`` (same units as :func:`schedule_cost`; the exclusive spans are streamed by
-    the suffix launch that runs anyway, so they only add their bytes).  Only for ``tq == 1``.
+    the suffix launch that runs anyway, so they only add their bytes; ``sm_count`` SMs and
+    ``profile``'s tree rates).  Only for ``tq == 1``.
     ``mid_tiling`` (``(key, value)`` pairs) overrides :data:`HYBRID_MID_TILING`; ``mid_mode``
     (``"node"`` / ``"flatten"``) forces the ``mid`` schedule's mode instead of the cheaper one."""
     none = dict(excl_span=None, mid=None, root=False, cost=math.inf)
@@ -232,13 +235,13 @@ def hybrid_parts(tree: PrefixTree, info: dict, seq_lo, seq_hi, sorted_keys, tq: 
                                sorted_rows, n_rows),
                  flatten_schedule(tree, info, sorted_keys, tq, group, block_kv, max_m, pool_size, sorted_rows,
                                   n_rows, chunks_per_item=chunks_per_item, keep=keep)]
-        costs = [schedule_cost(c, group=group, sm_count=sm_count) for c in cands]
+        costs = [schedule_cost(c, group=group, sm_count=sm_count, profile=profile) for c in cands]
         pick = int(np.argmin(costs)) if mid_mode is None else ("node", "flatten").index(mid_mode)
         mid = cands[pick]
         cost += costs[pick]
     if root:
-        cost += root_launch_cost(int(ln[roots[0]]), b, group)
-    cost += exclusive_spans_cost(int(excl_span[:, 1].sum()), int(excl_span[:, 1].max()))
+        cost += root_launch_cost(int(ln[roots[0]]), b, group, profile=profile)
+    cost += exclusive_spans_cost(int(excl_span[:, 1].sum()), int(excl_span[:, 1].max()), profile=profile)
     return dict(excl_span=excl_span, mid=mid, root=root, cost=cost)
 
 
@@ -257,7 +260,10 @@ def build_tree_metadata(tree: PrefixTree, *, tq: int, group: int, pool_size: int
                         max_block_m: int = 128, chunks_per_item: int | None = None,
                         mid_tiling: Mapping[str, int] | None = None, mid_mode: str | None = None,
                         device: bool = True) -> TreeMetadata:
-    """Build (once per tree shape; cached) the device metadata of ``tree``.
+    """Build (once per tree shape; cached) the device metadata of ``tree``.  Its schedules are
+    costed (:mod:`jax_prefix_attn.tree_cost`) for the planning device
+    (:func:`jax_prefix_attn.device.planning_device_info`): its SM count and its profile
+    (:func:`jax_prefix_attn.device_profile.planning_profile`).
 
     Args:
       tree: the forest.
@@ -292,8 +298,9 @@ def build_tree_metadata(tree: PrefixTree, *, tq: int, group: int, pool_size: int
     mid = tuple(sorted((str(k), int(v)) for k, v in (mid_tiling or {}).items()))
     if any(k not in HYBRID_MID_TILING for k, _ in mid):
         raise ValueError(f"mid_tiling keys must be in {tuple(HYBRID_MID_TILING)}, got {dict(mid)}")
+    dev = planning_device_info()
     meta = _build_cached(tree, int(tq), kernel_group(int(group)), int(pool_size), int(block_kv), int(max_block_m),
                          None if chunks_per_item is None else int(chunks_per_item), mid, mid_mode,
-                         planning_device_info().sm_count)
+                         dev.sm_count, planning_profile(dev))
     # Device arrays: passing host (numpy) metadata to a jitted step would copy it every call.
     return jax.device_put(meta) if device else meta

@@ -21,13 +21,14 @@ dtype, lse [B, Tq, Hq] float32)``.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import jax.numpy as jnp
 
 from jax_prefix_attn.device import SMEM_PER_BLOCK, planning_device_info
 from jax_prefix_attn.executor import decode_prefix_partials
-from jax_prefix_attn.planner import DECODE_SUFFIX_TILING
+from jax_prefix_attn.leaves.base import decode_suffix_tiling
 from jax_prefix_attn.shared_prefix import shared_prefix_attention
 from jax_prefix_attn.tree_drafts import draft_ancestors, draft_suffix_partials
 from jax_prefix_attn.tree_layout import gather_parts, merge_states, pad_pool, partial_dtype, q_sorted, row_tables
@@ -220,7 +221,7 @@ def shallow_attention(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v,
 
 
 def hybrid_attention(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, *, scale: float,
-                     backend: str, suffix_tiling: Mapping = DECODE_SUFFIX_TILING,
+                     backend: str, suffix_tiling: Mapping | None = None,
                      mid_kernel_options: Mapping | None = None):
     """Hybrid decode schedule (``Tq == 1``; ``meta.excl_span`` built), at most three launches:
 
@@ -237,8 +238,9 @@ def hybrid_attention(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, 
 
     With one query per sequence every key is visible, so the order of the keys does not matter.
     ``suffix_tiling``: keyword arguments of the suffix launch (``block_k``, ``num_warps``,
-    ``num_stages``); ``mid_kernel_options``: of the tree-kernel launch (``num_warps``,
-    ``num_stages``).  ``backend`` ``"mirror"`` is not supported (kernels only).
+    ``num_stages``; default the planning device's
+    :func:`~jax_prefix_attn.leaves.base.decode_suffix_tiling`); ``mid_kernel_options``: of the
+    tree-kernel launch (``num_warps``, ``num_stages``).  ``backend`` ``"mirror"`` is not supported (kernels only).
     Returns ``(out [B, 1, Hq, D] in q's dtype, lse [B, 1, Hq])``."""
     hq = q.shape[2]
     hkv = k_pool.shape[1]
@@ -261,6 +263,8 @@ def hybrid_attention(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, 
         o_m, l_m = merge_states([og], [lg])                    # [B, Hkv, G, D], [B, Hkv, G]
         sources.append(as_incoming(o_m.astype(partial_dtype(kdt)), l_m, hq, hkv) + (None,))
     span = (k_pool, v_pool, meta.excl_span[:, 0], meta.excl_span[:, 1])
+    if suffix_tiling is None:
+        suffix_tiling = dataclasses.asdict(decode_suffix_tiling(planning_device_info()))
     out, lse = suffix_decode_merge(q1, suffix_k, suffix_v, suffix_lengths.astype(jnp.int32), sources, span=span,
                                    scale=scale, interpret=interpret, **suffix_tiling)
     return out[:, None].astype(q.dtype), lse[:, None]

@@ -8,7 +8,7 @@ schedules them side by side and the compute-bound and bandwidth-bound work overl
 merges the partial states in one XLA fusion.  It pays where the suffix programs alone cannot
 fill the GPU (few ``(sequence, kv head)`` pairs), against the prefix kernel followed by the
 suffix kernel (measurements: ``docs/performance.md``, "Planner regions and tilings",
-``OVERLAP_BELOW_PROGRAMS``).
+``overlap_below_programs``).
 
 ``interpret=True`` runs the kernel in Pallas interpret mode (CPU).
 """

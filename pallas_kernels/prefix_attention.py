@@ -14,9 +14,10 @@ over the pool entries present in a block), every other block reads one prefix.  
 ``Hkv * (rows / block_m)`` programs are too few to fill the GPU, the prefix is split across
 programs (split-KV) and the splits are merged by the suffix pass or by XLA.
 
-Tilings (:data:`jax_prefix_attn.leaves.triton_prefix.LARGE_M_TILING`): with enough rows to
-run unsplit, 64-key tiles, 8 warps, 3 stages and the two-phase key loop; otherwise 128 x 64
-tiles, 4 warps and 2 stages (their rates: ``docs/performance.md``, "Planner regions and tilings").
+Tilings (:func:`jax_prefix_attn.leaves.triton_prefix.prefix_tiling`, from the device profile's
+``large_m_tiling`` and ``prefix_tiling``), on an H200: with enough rows to run unsplit, 64-key
+tiles, 8 warps, 3 stages and the two-phase key loop; otherwise 128 x 64 tiles, 4 warps and 2
+stages (their rates: ``docs/performance.md``, "Planner regions and tilings").
 """
 from __future__ import annotations
 

@@ -13,13 +13,14 @@ import functools
 from typing import Protocol, runtime_checkable
 
 from jax_prefix_attn.device import H100_SXM, DeviceInfo
-from jax_prefix_attn.device_profile import Tuning, device_profile, reference_profile
+from jax_prefix_attn.device_profile import Tuning, device_profile
 from pallas_kernels._common import MAX_ROWS_PER_TILE, cdiv, kernel_head_dim
 from pallas_kernels.decode_attention import supported as triton_supported
 
-__all__ = ["Shapes", "PrefixTiling", "SuffixTiling", "DECODE_SUFFIX", "Leaf",
-           "shared_prefix_supported", "supported", "query_chunks", "planning_part", "tuning",
-           "suffix_tiling", "describe_regions", "two_per_sm", "splits_to_fill", "suffix_splits"]
+__all__ = ["Shapes", "PrefixTiling", "SuffixTiling", "Leaf", "shared_prefix_supported",
+           "supported", "query_chunks", "planning_part", "tuning", "suffix_tiling",
+           "decode_suffix_tiling", "describe_regions", "two_per_sm", "splits_to_fill",
+           "suffix_splits"]
 
 _frozen = dataclasses.dataclass(frozen=True)
 
@@ -75,6 +76,13 @@ def tuning(dev: DeviceInfo) -> Tuning:
     return device_profile(dev)[0].tuning
 
 
+def decode_suffix_tiling(dev: DeviceInfo) -> SuffixTiling:
+    """The own-layout decode suffix kernel's tiling on ``dev`` (its ``decode_suffix_tiling``):
+    the suffix pass after a prefix pass, which merges the prefix partials in its epilogue (the
+    two-launch leaves, the hybrid tree schedule's suffix launch)."""
+    return suffix_tiling(tuning(dev).decode_suffix_tiling)
+
+
 def describe_regions(regions: tuple, extra: tuple = ()) -> str:
     """``"P 1024-4096 and S 64-64 (G >= 4), or ..."``: a region list of a data file in words;
     ``extra`` names the counts after the bounds (e.g. ``("G >=", "CTAs >=")``)."""
@@ -83,14 +91,6 @@ def describe_regions(regions: tuple, extra: tuple = ()) -> str:
         more = ", ".join(f"{name} {v}" for name, v in zip(extra, r[2:]))
         return f"P {p0}-{p1} and S {s0}-{s1}" + (f" ({more})" if more else "")
     return ", or ".join(one(r) for r in regions)
-
-
-def __getattr__(name: str):
-    # DECODE_SUFFIX, the own-layout decode suffix tiling beside a prefix pass: the reference
-    # part's (leaves read each device's own through ``tuning``)
-    if name == "DECODE_SUFFIX":
-        return suffix_tiling(reference_profile().tuning.decode_suffix_tiling)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @runtime_checkable

@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax.numpy as jnp
 import numpy as np
 
 from jax_prefix_attn import cost_model
-from jax_prefix_attn.device_profile import (default_profile, planning_profile,
-                                            reference_profile)
+from jax_prefix_attn.device_profile import default_profile, planning_profile
 from jax_prefix_attn.leaves.base import (Shapes, SuffixTiling, planning_part, suffix_tiling,
                                          supported, tuning, two_per_sm)
 from pallas_kernels._common import cdiv, split_chunk
 from pallas_kernels.merge_splits import merge_splits
 from pallas_kernels.suffix_attention import suffix_decode_merge
 
-__all__ = ["FlatOwn", "PATH", "FAMILY", "PLAN", "FLAT_TILES", "FLAT_OWN_MIN_SPLIT_KEYS",
-           "FLAT_OWN_MAX_SPLITS", "FLAT_OWN_MAX_CHUNK", "flat_own_leaf", "busy_splits",
+__all__ = ["FlatOwn", "PATH", "FAMILY", "PLAN", "flat_tilings", "flat_own_leaf", "busy_splits",
            "flat_own_tiling", "flat_layout", "unsupported", "why_not", "build", "seconds", "run"]
 
 
@@ -41,25 +38,17 @@ PATH = "flat_own"
 FAMILY = "flat"
 PLAN = FlatOwn
 
-# FLAT_TILES, FLAT_OWN_MIN_SPLIT_KEYS, FLAT_OWN_MAX_SPLITS and FLAT_OWN_MAX_CHUNK: the reference
-# part's ``flat_tiles``, ``flat_own_min_split_keys``, ``flat_own_max_splits`` and
-# ``flat_own_max_chunk`` (for the benchmark that sweeps them); the leaf reads each device's own.
-_LEGACY = types.MappingProxyType({
-    "FLAT_TILES": "flat_tiles", "FLAT_OWN_MIN_SPLIT_KEYS": "flat_own_min_split_keys",
-    "FLAT_OWN_MAX_SPLITS": "flat_own_max_splits", "FLAT_OWN_MAX_CHUNK": "flat_own_max_chunk"})
-
-
-def __getattr__(name: str):
-    if name in _LEGACY:
-        value = getattr(reference_profile().tuning, _LEGACY[name])
-        return _tiles(value) if name == "FLAT_TILES" else value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 @functools.cache
 def _tiles(flat_tiles: tuple) -> tuple:
     """``((max_programs or None, SuffixTiling), ...)`` of a data file's ``flat_tiles``."""
     return tuple((bound, suffix_tiling(t)) for bound, t in flat_tiles)
+
+
+def flat_tilings(dev) -> tuple:
+    """``((max_programs or None, SuffixTiling), ...)``: the flat decode tilings of ``dev`` (its
+    ``flat_tiles``), by program count, that :func:`flat_own_tiling` chooses among."""
+    return _tiles(tuning(dev).flat_tiles)
 
 
 def flat_own_leaf(s: Shapes, dev, *, min_split_keys: int | None = None,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jax_prefix_attn import cost_model
 from jax_prefix_attn.device_profile import planning_profile
-from jax_prefix_attn.leaves.base import Shapes, SuffixTiling, suffix_tiling, supported, tuning
+from jax_prefix_attn.leaves.base import Shapes, SuffixTiling, decode_suffix_tiling, supported
 from jax_prefix_attn.leaves.mgpu_prefix import (decode_operands, mgpu_prefix_partials,
                                                 mgpu_splits, mgpu_suffix_splits,
                                                 mosaic_unsupported, region_why_not)
@@ -49,7 +49,7 @@ def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
 
 def build(s: Shapes, dev, interpret: bool) -> MgpuTwoLaunch:
     return MgpuTwoLaunch(num_splits=mgpu_splits(s, dev), suffix_splits=mgpu_suffix_splits(s, dev),
-                         suffix=suffix_tiling(tuning(dev).decode_suffix_tiling))
+                         suffix=decode_suffix_tiling(dev))
 
 
 def seconds(s: Shapes, dev, interpret: bool) -> float:

@@ -7,30 +7,15 @@ per SM by splitting the prefix when the (kv head, row block) programs are fewer.
 """
 from __future__ import annotations
 
-import types
-
 import jax.numpy as jnp
 import numpy as np
 
-from jax_prefix_attn.device_profile import Tuning, default_profile, reference_profile
+from jax_prefix_attn.device_profile import Tuning, default_profile
 from jax_prefix_attn.leaves.base import PrefixTiling, Shapes, supported, tuning
 from jax_prefix_attn.leaves.mgpu_prefix import mosaic_region
 from pallas_kernels._common import cdiv, next_pow2, pad_rows, row_meta, rows_from_q, seq_rows
 
-__all__ = ["OVERLAP_BELOW_PROGRAMS", "LARGE_M_TILING", "large_m_layout", "prefix_tiling",
-           "triton_why_not", "prefix_rows"]
-
-
-def __getattr__(name: str):
-    # OVERLAP_BELOW_PROGRAMS and LARGE_M_TILING: the reference part's (for the benchmarks that
-    # report them); the planner reads each device's own (``tuning``)
-    t = reference_profile().tuning
-    if name == "OVERLAP_BELOW_PROGRAMS":
-        return t.overlap_below_programs
-    if name == "LARGE_M_TILING":
-        return types.MappingProxyType(dict(zip(("block_k", "num_warps", "num_stages"),
-                                               t.large_m_tiling)))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["large_m_layout", "prefix_tiling", "triton_why_not", "prefix_rows"]
 
 
 def large_m_layout(batch: int, rows_per_seq: int, heads_kv: int, target: int) -> bool:

@@ -14,8 +14,9 @@ import numpy as np
 
 from jax_prefix_attn import cost_model
 from jax_prefix_attn.device_profile import planning_profile
-from jax_prefix_attn.leaves.base import (PrefixTiling, Shapes, SuffixTiling, suffix_splits,
-                                         suffix_tiling, supported, tuning, two_per_sm)
+from jax_prefix_attn.leaves.base import (PrefixTiling, Shapes, SuffixTiling,
+                                         decode_suffix_tiling, suffix_splits, suffix_tiling,
+                                         supported, tuning, two_per_sm)
 from jax_prefix_attn.leaves.triton_prefix import prefix_rows, prefix_tiling, triton_why_not
 from pallas_kernels._common import (merge_row_parts, next_pow2, q_rows_layout, row_meta,
                                     rows_from_q, rows_to_out, seq_rows)
@@ -58,8 +59,8 @@ def build(s: Shapes, dev, interpret: bool) -> TritonTwoLaunch:
     return TritonTwoLaunch(
         prefix=prefix_tiling(s.batch, s.tq * s.group, s.heads_kv, s.prefix_len, two_per_sm(dev),
                              tuned=t),
-        suffix_splits=ss, suffix=suffix_tiling(t.decode_suffix_tiling if s.tq == 1 and ss == 1
-                                               else t.row_suffix_tiling))
+        suffix_splits=ss, suffix=(decode_suffix_tiling(dev) if s.tq == 1 and ss == 1
+                                  else suffix_tiling(t.row_suffix_tiling)))
 
 
 def seconds(s: Shapes, dev, interpret: bool) -> float:

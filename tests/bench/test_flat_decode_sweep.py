@@ -1,8 +1,8 @@
 """``bench/flat_decode_sweep.py`` on the CPU: its configurations (split counts whose splits all
 hold keys, the planner's own leaf, the planned tiling first), the launch count read from
-optimized HLO, the split rule it fits (with the module constants it is the planner's choice),
-and the script end to end in its smoke mode (tiny points, Pallas interpret mode), resumed and
-stopped by its budget."""
+optimized HLO, the split rule it fits (with the device's tuned values it is the planner's
+choice), and the script end to end in its smoke mode (tiny points, Pallas interpret mode),
+resumed and stopped by its budget."""
 from __future__ import annotations
 
 import json
@@ -58,7 +58,7 @@ def test_launches_count_kernels_of_the_entry_and_its_command_buffers():
 
 def test_configurations_hold_keys_in_every_split_and_include_the_planned_leaf():
     pt = (32, 8, 128, 1, 1024, 64)
-    todo = fds.configs([pt], fds.SPLITS, fds.TILINGS, H100_SXM)
+    todo = fds.configs([pt], fds.SPLITS, fds.tilings(H100_SXM), H100_SXM)
     leaf = plan_shared_prefix(batch=1, tq=1, heads_q=32, heads_kv=8, head_dim=128, groups=1,
                               prefix_len=1024, suffix_len=64, dtype=jnp.bfloat16, impl="flat",
                               device=H100_SXM).chunks[0].leaf
@@ -73,12 +73,12 @@ def test_configurations_hold_keys_in_every_split_and_include_the_planned_leaf():
     assert not any(rule[rule.index(False):])          # the planner's tiling of each count first
     assert sum(rule) == 6 and (16, 64) in {(n, t.block_k) for (_, n, t, _), r in zip(todo, rule) if r}
     # at most 8 programs per SM: B=32 x Hkv=8 programs take at most 4 splits
-    big = fds.configs([(32, 8, 128, 32, 16384, 64)], fds.SPLITS, fds.TILINGS, H100_SXM)
+    big = fds.configs([(32, 8, 128, 32, 16384, 64)], fds.SPLITS, fds.tilings(H100_SXM), H100_SXM)
     assert max(n for _, n, _, planned in big if not planned) == 4
 
 
 @pytest.mark.parametrize("dev", [H100_SXM, H100_PCIE])
-def test_split_rule_with_module_constants_is_the_planners_and_its_bounds_hold(dev):
+def test_split_rule_with_the_tuned_values_is_the_planners_and_its_bounds_hold(dev):
     for b, hq, hkv, p, s in [(1, 32, 8, 1024, 64), (1, 8, 1, 16384, 64), (8, 8, 1, 4000, 1),
                              (16, 32, 8, 1024, 64), (32, 8, 1, 4096, 64), (512, 32, 8, 4096, 128)]:
         shapes = Shapes(b, 1, hq, hkv, 128, 1, p, s, "bfloat16")
@@ -86,7 +86,7 @@ def test_split_rule_with_module_constants_is_the_planners_and_its_bounds_hold(de
                                   prefix_len=p, suffix_len=s, dtype=jnp.bfloat16, path="flat_own",
                                   device=dev)
         assert plan.chunks[0].leaf == lp.flat_own_leaf(shapes, dev)
-        tiles = sorted(t.block_k for _, t in lp.FLAT_TILES)
+        tiles = sorted(t.block_k for _, t in lp.flat_tilings(dev))
         for keys in fds.RULE_KEYS:
             for cap in fds.RULE_MAX:
                 leaf = lp.flat_own_leaf(shapes, dev, min_split_keys=keys, max_splits=cap)
@@ -113,7 +113,7 @@ def test_smoke_run_records_every_configuration(smoke):
     assert set(doc["harness"]) == {"1x4x16", "2x4x16"} and min(doc["harness"].values()) > 0
     keys = [r["key"] for r in doc["results"]]
     want = [fds.config_key(pt, n, t) for pt, n, t, _ in fds.configs(
-        [(4, 2, 16, b, 40, 8) for b in (1, 2)], (2,), fds.SMOKE["tilings"], H100_SXM)]
+        [(4, 2, 16, b, 40, 8) for b in (1, 2)], (2,), fds.tilings(H100_SXM)[-1:], H100_SXM)]
     assert sorted(keys) == sorted(want) and len(keys) == 4
     for r in doc["results"]:
         assert r["status"] == "ok", r

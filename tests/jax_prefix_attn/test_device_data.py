@@ -1,11 +1,13 @@
 """The per-part data files (``jax_prefix_attn/device_data/*.json``): each loads, validates and
 names its source; a bad file raises ``ValueError`` naming the file and the key; the planning
-code defines no device rates or tuned regions of its own; an unknown GPU is planned with the
-nearest profile and says so."""
+code defines no device rates or tuned regions of its own, nor serves them under module names
+(every reader takes them from a device's profile); an unknown GPU is planned with the nearest
+profile and says so."""
 import ast
 import copy
 import dataclasses
 import fnmatch
+import importlib
 import json
 import pathlib
 import tomllib
@@ -13,16 +15,17 @@ import tomllib
 import jax.numpy as jnp
 import pytest
 
-from jax_prefix_attn import plan_shared_prefix
+from jax_prefix_attn import leaf_plans, plan_shared_prefix
 from jax_prefix_attn.device import H100_PCIE, H100_SXM, H200, DeviceInfo
 from jax_prefix_attn.device_profile import (DeviceProfile, Tuning, data_files, device_profile,
-                                            load_part, planning_profile, profiles)
+                                            load_part, planning_profile, profiles,
+                                            reference_profile)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "jax_prefix_attn"
 H200_FILE = PACKAGE / "device_data" / "h200.json"
 
-# Names of the module-level device rates and tuned regions the planning code used to define.
+# Module-level names of device rates and tuned regions, which no module defines or serves.
 OLD_NAMES = {
     "COPY_SHARE", "MMA_SHARE", "MMA_MGPU_SHARE", "L2_BW", "T_LAUNCH", "T_KEY", "T_KEY_FLAT",
     "SLOTS_PER_SM", "ROLE_PREFIX_FLOPS", "ROLE_TASK_S", "ROLE_STREAM_BPS", "COST_MODEL",
@@ -138,12 +141,25 @@ def test_unknown_gpu_takes_the_nearest_profile_and_says_so():
     assert planning_profile(H100_SXM).copy_bytes_per_s == h200.copy_bytes_per_s
 
 
-def test_names_kept_for_benchmarks_are_the_reference_parts_data():
-    from jax_prefix_attn import leaf_plans, planner
+def test_no_module_serves_device_values_under_module_names():
+    """Every reader takes a device's value from its profile (``leaves.base.tuning(dev)``, ...):
+    no module answers one of the old names, and none serves names lazily (a module-level
+    ``__getattr__``)."""
+    for name in ("device_profile", "planner", "leaf_plans", "leaves.base", "leaves.flat_own",
+                 "leaves.triton_prefix"):
+        module = importlib.import_module(f"jax_prefix_attn.{name}")
+        served = sorted(n for n in OLD_NAMES if hasattr(module, n))
+        assert not served, f"jax_prefix_attn.{name} serves {served}"
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lazy = [n.lineno for n in ast.parse(path.read_text()).body
+                if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"]
+        assert not lazy, f"{path.relative_to(ROOT)}:{lazy[0]} defines a module __getattr__"
+
+
+def test_tiling_readers_give_the_devices_own_data():
     t = profiles()["H200"].tuning
-    assert planner.OVERLAP_BELOW_PROGRAMS == t.overlap_below_programs
-    assert tuple(planner.DECODE_SUFFIX_TILING.values()) == t.decode_suffix_tiling
-    assert tuple(leaf_plans.LARGE_M_TILING.values()) == t.large_m_tiling
-    assert [(b, dataclasses.astuple(x)) for b, x in leaf_plans.FLAT_TILES] == \
+    assert leaf_plans.tuning(H200) is t
+    assert dataclasses.astuple(leaf_plans.decode_suffix_tiling(H200)) == t.decode_suffix_tiling
+    assert [(b, dataclasses.astuple(x)) for b, x in leaf_plans.flat_tilings(H200)] == \
         [(b, x) for b, x in t.flat_tiles]
-    assert leaf_plans.FLAT_OWN_MAX_SPLITS == t.flat_own_max_splits
+    assert reference_profile() is profiles()["H200"]

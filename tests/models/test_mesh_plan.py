@@ -7,7 +7,7 @@ import os
 import pytest
 
 from jax_prefix_attn.device import CPU, H100_SXM, H200
-from jax_prefix_attn.device_profile import H200_PROFILE, DeviceProfile, device_profile
+from jax_prefix_attn.device_profile import DeviceProfile, device_profile, profiles
 from models.config import LlamaConfig
 from models.mesh_plan import plan_mesh, splits_of, step_estimate
 
@@ -18,6 +18,11 @@ LLAMA_70B = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=2
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results",
                        "tensor_parallel_2xh200.json")
 MODES = {"single": (1, 1), "tp": (2, 1), "dp": (1, 2)}
+
+
+def h200() -> DeviceProfile:
+    """The H200's profile (its data file): the part the measured steps ran on."""
+    return profiles()["H200"]
 
 
 def _measured_8b():
@@ -31,7 +36,7 @@ def test_modelled_steps_are_within_15_percent_of_the_measured_ones():
     assert len(points) >= 6
     for p in points:
         tp, dp = MODES[p["mode"]]
-        seconds, _ = step_estimate(LLAMA_8B, H200_PROFILE, tensor_parallel=tp, data_parallel=dp,
+        seconds, _ = step_estimate(LLAMA_8B, h200(), tensor_parallel=tp, data_parallel=dp,
                                    batch=p["batch"], prefix_len=p["prefix"],
                                    suffix_len=p["gen_tokens"])
         assert abs(seconds * 1e3 / p["step_ms"] - 1) < 0.15, (p["mode"], p["batch"], seconds)
@@ -43,7 +48,7 @@ def test_the_choice_is_the_fastest_measured_mesh_at_every_measured_point():
         at = {MODES[p["mode"]]: p["step_ms"] for p in points
               if (p["batch"], p["prefix"]) == (batch, prefix) and p["gpus"] == 2}
         plan = plan_mesh(LLAMA_8B, devices=2, batch=batch, prefix_len=prefix, suffix_len=128,
-                         profile=H200_PROFILE)
+                         profile=h200())
         assert at[(plan.tensor_parallel, plan.data_parallel)] == min(at.values()), (batch, at)
 
 
@@ -52,31 +57,31 @@ def test_weight_bound_small_batches_take_tensor_parallel():
     parallel halves the reads."""
     for batch in (1, 8, 64):
         plan = plan_mesh(LLAMA_8B, devices=2, batch=batch, prefix_len=1024, suffix_len=128,
-                         profile=H200_PROFILE)
+                         profile=h200())
         assert (plan.tensor_parallel, plan.data_parallel) == (2, 1), plan.reason
 
 
 def test_a_model_one_device_cannot_hold_takes_tensor_parallel_and_says_why():
     plan = plan_mesh(LLAMA_70B, devices=2, batch=1024, prefix_len=16384, suffix_len=128,
-                     profile=H200_PROFILE)
+                     profile=h200())
     assert (plan.tensor_parallel, plan.data_parallel) == (2, 1)
-    assert plan.bytes_per_device <= 0.9 * H200_PROFILE.memory_bytes
+    assert plan.bytes_per_device <= 0.9 * h200().memory_bytes
     assert "tp 1 x dp 2" in plan.reason and "(does not fit)" in plan.reason
     assert plan.reason.startswith("tensor_parallel=2 x data_parallel=1: modelled step")
     with pytest.raises(ValueError, match=r"70\.6 B parameters.*needs at least 144\.2 GB per "
                                          r"device on 1 device.*has 138\.1 GB"):
         plan_mesh(LLAMA_70B, devices=1, batch=64, prefix_len=1024, suffix_len=128,
-                  profile=H200_PROFILE)
+                  profile=h200())
 
 
 def test_memory_budget_and_batch_limit_the_splits():
     # 8 devices with a batch of 2: only splits with dp <= 2 are considered
     plan = plan_mesh(LLAMA_8B, devices=8, batch=2, prefix_len=1024, suffix_len=64,
-                     profile=H200_PROFILE)
+                     profile=h200())
     assert {(t, d) for t, d, *_ in plan.estimates} == {(8, 1), (4, 2)}
     # a 20 GB device cannot hold the 8B model whole: data parallel alone is refused
     plan = plan_mesh(LLAMA_8B, devices=4, batch=1024, prefix_len=1024, suffix_len=128,
-                     profile=H200_PROFILE, memory_bytes=20e9)
+                     profile=h200(), memory_bytes=20e9)
     assert plan.tensor_parallel >= 2
     assert all(not fits for t, _, _, _, fits in plan.estimates if t == 1)
 
@@ -95,13 +100,13 @@ def test_splits_of():
 def test_argument_errors_name_the_argument(kw, match):
     args = dict(devices=2, batch=8, prefix_len=16, suffix_len=8) | kw
     with pytest.raises(ValueError, match=match):
-        plan_mesh(LLAMA_8B, profile=H200_PROFILE, **args)
+        plan_mesh(LLAMA_8B, profile=h200(), **args)
 
 
 def test_device_profile_of_known_and_unknown_parts():
-    assert device_profile(H200) == (H200_PROFILE, "")
+    assert device_profile(H200) == (h200(), "")
     profile, note = device_profile(H100_SXM)
-    assert profile is H200_PROFILE
+    assert profile is h200()
     assert note == ("no measured profile for 'NVIDIA H100 80GB HBM3' (compute capability 9.0); "
                     "planned with the H200 profile")
     assert "compute capability none" in device_profile(CPU)[1]
@@ -112,4 +117,4 @@ def test_device_profile_of_known_and_unknown_parts():
 
 def test_profile_rejects_non_positive_rates():
     with pytest.raises(ValueError, match="DeviceProfile.copy_bytes_per_s must be a positive"):
-        DeviceProfile(**{**H200_PROFILE.__dict__, "copy_bytes_per_s": 0.0})
+        DeviceProfile(**{**h200().__dict__, "copy_bytes_per_s": 0.0})
