@@ -64,7 +64,6 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from typing import Callable, Iterable, Sequence
@@ -75,7 +74,7 @@ import jax.numpy as jnp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.timing import device_info, gpu_slug, is_oom, time_fn  # noqa: E402
+from bench.timing import device_info, git_commit, gpu_slug, is_oom, time_fn  # noqa: E402
 
 __all__ = ["Point", "Job", "Program", "Harness", "Budget", "ResultStore", "CONTENDERS", "GRIDS",
            "fwd_flops", "heads_q", "core_grid", "full_grid", "select_points", "run_grid",
@@ -505,21 +504,6 @@ def run_grid(points: Sequence[Point], store: ResultStore, names: Sequence[str], 
 
 
 # ------------------------------------------------------------------------------------------- run
-def git_commit(explicit: str | None) -> tuple[str | None, str | None]:
-    """``(commit, source)``: ``explicit`` where given (a copied checkout's git can be stale), else
-    ``git rev-parse --short HEAD`` in the repository."""
-    if explicit:
-        return explicit, "argument"
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=20)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip(), "git"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return None, None
-
-
 def versions(contenders: dict[str, Contender]) -> dict:
     out = {"jax": jax.__version__}
     try:

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.flash_attention import FWD_BWD_FACTOR, fwd_flops, git_commit, heads_q  # noqa: E402
+from bench.flash_attention import FWD_BWD_FACTOR, fwd_flops, heads_q  # noqa: E402
+from bench.timing import git_commit  # noqa: E402
 from bench.timing import device_info, gpu_slug, time_fn  # noqa: E402
 
 __all__ = ["SWEEP", "MGPU_BWD_SWEEP", "sweep", "run_sweep", "sweep_mgpu_bwd", "run_mgpu_bwd",

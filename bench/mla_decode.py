@@ -77,7 +77,6 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import shlex  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 import zlib  # noqa: E402
 from typing import NamedTuple  # noqa: E402
@@ -91,7 +90,7 @@ import jax_prefix_attn as jpa  # noqa: E402
 from bench import mla_decode_flashinfer as mfi  # noqa: E402
 from bench.mla_decode_plot import point_line  # noqa: E402
 from bench.peers_ours import loop_calls  # noqa: E402
-from bench.timing import (GRAPH_ALWAYS, device_info, gpu_slug, is_oom, loop_time,  # noqa: E402
+from bench.timing import (GRAPH_ALWAYS, device_info, git_commit, gpu_slug, is_oom, loop_time,  # noqa: E402
                           measure_copy_bandwidth, measure_matmul_rate)
 
 __all__ = ["Point", "Inputs", "full_grid", "tiny_grid", "select_points", "cost", "floors", "memory_bytes",
@@ -411,21 +410,6 @@ class Store:
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-
-
-def git_commit(explicit: str | None) -> tuple[str | None, str | None]:
-    """``(commit, source)``: ``explicit`` where given (a copied checkout's git can be stale),
-    else ``git rev-parse --short HEAD``."""
-    if explicit:
-        return explicit, "argument"
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=20)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip(), "git"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return None, None
 
 
 def parse_args(argv=None):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import statistics
 import subprocess
@@ -147,6 +148,23 @@ def is_oom(exc: BaseException) -> bool:
     if "shared memory" in msg.lower():
         return False
     return "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() or isinstance(exc, MemoryError)
+
+
+def git_commit(explicit: str | None) -> tuple[str | None, str | None]:
+    """``(commit, source)`` of a result: ``explicit`` where given (``"argument"``; a copied
+    checkout's git can be stale), else ``git rev-parse --short HEAD`` of this repository
+    (``"git"``), else ``(None, None)``."""
+    if explicit:
+        return explicit, "argument"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip(), "git"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None, None
 
 
 def device_info() -> dict:
