@@ -2,12 +2,14 @@
 ``FlashPlan`` validation; the Mosaic GPU forward with the Triton backward (the plan above
 head_dim 128 on Hopper) in the CPU interpreters against the reference, gradients through
 ``out`` and ``lse``."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import rel_err
+from helpers import lower_for_cuda, rel_err
 from jax_prefix_attn import reference
 from jax_prefix_attn.device import CPU, H100_PCIE, H200, DeviceInfo
 from jax_prefix_attn.flash_plan import (MGPU_MIN_QUERIES, FlashPlan, plan_flash,
@@ -85,6 +87,27 @@ def test_mgpu_forward_triton_backward_in_cpu_interpreters():
     for name, g, w in zip("qkv", got, want):
         assert g.dtype == BF16, name
         assert rel_err(g, w) < 3e-2, name
+
+
+
+@pytest.mark.parametrize("d,plan", [(256, FlashPlan("mgpu", "triton")),
+                                    (128, FlashPlan("mgpu", "mgpu"))])
+def test_plans_lower_for_cuda_with_their_gradients(d, plan):
+    """The plans ``plan_flash`` gives an H200 at prefill shapes lower for CUDA on the CPU
+    (forward and backward kernels: Mosaic GPU's layout and transfer inference, Triton's
+    lowering), under ``jax.grad`` of a loss of ``out`` and ``lse``."""
+    s = jax.ShapeDtypeStruct
+    q, kv = s((2, 256, 8, d), BF16), s((2, 256, 2, d), BF16)
+    assert plan_flash(q.shape, kv.shape, BF16, H200) == dataclasses.replace(plan, reason=plan_flash(
+        q.shape, kv.shape, BF16, H200).reason)
+
+    def loss(q, k, v):
+        o, l = run_flash_plan(plan, q, k, v, causal=True, kv_lengths=jnp.array([256, 100]))
+        return jnp.sum(o.astype(F32)) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0))
+
+    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    assert text.count("mosaic_gpu") >= (1 if plan.backward == "triton" else 2)
+    assert ("triton" in text) == (plan.backward == "triton")
 
 
 @pytest.mark.gpu
