@@ -469,3 +469,24 @@ def test_gpu_auto_prefix_groups_and_gradients():
     for a, b_ in zip(got, want):
         a, b_ = np.asarray(a, np.float32), np.asarray(b_, np.float32)
         assert np.linalg.norm(a - b_) / np.linalg.norm(b_) < 2e-2
+
+
+def test_kernel_path_with_groups_lowers_for_cuda_under_grad():
+    """``impl="mgpu"`` with 4 prefix groups at DeepSeek-V2-Lite widths, under
+    ``jax.value_and_grad``: lowers for CUDA on the CPU (the per-group prefix launches inside
+    ``lax.map``, the suffix kernel, the reference branch and the reference's backward)."""
+    from helpers import lower_for_cuda
+    s = jax.ShapeDtypeStruct
+    b, g, h, r, dr, p, sc = 8, 4, 16, 512, 64, 1024, 128
+    avals = (s((b, 1, h, r), jnp.bfloat16), s((b, 1, h, dr), jnp.bfloat16),
+             s((g, p, r), jnp.bfloat16), s((g, p, dr), jnp.bfloat16),
+             s((b, sc, r), jnp.bfloat16), s((b, sc, dr), jnp.bfloat16))
+
+    def loss(*a):
+        out = jpa.mla_attention(*a, suffix_lengths=jnp.full((b,), 100, jnp.int32),
+                                prefix_lengths=jnp.full((g,), 900, jnp.int32),
+                                seq_to_prefix=jnp.arange(b, dtype=jnp.int32) // 2, impl="mgpu")
+        return jnp.sum(out.astype(jnp.float32))
+
+    text = lower_for_cuda(jax.value_and_grad(loss, argnums=tuple(range(6))), *avals)
+    assert text.count("mosaic_gpu") >= 2
