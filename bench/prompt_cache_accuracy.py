@@ -210,7 +210,7 @@ def _meta(argv) -> dict:
 
 def main(argv=None) -> int:
     from models import LLM  # noqa: PLC0415
-    from models.cli_prompt_cache import bos_token_id  # noqa: PLC0415
+    from models.cli.prompt_cache import bos_token_id  # noqa: PLC0415
 
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

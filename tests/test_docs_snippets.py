@@ -20,7 +20,7 @@ Convention (for whoever writes the docs):
     ``-n``).
 
   Other ```bash blocks are not run, but every ``jpa-sample`` / ``python -m models.cli`` command
-  in any block must pass the CLI's argument checks (``models.cli_args.parse_args``), one that
+  in any block must pass the CLI's argument checks (``models.cli.args.parse_args``), one that
   writes ``--output FILE`` must say ``--overwrite`` or ``--append`` (so that it runs twice), and
   a command said to be "what `make run` runs" must be the Makefile's.
 * Other fences (```xml, ```text, unlabelled) are not run.
@@ -198,7 +198,7 @@ def test_docs_have_cli_commands():
 @pytest.mark.parametrize("block,line", CLI_COMMANDS, ids=[f"{b.id}:{line.split('#')[0].strip()[:40]}"
                                                           for b, line in CLI_COMMANDS])
 def test_cli_command_parses(block: Block, line: str):
-    from models.cli_args import UsageError, build_parser, parse_args
+    from models.cli.args import UsageError, build_parser, parse_args
     argv = _cli_argv(_commands(line)[0])
     try:
         args = parse_args(build_parser(), argv)

@@ -21,7 +21,8 @@ import pytest
 from helpers import (assert_one_error_line, run_cli, tiny_config, tiny_state_dict, tiny_tokenizer_meta,
                      write_tiny_gguf)
 from models import cli
-from models.cli_prompt_cache import CompileTimeline, bos_token_id
+from models.cli import command
+from models.cli.prompt_cache import CompileTimeline, bos_token_id
 from models.config import LlamaConfig
 from models.gguf import load_gguf, write_llama_gguf
 from models.llama import Llama
@@ -56,7 +57,7 @@ def no_loading(monkeypatch):
         calls.append(a)
         raise AssertionError("the model loader was called")
 
-    monkeypatch.setattr(cli, "load_model", loader)
+    monkeypatch.setattr(command, "load_model", loader)
     return calls
 
 

@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 
 from helpers import assert_one_error_line, run_cli, write_tiny_gguf
-from models import cli, cli_jsonl
-from models.cli_args import UsageError
-from models.cli_jsonl import FileRecords, open_records, record_line
+from models import cli
+from models.cli import command, jsonl as cli_jsonl
+from models.cli.args import UsageError
+from models.cli.jsonl import FileRecords, open_records, record_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,7 +126,7 @@ def no_loading(monkeypatch):
     def loader(*a, **k):
         raise AssertionError("the model loader was called")
 
-    monkeypatch.setattr(cli, "load_model", loader)
+    monkeypatch.setattr(command, "load_model", loader)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +347,7 @@ def test_ctrl_c_during_a_records_write_keeps_it_once(when, tiny_model, tmp_path,
 
 
 class _OsWith:
-    """The ``os`` module as ``models.cli_jsonl`` sees it, with the given functions replaced."""
+    """The ``os`` module as ``models.cli.jsonl`` sees it, with the given functions replaced."""
 
     def __init__(self, **replaced):
         self.__dict__.update(replaced)
@@ -443,7 +444,7 @@ PROMPTS = ('<prompt schema="pets"><intro/>so then</prompt>', '<prompt schema="pe
 def test_ctrl_c_in_schema_mode_keeps_the_completions(tiny_model, tmp_path, capsys, monkeypatch):
     """SIGINT while the cached path's call runs: the call finishes, its two records go to the
     partial file, the comparison does not run; status 130 and the previous file unchanged."""
-    import models.cli_prompt_cache as pc  # noqa: PLC0415
+    import models.cli.prompt_cache as pc  # noqa: PLC0415
 
     (tmp_path / "s.pml").write_text(SCHEMA)
     argv = ["--model", tiny_model, "--schema", tmp_path / "s.pml", "-t", 0, "-m", 4]
@@ -522,7 +523,7 @@ def test_logprobs_flags_say_both_output_forms_in_their_help():
 
 
 def test_deferred_interrupt_raises_after_the_block_or_at_a_second_sigint(capsys):
-    from models.cli_interrupt import deferred_interrupt  # noqa: PLC0415
+    from models.cli.interrupt import deferred_interrupt  # noqa: PLC0415
 
     done = []
     with pytest.raises(KeyboardInterrupt):

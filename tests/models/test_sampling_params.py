@@ -17,7 +17,7 @@ import pytest
 from helpers import write_tiny_gguf
 from models import LLM, PromptBatch, SamplingConfig, SamplingParams
 from models import cli
-from models.cli_args import build_parser, parse_args, sampling_params
+from models.cli.args import build_parser, parse_args, sampling_params
 from models.token_step import choose_tokens
 from models import llm as llm_module
 from models import prompt_logprobs as prompt_logprobs_module

@@ -16,7 +16,7 @@ one block each as they finish; `--output FILE` writes one JSON object per comple
 (model path and identity, seed, sampling settings, timings, `--logprobs`), each as its sequence
 finishes, to `FILE.partial-PID`; `FILE` itself appears by a rename when the run ends, so an
 interrupted, failed or killed run leaves the previous `FILE` as it was and its records in the
-partial file (`models.cli_jsonl`: the lock against a second run on the path, `--overwrite` /
+partial file (`models.cli.jsonl`: the lock against a second run on the path, `--overwrite` /
 `--append` for an existing `FILE`); `--output -` writes the records to standard output. On a terminal,
 standard error shows a live line per phase (load, prefill with compilation, decode with
 tokens/s); piped, nothing but plain text is written. The summary (time to first token, rates,
@@ -48,13 +48,7 @@ written in PML from the stored keys/values of the schema's modules, all prompts 
 ordinary prefill of the same tokens); the records add `prompt_token_ids` (the assembled prompt,
 module tokens included, in position order), the schema, the prompt file and the cache's hits and
 bytes, and the summary gives the time to first token with and without the cache
-(`models.cli_prompt_cache`).
-
-The pieces: `models.cli_args` (flags), `models.cli_inputs` (prompts, files),
-`models.cli_progress` (the live line), `models.cli_output` (blocks, summary, JSONL records),
-`models.cli_jsonl` (where the records are written), `models.cli_interrupt` (Ctrl-C during one
-compiled call), `models.cli_prompt_cache` (the PML path).
-Also runnable as `python -m models.cli`.
+(`models.cli.prompt_cache`).
 """
 from __future__ import annotations
 
@@ -68,13 +62,13 @@ from typing import Sequence
 
 import jax
 
-from models.cli_args import PROG, STDIN, UsageError, build_parser, parse_args, sampling_params, unescape, version
-from models.cli_inputs import (DEMO_QUESTIONS, DEMO_SYSTEM, build_prompts, check_output_flags, check_writable,
+from models.cli.args import PROG, STDIN, UsageError, build_parser, parse_args, sampling_params, unescape, version
+from models.cli.inputs import (DEMO_QUESTIONS, DEMO_SYSTEM, build_prompts, check_output_flags, check_writable,
                                output_mode, read_inputs, read_text)
-from models.cli_jsonl import kept_on_error, open_records
-from models.cli_output import completion_header, error_line, jsonl_record, printable, sequence_timings, summary_line
-from models.cli_progress import Progress
-from models.cli_prompt_cache import run_prompt_cache
+from models.cli.jsonl import kept_on_error, open_records
+from models.cli.output import completion_header, error_line, jsonl_record, printable, sequence_timings, summary_line
+from models.cli.progress import Progress
+from models.cli.prompt_cache import run_prompt_cache
 from models.compile_watch import CompileWatch
 from models.completion import Completion, DoneEvent, FinishEvent, PhaseEvent, StepEvent, TokenEvent
 from models.checkpoint import read_config
@@ -315,6 +309,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

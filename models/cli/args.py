@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="live progress line on stderr; auto = when stderr is a terminal (default: %(default)s)")
     pc = p.add_argument_group("Prompt Cache", "prompts of a PML schema, served from the stored keys/values of "
-                              "their modules (see models.cli_prompt_cache)")
+                              "their modules (see models.cli.prompt_cache)")
     pc.add_argument("--schema", default=None, metavar="FILE",
                     help="a PML schema (<schema name=...>) whose modules are encoded once; '-' for standard "
                          "input (default: none)")

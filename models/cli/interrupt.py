@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from models.cli_args import PROG
+from models.cli.args import PROG
 
 __all__ = ["deferred_interrupt"]
 

@@ -14,7 +14,7 @@ is overwritten by accident (:func:`open_records`).
 * ``--output -``: each record goes to standard output as its sequence finishes (one write and a
   flush per line); there is nothing to rename.
 
-Every problem is a :class:`~models.cli_args.UsageError` (one line) that says where the records
+Every problem is a :class:`~models.cli.args.UsageError` (one line) that says where the records
 written so far are.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import stat
 import sys
 from typing import Sequence
 
-from models.cli_args import PROG, STDIN, UsageError
+from models.cli.args import PROG, STDIN, UsageError
 
 __all__ = ["OUTPUT_MODES", "FileRecords", "StdoutRecords", "kept_on_error", "open_records", "record_line"]
 

@@ -1,14 +1,14 @@
 """The inputs of ``jpa-sample``, checked before the model loads: the shared prompt and the
 questions (files or standard input, the ``--demo`` example), the prompts ``LLM`` gets, the
 flags that only go with ``--output``, and whether ``--output`` can be written.  Every problem is a
-:class:`~models.cli_args.UsageError`."""
+:class:`~models.cli.args.UsageError`."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-from models.cli_args import STDIN, UsageError
+from models.cli.args import STDIN, UsageError
 
 __all__ = ["DEMO_QUESTIONS", "DEMO_SYSTEM", "build_prompts", "check_output_flags", "check_writable", "output_mode",
            "read_inputs", "read_text"]

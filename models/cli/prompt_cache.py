@@ -42,12 +42,12 @@ from typing import Callable
 import jax
 import numpy as np
 
-from models.cli_args import UsageError, sampling_params
-from models.cli_inputs import check_writable, output_mode, read_text
-from models.cli_interrupt import deferred_interrupt
-from models.cli_jsonl import kept_on_error, open_records
-from models.cli_output import completion_fields, mesh_fields, printable, run_fields
-from models.cli_progress import Progress
+from models.cli.args import UsageError, sampling_params
+from models.cli.inputs import check_writable, output_mode, read_text
+from models.cli.interrupt import deferred_interrupt
+from models.cli.jsonl import kept_on_error, open_records
+from models.cli.output import completion_fields, mesh_fields, printable, run_fields
+from models.cli.progress import Progress
 from models.compile_watch import CompileWatch
 from models.llm import LLM
 from models.prefix_sharing import format_bytes
@@ -219,7 +219,7 @@ def _timed_again(first: PathResult, generate: Callable, llm: LLM, encoded, layou
 
 def _record(llm, args, inputs: PmlInputs, run: PmlRun, j: int, i: int, cached: PathResult,
             compare: PathResult | None) -> dict:
-    """The JSONL record of sample ``i`` of prompt ``j`` (module docstring of ``models.cli``'s
+    """The JSONL record of sample ``i`` of prompt ``j`` (module docstring of ``models.cli.command``'s
     records plus the schema, the prompt file, the assembled prompt and the cache)."""
     ids = [int(t) for t in cached.out.prompt_token_ids[j]]
     new = len(run.layouts[j].new_token_ids)
