@@ -1,6 +1,6 @@
 """Planner of shared-prefix attention: static shapes + :class:`DeviceInfo` -> a frozen plan;
-and of tree attention (:func:`plan_tree_attention`, a :class:`TreePlan`, from
-:mod:`jax_prefix_attn.tree_plan`).
+and of tree attention (:func:`plan_tree_attention`, a :class:`TreePlan`, over the tree family's
+ordered registry :data:`TREE_LEAVES`, from :mod:`jax_prefix_attn.tree_plan`).
 
 The planner keeps an ordered registry of leaf modules (:data:`LEAVES`, each following
 :class:`jax_prefix_attn.leaves.base.Leaf`).  It takes the leaves of the asked family (both
@@ -26,13 +26,14 @@ from jax_prefix_attn.leaves.base import (planning_part, query_chunks, shared_pre
                                          supported)
 from jax_prefix_attn.plans import (BackwardPlan, ChunkPlan, Reference, SharedPrefixPlan,
                                    Shapes)
-from jax_prefix_attn.tree_plan import TreePlan, plan_tree_attention
+from jax_prefix_attn.tree_plan import (TREE_LEAVES, TreePlan, plan_tree_attention, tree_candidates,
+                                       tree_leaf)
 from pallas_kernels import prefix_attention_bwd, suffix_attention_bwd
 
 __all__ = ["plan_shared_prefix", "SharedPrefixPlan", "LEAVES", "leaf_module", "candidates",
            "PATHS", "SHARED_PATHS", "FLAT_PATHS", "shared_prefix_supported",
            "suffix_grad_key_splits", "row_splits", "plan_tree_attention", "TreePlan",
-           "FLAT_DECODE_MAX_TQ", "use_flat_decode"]
+           "TREE_LEAVES", "tree_leaf", "tree_candidates", "FLAT_DECODE_MAX_TQ", "use_flat_decode"]
 
 # The registry, in order of preference among leaves of equal modelled cost: the one-launch
 # Mosaic GPU leaves are charged as the two launches they replace, and each was measured to beat

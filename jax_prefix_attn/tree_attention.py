@@ -24,6 +24,9 @@ Algorithms (``impl``):
   (:func:`jax_prefix_attn.tree_paths.hybrid_attention`).
 * ``"auto"``: the schedule of :func:`jax_prefix_attn.planner.plan_tree_attention` (a
   :class:`~jax_prefix_attn.tree_plan.TreePlan`; :func:`auto_path` names it).
+
+Every schedule is a leaf module of :mod:`jax_prefix_attn.leaves` (``tree_*``); the call runs
+through the planned leaf's ``run`` with the forward paths of :data:`FORWARDS`.
 * ``"reference"``: gathers each sequence's context and calls ``reference.attention``.
 
 ``interpret=True`` runs the Pallas kernels of a named algorithm in interpret mode (CPU
@@ -61,7 +64,8 @@ import numpy as np
 
 from jax_prefix_attn._validation import (check_array, check_bool, check_gqa, check_impl, check_kv, check_lengths,
                                          check_sm_scale)
-from jax_prefix_attn.planner import plan_tree_attention
+from jax_prefix_attn.leaves.base import TreeCall, TreeForwards
+from jax_prefix_attn.planner import plan_tree_attention, tree_leaf
 from jax_prefix_attn.prefix_tree import PrefixTree
 from jax_prefix_attn.tree_drafts import check_draft_parents
 from jax_prefix_attn.tree_grad import grads_via_kernels, mirror_grads
@@ -74,7 +78,7 @@ from pallas_kernels._common import (flag_nonfinite, kernel_group, kernel_head_di
                                      unpad_group)
 
 __all__ = ["tree_attention", "auto_path", "default_platform", "use_single_level", "use_shallow",
-           "hybrid_unsupported", "IMPLS", "BACKWARDS", "PLATFORMS"]
+           "hybrid_unsupported", "IMPLS", "BACKWARDS", "PLATFORMS", "FORWARDS"]
 
 IMPLS = TREE_IMPLS
 # Backward of the kernel paths: "kernels" (the backward kernels) or "mirror" (autodiff of the
@@ -184,6 +188,18 @@ def _tree_attn_bwd(scale, schedule, backend, backward, res, cts):
 _tree_attn.defvjp(_tree_attn_fwd, _tree_attn_bwd)
 
 
+def _tree_kernels(call: TreeCall, schedule: str, backend: str):
+    """A tree-kernel schedule's forward (:func:`schedule_forward`) with its backward."""
+    return _tree_attn(call.q, call.meta, call.k_pool, call.v_pool, call.suffix_k, call.suffix_v,
+                      call.suffix_lengths, call.draft_parents, call.scale, schedule, backend, call.backward)
+
+
+# The forward paths the tree leaves' ``run`` goes through (they plan through the planner that
+# holds the tree registry, so the leaves take them as an argument).
+FORWARDS = TreeForwards(tree_kernels=_tree_kernels, single_level=single_level_attention,
+                        shallow=shallow_attention)
+
+
 def tree_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, *, suffix_lengths, sm_scale=None,
                    return_lse: bool = False, impl: str = "auto", interpret: bool = False, draft_parents=None,
                    backward: str = "kernels", platform: str | None = None, check_ranges: bool = False):
@@ -273,11 +289,6 @@ def _kernel_shapes_attention(q, tree, k_pool, v_pool, suffix_k, suffix_v, suffix
                                draft=draft_parents is not None, impl=impl, platform=platform,
                                interpret=interpret)
     meta = jax.tree_util.tree_map(jnp.asarray, meta)
-    impl, interpret = plan.schedule, plan.interpret
-    if impl in ("single_level", "shallow"):
-        path = single_level_attention if impl == "single_level" else shallow_attention
-        return path(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
-                    shared_impl="shared" if interpret else "auto", interpret=interpret)
-    backend = "interpret" if interpret else "pallas" if platform == "gpu" else "mirror"
-    return _tree_attn(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale,
-                      impl, backend, backward)
+    call = TreeCall(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, draft_parents, scale,
+                    backward)
+    return tree_leaf(plan.schedule).run(plan, call, FORWARDS)

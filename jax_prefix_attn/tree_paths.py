@@ -34,6 +34,7 @@ from jax_prefix_attn.tree_drafts import draft_ancestors, draft_suffix_partials
 from jax_prefix_attn.tree_layout import gather_parts, merge_states, pad_pool, partial_dtype, q_sorted, row_tables
 from jax_prefix_attn.tree_metadata import TreeMetadata
 from jax_prefix_attn.tree_mirror import mirror_partials
+from jax_prefix_attn.tree_plan import tree_leaf
 from jax_prefix_attn.tree_schedule import Schedule, next_pow2
 from jax_prefix_attn.tree_suffix_merge import as_incoming, decode_suffix_merging
 from pallas_kernels.suffix_attention import suffix_decode_merge
@@ -134,7 +135,9 @@ def schedule_forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, 
                      draft_parents=None, *, scale: float, schedule: str, backend: str):
     """Tree attention by the ``"flatten"``, ``"levelwise"``, ``"nodes"`` or ``"hybrid"`` schedule
     (``backend``: ``"pallas"`` compiled kernels, ``"interpret"`` the kernels in interpret mode,
-    ``"mirror"`` the pure-JAX mirror).  ``(out [B, Tq, Hq, D] in q's dtype, lse [B, Tq, Hq])``."""
+    ``"mirror"`` the pure-JAX mirror): the hybrid forward, or one tree-kernel launch per
+    schedule of the metadata that the schedule's leaf ``launches``.
+    ``(out [B, Tq, Hq, D] in q's dtype, lse [B, Tq, Hq])``."""
     if schedule == "hybrid":
         return hybrid_attention(q, meta, k_pool, v_pool, suffix_k, suffix_v, suffix_lengths, scale=scale,
                                 backend=backend)
@@ -145,14 +148,8 @@ def schedule_forward(q, meta: TreeMetadata, k_pool, v_pool, suffix_k, suffix_v, 
     key_m = jnp.repeat(key, g)
     lim_m = jnp.repeat(lim, g)
     q_hmd = q_sorted(q, meta, hkv)
-    if schedule == "flatten":
-        scheds = [meta.flatten]
-    elif schedule == "nodes":
-        scheds = [meta.nodes]
-    else:
-        scheds = list(meta.levels)
     parts_o, parts_l = [], []
-    for sc in scheds:
+    for sc in tree_leaf(schedule).launches(meta):
         o, lse = partials(sc, q_hmd, k_pool, v_pool, key_m, lim_m, group=g, scale=scale, backend=backend)
         og, lg = gather_parts(sc, o, lse, g)
         parts_o.append(og.reshape(b, tq, *og.shape[1:]))

@@ -1,6 +1,7 @@
-"""What every plan leaf of shared-prefix attention shares: the static shapes a leaf is planned
-for, the kernel tilings several leaves use, the :class:`Leaf` protocol of a leaf module, and the
-split rules common to several leaves.
+"""What every plan leaf shares: the static shapes a leaf is planned for, the kernel tilings
+several leaves use, the :class:`Leaf` protocol of a shared-prefix leaf module and the
+:class:`TreeLeaf` protocol of a tree-attention schedule's module (with the tree family's
+shapes, call and forward paths), and the split rules common to several leaves.
 
 Each leaf is one module of :mod:`jax_prefix_attn.leaves` holding its frozen plan dataclass, the
 reason it cannot be chosen for given shapes (:func:`Leaf.why_not`), its modelled cost, its
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import jax.numpy as jnp
 
 from jax_prefix_attn.device import H100_SXM, DeviceInfo
 from jax_prefix_attn.device_profile import Tuning, device_profile
@@ -20,7 +23,8 @@ from pallas_kernels.decode_attention import supported as triton_supported
 __all__ = ["Shapes", "PrefixTiling", "SuffixTiling", "Leaf", "shared_prefix_supported",
            "supported", "query_chunks", "planning_part", "tuning", "suffix_tiling",
            "decode_suffix_tiling", "describe_regions", "two_per_sm", "splits_to_fill",
-           "suffix_splits"]
+           "suffix_splits", "TreeShapes", "TreeCall", "TreeForwards", "TreeLeaf",
+           "tree_kernels_supported", "tiling_pairs", "tree_backend"]
 
 _frozen = dataclasses.dataclass(frozen=True)
 
@@ -175,3 +179,113 @@ def splits_to_fill(programs: int, keys: int, block_k: int, target: int) -> int:
 def suffix_splits(s: Shapes, dev) -> int:
     """Splits of the suffix keys when ``B * Hkv`` programs cannot fill the GPU."""
     return splits_to_fill(s.batch * s.heads_kv, s.suffix_len, 64, two_per_sm(dev))
+
+
+@_frozen
+class TreeShapes:
+    """Static shapes of a tree-attention call on the kernels' shapes: ``q [batch, tq, heads_q,
+    head_dim]`` (group and head_dim padded to powers of two), ``dtype`` the name of q's dtype,
+    ``suffix_len`` the suffix capacity, ``draft``: ``draft_parents`` is given."""
+    batch: int
+    tq: int
+    heads_q: int
+    head_dim: int
+    dtype: str
+    suffix_len: int
+    draft: bool
+
+
+@_frozen
+class TreeCall:
+    """The inputs of one tree-attention call on the kernels' shapes, as a tree leaf's ``run``
+    takes them: the arrays (``meta`` a :class:`~jax_prefix_attn.tree_metadata.TreeMetadata` of
+    device arrays, ``draft_parents`` or ``None``), the score ``scale`` and the ``backward``
+    (``"kernels"`` or ``"mirror"``) of the tree-kernel schedules."""
+    q: Any
+    meta: Any
+    k_pool: Any
+    v_pool: Any
+    suffix_k: Any
+    suffix_v: Any
+    suffix_lengths: Any
+    draft_parents: Any
+    scale: float
+    backward: str
+
+
+@_frozen
+class TreeForwards:
+    """The forward paths tree leaves run through, given to their ``run`` by
+    :func:`jax_prefix_attn.tree_attention.tree_attention`.  They compose the shared-prefix
+    family's entry points, which plan through the planner that holds the tree registry, so a
+    leaf module takes them as an argument rather than importing them.
+
+    * ``tree_kernels(call, schedule, backend)``: a tree-kernel schedule by name (``"flatten"``,
+      ``"levelwise"``, ``"nodes"``, ``"hybrid"``) with its backward
+      (:func:`jax_prefix_attn.tree_paths.schedule_forward`);
+    * ``single_level`` and ``shallow``: :func:`jax_prefix_attn.tree_paths.single_level_attention`
+      and :func:`jax_prefix_attn.tree_paths.shallow_attention`.
+    """
+    tree_kernels: Callable
+    single_level: Callable
+    shallow: Callable
+
+
+@runtime_checkable
+class TreeLeaf(Protocol):
+    """A tree-attention schedule's module: the :class:`Leaf` protocol with the tree metadata as
+    an argument.  ``PATH``: the schedule's name (:class:`~jax_prefix_attn.tree_plan.TreePlan`'s
+    ``schedule``, a named ``impl``); ``FAMILY``: ``"tree"``; ``PLAN``: its frozen tiling
+    dataclass; ``PRICED``: the tree cost model prices it when the metadata is built
+    (:class:`~jax_prefix_attn.tree_plan.ScheduleCosts`); ``MIRROR``: it runs a pure-JAX mirror
+    off the GPU, so it takes every input; ``PREFERENCE``: why it wins wherever it accepts the
+    shapes (unpriced leaves), else ``""``.
+
+    * ``unsupported(meta, s, platform, interpret)``: ``None`` when a named ``impl`` may run it,
+      else the reason, phrased after ``"impl='x' "``.
+    * ``why_not(meta, s, platform, interpret)``: ``None`` when ``impl="auto"`` may choose it.
+    * ``build(meta)``: its ``PLAN``, the metadata's tiling it runs with.
+    * ``seconds(costs)``: its modelled seconds from the metadata's times (``None`` unpriced).
+    * ``run(plan, call, forwards)``: ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])`` of a
+      :class:`TreeCall` planned by ``plan``, through :class:`TreeForwards`.
+    """
+    PATH: str
+    FAMILY: str
+    PLAN: type
+    PRICED: bool
+    MIRROR: bool
+    PREFERENCE: str
+
+    def unsupported(self, meta, s: TreeShapes, platform: str, interpret: bool) -> str | None: ...
+
+    def why_not(self, meta, s: TreeShapes, platform: str, interpret: bool) -> str | None: ...
+
+    def build(self, meta): ...
+
+    def seconds(self, costs) -> float | None: ...
+
+    def run(self, plan, call: TreeCall, forwards: TreeForwards): ...
+
+
+def tree_kernels_supported(s: TreeShapes) -> str | None:
+    """``None`` when the kernels of the shared-prefix and hybrid paths take ``s``'s head_dim
+    and dtype, else the reason."""
+    d = s.head_dim
+    if d < 16 or d & (d - 1):
+        return f"head_dim must be a power of two >= 16, got {d}"
+    if jnp.dtype(s.dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return f"dtype must be float32, bfloat16 or float16, got {jnp.dtype(s.dtype)}"
+    return None
+
+
+def tiling_pairs(plan) -> tuple:
+    """A tree leaf's ``PLAN`` as the ``(name, value)`` pairs of ``TreePlan.tiling`` (fields that
+    are ``None`` left out)."""
+    return tuple((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)
+                 if getattr(plan, f.name) is not None)
+
+
+def tree_backend(plan) -> str:
+    """How a tree plan's tree kernels run: ``"interpret"`` (Pallas interpret mode),
+    ``"pallas"`` (compiled, on the GPU) or ``"mirror"`` (the pure-JAX mirror)."""
+    return "interpret" if plan.interpret else "pallas" if plan.platform == "gpu" else "mirror"

@@ -1,17 +1,22 @@
-"""The planner's registry of leaf modules: every leaf follows the protocol, every shape of a
+"""The planner's registries of leaf modules: every leaf follows the protocol, every shape of a
 random grid gets a leaf of each family whose ``why_not`` is ``None``, the planner picks the
 cheapest of those (ties to the earlier in the registry), and a leaf's ``why_not`` agrees with
-whether the planner can choose it and with whether a plan may force it."""
+whether the planner can choose it and with whether a plan may force it; the same for the tree
+schedules over random forests."""
 import dataclasses
+import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_prefix_attn import plan_shared_prefix
+from helpers import random_forest
+from jax_prefix_attn import build_tree_metadata, plan_shared_prefix
 from jax_prefix_attn.device import CPU, H100_PCIE, H100_SXM, H200, DeviceInfo
-from jax_prefix_attn.leaves.base import Leaf, Shapes, planning_part, supported
-from jax_prefix_attn.planner import (FLAT_PATHS, LEAVES, SHARED_PATHS, candidates,
-                                     leaf_module)
+from jax_prefix_attn.leaves.base import Leaf, Shapes, TreeLeaf, planning_part, supported, tiling_pairs
+from jax_prefix_attn.planner import (FLAT_PATHS, LEAVES, SHARED_PATHS, TREE_LEAVES, candidates,
+                                     leaf_module, plan_tree_attention, tree_candidates, tree_leaf)
+from jax_prefix_attn.tree_plan import SCHEDULES, TREE_IMPLS, ScheduleCosts, choose_schedules, tree_shapes
 
 A100 = DeviceInfo("gpu", "NVIDIA A100-SXM4-80GB", 108, 166912, "8.0")
 DEVICES = {"h100": H100_SXM, "pcie": H100_PCIE, "h200": H200, "a100": A100, "cpu": CPU}
@@ -113,3 +118,61 @@ def test_reason_names_the_choice_and_a_stand_in_profile():
     assert "planned with the H200 profile" in _plan(s, A100, impl="shared").reason
     assert _plan(s, H200, path="flat_rows").reason.startswith("path='flat_rows' forced")
     assert _plan(s, CPU).reason == "impl='auto' on cpu: no GPU kernels"
+
+
+def test_tree_registry_holds_every_schedule_once_and_each_follows_the_protocol():
+    paths = [leaf.PATH for leaf in TREE_LEAVES]
+    assert sorted(paths + ["reference"]) == sorted(SCHEDULES)
+    assert set(TREE_IMPLS) - {"auto", "reference"} <= set(paths)
+    costs = ScheduleCosts(flatten=2e-6, levelwise=3e-6, hybrid=1e-6)
+    for leaf in TREE_LEAVES:
+        assert isinstance(leaf, TreeLeaf), leaf.__name__
+        assert leaf.FAMILY == "tree" and leaf.PLAN.path == leaf.PATH and tree_leaf(leaf.PATH) is leaf
+        assert dataclasses.is_dataclass(leaf.PLAN) and leaf.PLAN.__dataclass_params__.frozen
+        # priced leaves read their time from the metadata's ScheduleCosts; the others lead the
+        # registry (they win wherever they accept the shapes) or are never auto-chosen
+        assert (leaf.seconds(costs) is not None) == leaf.PRICED
+        assert leaf.PRICED or leaf.MIRROR or leaf.PREFERENCE
+    priced = [i for i, leaf in enumerate(TREE_LEAVES) if leaf.PRICED]
+    preferring = [i for i, leaf in enumerate(TREE_LEAVES) if leaf.PREFERENCE]
+    assert max(preferring) < min(priced)
+    assert choose_schedules(costs) == ("flatten", True)
+
+
+def _forests(n: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        tree = random_forest(rng, int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 4)),
+                             int(rng.choice([6, 40, 300])), seqs_per_leaf=(1, int(rng.integers(1, 5))))
+        out.append((tree, int(rng.choice([1, 1, 2])), int(rng.choice([1, 4]))))
+    return out
+
+
+def test_every_forest_gets_a_tree_leaf_and_the_plan_is_the_cheapest_candidate():
+    seen = set()
+    for tree, tq, group in _forests(16, 3):
+        meta = build_tree_metadata(tree, tq=tq, group=group, pool_size=int(sum(tree.lengths)) + 8,
+                                   device=False)
+        assert choose_schedules(meta.costs) == (meta.preferred, meta.hybrid)
+        for d, dtype in ((64, jnp.bfloat16), (16, jnp.float32), (8, jnp.bfloat16)):
+            for suffix_len, draft, platform in ((0, False, "gpu"), (32, False, "gpu"), (32, True, "gpu"),
+                                                (32, False, "cpu")):
+                q_shape = (tree.num_seqs, tq, 2 * meta.group, d)
+                s = tree_shapes(q_shape, dtype, suffix_len, draft)
+                found = tree_candidates(meta, s, platform)
+                assert found and {"levelwise", "flatten"} <= {leaf.PATH for leaf in found}
+                plan = plan_tree_attention(meta, q_shape=q_shape, dtype=dtype, suffix_len=suffix_len,
+                                           draft=draft, platform=platform)
+                leaf = tree_leaf(plan.schedule)
+                assert leaf.why_not(meta, s, platform, False) is None
+                assert leaf.unsupported(meta, s, platform, plan.interpret) is None
+                assert plan.tiling == tiling_pairs(leaf.build(meta)) and plan.reason.startswith(leaf.PATH)
+                if not found[0].PRICED:
+                    assert leaf is found[0]
+                else:   # the cheapest priced candidate by the metadata's times, ties to the registry
+                    cost = [c.seconds(meta.costs) for c in found if c.PRICED]
+                    best = min(range(len(cost)), key=lambda i: (cost[i], i))
+                    assert leaf is [c for c in found if c.PRICED][best] and math.isfinite(cost[best])
+                seen.add(plan.schedule)
+    assert {"flatten", "levelwise", "single_level", "shallow", "hybrid"} <= seen, seen
