@@ -1,8 +1,8 @@
 """One GRPO training step through the Llama: each prompt computed once (``shared``) against every
 completion carrying its own copy of its prompt (``flat``); time and peak device memory.
 
-The step is ``jax.jit(jax.value_and_grad(loss))`` with ``loss`` = :func:`models.rl.grpo_objective`
-(log-probabilities of ``G x N`` completions through :func:`models.logprobs.completion_logprobs`,
+The step is ``jax.jit(jax.value_and_grad(loss))`` with ``loss`` = :func:`models.training.rl.grpo_objective`
+(log-probabilities of ``G x N`` completions through :func:`models.training.logprobs.completion_logprobs`,
 the clipped GRPO loss against old log-probabilities, token-level mean) -- the optimizer update,
 the same for both, is left out.  Columns (``impl``): ``shared`` and ``flat`` with per-layer
 rematerialisation (the default), optionally ``shared_noremat`` / ``flat_noremat``.
@@ -63,7 +63,7 @@ from bench import roofline  # noqa: E402
 from bench.timing import gpu_slug, time_fn  # noqa: E402
 from models.config import Llama3RopeScaling, LlamaConfig  # noqa: E402
 from models.llama import Llama  # noqa: E402
-from models.rl import GRPOBatch, GRPOConfig, group_advantages, grpo_objective  # noqa: E402
+from models.training.rl import GRPOBatch, GRPOConfig, group_advantages, grpo_objective  # noqa: E402
 from models.weights import init_params, stack_layers  # noqa: E402
 
 NAME = "train_step"

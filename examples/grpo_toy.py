@@ -5,7 +5,7 @@ Every step samples ``--samples`` completions of each of ``--prompts`` chat quest
 (:func:`models.generate`, temperature ``--temperature``, at most ``--max-new-tokens`` tokens),
 scores them (reward 1 when the answer ended, with the end-of-turn token, within the budget and its
 text ends with ".", else 0), turns the rewards into group-normalised advantages and takes one
-GRPO step (:func:`models.rl.make_train_step`, AdamW, one update per batch: on-policy, so the
+GRPO step (:func:`models.training.rl.make_train_step`, AdamW, one update per batch: on-policy, so the
 policy ratio is 1 and the step is the clipped objective's policy gradient): the
 log-probabilities, at the sampling temperature, and their gradients run with each question's
 prompt computed once (``impl="shared"``).  The mean reward of each step's samples is printed; it
@@ -34,7 +34,7 @@ import optax  # noqa: E402
 
 from models import Llama, LlamaConfig, PromptBatch, SamplingConfig, generate, params_from_hf_state_dict  # noqa: E402
 from models.gguf import default_gguf_path, load_gguf  # noqa: E402
-from models.rl import GRPOBatch, GRPOConfig, group_advantages, make_train_step  # noqa: E402
+from models.training.rl import GRPOBatch, GRPOConfig, group_advantages, make_train_step  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 
 QUESTIONS = ("Name a fruit.", "What is 3 + 4?", "What color is the sky?", "Name an animal.",

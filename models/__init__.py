@@ -16,15 +16,16 @@
   model family through; :mod:`models.families` -- the families (Llama, DeepSeek-V2/V3 in
   :mod:`models.deepseek`) and the pick of one from a ``config.json``;
 * :mod:`models.weights` -- HF safetensors loader, ``params_from_hf_state_dict``, random init.
-* :mod:`models.logprobs` -- :func:`completion_logprobs`: log-probs (and entropies) of given
-  completions, each prompt computed once, chunked LM head, differentiable (training);
-* :mod:`models.tree_logprobs` -- :func:`tree_completion_logprobs`: log-probs of every token of a
-  branching token forest (agent trajectories), each node computed once through
-  ``jax_prefix_attn.tree_attention``; :func:`tree_layout` builds its :class:`TreeLayout`;
-* :mod:`models.rl` -- GRPO: :func:`group_advantages`, :func:`grpo_loss`, :func:`grpo_objective`,
-  :func:`make_train_step` (one jitted optax step);
-* :mod:`models.nnx_llama` -- :class:`NNXLlama`: the decoder as a Flax NNX module (``nnx.Param``
-  leaves) and its conversions to and from the plain parameter tree.
+* :mod:`models.training` -- training through shared prompts:
+  :mod:`~models.training.logprobs` (:func:`completion_logprobs`: log-probs and entropies of given
+  completions, each prompt computed once, chunked LM head, differentiable);
+  :mod:`~models.training.tree_logprobs` (:func:`tree_completion_logprobs`: log-probs of every
+  token of a branching token forest, each node computed once through
+  ``jax_prefix_attn.tree_attention``; :func:`tree_layout` builds its :class:`TreeLayout`);
+  :mod:`~models.training.rl` (GRPO: :func:`group_advantages`, :func:`grpo_loss`,
+  :func:`grpo_objective`, :func:`make_train_step`, one jitted optax step);
+  :mod:`~models.training.nnx_llama` (:class:`NNXLlama`: the decoder as a Flax NNX module,
+  ``nnx.Param`` leaves, and its conversions to and from the plain parameter tree).
 
 Example (text in, text out)::
 
@@ -73,14 +74,12 @@ from models.config import Llama3RopeScaling, LlamaConfig, PRESETS
 from models.generate import GenerateOutput, generate, generate_stream, prefill_prefix_cache
 from models.kv_cache import KVCache, PrefixCache
 from models.llama import Llama
-from models.logprobs import completion_logprobs
-from models.nnx_llama import NNXLlama
-from models.tree_logprobs import TreeLayout, tree_completion_logprobs, tree_layout
 from models.llm import LLM, Completion, Generation, Timings
 from models.prefix_sharing import PromptBatch, SharingReport, plan_prompt_batch
-from models.rl import GRPOBatch, GRPOConfig, group_advantages, grpo_loss, grpo_objective, make_train_step
 from models.sampling import DEFAULT_SAMPLING, GREEDY, SamplingConfig
 from models.sampling_params import SamplingParams
+from models.training import (GRPOBatch, GRPOConfig, NNXLlama, TreeLayout, completion_logprobs, group_advantages,
+                             grpo_loss, grpo_objective, make_train_step, tree_completion_logprobs, tree_layout)
 from models.weights import (init_params, load_hf_checkpoint, params_from_hf_state_dict, stack_layers,
                             unstack_layers)
 

@@ -1,6 +1,9 @@
 """The layer layout a model runs with: ``"stacked"`` (one array per weight with a leading layer
 axis, run by ``lax.scan``) or ``"list"`` (one tree per layer, unrolled), for parameters and for
-a :class:`~models.kv_cache.PrefixCache` built in either layout (:mod:`models.generate`)."""
+a :class:`~models.kv_cache.PrefixCache` built in either layout (:mod:`models.generate`);
+:func:`layer_loop` runs one layer body over the layers of either layout, optionally
+rematerialised (the cache-free scoring paths: :mod:`models.prompt_logprobs`,
+:mod:`models.training.logprobs`)."""
 from __future__ import annotations
 
 import jax
@@ -10,7 +13,7 @@ from models import kv_cache as kvc
 from models.kv_cache import PrefixCache
 from models.llama import Llama
 
-__all__ = ["LAYOUTS", "match_prefix_layout", "resolve_layout"]
+__all__ = ["LAYOUTS", "layer_loop", "match_prefix_layout", "resolve_layout"]
 
 LAYOUTS = ("auto", "stacked", "list")
 
@@ -57,3 +60,15 @@ def match_prefix_layout(prefix: PrefixCache, params: dict) -> PrefixCache:
     if not prefix.lengths:
         return prefix.replace(layers={"k": (), "v": ()})
     return prefix.replace(layers=_stack_tree(prefix.layers))
+
+
+def layer_loop(body, carry, layers, remat: bool, policy):
+    """``carry = body(carry, lp)`` over the layers: ``lax.scan`` (stacked) or unrolled (list),
+    each layer rematerialised in the backward when ``remat``."""
+    stacked = kvc.is_stacked(layers)
+    fn = jax.checkpoint(body, policy=policy, prevent_cse=not stacked) if remat else body
+    if stacked:
+        return jax.lax.scan(lambda c, lp: (fn(c, lp), None), carry, layers)[0]
+    for lp in layers:
+        carry = fn(carry, lp)
+    return carry

@@ -14,7 +14,7 @@ all of them work inside user code under ``jax.jit``:
 * :meth:`Llama.decode_step(params, cache, tokens, active=None)` -> ``(logits [B, V], cache)``
   -- one token per sequence; rows with ``active = False`` write nothing and do not advance.
 * :meth:`Llama.layer_forward(lp, x, pos, attend)` -- one layer without a cache, attention
-  supplied by the caller (the training and scoring paths of :mod:`models.logprobs`).
+  supplied by the caller (the training and scoring paths of :mod:`models.training.logprobs`).
 * the :class:`~models.decoder.Decoder` interface the engine runs: ``facts``,
   :meth:`Llama.prefill_prompts` (a prompt batch's levels through :func:`prefill_levels`, then
   :meth:`Llama.prefill`), ``split_cache`` / ``join_cache`` (the prefix kept, the suffix buffers

@@ -4,7 +4,7 @@ as vLLM's ``prompt_logprobs`` (the first token has no context: ``None``).
 
 Each distinct prompt is computed once (identical prompts share the result): one causal pass of
 the layers over it (:meth:`~models.llama.Llama.layer_forward`, the cache-free scoring path of
-:mod:`models.logprobs`; another family's ``prompt_hidden``, e.g.
+:mod:`models.training.logprobs`; another family's ``prompt_hidden``, e.g.
 :meth:`models.deepseek.Deepseek.prompt_hidden`), padded on the right to :func:`~models.prefix_sharing.bucket_length` so
 prompts of similar lengths reuse one compiled function (padding comes after the real tokens and
 a causal model never attends to it).  The final norm and the LM head then run over chunks of
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_prefix_attn
+from models.layer_layout import layer_loop
 from models.layers import embed, lm_head, rms_norm
 from models.llama import Llama
-from models.logprobs import layer_loop
 from models.prefix_sharing import bucket_length
 from models.sampling import top_logprobs
 

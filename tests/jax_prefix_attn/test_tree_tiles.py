@@ -15,7 +15,7 @@ from jax_prefix_attn.device import H100_SXM
 from jax_prefix_attn.tree_layout import pad_pool, q_sorted, row_tables
 from jax_prefix_attn.tree_paths import SUFFIX_MAX_BLOCK_M
 from models import Llama, LlamaConfig
-from models.tree_logprobs import tree_layout
+from models.training.tree_logprobs import tree_layout
 from pallas_kernels.tree_attention import tree_partials
 from pallas_kernels.tree_attention_tiles import (MIN_TILE, dkv_rows, dkv_smem, dq_smem, dq_tile, partials_smem,
                                                  partials_tile)

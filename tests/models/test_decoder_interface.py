@@ -20,7 +20,7 @@ from models.families import family_of_hf_config  # noqa: E402
 from models.generate import generate, prefill_prefix_cache  # noqa: E402
 from models.gguf import CheckpointError  # noqa: E402
 from models.llama import Llama  # noqa: E402
-from models.logprobs import completion_logprobs  # noqa: E402
+from models.training.logprobs import completion_logprobs  # noqa: E402
 from models.prefix_sharing import PromptBatch  # noqa: E402
 from models.prompt_cache import PromptCache  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402

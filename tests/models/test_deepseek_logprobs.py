@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models.deepseek import Deepseek, DeepseekConfig, init_params
-from models.logprobs import completion_logprobs
+from models.training.logprobs import completion_logprobs
 
 CONFIG = DeepseekConfig.from_hf_config({
     "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 53, "hidden_size": 32,
@@ -96,10 +96,10 @@ def test_entropy_and_validation(model_params):
 
 
 def test_grpo_step_trains_a_deepseek_model(model_params):
-    """One GRPO optimizer step (``models.rl.make_train_step``) on the DeepSeek family: the loss
+    """One GRPO optimizer step (``models.training.rl.make_train_step``) on the DeepSeek family: the loss
     is finite and the step moves the parameters that the completions' log-probabilities use."""
     optax = pytest.importorskip("optax")
-    from models.rl import GRPOBatch, group_advantages, make_train_step  # noqa: PLC0415
+    from models.training.rl import GRPOBatch, group_advantages, make_train_step  # noqa: PLC0415
     model, params = model_params
     prompts, plen, comps, clen = _batch(5)
     rewards = jnp.asarray(np.random.default_rng(6).standard_normal(clen.shape), jnp.float32)

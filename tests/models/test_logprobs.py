@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from helpers import rel_err
 from models import Llama, init_params, load_hf_checkpoint, stack_layers, unstack_layers
 from models.config import LlamaConfig
-from models.logprobs import completion_logprobs, default_logits_chunk, resolve_impl, token_logprobs
+from models.training.logprobs import completion_logprobs, default_logits_chunk, resolve_impl, token_logprobs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -11,9 +11,9 @@ from flax import nnx
 
 from helpers import tiny_config, tiny_state_dict
 from models import LlamaConfig, params_from_hf_state_dict, unstack_layers
-from models.nnx_llama import NNXLlama, grpo_train_step, params_from_state
-from models.logprobs import completion_logprobs
-from models.rl import GRPOBatch, GRPOConfig, group_advantages, grpo_loss, grpo_objective
+from models.training.nnx_llama import NNXLlama, grpo_train_step, params_from_state
+from models.training.logprobs import completion_logprobs
+from models.training.rl import GRPOBatch, GRPOConfig, group_advantages, grpo_loss, grpo_objective
 
 G, N, P, C = 2, 2, 5, 4
 

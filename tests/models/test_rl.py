@@ -10,8 +10,8 @@ import optax
 
 from helpers import rel_err, tiny_config, tiny_state_dict
 from models import Llama, LlamaConfig, params_from_hf_state_dict
-from models.logprobs import completion_logprobs
-from models.rl import GRPOBatch, GRPOConfig, group_advantages, grpo_loss, grpo_objective, make_train_step
+from models.training.logprobs import completion_logprobs
+from models.training.rl import GRPOBatch, GRPOConfig, group_advantages, grpo_loss, grpo_objective, make_train_step
 
 G, N, P, C = 2, 3, 6, 5
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from helpers import rel_err, tiny_config, tiny_state_dict
 from models import Llama, LlamaConfig, params_from_hf_state_dict
-from models.tree_logprobs import length_bucket, tree_completion_logprobs, tree_layout
+from models.training.tree_logprobs import length_bucket, tree_completion_logprobs, tree_layout
 
 # forest A: 0 -> 1 -> {2 -> 6, 3}, 0 -> 4 -> 5; 8 -> 7 (parent listed after its child)
 PARENTS_A = [-1, 0, 1, 1, 0, 4, 2, 8, -1]

@@ -23,7 +23,7 @@ Conversions (no copies: the same arrays are shared):
 Training: ``nnx.Optimizer(model, optax.adamw(...), wrt=nnx.Param)`` with :func:`grpo_train_step`
 (one ``nnx.jit`` step: GRPO loss, gradients with respect to the Params, optimizer update in
 place), or plain ``optax`` on the state ``nnx.split`` returns (or on ``to_params()``, with
-:func:`models.rl.make_train_step`).
+:func:`models.training.rl.make_train_step`).
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from models import kv_cache as kvc
 from models.config import LlamaConfig
 from models.gguf import default_gguf_path, load_gguf
 from models.llama import Llama
-from models.logprobs import completion_logprobs
-from models.rl import GRPOBatch, GRPOConfig, grpo_objective
+from models.training.logprobs import completion_logprobs
+from models.training.rl import GRPOBatch, GRPOConfig, grpo_objective
 from models.weights import init_params, load_hf_checkpoint, params_from_hf_state_dict
 
 __all__ = ["LAYER_PARAMS", "LayerParams", "NNXLlama", "grpo_train_step", "params_from_state"]
@@ -138,7 +138,7 @@ class NNXLlama(nnx.Module):
 
     def completion_logprobs(self, prompt_tokens, prompt_lengths, completion_tokens, completion_lengths,
                             **kw) -> Any:
-        """:func:`models.logprobs.completion_logprobs` with this module's parameters."""
+        """:func:`models.training.logprobs.completion_logprobs` with this module's parameters."""
         return completion_logprobs(self.llama, self.to_params(), prompt_tokens, prompt_lengths, completion_tokens,
                                    completion_lengths, **kw)
 
@@ -158,7 +158,7 @@ def grpo_train_step(model: NNXLlama, optimizer: nnx.Optimizer, batch: GRPOBatch,
                     config: GRPOConfig = GRPOConfig()) -> dict:
     """One GRPO step on an :class:`NNXLlama`: loss and gradients with respect to its
     ``nnx.Param`` leaves, then ``optimizer.update`` (in place).  Returns the metrics of
-    :func:`models.rl.grpo_loss` plus ``loss``."""
+    :func:`models.training.rl.grpo_loss` plus ``loss``."""
     def loss_fn(m: NNXLlama):
         return grpo_objective(m.llama, m.to_params(), batch, config)
 

@@ -1,4 +1,4 @@
-"""GRPO (group relative policy optimisation) on top of :func:`models.logprobs.completion_logprobs`.
+"""GRPO (group relative policy optimisation) on top of :func:`models.training.logprobs.completion_logprobs`.
 
 For ``G`` prompts with ``N`` sampled completions each (a :class:`GRPOBatch`):
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.llama import Llama
-from models.logprobs import IMPLS, completion_logprobs
+from models.training.logprobs import IMPLS, completion_logprobs
 
 __all__ = ["GRPOBatch", "GRPOConfig", "NORMALISATIONS", "group_advantages", "grpo_loss", "grpo_objective",
            "make_train_step"]
@@ -55,7 +55,7 @@ class GRPOConfig:
     "clip higher"); ``kl_beta``: weight of the k3 KL estimate against the reference policy (needs
     ``ref_logprobs`` in the batch when > 0); ``normalisation``: see the module docstring;
     ``impl``, ``remat``, ``logits_chunk``, ``vocab_chunk``, ``temperature``: passed to
-    :func:`~models.logprobs.completion_logprobs` (use the sampling temperature).
+    :func:`~models.training.logprobs.completion_logprobs` (use the sampling temperature).
     """
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
@@ -86,7 +86,7 @@ class GRPOBatch:
     """One GRPO batch (a pytree; every field an array, ``None`` where absent).
 
     ``prompt_tokens [G, P]``, ``prompt_lengths [G]``, ``completion_tokens [G, N, C]``,
-    ``completion_lengths [G, N]`` as for :func:`~models.logprobs.completion_logprobs`;
+    ``completion_lengths [G, N]`` as for :func:`~models.training.logprobs.completion_logprobs`;
     ``advantages [G, N]`` float32 (e.g. :func:`group_advantages`); ``old_logprobs [G, N, C]``
     (the sampling policy's; None = on-policy) and ``ref_logprobs [G, N, C]`` (the reference
     policy's, for the KL term) float32.

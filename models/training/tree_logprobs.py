@@ -33,7 +33,7 @@ right padding of a row is seen only by the padding queries after it.  The backwa
 ``tree_attention``'s: a node's ``dK``/``dV`` are summed over all the rows below it (on a GPU in
 the backward kernels), so gradients of shared nodes are summed over their descendants and each
 node's layers run once forward and once backward.  The LM head and log-softmax run in chunks
-(:func:`models.logprobs.token_logprobs`: the logits are never whole).
+(:func:`models.training.logprobs.token_logprobs`: the logits are never whole).
 
 Compile sharing.  The jitted computation depends on the layout's shapes ``(M_pad, T)`` and on the
 attention metadata's table shapes and static fields.  :func:`tree_layout` buckets ``M_pad`` with
@@ -57,9 +57,10 @@ import numpy as np
 
 import jax_prefix_attn
 from models.batch_buckets import batch_bucket
+from models.layer_layout import layer_loop
 from models.layers import embed, rms_norm
 from models.llama import Llama
-from models.logprobs import layer_loop, token_logprobs
+from models.training.logprobs import token_logprobs
 
 __all__ = ["TreeLayout", "length_bucket", "tree_completion_logprobs", "tree_layout"]
 
@@ -266,7 +267,7 @@ def tree_completion_logprobs(model: Llama, params: dict, layout: TreeLayout, nod
         ``[M_pad, T]`` (tokens); unscored tokens get 0 and no gradient.
       return_entropy: also return the entropy ``[M_pad, T]`` of each predicted distribution.
       remat, remat_policy, logits_chunk, vocab_chunk, temperature: as in
-        :func:`models.logprobs.completion_logprobs`.
+        :func:`models.training.logprobs.completion_logprobs`.
       attention_impl: :func:`jax_prefix_attn.tree_attention`'s ``impl`` (``"auto"``,
         ``"flatten"``, ``"levelwise"`` or ``"nodes"``).
 

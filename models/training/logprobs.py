@@ -53,11 +53,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_prefix_attn
-from models import kv_cache as kvc
+from models.layer_layout import layer_loop
 from models.layers import embed, rms_norm
 from models.llama import Llama
 
-__all__ = ["IMPLS", "completion_logprobs", "layer_loop", "resolve_impl", "token_logprobs"]
+__all__ = ["IMPLS", "completion_logprobs", "resolve_impl", "token_logprobs"]
 
 IMPLS = ("auto", "shared", "flat")
 LOGITS_ELEMENTS = 1 << 27   # default token chunk: about this many logits ([chunk, V] float32, 512 MB) at a time
@@ -153,18 +153,6 @@ def _validate(model, params, prompt_tokens, prompt_lengths, completion_tokens, c
 
 
 # ---------------------------------------------------------------------------------- layers
-def layer_loop(body, carry, layers, remat: bool, policy):
-    """``carry = body(carry, lp)`` over the layers: ``lax.scan`` (stacked) or unrolled (list),
-    each layer rematerialised in the backward when ``remat``."""
-    stacked = kvc.is_stacked(layers)
-    fn = jax.checkpoint(body, policy=policy, prevent_cse=not stacked) if remat else body
-    if stacked:
-        return jax.lax.scan(lambda c, lp: (fn(c, lp), None), carry, layers)[0]
-    for lp in layers:
-        carry = fn(carry, lp)
-    return carry
-
-
 def _causal_self(model: Llama):
     def attend(q, k, v):
         return jax_prefix_attn.attention(q, k, v, causal=True, impl=model.impl, interpret=model.interpret)[0]
