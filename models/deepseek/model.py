@@ -18,7 +18,7 @@ caches as :mod:`models.deepseek.cache`), so all of them run under ``jax.jit``:
 * :meth:`Deepseek.decode_step(params, cache, tokens, active=None)` -- one token per sequence;
   rows with ``active = False`` write nothing and do not advance;
 * :meth:`Deepseek.completion_hidden` -- the hidden states that score given completions of
-  prompts (what :func:`models.logprobs.completion_logprobs` runs for this family);
+  prompts (what :func:`models.training.logprobs.completion_logprobs` runs for this family);
 * the :class:`~models.decoder.Decoder` interface the engine runs: ``facts``,
   :meth:`Deepseek.prefill_prompts` (a prompt batch into a latent cache,
   :mod:`models.deepseek.batch`), ``split_cache`` / ``join_cache`` (the latent suffix buffers
@@ -227,7 +227,7 @@ class Deepseek:
         """Hidden states ``[G*N, C, H]`` (before the final norm) that predict each token of
         ``N`` right-padded completions ``comp [G*N, C]`` of each of ``G`` prompts ``[G, P]``
         (lengths ``plen [G]``): row ``t`` is the state of the token before completion token
-        ``t`` (:func:`models.logprobs.completion_logprobs`).  ``shared``: each layer runs the
+        ``t`` (:func:`models.training.logprobs.completion_logprobs`).  ``shared``: each layer runs the
         prompts once (non-absorbed, causal) and the completions in the absorbed form over
         their prompt's latents as a grouped shared prefix and, causally, their own latents
         (:func:`jax_prefix_attn.mla_attention`); else every completion runs behind its own copy
