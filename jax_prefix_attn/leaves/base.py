@@ -24,7 +24,7 @@ __all__ = ["Shapes", "PrefixTiling", "SuffixTiling", "Leaf", "shared_prefix_supp
            "supported", "query_chunks", "planning_part", "tuning", "suffix_tiling",
            "decode_suffix_tiling", "describe_regions", "two_per_sm", "splits_to_fill",
            "suffix_splits", "TreeShapes", "TreeCall", "TreeForwards", "TreeLeaf",
-           "tree_kernels_supported", "tiling_pairs", "tree_backend"]
+           "tree_kernels_supported", "tree_auto_why_not", "tiling_pairs", "tree_backend"]
 
 _frozen = dataclasses.dataclass(frozen=True)
 
@@ -276,6 +276,17 @@ def tree_kernels_supported(s: TreeShapes) -> str | None:
     if jnp.dtype(s.dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
         return f"dtype must be float32, bfloat16 or float16, got {jnp.dtype(s.dtype)}"
     return None
+
+
+def tree_auto_why_not(s: TreeShapes, platform: str, takes_reason: str | None) -> str | None:
+    """``why_not`` of a tree leaf that runs GPU kernels: ``None`` when ``impl="auto"`` may choose
+    it (on a GPU, without draft token trees, ``takes_reason`` None: its path takes the shapes),
+    else the reason."""
+    if platform != "gpu":
+        return f"it runs GPU kernels and impl='auto' runs kernels only on a GPU, not {platform}"
+    if s.draft:
+        return "it does not take draft_parents"
+    return takes_reason
 
 
 def tiling_pairs(plan) -> tuple:

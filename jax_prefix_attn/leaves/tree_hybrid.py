@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_prefix_attn.leaves.base import (TreeCall, TreeForwards, TreeShapes, tree_backend,
-                                         tree_kernels_supported)
+                                         tree_auto_why_not, tree_kernels_supported)
 
 __all__ = ["HybridTiling", "PATH", "FAMILY", "PLAN", "PRICED", "MIRROR", "PREFERENCE",
            "unsupported_shapes", "unsupported", "why_not", "build", "seconds", "run"]
@@ -60,11 +60,7 @@ def unsupported(meta, s: TreeShapes, platform: str, interpret: bool) -> str | No
 def why_not(meta, s: TreeShapes, platform: str, interpret: bool) -> str | None:
     """``None`` when ``impl="auto"`` may choose it: on a GPU (auto runs kernels only there),
     without draft token trees, shapes its kernels run."""
-    if platform != "gpu":
-        return f"it runs GPU kernels and impl='auto' runs kernels only on a GPU, not {platform}"
-    if s.draft:
-        return "it does not take draft_parents"
-    return unsupported_shapes(meta, s)
+    return tree_auto_why_not(s, platform, unsupported_shapes(meta, s))
 
 
 def build(meta) -> HybridTiling:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_prefix_attn.leaves.base import (TreeCall, TreeForwards, TreeShapes,
-                                         tree_kernels_supported)
+                                         tree_auto_why_not, tree_kernels_supported)
 
 __all__ = ["ShallowTiling", "PATH", "FAMILY", "PLAN", "PRICED", "MIRROR", "PREFERENCE", "takes",
            "unsupported", "why_not", "build", "seconds", "run"]
@@ -53,11 +53,7 @@ def unsupported(meta, s: TreeShapes, platform: str, interpret: bool) -> str | No
 def why_not(meta, s: TreeShapes, platform: str, interpret: bool) -> str | None:
     """``None`` when ``impl="auto"`` may choose it: on a GPU, without draft token trees, shapes
     its path takes."""
-    if platform != "gpu":
-        return f"it runs GPU kernels and impl='auto' runs kernels only on a GPU, not {platform}"
-    if s.draft:
-        return "it does not take draft_parents"
-    return takes(meta, s)
+    return tree_auto_why_not(s, platform, takes(meta, s))
 
 
 def build(meta) -> ShallowTiling:
