@@ -26,7 +26,7 @@ PACKAGE = ROOT / "jax_prefix_attn"
 H200_FILE = PACKAGE / "device_data" / "h200.json"
 
 # Module-level names of device rates and tuned regions, which no module defines or serves.
-OLD_NAMES = {
+DEVICE_VALUE_NAMES = {
     "COPY_SHARE", "MMA_SHARE", "MMA_MGPU_SHARE", "L2_BW", "T_LAUNCH", "T_KEY", "T_KEY_FLAT",
     "SLOTS_PER_SM", "ROLE_PREFIX_FLOPS", "ROLE_TASK_S", "ROLE_STREAM_BPS", "COST_MODEL",
     "HEADS_KV", "HEAD_DIM", "KV_BYTES", "OVERLAP_BELOW_PROGRAMS", "LARGE_M_TILING", "FLAT_TILES",
@@ -110,7 +110,7 @@ def _module_level_names(path: pathlib.Path) -> set:
 
 def test_no_module_defines_device_rates_or_tuned_regions():
     for path in sorted(PACKAGE.rglob("*.py")):
-        found = _module_level_names(path) & OLD_NAMES
+        found = _module_level_names(path) & DEVICE_VALUE_NAMES
         assert not found, f"{path.relative_to(ROOT)} defines {sorted(found)}"
     # nor any other module-level number in the planning code (rates, thresholds, tiles)
     for pattern in PLANNING:
@@ -143,12 +143,12 @@ def test_unknown_gpu_takes_the_nearest_profile_and_says_so():
 
 def test_no_module_serves_device_values_under_module_names():
     """Every reader takes a device's value from its profile (``leaves.base.tuning(dev)``, ...):
-    no module answers one of the old names, and none serves names lazily (a module-level
-    ``__getattr__``)."""
+    no module holds a device value as a module-level name, and none serves names lazily (a
+    module-level ``__getattr__``)."""
     for name in ("device_profile", "planner", "leaf_plans", "leaves.base", "leaves.flat_own",
                  "leaves.triton_prefix"):
         module = importlib.import_module(f"jax_prefix_attn.{name}")
-        served = sorted(n for n in OLD_NAMES if hasattr(module, n))
+        served = sorted(n for n in DEVICE_VALUE_NAMES if hasattr(module, n))
         assert not served, f"jax_prefix_attn.{name} serves {served}"
     for path in sorted(PACKAGE.rglob("*.py")):
         lazy = [n.lineno for n in ast.parse(path.read_text()).body
