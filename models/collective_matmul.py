@@ -75,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import LlamaConfig
-from models.layers import apply_rope, dense, rms_norm, swiglu_mlp
+from models.layers import dense, rms_norm, swiglu_mlp
 from models.llama import Llama
 
 __all__ = ["CollectiveMatmul", "OverlappedLlama", "overlapped_layer_tail", "row_chunks"]
@@ -174,14 +174,9 @@ class OverlappedLlama(Llama):
     def layer_forward(self, lp: dict, x_bth: jax.Array, pos_bt: jax.Array, attend) -> tuple[jax.Array, tuple]:
         """:meth:`models.llama.Llama.layer_forward` with the layer's tail from the o projection
         on overlapped (:func:`overlapped_layer_tail`)."""
-        c = self.config
         b, t, _ = x_bth.shape
-        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        h = rms_norm(x_bth, lp["attn_norm"], c.rms_norm_eps)
-        q, k, v = (dense(h, lp[w]).reshape(b, t, n, heads[2]) for w, n in (("wq", heads[0]), ("wk", heads[1]),
-                                                                             ("wv", heads[1])))
-        q, k = apply_rope(q, pos_bt, self.inv_freq), apply_rope(k, pos_bt, self.inv_freq)
-        attn = attend(q, k, v).reshape(b, t, heads[0] * heads[2])
-        out = overlapped_layer_tail(lp, x_bth, attn, eps=c.rms_norm_eps, axis=self.model_axis,
+        q, k, v = self.qkv(lp, x_bth, pos_bt)
+        attn = attend(q, k, v).reshape(b, t, q.shape[2] * q.shape[3])
+        out = overlapped_layer_tail(lp, x_bth, attn, eps=self.config.rms_norm_eps, axis=self.model_axis,
                                     chunks=self.collective.overlap_chunks)
         return out, (k, v)

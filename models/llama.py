@@ -39,7 +39,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from models import kv_cache as kvc
 from models.attention import cache_attention
@@ -232,6 +231,18 @@ class Llama:
         return x_bth, bufs
 
     # ------------------------------------------------------------------ cache-free layer
+    def qkv(self, lp: dict, x_bth: jax.Array, pos_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The layer's attention inputs from ``x [B, T, H]`` at RoPE positions ``pos [B, T]``:
+        ``q [B, T, Hq, D]``, ``k, v [B, T, Hkv, D]`` (norm, projections, RoPE on ``q`` and
+        ``k``)."""
+        c = self.config
+        b, t, _ = x_bth.shape
+        d = c.head_dim
+        h = rms_norm(x_bth, lp["attn_norm"], c.rms_norm_eps)
+        q, k, v = (dense(h, lp[w]).reshape(b, t, n, d) for w, n in (
+            ("wq", c.num_attention_heads), ("wk", c.num_key_value_heads), ("wv", c.num_key_value_heads)))
+        return apply_rope(q, pos_bt, self.inv_freq), apply_rope(k, pos_bt, self.inv_freq), v
+
     def layer_forward(self, lp: dict, x_bth: jax.Array, pos_bt: jax.Array, attend) -> tuple[jax.Array, tuple]:
         """One decoder layer without a cache (training and scoring paths).
 
@@ -241,16 +252,12 @@ class Llama:
         layer's own ``k``/``v``, a shared prompt's, or both).  Returns ``(x_out [B, T, H], (k, v))``
         so callers can keep the keys/values for later queries.
         """
-        c = self.config
         b, t, _ = x_bth.shape
-        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        h = rms_norm(x_bth, lp["attn_norm"], c.rms_norm_eps)
-        q, k, v = (dense(h, lp[w]).reshape(b, t, n, heads[2]) for w, n in (("wq", heads[0]), ("wk", heads[1]),
-                                                                             ("wv", heads[1])))
-        q, k = apply_rope(q, pos_bt, self.inv_freq), apply_rope(k, pos_bt, self.inv_freq)
-        attn = self._sum_shards(dense(attend(q, k, v).reshape(b, t, heads[0] * heads[2]), lp["wo"]))
+        q, k, v = self.qkv(lp, x_bth, pos_bt)
+        attn = attend(q, k, v).reshape(b, t, q.shape[2] * q.shape[3])
+        attn = self._sum_shards(dense(attn, lp["wo"]))
         x_bth = x_bth + attn.astype(x_bth.dtype)
-        h = rms_norm(x_bth, lp["mlp_norm"], c.rms_norm_eps)
+        h = rms_norm(x_bth, lp["mlp_norm"], self.config.rms_norm_eps)
         mlp = self._sum_shards(swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
         return x_bth + mlp.astype(x_bth.dtype), (k, v)
 
