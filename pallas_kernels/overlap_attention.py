@@ -100,7 +100,11 @@ def overlap_partials(q_pre, grp_rows, limp_rows, prefix_k, prefix_v, q_suf, sidx
     row) and ``lims_rows [B]`` (one limit per sequence, e.g. decoding).
 
     Returns ``(o_pre [splits, Hkv, M, D], lse_pre, o_suf [suffix_splits, Hkv, B*r16, D], lse_suf)``.
+    Compiled (not ``interpret``), ``block_m`` must be at least 32: with 16-row prefix blocks
+    jax 0.12.0.1's Triton path returned wrong prefix partials on an H200.
     """
+    if not interpret and block_m < 32:
+        raise ValueError(f"block_m must be at least 32 when compiled, got {block_m}")
     hkv, m, d = q_pre.shape
     batch = q_suf.shape[1] // r16
     n_rb = m // block_m

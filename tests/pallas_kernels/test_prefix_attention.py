@@ -82,3 +82,13 @@ def test_decode_one_prefix_length_given(hq, hkv, variant, suffix_splits):
                                   plan=plan, interpret=True)
     check(*out, oracle((q, pk.at[:, 37:].set(0), pv.at[:, 37:].set(0), sk, sv), kw, meta),
           jnp.float32)
+
+
+def test_overlap_partials_refuses_16_row_blocks_when_compiled():
+    from pallas_kernels.overlap_attention import overlap_partials
+    z = jnp.zeros((1, 16, 64), jnp.bfloat16)
+    kv = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_m must be at least 32 when compiled, got 16"):
+        overlap_partials(z, None, jnp.zeros((1,), jnp.int32), kv, kv, z, None,
+                         jnp.zeros((1,), jnp.int32), kv, kv, scale=0.125, block_m=16, block_k=16,
+                         num_splits=1, r16=16)
