@@ -26,6 +26,9 @@ streams tiles through a ring of ``num_stages`` shared-memory slots
   the query blocks that some of the CTA's keys see (causal: from the diagonal on).  Per tile, keys
   as the wgmma rows: ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO`` (``P^T`` from registers) issued
   with ``dP^T = V dO^T`` (one wait), ``dS^T``, ``dK += dS^T Q``.  The GQA sum is this loop.
+  With ``split_dkv_columns`` (for wide heads) the two compute warpgroups own the same keys and
+  each accumulates half of the columns of ``dK`` and ``dV``, both computing the full ``S^T`` and
+  ``dP^T`` (:mod:`pallas_kernels.flash_attention_mgpu_dkv_split`).
 * dQ, grid ``(Hq, B, row blocks)``, causal row blocks heaviest first: a compute warpgroup owns
   ``block_q_dq`` rows of one query head (``Q``, ``dO``, ``lse``, ``delta`` loaded once); the
   streamed tiles are the ``block_kv_dq``-key ``K``, ``V`` tiles its CTA's rows see.  Per tile:
@@ -37,10 +40,12 @@ shared-memory tiles they were computed from (TMA stores).
 
 Tunable (:func:`default_tiles`, checked by :func:`resolve_tiles`): ``block_q_dq`` and
 ``block_kv_dkv`` (multiples of 64), ``block_kv_dq`` and ``block_q_dkv`` (the K dimension of a
-wgmma: multiples of 64 up to 256), ``num_stages``, ``compute_wgs`` (1 or 2); both kernels must fit
-a Hopper SM's shared memory (:func:`smem_bytes`, ``ValueError`` otherwise).  At head_dim 256 a
-dK/dV warpgroup's two float32 accumulators ``[64, 256]`` alone take 256 registers per thread:
-that kernel spills.
+wgmma: multiples of 64 up to 256), ``num_stages``, ``compute_wgs`` (1 or 2; with
+``split_dkv_columns`` it sets the dQ kernel's alone), ``split_dkv_columns`` (a bool, head_dim
+above 64; off by default); both kernels must fit a Hopper SM's shared memory
+(:func:`smem_bytes`, ``ValueError`` otherwise).  At head_dim 256 a dK/dV warpgroup of the
+default kernel holds two float32 accumulators ``[64, 256]``, 256 registers per thread alone:
+that kernel spills; ``split_dkv_columns`` halves them.
 
 Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter, whose wgmma takes both
 operands from shared memory: ``dS``/``P^T`` are staged through shared memory into a fresh
@@ -60,8 +65,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LOG2E, cdiv, pad_axis
 from pallas_kernels.flash_attention_mgpu import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, check_qkv, supported
+from pallas_kernels.flash_attention_mgpu_dkv_split import (DkvSchedule, accumulate_and_score, arrive,
+                                                           bwd_pipeline, dkv_probs, dkv_slots,
+                                                           dkv_split_kernel, transposed)
 from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu
-from pallas_kernels.prefix_attention_mgpu import wg_accumulate_pv, wg_scores, wgmma_iota
+from pallas_kernels.prefix_attention_mgpu import wg_accumulate_pv, wgmma_iota
 
 __all__ = ["flash_attention_mgpu_bwd", "smem_bytes", "default_tiles", "resolve_tiles"]
 
@@ -73,17 +81,19 @@ def default_tiles(head_dim: int) -> dict:
     """Tiles when the caller does not say: 64-row dQ and 64-key dK/dV warpgroups, streamed tiles
     of 128 keys (dQ) and 64 rows (dK/dV), two stages, two compute warpgroups; at head_dim 256 one
     compute warpgroup and 64-key dQ tiles (two warpgroups' resident tiles and two stages of
-    wider tiles do not fit in shared memory)."""
+    wider tiles do not fit in shared memory).  ``split_dkv_columns`` off."""
     wide = head_dim > 128
     return {"block_q_dq": 64, "block_kv_dq": 64 if wide else 128, "block_kv_dkv": 64,
-            "block_q_dkv": 64, "num_stages": 2, "compute_wgs": 1 if wide else 2}
+            "block_q_dkv": 64, "num_stages": 2, "compute_wgs": 1 if wide else 2,
+            "split_dkv_columns": False}
 
 
 def smem_bytes(head_dim: int, dtype, *, block_q_dq: int, block_kv_dq: int, block_kv_dkv: int,
                block_q_dkv: int, num_stages: int, compute_wgs: int,
-               interpret: bool = False) -> dict:
+               split_dkv_columns: bool = False, interpret: bool = False) -> dict:
     """Bytes of shared memory of one CTA of each kernel (upper estimates), ``{"dq": ..., "dkv":
-    ...}``: the compute warpgroups' resident tiles, ``num_stages`` streamed tiles per operand (and in
+    ...}``: the compute warpgroups' resident tiles (with ``split_dkv_columns`` one ``K``/``V``
+    pair for the dK/dV kernel's two), ``num_stages`` streamed tiles per operand (and in
     interpret mode the pre-transposed copies and staged products), each 1 KiB aligned, and the
     barriers."""
     item = jnp.dtype(dtype).itemsize
@@ -94,19 +104,21 @@ def smem_bytes(head_dim: int, dtype, *, block_q_dq: int, block_kv_dq: int, block
     w = compute_wgs
     dq = [w * block_q_dq * d * item] * 2 + [w * block_q_dq * 4] * 2
     dq += [num_stages * block_kv_dq * d * item] * (3 if interpret else 2)
-    dkv = [w * block_kv_dkv * d * item] * 2 + [num_stages * block_q_dkv * 4] * 2
+    w_kv = 1 if split_dkv_columns else w
+    dkv = [w_kv * block_kv_dkv * d * item] * 2 + [num_stages * block_q_dkv * 4] * 2
     dkv += [num_stages * block_q_dkv * d * item] * (4 if interpret else 2)
     if interpret:
         dq.append(w * block_q_dq * block_kv_dq * item)
-        dkv.append(w * block_kv_dkv * block_q_dkv * item)
+        dkv.append((2 if split_dkv_columns else w) * block_kv_dkv * block_q_dkv * item)
     return {"dq": total(dq), "dkv": total(dkv)}
 
 
 def resolve_tiles(head_dim: int, dtype, *, interpret: bool = False, **given) -> dict:
     """The tiles :func:`flash_attention_mgpu_bwd` runs for a ``head_dim``-wide head of ``dtype``:
     ``given`` (keys of :func:`default_tiles`; a ``None`` value takes the default) over the
-    defaults.  Raises ``ValueError`` for an unknown key, a value out of range, or tiles whose
-    shared memory exceeds a Hopper SM's."""
+    defaults.  Raises ``ValueError`` for an unknown key, a value out of range,
+    ``split_dkv_columns`` not a bool or set at a head_dim of 64 or less, or tiles whose shared
+    memory exceeds a Hopper SM's."""
     d_pad = next((s for s in SUPPORTED_HEAD_DIMS if head_dim <= s), SUPPORTED_HEAD_DIMS[-1])
     tiles = default_tiles(d_pad)
     unknown = sorted(set(given) - set(tiles))
@@ -123,6 +135,12 @@ def resolve_tiles(head_dim: int, dtype, *, interpret: bool = False, **given) -> 
         val = tiles[name]
         if isinstance(val, bool) or not isinstance(val, int) or not lo <= val <= hi:
             raise ValueError(f"{name} must be in [{lo}, {hi}], got {val!r}")
+    split = tiles["split_dkv_columns"]
+    if not isinstance(split, bool):
+        raise ValueError(f"split_dkv_columns must be a bool, got {split!r}")
+    if split and d_pad < 128:   # (column halves of at least one 128-byte swizzle span)
+        raise ValueError(f"split_dkv_columns needs head_dim above 64 (halves of at least 64 "
+                         f"columns), got head_dim {head_dim}")
     for part, nbytes in smem_bytes(d_pad, dtype, **tiles, interpret=interpret).items():
         if nbytes > SMEM_LIMIT:
             raise ValueError(f"tiles {tiles} at head_dim {d_pad} need {nbytes} bytes of shared "
@@ -131,19 +149,10 @@ def resolve_tiles(head_dim: int, dtype, *, interpret: bool = False, **given) -> 
     return tiles
 
 
-def _arrive(barriers) -> None:
-    for bar in barriers:
-        plgpu.barrier_arrive(bar)
-
-
-def _transposed(b, pre_t: bool):
-    return b if pre_t else b.transpose((1, 0))
-
-
 def _score_pair(a0, b0, a1, b1, *, shape, pre_t: bool):
     """``(a0 b0^T, a1 b1^T)`` float32 ``shape`` on the tensor cores, both issued before either
     is read (``b0``, ``b1`` pre-transposed in memory with ``pre_t``)."""
-    t = functools.partial(_transposed, pre_t=pre_t)
+    t = functools.partial(transposed, pre_t=pre_t)
 
     def products(r0, r1):
         plgpu.wgmma(r0, a0, t(b0))
@@ -151,44 +160,6 @@ def _score_pair(a0, b0, a1, b1, *, shape, pre_t: bool):
         return r0[...], r1[...]
     acc = plgpu.ACC(shape, jnp.float32)
     return pl.run_scoped(products, acc, acc)
-
-
-def _accumulate_and_score(acc, p16, b_smem, p_smem, score_operands, *, shape, cpu_check: bool,
-                          pre_t: bool):
-    """``(acc + p16 @ b_smem, a @ c^T)`` with ``(a, c) = score_operands()`` (called inside the
-    products' scope; ``c`` pre-transposed with ``pre_t``), both issued before either is read:
-    ``acc`` in place with ``p16`` from registers, or with ``cpu_check`` ``p16`` staged through
-    ``p_smem`` into fresh accumulators (the forms Mosaic GPU's CPU interpreter has)."""
-    if cpu_check:
-        p_smem[...] = p16
-        plgpu.commit_smem()
-
-        def fresh(r0, r1):
-            plgpu.wgmma(r0, p_smem, b_smem)
-            a, c = score_operands()
-            plgpu.wgmma(r1, a, _transposed(c, pre_t))
-            return r0[...], r1[...]
-        more, score = pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32),
-                                    plgpu.ACC(shape, jnp.float32))
-        return acc + more, score
-
-    def in_place(refs):
-        acc_ref, s_ref = refs
-        plgpu.wgmma(acc_ref, p16, b_smem)
-        a, c = score_operands()
-        plgpu.wgmma(s_ref, a, _transposed(c, False))
-    return pl.run_state(in_place)((plgpu.ACC.init(acc),
-                                   plgpu.ACC.init(jnp.zeros(shape, jnp.float32))))
-
-
-def _pipeline(body, *, n_steps, stages, wgs, context, specs):
-    """``n_steps`` streamed tiles of ``specs``, ``stages`` in flight, fed by one memory warpgroup
-    to ``wgs`` compute warpgroups (axis ``"wg"``) that arrive on the consumed barriers
-    themselves; the carry runs through ``context``."""
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(n_steps,), max_concurrent_steps=stages, num_compute_wgs=wgs,
-        memory_registers=40, wg_axis="wg", manual_consumed_barriers=True,
-        compute_context=context, in_specs=specs, out_specs=[])
 
 
 def _dq_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, *rest, static, n_blocks, stages, wgs,
@@ -240,7 +211,7 @@ def _dq_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, *rest, static, n_bloc
         def compute(dq):
             shape = (block_q, block_kv)
             s, dp = _score_pair(q_smem, k_t, do_smem, v_t, shape=shape, pre_t=pre_t)
-            _arrive(consumed[1:2])
+            arrive(consumed[1:2])
             p = jnp.exp2(s * (scale * LOG2E)
                          - lax.broadcast_in_dim(lse_smem[...] * LOG2E, shape, [0]))
 
@@ -254,14 +225,14 @@ def _dq_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, *rest, static, n_bloc
             ds = p * (dp - lax.broadcast_in_dim(delta_smem[...], shape, [0]))
             dq = wg_accumulate_pv(dq, ds.astype(q_smem.dtype), k_mm,
                                   maybe_p[0].at[wg] if cpu_check else None, cpu_check=cpu_check)
-            _arrive(consumed[:1] + consumed[2:])
+            arrive(consumed[:1] + consumed[2:])
             return dq
 
         if not causal:
             return compute(dq)
 
         def skip(dq):
-            _arrive(consumed)
+            arrive(consumed)
             return dq
         return lax.cond(t < n_end, compute, skip, dq)
 
@@ -273,7 +244,7 @@ def _dq_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, *rest, static, n_bloc
     else:
         specs = [plgpu.BlockSpec(block_shape=(block_kv, d), index_map=lambda t: (t, 0))] * 2
         srcs = [r.at[bb, :, h // group, :] for r in kv_refs]
-    _pipeline(body, n_steps=n_steps, stages=stages, wgs=wgs, context=context, specs=specs)(*srcs)
+    bwd_pipeline(body, n_steps=n_steps, stages=stages, wgs=wgs, context=context, specs=specs)(*srcs)
 
 
 def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check, pre_t):
@@ -281,27 +252,15 @@ def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check, pr
     Hq, D]`` (interpreter: and ``qT/doT [B, Hq, D, Tqp]``), ``lse/delta [B, Hq, Tqp]``."""
     n_in = 6 if pre_t else 4
     streams, (dk_ref, dv_ref, k2, v2, bars, *maybe_p) = rest[:n_in], rest[n_in:]
-    causal, tq, group, scale, block_q, block_kv = static
+    scale, block_kv = static[3], static[5]
     h, bb, nb = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("n")
     wg = lax.axis_index("wg")
     length = len_ref[bb]
-    diag = length - tq                                  # query t sees keys j <= t + diag
     d = k_ref.shape[-1]
-    n_q = cdiv(tq, block_q)
     k0 = wgs * nb * block_kv
     kw = k0 + wg * block_kv
-
-    def first_block(key):   # the first query block with a row that sees ``key``
-        if not causal:
-            return jnp.int32(0)
-        return jnp.minimum(jnp.maximum(key - diag, 0) // block_q, n_q)
-
-    lo = first_block(k0)
-    per_head = jnp.where(k0 < length, n_q - lo, 0)
-    div = jnp.maximum(per_head, 1)
-    head = lambda t: h * group + lax.div(t, div)       # noqa: E731
-    qblock = lambda t: lo + lax.rem(t, div)            # noqa: E731
-    lo_w = first_block(kw)
+    sched = DkvSchedule(k0, length, h, static)
+    lo_w = sched.first_block(kw)
     k_smem, v_smem = k2.at[wg], v2.at[wg]
     keys = pl.ds(kw, block_kv)
 
@@ -319,59 +278,33 @@ def _dkv_kernel(len_ref, k_ref, v_ref, *rest, static, stages, wgs, cpu_check, pr
         plgpu.wait_smem_to_gmem(0)
 
     def body(indices, *args):
-        smem, consumed, carry = args[:n_in], args[n_in:2 * n_in], args[-1]
-        qb = qblock(indices[0])
-        if pre_t:
-            q_t, do_t, qT_t, doT_t, lse_t, delta_t = smem
-        else:
-            q_t, do_t, lse_t, delta_t = smem
-            qT_t, doT_t = q_t, do_t
+        (q_t, do_t, qT_t, doT_t, lse_t, delta_t), (first, last) = dkv_slots(
+            args[:n_in], args[n_in:2 * n_in], pre_t)
+        carry = args[-1]
+        qb = sched.qblock(indices[0])
         p_smem = maybe_p[0].at[wg] if cpu_check else None
-        q_slots = (True, False, True, False, False, False) if pre_t else (True, False, False, False)
-        shape = (block_kv, block_q)
+        shape = (block_kv, static[4])
 
         def compute(carry):
             dk, dv = carry
-            st = wg_scores(k_smem, qT_t, shape=shape, cpu_check=pre_t)
-            p = jnp.exp2(st * (scale * LOG2E)
-                         - lax.broadcast_in_dim(lse_t[...] * LOG2E, shape, [1]))
-
-            def masked(p):
-                key = kw + wgmma_iota(shape, 0, hint=not cpu_check)
-                ok = key < length
-                if causal:
-                    ok = ok & (key <= qb * block_q + wgmma_iota(shape, 1, hint=not cpu_check)
-                               + diag)
-                return jnp.where(ok, p, 0.0)
-            any_masked = kw + block_kv > length
-            if causal:
-                any_masked = any_masked | (kw + block_kv - 1 > qb * block_q + diag)
-            p = lax.cond(any_masked, masked, lambda p: p, p)
-            dv, dpt = _accumulate_and_score(dv, p.astype(k_smem.dtype), do_t, p_smem,
-                                            lambda: (v2.at[wg], doT_t), shape=shape,
-                                            cpu_check=cpu_check, pre_t=pre_t)
+            p = dkv_probs(k_smem, qT_t, lse_t, key0=kw, qb=qb, length=length, static=static,
+                          cpu_check=cpu_check, pre_t=pre_t)
+            dv, dpt = accumulate_and_score(dv, p.astype(k_smem.dtype), p_smem,
+                                           lambda: (do_t, v2.at[wg], doT_t), shape=shape,
+                                           cpu_check=cpu_check, pre_t=pre_t)
             ds = p * (dpt - lax.broadcast_in_dim(delta_t[...], shape, [1]))
-            _arrive(c for c, q_like in zip(consumed, q_slots) if not q_like)  # dO, lse, delta
+            arrive(first)
             dk = wg_accumulate_pv(dk, ds.astype(k_smem.dtype), q_t, p_smem, cpu_check=cpu_check)
-            _arrive(c for c, q_like in zip(consumed, q_slots) if q_like)
+            arrive(last)
             return dk, dv
 
         def skip(carry):
-            _arrive(consumed)
+            arrive(args[n_in:2 * n_in])
             return carry
         return lax.cond((kw < length) & (qb >= lo_w), compute, skip, carry)
 
-    rows_spec = plgpu.BlockSpec(block_shape=(block_q, None, d),
-                                index_map=lambda t: (qblock(t), head(t), 0))
-    stat_spec = plgpu.BlockSpec(block_shape=(None, block_q),
-                                index_map=lambda t: (head(t), qblock(t)))
-    specs = [rows_spec, rows_spec]
-    if pre_t:
-        specs += [plgpu.BlockSpec(block_shape=(None, d, block_q),
-                                  index_map=lambda t: (head(t), 0, qblock(t)))] * 2
-    specs += [stat_spec, stat_spec]
-    _pipeline(body, n_steps=group * per_head, stages=stages, wgs=wgs, context=context,
-              specs=specs)(*(r.at[bb] for r in streams))
+    bwd_pipeline(body, n_steps=sched.n_steps, stages=stages, wgs=wgs, context=context,
+                 specs=sched.specs(d, pre_t))(*(r.at[bb] for r in streams))
 
 
 def _check_args(q, k, v, d_out, lse, delta, kv_lengths):
@@ -398,7 +331,8 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
                              kv_lengths=None, sm_scale=None, block_q_dq: int | None = None,
                              block_kv_dq: int | None = None, block_kv_dkv: int | None = None,
                              block_q_dkv: int | None = None, num_stages: int | None = None,
-                             compute_wgs: int | None = None, interpret: bool = False,
+                             compute_wgs: int | None = None,
+                             split_dkv_columns: bool | None = None, interpret: bool = False,
                              _interpret_views: bool = False):
     """``(dq [B, Tq, Hq, D], dk [B, Tk, Hkv, D], dv)`` of flash attention with the given row
     statistics ``lse`` (the forward's, natural log; ``-inf``: the row gets no gradient) and
@@ -407,7 +341,8 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
     ``q, d_out [B, Tq, Hq, D]`` bfloat16 or float16; ``k, v [B, Tk, Hkv, D]`` (cast to ``q``'s
     dtype); ``causal``, ``kv_lengths`` (int ``[B]``), ``sm_scale`` (default ``1/sqrt(D)``) as
     in the forward.  Tiles (default :func:`default_tiles`) as in the module docstring;
-    ``interpret`` runs Mosaic GPU's CPU interpreter; ``_interpret_views`` (tests) makes it read
+    ``split_dkv_columns`` splits the dK/dV accumulators' columns between two compute warpgroups
+    that own the same keys; ``interpret`` runs Mosaic GPU's CPU interpreter; ``_interpret_views`` (tests) makes it read
     the transposed operands through transposed shared-memory views, as the GPU does (interpreters
     that have them).  Gradients come back in the inputs' dtypes;
     ``dk = dv = 0`` at keys at or past each length.
@@ -418,7 +353,8 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
     _check_args(q, k, v, d_out, lse, delta, kv_lengths)
     tiles = resolve_tiles(q.shape[3], q.dtype, block_q_dq=block_q_dq, block_kv_dq=block_kv_dq,
                           block_kv_dkv=block_kv_dkv, block_q_dkv=block_q_dkv,
-                          num_stages=num_stages, compute_wgs=compute_wgs, interpret=interpret)
+                          num_stages=num_stages, compute_wgs=compute_wgs,
+                          split_dkv_columns=split_dkv_columns, interpret=interpret)
     d_pad = next(s for s in SUPPORTED_HEAD_DIMS if q.shape[3] <= s)
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -434,9 +370,10 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
         k, v = (jnp.where(keep[:, :, None, None], x, jnp.zeros((), dtype)) for x in (k, v))
     bq, bkq = tiles["block_q_dq"], tiles["block_kv_dq"]
     bkk, bqk = tiles["block_kv_dkv"], tiles["block_q_dkv"]
-    wgs = tiles["compute_wgs"]
+    wgs, split = tiles["compute_wgs"], tiles["split_dkv_columns"]
+    kv_block = bkk if split else wgs * bkk                               # keys per dK/dV CTA
     tq_pad = cdiv(tq, math.lcm(wgs * bq, bqk)) * math.lcm(wgs * bq, bqk)
-    tk_pad = cdiv(tk, math.lcm(bkq, wgs * bkk)) * math.lcm(bkq, wgs * bkk)
+    tk_pad = cdiv(tk, math.lcm(bkq, kv_block)) * math.lcm(bkq, kv_block)
     qp, dop = (pad_axis(pad_axis(x.astype(dtype), 3, d_pad), 1, tq_pad) for x in (q, d_out))
     kp, vp = (pad_axis(pad_axis(x, 3, d_pad), 1, tk_pad) for x in (k, v))
     lse32 = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1))            # [B, Hq, Tq]
@@ -446,8 +383,7 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
     delta_in = pad_axis(jnp.where(empty, 0.0, jnp.transpose(delta.astype(jnp.float32),
                                                               (0, 2, 1))), 2, tq_pad)
     params = dict(compiler_params=plgpu.CompilerParams(
-        approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        num_threads=wgs + 1, thread_name="wg",
+        approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup), thread_name="wg",
         **({"interpret": gpu_interpret_params()} if interpret else {}))
     to_t = functools.partial(jnp.transpose, axes=(0, 2, 3, 1))           # [B, H, D, T]
     stages = tiles["num_stages"]
@@ -457,7 +393,8 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, static=(bool(causal), tq, group, scale, bq, bkq),
                           n_blocks=n_blocks, stages=stages, wgs=wgs, **forms),
-        grid=(hq, b, n_blocks), grid_names=("h", "b", "m"), out_type=jax.ShapeDtypeStruct(qp.shape, dtype),
+        grid=(hq, b, n_blocks), grid_names=("h", "b", "m"), num_threads=wgs + 1,
+        out_type=jax.ShapeDtypeStruct(qp.shape, dtype),
         scratch_types=(plgpu.SMEM((wgs, bq, d_pad), dtype), plgpu.SMEM((wgs, bq, d_pad), dtype),
                        plgpu.SMEM((wgs, bq), jnp.float32), plgpu.SMEM((wgs, bq), jnp.float32),
                        plgpu.Barrier(num_arrivals=4, num_barriers=wgs))
@@ -466,15 +403,20 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
     )(lengths, qp, dop, lse_in, delta_in, *kv_streams)
 
     rows = (qp, dop, to_t(qp), to_t(dop)) if forms["pre_t"] else (qp, dop)
+    static = (bool(causal), tq, group, scale, bqk, bkk)
+    p_scratch = lambda n: (plgpu.SMEM((n, bkk, bqk), dtype),) if interpret else ()  # noqa: E731
+    if split:
+        kernel = functools.partial(dkv_split_kernel, static=static, stages=stages, **forms)
+        scratch = (plgpu.SMEM((bkk, d_pad), dtype), plgpu.SMEM((bkk, d_pad), dtype),
+                   plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)) + p_scratch(2)
+    else:
+        kernel = functools.partial(_dkv_kernel, static=static, stages=stages, wgs=wgs, **forms)
+        scratch = (plgpu.SMEM((wgs, bkk, d_pad), dtype), plgpu.SMEM((wgs, bkk, d_pad), dtype),
+                   plgpu.Barrier(num_arrivals=2, num_barriers=wgs)) + p_scratch(wgs)
     dk, dv = plgpu.kernel(
-        functools.partial(_dkv_kernel, static=(bool(causal), tq, group, scale, bqk, bkk),
-                          stages=stages, wgs=wgs, **forms),
-        grid=(hkv, b, tk_pad // (wgs * bkk)), grid_names=("h", "b", "n"),
-        out_type=(jax.ShapeDtypeStruct(kp.shape, dtype),) * 2,
-        scratch_types=(plgpu.SMEM((wgs, bkk, d_pad), dtype), plgpu.SMEM((wgs, bkk, d_pad), dtype),
-                       plgpu.Barrier(num_arrivals=2, num_barriers=wgs))
-                      + ((plgpu.SMEM((wgs, bkk, bqk), dtype),) if interpret else ()),
-        **params,
+        kernel, grid=(hkv, b, tk_pad // kv_block), grid_names=("h", "b", "n"),
+        num_threads=(2 if split else wgs) + 1,
+        out_type=(jax.ShapeDtypeStruct(kp.shape, dtype),) * 2, scratch_types=scratch, **params,
     )(lengths, kp, vp, *rows, lse_in, delta_in)
     return (dq[:, :tq, :, :d], dk[:, :tk, :, :d].astype(k_dtype),
             dv[:, :tk, :, :d].astype(v_dtype))

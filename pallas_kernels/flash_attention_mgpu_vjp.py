@@ -55,7 +55,7 @@ def flash_attention_mgpu_vjp(q, k, v, *, causal: bool = False, kv_lengths=None, 
     ``num_stages``, ``schedule_barrier``: the forward's (see :func:`flash_attention_mgpu`).
     ``bwd_tiles``: keyword arguments of :func:`flash_attention_mgpu_bwd`'s tiles
     (``block_q_dq``, ``block_kv_dq``, ``block_kv_dkv``, ``block_q_dkv``, ``num_stages``,
-    ``compute_wgs``; default its own).  ``interpret`` runs both in Mosaic GPU's CPU interpreter.
+    ``compute_wgs``, ``split_dkv_columns``; default its own).  ``interpret`` runs both in Mosaic GPU's CPU interpreter.
     Raises what the forward raises, and ``ValueError``/``TypeError`` for bad ``bwd_tiles``
     (unknown keys, values, or tiles over a Hopper SM's shared memory).
     """

@@ -7,9 +7,11 @@ GPU's CPU interpreter at small odd shapes against float64 NumPy gradients writte
 softmax equations, with a cotangent on ``out`` and one on ``lse``: ragged ``kv_lengths`` with NaN
 keys and values past them, ``Tq != Tk``, rows that see no key, GQA groups 1/2/4/8, head_dim
 64/128 and a zero-padded 80, causal and full, bfloat16 and float16; the backward alone (row
-statistics from the reference) and through ``jax.vjp`` of the forward.
+statistics from the reference) and through ``jax.vjp`` of the forward; the dK/dV kernel with its
+columns split between two warpgroups (``split_dkv_columns``) likewise and lowered at head_dim 256.
 GPU (marker ``gpu``): compiled, jitted, at realistic sizes against ``jax.grad`` of the library's
-pure-JAX reference and, without lengths, cuDNN's gradients.
+pure-JAX reference and, without lengths, cuDNN's gradients; the split dK/dV kernel against the
+default one and the reference.
 """
 import functools
 
@@ -99,6 +101,11 @@ def test_tiles_and_argument_checks():
         assert max(need.values()) <= SMEM_LIMIT, (d, need)
     assert resolve_tiles(80, bf)["block_kv_dq"] == 128 and resolve_tiles(200, bf)["compute_wgs"] == 1
     assert max(smem_bytes(256, bf, **dict(default_tiles(256), compute_wgs=2)).values()) > SMEM_LIMIT
+    assert not any(default_tiles(d)["split_dkv_columns"] for d in (64, 128, 256))
+    split = smem_bytes(256, bf, **dict(default_tiles(256), split_dkv_columns=True))
+    assert split["dkv"] <= SMEM_LIMIT and split["dkv"] < smem_bytes(
+        256, bf, **dict(default_tiles(256), compute_wgs=2))["dkv"]
+    assert resolve_tiles(200, bf, split_dkv_columns=True)["split_dkv_columns"] is True
     with pytest.raises(ValueError, match="shared memory in the dq kernel"):
         resolve_tiles(128, bf, block_kv_dq=256, num_stages=3)
     for kw, msg in (({"block_q_dq": 96}, "block_q_dq must be a multiple of 64, got 96"),
@@ -106,6 +113,8 @@ def test_tiles_and_argument_checks():
                     ({"block_q_dkv": 320}, "block_q_dkv must be a multiple of 64 in"),
                     ({"num_stages": 1}, "num_stages must be in \\[2, 8\\], got 1"),
                     ({"compute_wgs": 3}, "compute_wgs must be in \\[1, 2\\], got 3"),
+                    ({"split_dkv_columns": 1}, "split_dkv_columns must be a bool, got 1"),
+                    ({"split_dkv_columns": True}, "split_dkv_columns needs head_dim above 64"),
                     ({"block_size": 64}, "unknown tile arguments \\['block_size'\\]")):
         with pytest.raises(ValueError, match=msg):
             resolve_tiles(64, bf, **kw)
@@ -131,6 +140,8 @@ def test_tiles_and_argument_checks():
         flash_attention_mgpu_vjp(q, kv, kv, bwd_tiles={"block_kv_dkv": 32})
     with pytest.raises(TypeError, match="bfloat16 and float16.*float32"):
         flash_attention_mgpu_vjp(z(1, 64, 2, 64, dt=jnp.float32), kv, kv)
+    with pytest.raises(ValueError, match="split_dkv_columns must be a bool, got 'yes'"):
+        flash_attention_mgpu_vjp(q, kv, kv, bwd_tiles={"split_dkv_columns": "yes"})
 
 
 # ---------------------------------------------------------------------------- CUDA lowering
@@ -148,6 +159,23 @@ def test_backward_lowers_for_cuda(t, hq, hkv, d, causal, dtype):
         S((b, t, hq, d), dtype), S((b, t, hq), jnp.float32), S((b, t, hq), jnp.float32),
         S((b,), jnp.int32))
     assert txt.count("mosaic_gpu") >= 2
+
+
+@pytest.mark.parametrize("d,tiles", [(256, {}), (128, {"block_q_dkv": 128})])
+def test_split_dkv_columns_lowers_for_cuda(d, tiles):
+    """The dK/dV kernel with its columns split between two warpgroups, at the head_dim it is for
+    (and at 128 with 128-row streamed tiles), through the differentiable entry point."""
+    b, t, hq, hkv, dt = 2, 2048, 16, 4, jnp.bfloat16
+
+    def fwd_bwd(q, k, v, do, dlse, n):
+        (out, lse), vjp = jax.vjp(lambda q, k, v: flash_attention_mgpu_vjp(
+            q, k, v, causal=True, kv_lengths=n, bwd_tiles=dict(tiles, split_dkv_columns=True)),
+            q, k, v)
+        return out, lse, vjp((do, dlse))
+    txt = lower_for_cuda(fwd_bwd, S((b, t, hq, d), dt), S((b, t, hkv, d), dt),
+                         S((b, t, hkv, d), dt), S((b, t, hq, d), dt), S((b, t, hq), jnp.float32),
+                         S((b,), jnp.int32))
+    assert txt.count("mosaic_gpu") >= 3
 
 
 def test_vjp_lowers_for_cuda():
@@ -174,6 +202,8 @@ def test_vjp_lowers_for_cuda():
     (2, 20, 16, 8, 1, 80, False, jnp.bfloat16, [0, 11], {}),
     # two row blocks per warpgroup pair and two key blocks: warpgroups skip tiles; Tq = Tk
     (1, 200, 200, 1, 1, 64, True, jnp.float16, None, {"block_kv_dkv": 64, "block_q_dkv": 64}),
+    # dK/dV columns split between two warpgroups: G=2, ragged, a key block past the length
+    (1, 21, 75, 2, 1, 128, True, jnp.bfloat16, [53], {"split_dkv_columns": True}),
 ])
 def test_backward_in_cpu_interpreter_matches_reference(b, tq, tk, hq, hkv, d, causal, dtype,
                                                        lengths, tiles):
@@ -195,6 +225,7 @@ def _interpreter_has_transposed_views() -> bool:
 @pytest.mark.parametrize("b,tq,tk,hq,hkv,d,causal,dtype,lengths,tiles", [
     (2, 50, 150, 4, 2, 64, True, jnp.bfloat16, [150, 37], {}),
     (1, 40, 90, 8, 1, 80, False, jnp.float16, [61], {"compute_wgs": 1}),
+    (1, 21, 75, 2, 1, 128, True, jnp.bfloat16, [53], {"split_dkv_columns": True}),
 ])
 def test_backward_with_gpu_operand_views_matches_reference(b, tq, tk, hq, hkv, d, causal, dtype,
                                                            lengths, tiles):
@@ -253,8 +284,10 @@ def _gpu_case(seed, lens, shape_q, shape_kv, dtype):
 @functools.partial(jax.jit, static_argnames=("causal", "ragged", "impl"))
 def _grads(q, k, v, do, dlse, lens, causal, ragged, impl):
     n = lens if ragged else None
-    if impl == "ours":
-        f = lambda q, k, v: flash_attention_mgpu_vjp(q, k, v, causal=causal, kv_lengths=n)  # noqa: E731
+    if impl in ("ours", "ours_split"):
+        tiles = {"split_dkv_columns": impl == "ours_split"}
+        f = lambda q, k, v: flash_attention_mgpu_vjp(q, k, v, causal=causal, kv_lengths=n,  # noqa: E731
+                                                     bwd_tiles=tiles)
     elif impl == "reference":
         f = lambda q, k, v: reference.attention(  # noqa: E731
             *(x.astype(jnp.float32) for x in (q, k, v)), causal=causal, kv_lengths=n)
@@ -292,3 +325,23 @@ def test_gpu_grads_match_reference_and_cudnn(b, t, hq, hkv, d, causal, dtype, ra
             g32, c32 = g.astype(jnp.float32), c.astype(jnp.float32)
             rel = float(jnp.linalg.norm(g32 - c32) / jnp.linalg.norm(c32))
             assert rel < 2 * tol, (name, rel)
+
+
+@pytest.mark.gpu
+def test_gpu_split_dkv_columns_matches_default_and_reference():
+    """The split dK/dV kernel at the width it is for (B=2, T=2048, Hq=16, Hkv=4, D=256, causal,
+    ragged): its dK/dV agree with the default kernel's (the same products, another schedule)
+    and both with the reference; dQ comes from the same kernel either way."""
+    b, t, hq, hkv, d, dtype = 2, 2048, 16, 4, 256, jnp.bfloat16
+    lens = jnp.asarray([t, 1357], jnp.int32)
+    q, k, v, do, dlse = _gpu_case(7, lens, (b, t, hq, d), (b, t, hkv, d), dtype)
+    split = _grads(q, k, v, do, dlse, lens, True, True, "ours_split")
+    default = _grads(q, k, v, do, dlse, lens, True, True, "ours")
+    want = _grads(q, k, v, do, dlse, lens, True, True, "reference")
+    for name, g, g0, w in zip(("dq", "dk", "dv"), split, default, want):
+        assert g.dtype == dtype and not bool(jnp.isnan(g).any()), name
+        g32, g0_32 = g.astype(jnp.float32), g0.astype(jnp.float32)
+        assert float(jnp.linalg.norm(g32 - w) / jnp.linalg.norm(w)) < 2e-2, name
+        assert float(jnp.linalg.norm(g32 - g0_32) / jnp.linalg.norm(g0_32)) < 1e-2, name
+        if name != "dq":
+            assert not bool(jnp.any(g[1, 1357:] != 0)), name
