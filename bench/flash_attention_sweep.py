@@ -23,7 +23,8 @@ rewritten atomically after each point).  On the GPU machine, from the repository
     PYTHONPATH=$PWD python3 bench/flash_attention_sweep.py --mgpu-bwd --dims 256 --commit <hash>
 
 (8 points of 3 programs each; ``--dims 256,128`` adds head_dim 128's candidates).  A variant
-that wins at every point is a candidate for :func:`pallas_kernels.flash_attention_mgpu_bwd.default_tiles`.
+that wins at every point is a candidate for the defaults
+(:func:`pallas_kernels.flash_attention_mgpu_bwd.default_tiles`).
 """
 from __future__ import annotations
 

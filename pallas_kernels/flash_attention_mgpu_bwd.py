@@ -65,9 +65,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LOG2E, cdiv, pad_axis
 from pallas_kernels.flash_attention_mgpu import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, check_qkv, supported
-from pallas_kernels.flash_attention_mgpu_dkv_split import (DkvSchedule, accumulate_and_score, arrive,
-                                                           bwd_pipeline, dkv_probs, dkv_slots,
-                                                           dkv_split_kernel, transposed)
+from pallas_kernels.flash_attention_mgpu_dkv_split import (
+    DkvSchedule, accumulate_and_score, arrive, bwd_pipeline, dkv_probs, dkv_slots,
+    dkv_split_kernel, transposed)
 from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu
 from pallas_kernels.prefix_attention_mgpu import wg_accumulate_pv, wgmma_iota
 
@@ -342,10 +342,10 @@ def flash_attention_mgpu_bwd(q, k, v, d_out, lse, delta, *, causal: bool = False
     dtype); ``causal``, ``kv_lengths`` (int ``[B]``), ``sm_scale`` (default ``1/sqrt(D)``) as
     in the forward.  Tiles (default :func:`default_tiles`) as in the module docstring;
     ``split_dkv_columns`` splits the dK/dV accumulators' columns between two compute warpgroups
-    that own the same keys; ``interpret`` runs Mosaic GPU's CPU interpreter; ``_interpret_views`` (tests) makes it read
-    the transposed operands through transposed shared-memory views, as the GPU does (interpreters
-    that have them).  Gradients come back in the inputs' dtypes;
-    ``dk = dv = 0`` at keys at or past each length.
+    that own the same keys; ``interpret`` runs Mosaic GPU's CPU interpreter; ``_interpret_views``
+    (tests) makes it read the transposed operands through transposed shared-memory views, as the
+    GPU does (interpreters that have them).  Gradients come back in the inputs' dtypes; ``dk =
+    dv = 0`` at keys at or past each length.
 
     Raises ``TypeError`` for non-array inputs or an unsupported dtype and ``ValueError`` for
     shapes or tiles it cannot run, the tiles' shared memory included.

@@ -9,7 +9,9 @@ Why: a dK/dV warpgroup of the default kernel holds ``dK`` and ``dV`` of its keys
 two float32 ``[64, D]`` accumulators: 256 registers per thread at ``D = 256`` before any score,
 so that kernel spills.  Here both compute warpgroups own the same ``block_kv_dkv`` keys and
 warpgroup ``w`` accumulates the columns ``cols_w = [w D/2, (w+1) D/2)`` of ``dK`` and ``dV``:
-``2 x [64, D/2]`` float32, 128 registers per thread at ``D = 256``, next to the scores.
+``2 x [64, D/2]`` float32, 128 registers per thread at ``D = 256``, next to ``S^T``/``P^T`` and
+``dP^T`` (32 each at 64 x 64) within the 232 that a compute thread of two gets beside a
+40-register memory warpgroup.
 
 Per streamed tile (the query rows of :class:`DkvSchedule`, as in the default kernel) each
 warpgroup computes the full ``S^T = K Q^T`` and ``dP^T = V dO^T`` (their contraction runs over
@@ -18,7 +20,10 @@ and ``dS^T``), then ``dV_w += P^T dO[:, cols_w]`` (issued with ``dP^T``) and ``d
 Q[:, cols_w]``, the column halves read through slices of the streamed tiles' shared-memory refs.
 In units of one ``[block_kv, block_q] x D`` product a warpgroup runs ``1 + 1 + 1/2 + 1/2 = 3``
 per tile, the pair 6 against the default kernel's 4 (the score products duplicated); in
-exchange neither spills, and the CTA's ``K``/``V`` tiles are loaded once for both.
+exchange each warpgroup's accumulators take half the registers, and the CTA's ``K``/``V`` tiles
+are loaded once for both.  The two
+warpgroups take no ping-pong turns (the default kernel has none either): they issue their
+products at about the same time and share the tensor cores.
 
 ``K`` and ``V`` are loaded once per CTA (by warpgroup 0, one barrier both wait on); at the end
 both warpgroups meet on a two-arrival barrier (neither still reads ``K``/``V``), each writes its
@@ -144,8 +149,9 @@ def dkv_slots(smem, consumed, pre_t: bool):
         q_t, do_t, lse_t, delta_t = smem
         qT_t, doT_t = q_t, do_t
         q_like = (True, False, False, False)
-    return ((q_t, do_t, qT_t, doT_t, lse_t, delta_t),
-            ([c for c, x in zip(consumed, q_like) if not x], [c for c, x in zip(consumed, q_like) if x]))
+    first = [c for c, x in zip(consumed, q_like) if not x]
+    last = [c for c, x in zip(consumed, q_like) if x]
+    return (q_t, do_t, qT_t, doT_t, lse_t, delta_t), (first, last)
 
 
 def dkv_probs(k_smem, qT_t, lse_t, *, key0, qb, length, static, cpu_check: bool, pre_t: bool):
@@ -218,7 +224,7 @@ def dkv_split_kernel(len_ref, k_ref, v_ref, *rest, static, stages, cpu_check, pr
         qb = sched.qblock(indices[0])
         p_smem = maybe_p[0].at[wg] if cpu_check else None
         shape = (block_kv, block_q)
-        dk, dv = carry   # (every step's rows see some of the keys, all below the length)
+        dk, dv = carry   # (every step's query block sees some of these keys: none to skip)
         p = dkv_probs(k_smem, qT_t, lse_t, key0=k0, qb=qb, length=length, static=static,
                       cpu_check=cpu_check, pre_t=pre_t)
         dv, dpt = accumulate_and_score(dv, p.astype(k_smem.dtype), p_smem,
