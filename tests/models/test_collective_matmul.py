@@ -69,10 +69,20 @@ def test_overlapped_greedy_tokens_equal_plain_and_one_device(case, plain_runs, t
 
 
 def compiled_all_reduces(hlo: str) -> list[int]:
-    """For each all-reduce of compiled HLO text, the non-scalar arrays it reduces (more than 1:
-    all-reduces were combined; a chained one also reduces its scalar token)."""
-    types = re.findall(r"= (.*?) all-reduce(?:-start)?\(", hlo)
-    return [len(re.findall(r"\[\d[\d,]*\]", t)) for t in types]
+    """For each all-reduce (or asynchronous ``all-reduce-start``) of compiled HLO text, the
+    non-scalar arrays among its operands (more than 1: all-reduces were combined).  Operands,
+    not the result type: an asynchronous start's result may also hold buffers of its own.
+    Operands print as ``%name`` (their types looked up from the defining lines) or with their
+    types inline."""
+    types = dict(re.findall(r"%?([\w.\-]+) = (.*?) [\w\-]+\(", hlo))
+    counts = []
+    for operands in re.findall(r" all-reduce(?:-start)?\(([^)]*)\)", hlo):
+        n = 0
+        for operand in operands.split("%")[1:]:
+            name = re.match(r"[\w.\-]+", operand).group(0)
+            n += bool(re.search(r"\[\d[\d,]*\]", types.get(name, "")))
+        counts.append(n)
+    return counts
 
 
 def schedule_summary(hlo: str) -> dict:
@@ -131,8 +141,12 @@ def test_schedule_summary_reads_async_pairs():
     assert schedule_summary(hlo) == {"all_reduce_sync": 1, "all_reduce_async": 2, "async_with_compute_between": 1,
                                      "compute_between": [2, 0]}
     assert compiled_all_reduces(hlo) == [1, 1, 1]
-    combined = "%ar = (f32[8,64]{1,0}, f32[]) all-reduce(%a, %t)\n%ar2 = (f32[2,1,64]{2,1,0}, f32[4]{0}) all-reduce("
-    assert compiled_all_reduces(combined) == [1, 2]
+    combined = ("%a = f32[8,64]{1,0} parameter(0)\n%t = f32[] parameter(1)\n%b = f32[2,1,64]{2,1,0} parameter(2)\n"
+                "%c = f32[4]{0} parameter(3)\n"
+                "%ar = (f32[8,64]{1,0}, f32[]) all-reduce(%a, %t)\n"
+                "%ar2 = (f32[2,1,64]{2,1,0}, f32[4]{0}) all-reduce(f32[2,1,64]{2,1,0} %b, f32[4]{0} %c)\n"
+                "%ars = (f32[8,64]{1,0}, f32[8,64]{1,0}) all-reduce-start(f32[8,64]{1,0} %a)")
+    assert compiled_all_reduces(combined) == [1, 2, 1]
 
 
 def test_one_chunk_and_one_shard_run_the_plain_layers(case):
