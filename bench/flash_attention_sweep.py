@@ -69,11 +69,13 @@ SWEEP = {
 }
 
 # Candidate backward tiles (``bwd_tiles`` of flash_attention_mgpu_vjp) of our Mosaic GPU kernels
-# per head_dim, the first the defaults (every ``rel_vs_default`` is against it).  At head_dim
-# 256 nothing else fits a Hopper SM's shared memory next to the defaults' two stages.
+# per head_dim, the first the unsplit dK/dV kernel with the other tiles at their defaults (every
+# ``rel_vs_default`` is against it).  At head_dim 256 nothing else fits a Hopper SM's shared
+# memory next to two stages.
 MGPU_BWD_SWEEP = {
-    256: ({}, {"split_dkv_columns": True}),
-    128: ({}, {"split_dkv_columns": True}, {"split_dkv_columns": True, "block_q_dkv": 128}),
+    256: ({"split_dkv_columns": False}, {"split_dkv_columns": True}),
+    128: ({"split_dkv_columns": False}, {"split_dkv_columns": True},
+          {"split_dkv_columns": True, "block_q_dkv": 128}),
 }
 
 

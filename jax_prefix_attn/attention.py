@@ -10,8 +10,8 @@
 * ``"reference"``: :func:`jax_prefix_attn.reference.attention` (pure JAX, materialises the
   scores);
 * ``"auto"``: the kernels :func:`jax_prefix_attn.flash_plan.plan_flash` picks for the shapes
-  and the device (on Hopper and newer GPUs the Mosaic GPU kernels for 16-bit inputs, with the
-  Triton backward above head_dim 128; the Triton kernels on other GPUs and for float32; the
+  and the device (on Hopper and newer GPUs the Mosaic GPU kernels for 16-bit inputs; the Triton
+  kernels on other GPUs and for float32; the
   reference off the GPU).
 
 ``interpret=True`` runs the Pallas kernels in interpret mode (any backend, e.g. CPU tests with

@@ -11,19 +11,14 @@ Families:
   float32 too);
 * ``"reference"``: :func:`jax_prefix_attn.reference.attention` (pure JAX; off the GPU).
 
-:func:`plan_flash` takes the Mosaic GPU forward wherever it runs and the query axis fills its
-row blocks; the Mosaic GPU backward up to head_dim :data:`MGPU_BWD_MAX_HEAD_DIM`, above it the
-Triton backward, which differentiates the same ``(out, lse)`` (both backward kernels take the
-forward's LSE and ``delta = rowsum(dO * O) - dlse``).  The figures behind the rule are in
-``docs/performance.md`` ("Flash attention") and ``bench/results/flash_attention_h200.json``.
+:func:`plan_flash` takes the Mosaic GPU kernels, forward and backward, wherever they run and the
+query axis fills their row blocks, else the Triton kernels.  The figures behind the rule are in
+``docs/performance.md`` ("Flash attention"), ``bench/results/flash_attention_h200.json`` and
+``bench/results/flash_attention_mgpu_bwd_sweep_h200.json`` (the backward at head_dim 256).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-
-import jax
-import jax.numpy as jnp
 
 from jax_prefix_attn import reference
 from jax_prefix_attn.device import DeviceInfo
@@ -31,18 +26,15 @@ from pallas_kernels import flash_attention as triton_flash
 from pallas_kernels import flash_attention_mgpu as mgpu_flash
 from pallas_kernels.flash_attention_mgpu_vjp import flash_attention_mgpu_vjp
 
-__all__ = ["FlashPlan", "plan_flash", "run_flash_plan", "FAMILIES", "PAIRS", "MGPU_MIN_QUERIES",
-           "MGPU_BWD_MAX_HEAD_DIM"]
+__all__ = ["FlashPlan", "plan_flash", "run_flash_plan", "FAMILIES", "PAIRS", "MGPU_MIN_QUERIES"]
 
 FAMILIES = ("mgpu", "triton", "reference")
-# (forward, backward) pairs: the Triton backward also differentiates the Mosaic GPU forward.
-PAIRS = (("mgpu", "mgpu"), ("mgpu", "triton"), ("triton", "triton"), ("reference", "reference"))
+# (forward, backward) pairs: each family differentiates its own forward.
+PAIRS = (("mgpu", "mgpu"), ("triton", "triton"), ("reference", "reference"))
 # Query positions below which the Triton forward keeps the call: a Mosaic GPU CTA computes two
 # 64-row blocks of (position, head-of-group) rows, so a short query axis leaves most of its
 # wgmma rows as padding (the measured grid starts at 1K positions).
 MGPU_MIN_QUERIES = 64
-# Largest head_dim at which the Mosaic GPU backward runs; wider heads take the Triton backward.
-MGPU_BWD_MAX_HEAD_DIM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +58,8 @@ class FlashPlan:
 def plan_flash(q_shape, k_shape, dtype, dev: DeviceInfo) -> FlashPlan:
     """The :class:`FlashPlan` of attention of ``q [B, Tq, Hq, D]`` over ``k/v [B, Tk, Hkv, D]``
     of ``dtype`` on ``dev``: off a GPU, or where no kernel takes the shapes, the reference;
-    Mosaic GPU forward on compute capability 9.0+ for 16-bit inputs with at least
-    :data:`MGPU_MIN_QUERIES` query positions, its backward up to :data:`MGPU_BWD_MAX_HEAD_DIM`
-    and the Triton backward above; otherwise Triton both ways."""
+    Mosaic GPU both ways on compute capability 9.0+ for 16-bit inputs with at least
+    :data:`MGPU_MIN_QUERIES` query positions; otherwise Triton both ways."""
     q_shape, k_shape = tuple(q_shape), tuple(k_shape)
     if not dev.is_gpu:
         return FlashPlan("reference", "reference", f"{dev.platform}: no GPU kernels")
@@ -79,39 +70,10 @@ def plan_flash(q_shape, k_shape, dtype, dev: DeviceInfo) -> FlashPlan:
     elif mgpu_why is None and q_shape[1] < MGPU_MIN_QUERIES:
         mgpu_why = f"{q_shape[1]} query positions, fewer than {MGPU_MIN_QUERIES}"
     if mgpu_why is None:
-        if q_shape[3] <= MGPU_BWD_MAX_HEAD_DIM or triton_why is not None:
-            return FlashPlan("mgpu", "mgpu", "Mosaic GPU forward and backward")
-        return FlashPlan("mgpu", "triton", f"Mosaic GPU forward; head_dim {q_shape[3]} > "
-                                           f"{MGPU_BWD_MAX_HEAD_DIM}: Triton backward")
+        return FlashPlan("mgpu", "mgpu", "Mosaic GPU forward and backward")
     if triton_why is None:
         return FlashPlan("triton", "triton", f"Triton kernels (Mosaic GPU: {mgpu_why})")
     return FlashPlan("reference", "reference", f"no kernel takes the shapes: {triton_why}")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _mgpu_forward_triton_backward(q, k, v, lengths, causal, sm_scale, interpret):
-    return mgpu_flash.flash_attention_mgpu(q, k, v, causal=causal, kv_lengths=lengths,
-                                           sm_scale=sm_scale, interpret=interpret)
-
-
-def _mixed_fwd(q, k, v, lengths, causal, sm_scale, interpret):
-    out, lse = mgpu_flash.flash_attention_mgpu(q, k, v, causal=causal, kv_lengths=lengths,
-                                               sm_scale=sm_scale, interpret=interpret)
-    return (out, lse), (q, k, v, lengths, out, lse)
-
-
-def _mixed_bwd(causal, sm_scale, interpret, res, cts):
-    q, k, v, lengths, out, lse = res
-    d_out, d_lse = cts
-    delta = (jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-             - d_lse.astype(jnp.float32))                                   # [B, Tq, Hq]
-    dq, dk, dv = triton_flash.flash_attention_bwd(q, k, v, d_out.astype(q.dtype), lse, delta,
-                                                  causal=causal, kv_lengths=lengths,
-                                                  sm_scale=sm_scale, interpret=interpret)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
-
-
-_mgpu_forward_triton_backward.defvjp(_mixed_fwd, _mixed_bwd)
 
 
 def run_flash_plan(plan: FlashPlan, q, k, v, *, causal: bool = False, kv_lengths=None,
@@ -125,7 +87,4 @@ def run_flash_plan(plan: FlashPlan, q, k, v, *, causal: bool = False, kv_lengths
         return reference.attention(q, k, v, **kw)
     if plan.forward == "triton":
         return triton_flash.flash_attention(q, k, v, interpret=interpret, **kw)
-    if plan.backward == "mgpu":
-        return flash_attention_mgpu_vjp(q, k, v, interpret=interpret, **kw)
-    return _mgpu_forward_triton_backward(q, k, v, kv_lengths, bool(causal), sm_scale,
-                                         bool(interpret))
+    return flash_attention_mgpu_vjp(q, k, v, interpret=interpret, **kw)

@@ -42,10 +42,10 @@ Tunable (:func:`default_tiles`, checked by :func:`resolve_tiles`): ``block_q_dq`
 ``block_kv_dkv`` (multiples of 64), ``block_kv_dq`` and ``block_q_dkv`` (the K dimension of a
 wgmma: multiples of 64 up to 256), ``num_stages``, ``compute_wgs`` (1 or 2; with
 ``split_dkv_columns`` it sets the dQ kernel's alone), ``split_dkv_columns`` (a bool, head_dim
-above 64; off by default); both kernels must fit a Hopper SM's shared memory
+above 64; on by default above 128); both kernels must fit a Hopper SM's shared memory
 (:func:`smem_bytes`, ``ValueError`` otherwise).  At head_dim 256 a dK/dV warpgroup of the
 default kernel holds two float32 accumulators ``[64, 256]``, 256 registers per thread alone:
-that kernel spills; ``split_dkv_columns`` halves them.
+that kernel spills; ``split_dkv_columns`` halves them, which is why it is the default there.
 
 Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter, whose wgmma takes both
 operands from shared memory: ``dS``/``P^T`` are staged through shared memory into a fresh
@@ -80,12 +80,15 @@ _SMEM_SLACK = 2304   # barriers and the nested allocation scopes
 def default_tiles(head_dim: int) -> dict:
     """Tiles when the caller does not say: 64-row dQ and 64-key dK/dV warpgroups, streamed tiles
     of 128 keys (dQ) and 64 rows (dK/dV), two stages, two compute warpgroups; at head_dim 256 one
-    compute warpgroup and 64-key dQ tiles (two warpgroups' resident tiles and two stages of
-    wider tiles do not fit in shared memory).  ``split_dkv_columns`` off."""
+    compute warpgroup for dQ with 64-key tiles (two warpgroups' resident tiles and two stages of
+    wider tiles do not fit in shared memory) and ``split_dkv_columns`` for dK/dV (whose
+    accumulators spill otherwise), off at narrower heads (where both compute warpgroups
+    computing the full ``S^T`` and ``dP^T`` costs more than the spills it saves).  Measured in
+    ``bench/results/flash_attention_mgpu_bwd_sweep_h200.json``."""
     wide = head_dim > 128
     return {"block_q_dq": 64, "block_kv_dq": 64 if wide else 128, "block_kv_dkv": 64,
             "block_q_dkv": 64, "num_stages": 2, "compute_wgs": 1 if wide else 2,
-            "split_dkv_columns": False}
+            "split_dkv_columns": wide}
 
 
 def smem_bytes(head_dim: int, dtype, *, block_q_dq: int, block_kv_dq: int, block_kv_dkv: int,

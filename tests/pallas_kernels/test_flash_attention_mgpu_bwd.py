@@ -100,11 +100,11 @@ def test_tiles_and_argument_checks():
         need = smem_bytes(d, bf, **default_tiles(d))
         assert max(need.values()) <= SMEM_LIMIT, (d, need)
     assert resolve_tiles(80, bf)["block_kv_dq"] == 128 and resolve_tiles(200, bf)["compute_wgs"] == 1
-    assert max(smem_bytes(256, bf, **dict(default_tiles(256), compute_wgs=2)).values()) > SMEM_LIMIT
-    assert not any(default_tiles(d)["split_dkv_columns"] for d in (64, 128, 256))
+    unsplit_two = dict(default_tiles(256), compute_wgs=2, split_dkv_columns=False)
+    assert max(smem_bytes(256, bf, **unsplit_two).values()) > SMEM_LIMIT
+    assert [default_tiles(d)["split_dkv_columns"] for d in (64, 128, 256)] == [False, False, True]
     split = smem_bytes(256, bf, **dict(default_tiles(256), split_dkv_columns=True))
-    assert split["dkv"] <= SMEM_LIMIT and split["dkv"] < smem_bytes(
-        256, bf, **dict(default_tiles(256), compute_wgs=2))["dkv"]
+    assert split["dkv"] <= SMEM_LIMIT and split["dkv"] < smem_bytes(256, bf, **unsplit_two)["dkv"]
     assert resolve_tiles(200, bf, split_dkv_columns=True)["split_dkv_columns"] is True
     with pytest.raises(ValueError, match="shared memory in the dq kernel"):
         resolve_tiles(128, bf, block_kv_dq=256, num_stages=3)
@@ -330,7 +330,8 @@ def test_gpu_grads_match_reference_and_cudnn(b, t, hq, hkv, d, causal, dtype, ra
 @pytest.mark.gpu
 def test_gpu_split_dkv_columns_matches_default_and_reference():
     """The split dK/dV kernel at the width it is for (B=2, T=2048, Hq=16, Hkv=4, D=256, causal,
-    ragged): its dK/dV agree with the default kernel's (the same products, another schedule)
+    ragged, where it is the default): its dK/dV agree with the unsplit kernel's (the same
+    products, another schedule)
     and both with the reference; dQ comes from the same kernel either way."""
     b, t, hq, hkv, d, dtype = 2, 2048, 16, 4, 256, jnp.bfloat16
     lens = jnp.asarray([t, 1357], jnp.int32)
