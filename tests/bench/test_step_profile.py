@@ -37,3 +37,19 @@ def test_gpu_profile_of_a_small_step():
     shared, none = sp.profile([(8, 1024)], 1)
     assert shared["point"]["backend"] == "shared" and none["point"]["backend"] == "none"
     assert none["total_us"] > 0 and shared["total_us"] > none["total_us"]
+
+
+def test_mla_step_profile_classes_and_cpu_smoke(tmp_path):
+    """bench/step_profile_mla.py: kernel names into classes; the CPU smoke run decodes and
+    writes its result file (device, jax, commit)."""
+    from bench import step_profile_mla as spm
+    assert spm.kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert spm.kind("mosaic_gpu_mla_prefix") == "mla attention (Mosaic GPU)"
+    assert spm.kind("loop_gather_fusion") == "gather / scatter"
+    assert spm.kind("input_reduce_fusion") == "reduce"
+    assert spm.kind("loop_multiply_fusion") == "other fusion"
+    out = tmp_path / "prof.json"
+    (res,) = spm.main(["--smoke", "4:16", "--commit", "abc1234", "--out", str(out)])
+    assert res["point"]["batch"] == 4 and res["point"]["steps"] == spm.STEPS
+    doc = json.loads(out.read_text())
+    assert doc["commit"] == "abc1234" and doc["jax"] and doc["device"]
