@@ -35,10 +35,11 @@ experts ``min(64, 6 B)`` touch, the shared experts, the dense layer, attention, 
 the latent cache (``shared``: the prefix once + every suffix; ``flat``: the prefix per
 sequence) ; flops = ``2 B`` per matrix parameter a token uses + absorbed attention.
 ``roofline_step_ms`` averages the timed steps 2..k, ``roofline_ms`` sums all k steps;
-``roofline_fraction = roofline_step_ms / step_ms``.  On CUDA, XLA expands ``jax.lax.ragged_dot``
-(the routed experts, ``models/deepseek/moe.py``) into a dense product over all experts unless
-its cuDNN ragged-dot fusion is enabled (``--ragged-dot-fusion``, a key field): the expansion
-costs ``E / K`` times the routed experts' flops, which the roofline does not include.
+``roofline_fraction = roofline_step_ms / step_ms``.  The routed experts run in per-expert
+buckets of twice the mean rows, in more rounds where an expert has more
+(``models/deepseek/moe.py``): at least twice the routed experts' flops, which the roofline does
+not include.  The key field ``moe_lowering`` names that form (``"buckets"``; points measured
+before it took rounds say ``"xla_default"``).
 
 Model: DeepSeek-V2-Lite shapes (``models.deepseek.config.PRESETS``; 27 layers, hidden 2048, 16
 heads, R=512, Dr=64, 64 routed experts of 1408, 6 per token, 2 shared, layer 0 dense of 10944,
@@ -68,9 +69,6 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 if "--smoke" in sys.argv[1:]:   # tiny CPU run: cheaper XLA:CPU compiles (timings are not measurements)
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
-if "--ragged-dot-fusion" in sys.argv[1:]:   # XLA reads its flags once, at backend start
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_experimental_use_ragged_dot_fusion=true").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
@@ -153,15 +151,15 @@ class Bench:
 
     # -- memory prediction ------------------------------------------------------------------
     def predicted_bytes(self, point) -> int:
-        """Weights + latent caches + the step's largest activations (logits, XLA's dense
-        expansion of the routed experts' ``ragged_dot``, the attention's partial states)."""
+        """Weights + latent caches + the step's largest activations (logits, the routed
+        experts' buckets, the attention's partial states)."""
         c, item = self.cfg(point), jnp.dtype(self.dtype).itemsize
         b, p, k = point["batch"], point["prefix"], self.k
         w = c.kv_lora_rank + c.qk_rope_head_dim
         tokens = p + b * k if point["backend"] == "shared" else FLAT_PLACEHOLDER + b * (p + k)
         rows = b * (c.num_experts_per_tok or 1)
-        expand = (c.n_routed_experts or 1) * rows * max(c.hidden_size, c.moe_intermediate_size or 1) * item * 2
-        act = b * c.vocab_size * 4 * 3 + expand + b * c.num_attention_heads * c.kv_lora_rank * 4 * 4
+        buckets = 2 * rows * max(c.hidden_size, c.moe_intermediate_size or 1) * item * 4   # [E, C, .] x 4
+        act = b * c.vocab_size * 4 * 3 + buckets + b * c.num_attention_heads * c.kv_lora_rank * 4 * 4
         return ec.deepseek_param_bytes(c, item) + c.num_hidden_layers * tokens * w * item + act + (512 << 20)
 
     def predict_oom(self, point) -> str | None:
@@ -345,9 +343,6 @@ def parse_args(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="override the batch sizes")
     ap.add_argument("--prefixes", type=int, nargs="+", default=None, help="override the prefix lengths")
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    ap.add_argument("--ragged-dot-fusion", action="store_true",
-                    help="XLA's cuDNN ragged-dot fusion for the routed experts (else XLA expands ragged_dot "
-                         "into a dense product over all experts); recorded as moe_lowering")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new point after this many seconds")
     ap.add_argument("--resume", action="store_true", help="add to an existing --out (kept points are not redone)")
     ap.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD of this checkout)")
@@ -358,10 +353,7 @@ def parse_args(argv=None):
         ap.error("--gen-tokens must be >= 2 (decode-only time is t(k) - t(1))")
     if args.budget_s is not None and args.budget_min is not None:
         ap.error("pass --budget-s or --budget-min, not both")
-    fusion_flag = "--xla_gpu_experimental_use_ragged_dot_fusion=true" in os.environ.get("XLA_FLAGS", "")
-    if args.ragged_dot_fusion and not fusion_flag:
-        ap.error("--ragged-dot-fusion must be on the command line (XLA reads XLA_FLAGS once, when jax starts)")
-    args.moe_lowering = "cudnn_ragged_dot_fusion" if args.ragged_dot_fusion else "xla_default"
+    args.moe_lowering = "buckets"
     args.out = args.out or ec.default_out_path(NAME, args.smoke)
     args.commit_measured = args.commit or ec.commit_of_checkout()
     return args

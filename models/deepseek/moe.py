@@ -1,6 +1,6 @@
 """DeepSeek's mixture-of-experts MLP: the router (scoring, top-k selection, normalisation,
-scaling), the routed experts as grouped matrix products (``jax.lax.ragged_dot``) and the shared
-experts.
+scaling), the routed experts as batched matrix products over per-expert buckets of rows, and
+the shared experts.
 
 Routing of each token (:func:`route`), in float32, from ``logits = x @ router [H, E]``:
 
@@ -20,20 +20,20 @@ Ties are broken toward the lower expert index (``jax.lax.top_k``).
 
 The routed experts (:func:`routed_experts`): the ``N x K`` (token, expert) pairs are sorted by
 expert; each expert's rows go through its SwiGLU and the outputs, times the routing weights, are
-summed back per token.  Nothing of size ``[N, E, ...]`` is built.  Two exact forms of the
-expert products:
+summed back per token.  Nothing of size ``[N, E, ...]`` is built.  The expert products run in
+buckets (:func:`bucketed_experts`): the rows of each expert are gathered into a bucket of ``C``
+rows (``[E, C, H]``, rows past the expert's count zero) and the experts run as batched matrix
+products ``[E, C, H] x [E, H, I]``, which cost ``E * C`` rows; ``C = expert_capacity(N * K, E)``,
+twice the mean rows per expert, rounded up to 8.  An expert with more than ``C`` rows takes
+more rounds: round ``r`` holds the rows of rank ``[r * C, (r + 1) * C)`` within their expert,
+and the step runs ``ceil(max rows / C)`` rounds (branches on the device, decided by the
+routing).  Balanced routing takes one round (about twice the multiply-adds the routing asks
+for); the worst case, every token on one expert, takes ``E / (2 K)`` rounds.
 
-* bucketed (:func:`bucketed_experts`): the rows of each expert are gathered into a bucket of
-  ``C`` rows (``[E, C, H]``, rows past the expert's count zero) and the experts run as batched
-  matrix products ``[E, C, H] x [E, H, I]``, which cost ``E * C`` rows;
-  ``C = expert_capacity(N * K, E)``: twice the mean rows per expert, rounded up to 8;
-* grouped (:func:`grouped_experts`): ``jax.lax.ragged_dot`` over the sorted rows, used when an
-  expert has more than ``C`` rows (a branch on the device, decided by the routing).
-
-XLA's generic lowering of ``ragged_dot`` (its ragged-dot rewriter, which the GPU takes unless
-cuDNN's grouped GEMM is enabled) multiplies every row with every expert: ``E / K`` times the
-multiply-adds the routing asks for (64 / 6 for DeepSeek-V2-Lite); the buckets cost about twice
-the routed multiply-adds when the routing is balanced.
+:func:`grouped_experts` is the same products through ``jax.lax.ragged_dot``.  XLA's generic
+lowering of ``ragged_dot`` (its ragged-dot rewriter, which the GPU takes unless cuDNN's grouped
+GEMM is enabled) multiplies every row with every expert: ``E / K`` times the multiply-adds the
+routing asks for (64 / 6 for DeepSeek-V2-Lite), so the routed experts do not use it.
 """
 from __future__ import annotations
 
@@ -99,13 +99,15 @@ def grouped_experts(xs_mh, sizes_e, w_gate_ehi, w_up_ehi, w_down_eih) -> jax.Arr
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down_eih, sizes_e, precision=prec)
 
 
-def bucketed_experts(xs_mh, sizes_e, w_gate_ehi, w_up_ehi, w_down_eih, capacity: int) -> jax.Array:
-    """SwiGLU of the expert-sorted rows ``xs [M, H]`` through buckets of ``capacity`` rows per
-    expert (batched products over ``[E, capacity, H]``): ``[M, H]``, exact for the experts
-    with at most ``capacity`` rows (rows past it come back as zeros)."""
+def bucketed_experts(xs_mh, sizes_e, w_gate_ehi, w_up_ehi, w_down_eih, capacity: int,
+                     offset=0) -> jax.Array:
+    """SwiGLU of the expert-sorted rows ``xs [M, H]`` (``sizes [E]`` rows per expert, in expert
+    order) through buckets of ``capacity`` rows per expert (batched products over
+    ``[E, capacity, H]``): ``[M, H]``, exact for the rows whose rank within their expert is in
+    ``[offset, offset + capacity)`` and zero for the others.  ``offset`` may be traced."""
     m = xs_mh.shape[0]
     starts = jnp.cumsum(sizes_e) - sizes_e                                   # [E]
-    slot = jnp.arange(capacity, dtype=jnp.int32)
+    slot = offset + jnp.arange(capacity, dtype=jnp.int32)
     valid = slot[None, :] < sizes_e[:, None]                                 # [E, C]
     rows = jnp.where(valid, starts[:, None] + slot[None, :], 0)
     xe = jnp.where(valid[..., None], xs_mh[rows], 0)                        # [E, C, H]
@@ -115,18 +117,18 @@ def bucketed_experts(xs_mh, sizes_e, w_gate_ehi, w_up_ehi, w_down_eih, capacity:
     ye = jnp.einsum("eci,eih->ech", jax.nn.silu(gate) * up, w_down_eih, precision=prec)
     expert = jnp.repeat(jnp.arange(sizes_e.shape[0], dtype=jnp.int32), sizes_e,
                         total_repeat_length=m)                               # [M] sorted rows
-    rank = jnp.arange(m, dtype=jnp.int32) - starts[expert]
-    fits = rank < capacity
-    return jnp.where(fits[:, None], ye[expert, jnp.where(fits, rank, 0)], 0)
+    rank = jnp.arange(m, dtype=jnp.int32) - starts[expert] - offset
+    inside = (rank >= 0) & (rank < capacity)
+    return jnp.where(inside[:, None], ye[expert, jnp.where(inside, rank, 0)], 0)
 
 
 def routed_experts(x_nh: jax.Array, experts_nk: jax.Array, weights_nk: jax.Array,
                    w_gate_ehi: jax.Array, w_up_ehi: jax.Array, w_down_eih: jax.Array, *,
                    capacity: int | None = None) -> jax.Array:
     """``sum_k weights[n, k] * expert_{experts[n, k]}(x[n])`` ``[N, H]``; experts are SwiGLU
-    with ``[E, H, I]``/``[E, I, H]`` weights.  The products run bucketed (``capacity`` rows per
-    expert, default :func:`expert_capacity`), or grouped when an expert has more rows (module
-    docstring): exact either way."""
+    with ``[E, H, I]``/``[E, I, H]`` weights.  The products run in buckets of ``capacity`` rows
+    per expert (default :func:`expert_capacity`), in as many rounds as the fullest expert needs
+    (module docstring): exact whatever the routing."""
     n, k = experts_nk.shape
     e = w_gate_ehi.shape[0]
     flat = experts_nk.reshape(-1)
@@ -134,14 +136,19 @@ def routed_experts(x_nh: jax.Array, experts_nk: jax.Array, weights_nk: jax.Array
     token = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x_nh[token].astype(w_gate_ehi.dtype)
-    cap = expert_capacity(n * k, e) if capacity is None else int(capacity)
+    cap = min(expert_capacity(n * k, e) if capacity is None else int(capacity), n * k)
     weights = (w_gate_ehi, w_up_ehi, w_down_eih)
-    if cap >= n * k:
-        y = bucketed_experts(xs, sizes, *weights, cap)
-    else:
-        y = jax.lax.cond(jnp.max(sizes) <= cap,
-                         lambda: bucketed_experts(xs, sizes, *weights, cap),
-                         lambda: grouped_experts(xs, sizes, *weights))
+    y = bucketed_experts(xs, sizes, *weights, cap)
+    rounds = (jnp.max(sizes) + cap - 1) // cap
+    # (an expert holds at most one row per token: at most ceil(n / cap) rounds; static bounds
+    # make the loop a scan, reverse-differentiable; rounds past the routing's are skipped)
+
+    def more(r, acc):
+        return jax.lax.cond(r < rounds, lambda a: a + bucketed_experts(
+            xs, sizes, *weights, cap, offset=r * cap), lambda a: a, acc)
+
+    if -(-n // cap) > 1:
+        y = jax.lax.fori_loop(1, -(-n // cap), more, y)
     y = y.astype(jnp.float32) * weights_nk.reshape(-1)[order][:, None]      # [N*K, H]
     return jnp.zeros((n, y.shape[1]), jnp.float32).at[token].add(y).astype(x_nh.dtype)
 

@@ -45,7 +45,7 @@ def test_smoke_records_both_layouts_with_roofline(smoke):
     for p in pts.values():
         assert p["status"] == "ok" and p["commit"] == "abc123" and p["logits_finite"] is True, p
         assert (p["model"], p["layers"], p["batch"], p["prefix"]) == ("deepseek-v2-lite", 2, 2, 8)
-        assert p["moe_lowering"] == "xla_default" and p["prefix_groups"] == 1
+        assert p["moe_lowering"] == "buckets" and p["prefix_groups"] == 1
         assert p["mla_auto_impl"] in ("reference", "mgpu") and p["mla_auto_reason"]
         assert len(p["t1_s"]) == 3 and len(p["tk_s"]) == (1 if p["backend"] == "flat" else 2)
         assert p["roofline_ms"] > 0 and p["copy_bw_Bps"] > 0 and p["matmul_flops"] > 0
