@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Callable
 
 import jax
@@ -48,6 +49,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import kv_cache as kvc
+from models.collective_flags import check_collective_flags
 from models.config import LlamaConfig
 from models.kv_cache import KVCache, PrefixCache
 
@@ -73,7 +75,9 @@ def make_mesh(tensor_parallel: int = 1, data_parallel: int = 1, devices=None) ->
     every process, so the same call builds the multi-host mesh after ``jax.distributed.initialize``).
 
     Raises ``ValueError`` naming how many devices exist and how many are needed when there are
-    too few (on a CPU host, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` gives ``N``)."""
+    too few (on a CPU host, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` gives ``N``);
+    warns where this process's XLA collectives would fail across the GPUs
+    (:func:`models.collective_flags.check_collective_flags`)."""
     tp = _positive_int("tensor_parallel", tensor_parallel)
     dp = _positive_int("data_parallel", data_parallel)
     devices = list(jax.devices() if devices is None else devices)
@@ -82,6 +86,7 @@ def make_mesh(tensor_parallel: int = 1, data_parallel: int = 1, devices=None) ->
         kind = devices[0].platform if devices else "device"
         raise ValueError(f"tensor_parallel={tp} x data_parallel={dp} needs {need} devices, but only "
                          f"{len(devices)} {kind} device(s) exist")
+    check_collective_flags(devices[:need], os.environ)
     return Mesh(np.asarray(devices[:need], dtype=object).reshape(dp, tp), (DATA, MODEL))
 
 

@@ -34,14 +34,13 @@ if not _ON_CPU and "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", "
     # dots) and run each a few times, so they take XLA's default kernels.  Pallas kernels are
     # not autotuned either way.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
-if not _ON_CPU and os.environ.get("NCCL_NVLS_ENABLE") == "0" \
-        and tuple(int(x) for x in metadata.version("jaxlib").split(".")[:2]) >= (0, 12):
-    # On a host with NVLink multicast off in NCCL, the collective kernels XLA 0.12 uses by
-    # default for all-reduce fail (ncclGetPeerDevicePointer: unhandled system error); the
-    # multi-GPU tests take NCCL's own collectives there (docs/multi_gpu.md).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_experimental_use_collective_kernels="
-                               + " --xla_gpu_experimental_enable_nccl_symmetric_buffers=false").strip()
+if not _ON_CPU:
+    # On a host with NVLink multicast off in NCCL, jaxlib 0.12's own collective kernels fail;
+    # the multi-GPU tests take NCCL's collectives there (models/collective_flags.py).
+    from models.collective_flags import collective_xla_flags  # noqa: E402
+    _flags = collective_xla_flags(os.environ)
+    if _flags is not None:
+        os.environ["XLA_FLAGS"] = _flags
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

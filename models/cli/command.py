@@ -72,6 +72,7 @@ from models.cli.prompt_cache import run_prompt_cache
 from models.compile_watch import CompileWatch
 from models.completion import Completion, DoneEvent, FinishEvent, PhaseEvent, StepEvent, TokenEvent
 from models.checkpoint import read_config
+from models.collective_flags import collective_xla_flags
 from models.deepseek.config import DeepseekConfig
 from models.distributed import Distributed, initialize
 from models.gguf import CheckpointError
@@ -292,6 +293,9 @@ def _model_flag_hint(argv: Sequence[str], message: str) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on `argv` (default: `sys.argv[1:]`); the exit status. A user error prints
     `jpa-sample: error: MESSAGE` as one line on stderr and gives status 2."""
+    flags = collective_xla_flags(os.environ)
+    if flags is not None:   # before the GPU backend starts (XLA reads XLA_FLAGS once)
+        os.environ["XLA_FLAGS"] = flags
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
