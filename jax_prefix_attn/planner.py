@@ -22,6 +22,7 @@ from jax_prefix_attn.device_profile import device_profile
 from jax_prefix_attn.leaves import (flat_own, flat_rows, mgpu_joint, mgpu_one_launch,
                                     mgpu_split, mgpu_two_launch, triton_overlap,
                                     triton_two_launch)
+from jax_prefix_attn.mgpu_grads import mgpu_backward_why_not
 from jax_prefix_attn.leaves.base import (planning_part, query_chunks, shared_prefix_supported,
                                          supported)
 from jax_prefix_attn.plans import (BackwardPlan, ChunkPlan, Reference, SharedPrefixPlan,
@@ -46,7 +47,7 @@ SHARED_PATHS = ("triton_two_launch", "triton_overlap", "mgpu_two_launch", "mgpu_
 FLAT_PATHS = ("flat_own", "flat_rows")
 PATHS = ("reference",) + FLAT_PATHS + SHARED_PATHS
 IMPLS = ("auto", "shared", "flat", "reference")
-BACKWARDS = ("kernels", "reference")
+BACKWARDS = ("kernels", "mgpu", "reference")
 # Queries per sequence up to which attention over per-sequence buffers (no shared prefix) runs
 # the flat decode kernels rather than flash attention (:func:`use_flat_decode`).
 FLAT_DECODE_MAX_TQ = 8
@@ -123,9 +124,16 @@ def _build(leaf, s: Shapes, dev: DeviceInfo, interpret: bool, forced: bool) -> t
     return tuple(chunks)
 
 
-def _backward(s: Shapes, dev: DeviceInfo, mode: str) -> BackwardPlan:
+def _backward(s: Shapes, dev: DeviceInfo, mode: str, interpret: bool) -> BackwardPlan:
     if mode not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {mode!r}")
+    if mode == "mgpu":
+        why = mgpu_backward_why_not(s.batch, s.tq, s.heads_q, s.heads_kv, s.head_dim, s.groups,
+                                    s.prefix_len, s.suffix_len, s.dtype)
+        if why is None and not interpret and not dev.mosaic_gpu_ok:
+            why = f"{dev.name}: Mosaic GPU needs compute capability 9.0 or newer"
+        if why is not None:
+            raise ValueError(f"backward='mgpu' cannot run these shapes: {why}")
     sms = planning_part(dev).sm_count
     dq_blocks, dq_tiles, dkv_blocks, dkv_rows = prefix_attention_bwd.prefix_grad_grid(
         s.batch * s.tq, s.prefix_len)
@@ -150,8 +158,9 @@ def plan_shared_prefix(*, batch: int, tq: int, heads_q: int, heads_kv: int, head
     path and the reason when it cannot run these shapes.  ``device``: default
     :func:`device_info` (tests pass a known part such as ``device.H100_SXM``).  ``interpret``:
     the plan's kernels run in interpret mode (CPU); Mosaic GPU leaves are then taken only when
-    forced.  ``backward``: ``"kernels"`` (flash backward kernels) or ``"reference"`` (autodiff
-    of the pure-JAX decomposition).
+    forced.  ``backward``: ``"kernels"`` (the Triton flash backward kernels), ``"mgpu"`` (the
+    Mosaic GPU flash backward kernels, :mod:`jax_prefix_attn.mgpu_grads`; ``ValueError`` where
+    they cannot run) or ``"reference"`` (autodiff of the pure-JAX decomposition).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -179,7 +188,7 @@ def plan_shared_prefix(*, batch: int, tq: int, heads_q: int, heads_kv: int, head
                              f"use impl='reference'")
         else:
             leaf, reason = _choose(s, dev, impl, interpret)
-    backward_plan = _backward(s, dev, backward)
+    backward_plan = _backward(s, dev, backward, interpret)
     if leaf is None:
         return SharedPrefixPlan(impl="reference", path="reference", shapes=s,
                                 chunks=(ChunkPlan(0, s.tq, Reference()),),

@@ -42,7 +42,9 @@ statistics, so the merge needs no backward of its own.  The prefix part's kernel
 (:mod:`pallas_kernels.prefix_attention_bwd`) batch the rows of every sequence that shares a
 prefix, as the forward does: ``dK``/``dV`` of a prefix are summed over its sequences inside
 the kernel.  The suffix part is :func:`pallas_kernels.suffix_attention_bwd.suffix_part_grads`.
-Nothing of size ``[B, Tq, Hq, P]`` is materialised.  ``backward="reference"`` differentiates
+Nothing of size ``[B, Tq, Hq, P]`` is materialised.  ``backward="mgpu"`` runs both parts on the
+Mosaic GPU flash backward kernels instead (:mod:`jax_prefix_attn.mgpu_grads`).
+``backward="reference"`` differentiates
 the pure-JAX reference decomposition instead (it materialises the probabilities).
 Second-order derivatives (grad of grad) work either way: differentiating the kernel backward
 goes through the reference's autodiff.  Both families share the backward: it depends only on
@@ -61,6 +63,7 @@ import numpy as np
 from jax_prefix_attn._validation import (check_array, check_bool, check_gqa, check_impl, check_kv,
                                          check_prefix_groups, check_sm_scale)
 from jax_prefix_attn.executor import run_plan
+from jax_prefix_attn.mgpu_grads import mgpu_grads
 from jax_prefix_attn.planner import IMPLS, plan_shared_prefix, shared_prefix_supported
 from jax_prefix_attn.plans import SharedPrefixPlan, Shapes
 from jax_prefix_attn.reference import clamp_shared_inputs, reference_shared_prefix, row_limits
@@ -166,6 +169,12 @@ def _kernel_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, pref
         seq_to_prefix, prefix_lengths, suffix_lengths, *prefix_k.shape[:2], suffix_k.shape[1])
     delta = (jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
              - d_lse.astype(jnp.float32))                                       # [B, Tq, Hq]
+    if backward.mode == "mgpu":
+        grads = mgpu_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
+                           suffix_lengths, lse, delta, d_out, d_lse, scale=scale, interpret=interpret,
+                           prefix_key_splits=backward.prefix_key_splits,
+                           prefix_row_splits=backward.prefix_row_splits)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, prefix_k, prefix_v, suffix_k, suffix_v)))
     lim_p, _ = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
     dq_p, dpk, dpv = prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim_p,
                                   prefix_lengths, scale=scale, interpret=interpret,
