@@ -6,6 +6,9 @@ four K/V arrays, for
   plan's ``backward="kernels"``, the default: ``pallas_kernels.prefix_attention_bwd`` for the
   prefix part with the rows of all sequences batched, ``pallas_kernels.suffix_attention_bwd``
   for the suffix part, both with the merged statistics);
+* ``mgpu``: the same forward, backward through the Mosaic GPU flash backward kernels (the plan's
+  ``backward="mgpu"``, :mod:`jax_prefix_attn.mgpu_grads`; the prefix groups are contiguous runs
+  of sequences here, so the prefix part runs folded per group);
 * ``refbwd``: the same forward, backward by autodiff of the pure-JAX reference decomposition
   (the plan's ``backward="reference"``; it materialises ``[B, Tq, Hq, P]`` probabilities);
 * ``concat_flash``: our flash attention (``jax_prefix_attn.attention``'s kernel,
@@ -18,8 +21,9 @@ four K/V arrays, for
   FlashAttention-2's count), bytes of reading ``q``, ``dO``, the prefix once and every suffix,
   and writing their gradients.
 
-Every point checks the ``kernels`` gradients against ``refbwd`` (relative error per input, in
-float32).  Usage: ``python bench/shared_prefix_grad.py --out bench/results/shared_prefix_grad_<gpu>.json``;
+Every point checks the ``kernels`` and ``mgpu`` gradients against ``refbwd`` (relative error per
+input, in float32).  ``--smoke`` leaves ``mgpu`` out unless ``--cols`` names it (Mosaic GPU's
+interpreter is slow).  Usage: ``python bench/shared_prefix_grad.py --out bench/results/shared_prefix_grad_<gpu>.json``;
 ``--smoke``: tiny shapes in interpret mode (CPU).
 """
 from __future__ import annotations
@@ -48,9 +52,10 @@ POINTS = [
     (32, 16, 8192, 256, 32, 8, 128, 1),    # long shared document
     (64, 16, 4096, 256, 8, 1, 128, 1),     # Hq=8 / Hkv=1
     (64, 4, 2048, 256, 32, 8, 128, 4),     # four prefix groups
+    (16, 256, 2048, 256, 32, 8, 128, 2),   # GRPO-like: 2 prompts x 8 completions of 256 tokens
 ]
 SMOKE_POINTS = [(3, 2, 40, 24, 4, 2, 16, 1), (4, 2, 32, 16, 4, 1, 16, 2)]
-COLS = ("kernels", "refbwd", "concat_flash")
+COLS = ("kernels", "mgpu", "refbwd", "concat_flash")
 INTERPRET = False
 
 
@@ -63,25 +68,25 @@ def make_inputs(b, tq, p, s, hq, hkv, d, g, seed=0, dtype=jnp.bfloat16):
     pk, pv = rnd(g, p, hkv, d), rnd(g, p, hkv, d)
     sk, sv = rnd(b, s, hkv, d), rnd(b, s, hkv, d)
     sl = jnp.asarray(rng.integers(max(tq, s // 2), s + 1, size=b), jnp.int32)
-    s2p = jnp.asarray(rng.integers(0, g, size=b), jnp.int32)
+    s2p = jnp.asarray(np.arange(b) * g // b, jnp.int32)          # contiguous groups
     plen = jnp.full((g,), p, jnp.int32)
     w = rnd(b, tq, hq, d).astype(jnp.float32)
     return (q, pk, pv, sk, sv), dict(sl=sl, s2p=s2p, plen=plen, w=w)
 
 
 def grad_fn(col, meta, args):
-    """The compiled ``jit(grad)`` of the loss for one column (``kernels`` / ``refbwd``: the
-    shared family's plan with that backward)."""
+    """The compiled ``jit(grad)`` of the loss for one column (``kernels`` / ``mgpu`` /
+    ``refbwd``: the shared family's plan with that backward)."""
     sl, s2p, plen, w = meta["sl"], meta["s2p"], meta["plen"], meta["w"]
 
-    if col in ("kernels", "refbwd"):
+    if col in ("kernels", "mgpu", "refbwd"):
         q, pk = args[0], args[1]
         b, tq, hq, d = q.shape
         g, p, hkv, _ = pk.shape
         plan = plan_shared_prefix(batch=b, tq=tq, heads_q=hq, heads_kv=hkv, head_dim=d, groups=g,
                                   prefix_len=p, suffix_len=args[3].shape[1], dtype=q.dtype,
                                   impl="shared", interpret=INTERPRET,
-                                  backward="reference" if col == "refbwd" else "kernels")
+                                  backward={"refbwd": "reference"}.get(col, col))
 
         def loss(q, pk, pv, sk, sv):
             out = shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=sl,
@@ -130,7 +135,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
-    ap.add_argument("--cols", default=",".join(COLS))
+    ap.add_argument("--cols", default=None, help=f"comma-separated columns (default {','.join(COLS)})")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     global INTERPRET
@@ -143,7 +148,8 @@ def main():
     mma = measure_matmul_rate(256 if args.smoke else 8192)
     print(f"device {device_info()['device']}: copy {bw / 1e12:.2f} TB/s, matmul "
           f"{mma / 1e12:.0f} TFLOP/s", flush=True)
-    cols = args.cols.split(",")
+    cols = (args.cols.split(",") if args.cols else
+            [c for c in COLS if not (args.smoke and c == "mgpu")])
     doc = dict(info=device_info(), copy_bw_Bps=bw, matmul_flops=mma, columns=cols, notes=__doc__,
                results=[])
     for pt in points:
