@@ -18,12 +18,14 @@ flash-attention backward evaluated with the merged ``lse`` and ``delta = rowsum(
 
 That call is exact for the rows that see the whole prefix.  A row of sequence ``b`` at query
 index ``i < Tq - sl_b`` sits inside the prefix (bottom-right alignment) and sees only its first
-``pl + sl_b - Tq + i + 1`` keys; in the folded call such a row's ``lse`` is set to ``+inf``
-(probabilities 0: it contributes nothing).  Its own contribution goes through the Triton prefix
-backward (per-row limits), with every other row's cotangent zeroed, and only when one of those
-rows has a non-zero cotangent (a branch on the device): batches whose padding rows carry no loss
-never take it.  Prefix groups in another layout take the Triton prefix backward for the whole
-part (also a branch on the device).
+``pl + sl_b - Tq + i + 1`` keys; in the folded call such a row's ``lse`` is ``+inf``
+(probabilities 0: it contributes nothing).  Those rows take one more call, only when one of them
+has a non-zero cotangent (a branch on the device: batches whose padding rows carry no loss never
+take it): per sequence, over a copy of its prefix (zero past the prefix length) followed by
+``Tq`` zero keys, causal with length ``pl + min(sl, Tq)``, every other row's ``lse`` at ``+inf``;
+its per-sequence ``dK``/``dV`` are summed into the groups in float32.  Prefix groups in another
+layout (or ``B`` not a multiple of ``G``) take the per-sequence form for the whole rows too
+(non-causal, length ``pl``): the same flops, with per-sequence copies of the prefix.
 
 :func:`mgpu_backward_why_not` says when the kernels cannot take the shapes.
 """
@@ -35,7 +37,6 @@ import jax.numpy as jnp
 from jax_prefix_attn.reference import row_limits
 from pallas_kernels import flash_attention_mgpu as mgpu_flash
 from pallas_kernels.flash_attention_mgpu_bwd import flash_attention_mgpu_bwd
-from pallas_kernels.prefix_attention_bwd import prefix_grads
 
 __all__ = ["mgpu_backward_why_not", "mgpu_grads"]
 
@@ -65,25 +66,34 @@ def _row_has_cotangent(d_out: jax.Array, d_lse: jax.Array) -> jax.Array:
     return (d_out != 0).any(axis=(2, 3)) | (d_lse != 0).any(axis=2)
 
 
+def _flash_bwd(q, k, v, d_out, lse, delta, rows, *, causal, lengths, scale, interpret):
+    """The Mosaic GPU flash backward of the rows of the mask ``rows [B, Tq]`` (the others get
+    ``lse = +inf`` and zero cotangents: probabilities 0, no contribution, and no NaN of theirs
+    crosses into another row's gradients), float32 gradients."""
+    lse_r = jnp.where(rows[..., None], lse, jnp.inf)
+    d_out_r = jnp.where(rows[..., None, None], d_out, 0)
+    delta_r = jnp.where(rows[..., None], delta, 0)
+    out = flash_attention_mgpu_bwd(q, k, v, d_out_r, lse_r, delta_r, causal=causal,
+                                   kv_lengths=lengths, sm_scale=scale, interpret=interpret)
+    return tuple(x.astype(jnp.float32) for x in out)
+
+
 def mgpu_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
-               suffix_lengths, lse, delta, d_out, d_lse, *, scale: float, interpret: bool = False,
-               prefix_key_splits: int = 1, prefix_row_splits: int = 1):
+               suffix_lengths, lse, delta, d_out, d_lse, *, scale: float, interpret: bool = False):
     """``(dq, dprefix_k, dprefix_v, dsuffix_k, dsuffix_v)`` (float32) of shared-prefix attention
     (module docstring), from the merged ``lse [B, Tq, Hq]`` and ``delta [B, Tq, Hq]`` (float32)
     and the cotangents ``d_out [B, Tq, Hq, D]``, ``d_lse [B, Tq, Hq]``.  ``seq_to_prefix``,
-    ``prefix_lengths`` and ``suffix_lengths`` are clamped (the caller's clamp rule).  The splits
-    are the Triton prefix backward's, for the rows it takes."""
+    ``prefix_lengths`` and ``suffix_lengths`` are clamped (the caller's clamp rule)."""
     b, tq, hq, d = q.shape
-    g = prefix_k.shape[0]
+    g, p = prefix_k.shape[:2]
     f32 = jnp.float32
-    kw = dict(sm_scale=scale, interpret=interpret)
-    triton_kw = dict(scale=scale, interpret=interpret, row_splits=prefix_row_splits,
-                     key_splits=prefix_key_splits)
+    kw = dict(scale=scale, interpret=interpret)
+    everyone = jnp.ones((b, tq), bool)
 
     # suffix part
     if suffix_k.shape[1]:
-        dq_s, dsk, dsv = flash_attention_mgpu_bwd(q, suffix_k, suffix_v, d_out, lse, delta,
-                                                  causal=True, kv_lengths=suffix_lengths, **kw)
+        dq_s, dsk, dsv = _flash_bwd(q, suffix_k, suffix_v, d_out, lse, delta, everyone, causal=True,
+                                    lengths=suffix_lengths, **kw)
     else:
         dq_s, dsk, dsv = jnp.zeros(q.shape, f32), jnp.zeros(suffix_k.shape, f32), jnp.zeros(suffix_v.shape, f32)
 
@@ -92,33 +102,38 @@ def mgpu_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_
     lim, _ = row_limits(tq, plen_b, suffix_lengths)                        # [B, Tq]
     whole = lim == plen_b[:, None]                                          # sees every prefix key
 
-    def triton_part(rows):   # the Triton prefix backward on the rows of the mask [B, Tq]
-        m4 = rows[:, :, None, None]
-        out = prefix_grads(q, jnp.where(m4, d_out, 0), lse, jnp.where(rows[..., None], delta, 0),
-                           prefix_k, prefix_v, seq_to_prefix, jnp.where(rows, lim, 0),
-                           prefix_lengths, **triton_kw)
-        return tuple(x.astype(f32) for x in out)
+    def to_groups(dq, dk_b, dv_b):
+        return (dq, jax.ops.segment_sum(dk_b, seq_to_prefix, num_segments=g),
+                jax.ops.segment_sum(dv_b, seq_to_prefix, num_segments=g))
 
-    def folded_part():
+    def per_sequence(rows, causal):
+        keep = (jnp.arange(p, dtype=jnp.int32)[None, :] < plen_b[:, None])[..., None, None]
+        extra = tq if causal else 0                       # zero keys after the prefix (causal form)
+        k_b, v_b = (jnp.pad(jnp.where(keep, x[seq_to_prefix], 0), ((0, 0), (0, extra), (0, 0), (0, 0)))
+                    for x in (prefix_k, prefix_v))
+        lengths = plen_b + jnp.minimum(suffix_lengths, tq) if causal else plen_b
+        dq, dk_b, dv_b = _flash_bwd(q, k_b, v_b, d_out, lse, delta, rows, causal=causal,
+                                    lengths=lengths, **kw)
+        return to_groups(dq, dk_b[:, :p], dv_b[:, :p])
+
+    def folded():
         m = b // g
         fold = lambda x: x.reshape((g, m * tq) + x.shape[2:])  # noqa: E731
-        lse_w = jnp.where(whole[..., None], lse, jnp.inf)                   # partial rows: p = 0
-        dq_f, dpk, dpv = flash_attention_mgpu_bwd(
-            fold(q), prefix_k, prefix_v, fold(d_out), fold(lse_w), fold(delta), causal=False,
-            kv_lengths=prefix_lengths, **kw)
-        main = (dq_f.reshape(q.shape).astype(f32), dpk.astype(f32), dpv.astype(f32))
-        partial = ~whole
-        need = jnp.any(partial & _row_has_cotangent(d_out, d_lse))
-        extra = jax.lax.cond(need, lambda: triton_part(partial),
-                             lambda: tuple(jnp.zeros_like(x) for x in main))
-        return tuple(x + y for x, y in zip(main, extra))
+        dq_f, dpk, dpv = _flash_bwd(fold(q), prefix_k, prefix_v, fold(d_out), fold(lse),
+                                    fold(delta), fold(whole), causal=False, lengths=prefix_lengths,
+                                    **kw)
+        return dq_f.reshape(q.shape), dpk, dpv
 
-    everyone = jnp.ones((b, tq), bool)
     if b % g:
-        dq_p, dpk, dpv = triton_part(everyone)
+        main = per_sequence(whole, causal=False)
     elif g == 1:
-        dq_p, dpk, dpv = folded_part()
+        main = folded()
     else:
-        dq_p, dpk, dpv = jax.lax.cond(_contiguous_groups(seq_to_prefix, g), folded_part,
-                                      lambda: triton_part(everyone))
-    return dq_p + dq_s.astype(f32), dpk, dpv, dsk.astype(f32), dsv.astype(f32)
+        main = jax.lax.cond(_contiguous_groups(seq_to_prefix, g), folded,
+                            lambda: per_sequence(whole, causal=False))
+    inside = ~whole
+    need = jnp.any(inside & _row_has_cotangent(d_out, d_lse))
+    extra = jax.lax.cond(need, lambda: per_sequence(inside, causal=True),
+                         lambda: tuple(jnp.zeros_like(x) for x in main))
+    dq_p, dpk, dpv = (x + y for x, y in zip(main, extra))
+    return dq_p + dq_s, dpk, dpv, dsk, dsv

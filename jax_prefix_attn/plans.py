@@ -48,8 +48,8 @@ class ChunkPlan:
 class BackwardPlan:
     """``mode="kernels"``: the Triton flash backward kernels with the merged statistics (prefix
     kernel key / row splits, suffix kernel key splits); ``"mgpu"``: the Mosaic GPU flash
-    backward kernels (:mod:`jax_prefix_attn.mgpu_grads`; the prefix splits serve the rows it
-    leaves to the Triton prefix kernel); ``"reference"``: autodiff of the reference."""
+    backward kernels (:mod:`jax_prefix_attn.mgpu_grads`; the splits unused); ``"reference"``:
+    autodiff of the reference."""
     mode: str = "kernels"
     prefix_key_splits: int = 1
     prefix_row_splits: int = 1
