@@ -1,8 +1,9 @@
 """The shared-prefix backward on the Mosaic GPU flash backward kernels (``backward="mgpu"``,
 jax_prefix_attn/mgpu_grads.py), in Mosaic GPU's CPU interpreter against autodiff of the
-reference in float32: one prefix, contiguous groups, groups in another order (per-sequence
-copies of the prefix); rows inside the prefix (short suffixes) with and without a cotangent; the plan's refusals; CUDA lowering of the
-gradient program (a batch the groups do not divide too); on an H200 at training sizes."""
+reference in float32: contiguous groups, groups in another order (per-sequence copies of the
+prefix), rows inside the prefix (short suffixes) with and without a cotangent; the plan's
+refusals; CUDA lowering of the gradient program (a batch the groups do not divide too); on an
+H200 at training sizes (one prefix too)."""
 import dataclasses
 
 import jax
@@ -53,14 +54,14 @@ def _check(seed, *, b, tq, hq, hkv, d, g, p, s, suffix_lengths, prefix_lengths=N
 
 
 @pytest.mark.parametrize("case", [
-    # one prefix, GQA 2, suffixes shorter than Tq (rows inside the prefix, with a cotangent)
-    dict(b=3, tq=5, hq=2, hkv=1, d=64, g=0, p=37, s=7, suffix_lengths=[7, 2, 0]),
-    # two contiguous groups of 2, ragged prefixes, the same rows without a cotangent
-    dict(b=4, tq=4, hq=4, hkv=1, d=64, g=2, p=29, s=6, suffix_lengths=[6, 1, 4, 3],
-         prefix_lengths=[29, 11], s2p=[0, 0, 1, 1], padding_loss=False),
-    # groups in another order (per-sequence copies of the prefix); head_dim 48 (zero-padded)
-    dict(b=4, tq=3, hq=2, hkv=1, d=48, g=2, p=21, s=5, suffix_lengths=[5, 3, 5, 0],
-         prefix_lengths=[21, 8], s2p=[1, 0, 0, 1]),
+    # two contiguous groups of 2 (the folded prefix call), ragged prefixes, GQA 2, suffixes
+    # shorter than Tq: rows inside the prefix with a cotangent (the per-sequence causal call)
+    dict(b=4, tq=4, hq=2, hkv=1, d=64, g=2, p=29, s=6, suffix_lengths=[6, 1, 4, 0],
+         prefix_lengths=[29, 11], s2p=[0, 0, 1, 1]),
+    # groups in another order (per-sequence copies of the prefix), GQA 4, head_dim 48
+    # (zero-padded), the rows inside the prefix without a cotangent
+    dict(b=4, tq=3, hq=4, hkv=1, d=48, g=2, p=21, s=5, suffix_lengths=[5, 3, 5, 0],
+         prefix_lengths=[21, 8], s2p=[1, 0, 0, 1], padding_loss=False),
 ])
 def test_mgpu_backward_in_cpu_interpreter_matches_reference(case):
     _check(len(case) * 7 + case["b"], **case)
