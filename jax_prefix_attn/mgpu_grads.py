@@ -45,8 +45,8 @@ def mgpu_backward_why_not(batch: int, tq: int, heads_q: int, heads_kv: int, head
                           groups: int, prefix_len: int, suffix_len: int, dtype) -> str | None:
     """``None`` when :func:`mgpu_grads` runs these shapes (``q [batch, tq, heads_q, head_dim]``,
     ``groups`` prefixes of ``prefix_len`` keys, suffix capacity ``suffix_len``), else why not."""
-    why = mgpu_flash.supported((batch, tq, heads_q, head_dim), (batch, max(suffix_len, 1), heads_kv, head_dim),
-                               dtype)
+    why = mgpu_flash.supported((batch, tq, heads_q, head_dim),
+                               (batch, max(suffix_len, 1), heads_kv, head_dim), dtype)
     if why is not None:
         return f"the Mosaic GPU flash backward: {why}"
     if prefix_len < 1:
@@ -95,7 +95,7 @@ def mgpu_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_
         dq_s, dsk, dsv = _flash_bwd(q, suffix_k, suffix_v, d_out, lse, delta, everyone, causal=True,
                                     lengths=suffix_lengths, **kw)
     else:
-        dq_s, dsk, dsv = jnp.zeros(q.shape, f32), jnp.zeros(suffix_k.shape, f32), jnp.zeros(suffix_v.shape, f32)
+        dq_s, dsk, dsv = (jnp.zeros(x.shape, f32) for x in (q, suffix_k, suffix_v))
 
     # prefix part
     plen_b = prefix_lengths[seq_to_prefix]

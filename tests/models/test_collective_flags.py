@@ -30,7 +30,8 @@ def test_flags_needed(environ, version, want):
 
 def test_value_to_export_keeps_the_users_flags():
     env = dict(OFF, XLA_FLAGS="--xla_gpu_autotune_level=0")
-    assert collective_xla_flags(env, "0.12.0.1") == " ".join(("--xla_gpu_autotune_level=0",) + NCCL_COLLECTIVE_FLAGS)
+    want = " ".join(("--xla_gpu_autotune_level=0",) + NCCL_COLLECTIVE_FLAGS)
+    assert collective_xla_flags(env, "0.12.0.1") == want
     assert collective_xla_flags(OFF, "0.12.0.1") == " ".join(NCCL_COLLECTIVE_FLAGS)
     assert collective_xla_flags(OFF, "0.11.2") is None
 
