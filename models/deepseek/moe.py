@@ -140,15 +140,17 @@ def routed_experts(x_nh: jax.Array, experts_nk: jax.Array, weights_nk: jax.Array
     weights = (w_gate_ehi, w_up_ehi, w_down_eih)
     y = bucketed_experts(xs, sizes, *weights, cap)
     rounds = (jnp.max(sizes) + cap - 1) // cap
-    # (an expert holds at most one row per token: at most ceil(n / cap) rounds; static bounds
-    # make the loop a scan, reverse-differentiable; rounds past the routing's are skipped)
+    most = -(-n // cap)              # (an expert holds at most one row per token)
+    if most > 1:
+        # One branch when one round holds every row (the common case: a single device branch per
+        # layer); else a loop with static bounds (a scan, reverse-differentiable) whose rounds
+        # past the routing's are skipped.
+        def round_r(r, acc):
+            return jax.lax.cond(r < rounds, lambda a: a + bucketed_experts(
+                xs, sizes, *weights, cap, offset=r * cap), lambda a: a, acc)
 
-    def more(r, acc):
-        return jax.lax.cond(r < rounds, lambda a: a + bucketed_experts(
-            xs, sizes, *weights, cap, offset=r * cap), lambda a: a, acc)
-
-    if -(-n // cap) > 1:
-        y = jax.lax.fori_loop(1, -(-n // cap), more, y)
+        y = jax.lax.cond(rounds > 1, lambda a: jax.lax.fori_loop(1, most, round_r, a),
+                         lambda a: a, y)
     y = y.astype(jnp.float32) * weights_nk.reshape(-1)[order][:, None]      # [N*K, H]
     return jnp.zeros((n, y.shape[1]), jnp.float32).at[token].add(y).astype(x_nh.dtype)
 
