@@ -22,9 +22,9 @@ from jax_prefix_attn.device_profile import device_profile
 from jax_prefix_attn.leaves import (flat_own, flat_rows, mgpu_joint, mgpu_one_launch,
                                     mgpu_split, mgpu_two_launch, triton_overlap,
                                     triton_two_launch)
-from jax_prefix_attn.mgpu_grads import mgpu_backward_why_not
 from jax_prefix_attn.leaves.base import (planning_part, query_chunks, shared_prefix_supported,
                                          supported)
+from jax_prefix_attn.mgpu_grads import mgpu_backward_why_not
 from jax_prefix_attn.plans import (BackwardPlan, ChunkPlan, Reference, SharedPrefixPlan,
                                    Shapes)
 from jax_prefix_attn.tree_plan import (TREE_LEAVES, TreePlan, plan_tree_attention, tree_candidates,

@@ -172,7 +172,8 @@ def _kernel_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, pref
     if backward.mode == "mgpu":
         grads = mgpu_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_lengths,
                            suffix_lengths, lse, delta, d_out, d_lse, scale=scale, interpret=interpret)
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, prefix_k, prefix_v, suffix_k, suffix_v)))
+        inputs = (q, prefix_k, prefix_v, suffix_k, suffix_v)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, inputs))
     lim_p, _ = row_limits(q.shape[1], prefix_lengths[seq_to_prefix], suffix_lengths)
     dq_p, dpk, dpv = prefix_grads(q, d_out, lse, delta, prefix_k, prefix_v, seq_to_prefix, lim_p,
                                   prefix_lengths, scale=scale, interpret=interpret,
