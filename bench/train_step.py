@@ -5,7 +5,9 @@ The step is ``jax.jit(jax.value_and_grad(loss))`` with ``loss`` = :func:`models.
 (log-probabilities of ``G x N`` completions through :func:`models.training.logprobs.completion_logprobs`,
 the clipped GRPO loss against old log-probabilities, token-level mean) -- the optimizer update,
 the same for both, is left out.  Columns (``impl``): ``shared`` and ``flat`` with per-layer
-rematerialisation (the default), optionally ``shared_noremat`` / ``flat_noremat``.
+rematerialisation (the default), optionally ``shared_noremat`` / ``flat_noremat`` and
+``shared_mgpu`` (the shared path with the Mosaic GPU attention backward,
+``GRPOConfig(attention_backward="mgpu")``).
 
 Models: Llama-3.2-1B shapes (16 layers, tied 128K vocabulary) and Llama-3.1-8B shapes with
 ``--layers-8b`` of its 32 layers (default 4, so the flat baseline can fit at all), random bf16
@@ -68,7 +70,7 @@ from models.weights import init_params, stack_layers  # noqa: E402
 
 NAME = "train_step"
 KEY_FIELDS = ("model", "layers", "groups", "samples", "prompt", "completion", "impl")
-IMPLS = ("shared", "flat", "shared_noremat", "flat_noremat")
+IMPLS = ("shared", "flat", "shared_noremat", "flat_noremat", "shared_mgpu")
 
 #: Llama-3.2-1B (values of its config.json).
 LLAMA32_1B = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -156,7 +158,8 @@ class Bench:
             self.rates = roofline.measure_rates(a.smoke)
         cfg, params = self.params(point["model"])
         impl = point["impl"]
-        config = GRPOConfig(impl=impl.split("_")[0], remat=not impl.endswith("noremat"))
+        config = GRPOConfig(impl=impl.split("_")[0], remat=not impl.endswith("noremat"),
+                            attention_backward="mgpu" if impl.endswith("mgpu") else "kernels")
         model = Llama(cfg)
         batch = self.batch(cfg, point)
         step = jax.jit(jax.value_and_grad(lambda q, b: grpo_objective(model, q, b, config)[0]))

@@ -34,7 +34,8 @@ from pallas_kernels import prefix_attention_bwd, suffix_attention_bwd
 __all__ = ["plan_shared_prefix", "SharedPrefixPlan", "LEAVES", "leaf_module", "candidates",
            "PATHS", "SHARED_PATHS", "FLAT_PATHS", "shared_prefix_supported",
            "suffix_grad_key_splits", "row_splits", "plan_tree_attention", "TreePlan",
-           "TREE_LEAVES", "tree_leaf", "tree_candidates", "FLAT_DECODE_MAX_TQ", "use_flat_decode"]
+           "TREE_LEAVES", "tree_leaf", "tree_candidates", "FLAT_DECODE_MAX_TQ", "use_flat_decode",
+           "BACKWARDS"]
 
 # The registry, in order of preference among leaves of equal modelled cost: the one-launch
 # Mosaic GPU leaves are charged as the two launches they replace, and each was measured to beat
@@ -124,10 +125,12 @@ def _build(leaf, s: Shapes, dev: DeviceInfo, interpret: bool, forced: bool) -> t
     return tuple(chunks)
 
 
-def _backward(s: Shapes, dev: DeviceInfo, mode: str, interpret: bool) -> BackwardPlan:
+def _backward(s: Shapes, dev: DeviceInfo, mode: str, interpret: bool, kernels: bool) -> BackwardPlan:
+    """The backward of a plan; ``kernels``: whether the plan runs kernels (a reference plan
+    differentiates the reference whatever ``mode`` says)."""
     if mode not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {mode!r}")
-    if mode == "mgpu":
+    if mode == "mgpu" and kernels:
         why = mgpu_backward_why_not(s.batch, s.tq, s.heads_q, s.heads_kv, s.head_dim, s.groups,
                                     s.prefix_len, s.suffix_len, s.dtype)
         if why is None and not interpret and not dev.mosaic_gpu_ok:
@@ -160,7 +163,8 @@ def plan_shared_prefix(*, batch: int, tq: int, heads_q: int, heads_kv: int, head
     the plan's kernels run in interpret mode (CPU); Mosaic GPU leaves are then taken only when
     forced.  ``backward``: ``"kernels"`` (the Triton flash backward kernels), ``"mgpu"`` (the
     Mosaic GPU flash backward kernels, :mod:`jax_prefix_attn.mgpu_grads`; ``ValueError`` where
-    they cannot run) or ``"reference"`` (autodiff of the pure-JAX decomposition).
+    the plan's kernels run and they cannot) or ``"reference"`` (autodiff of the pure-JAX
+    decomposition); a reference plan differentiates the reference either way.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -188,7 +192,7 @@ def plan_shared_prefix(*, batch: int, tq: int, heads_q: int, heads_kv: int, head
                              f"use impl='reference'")
         else:
             leaf, reason = _choose(s, dev, impl, interpret)
-    backward_plan = _backward(s, dev, backward, interpret)
+    backward_plan = _backward(s, dev, backward, interpret, kernels=leaf is not None)
     if leaf is None:
         return SharedPrefixPlan(impl="reference", path="reference", shapes=s,
                                 chunks=(ChunkPlan(0, s.tq, Reference()),),

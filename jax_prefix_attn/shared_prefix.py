@@ -236,7 +236,7 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
                             prefix_lengths=None, seq_to_prefix=None, sm_scale=None,
                             return_lse: bool = False, impl: str = "auto",
                             interpret: bool = False, plan: SharedPrefixPlan | None = None,
-                            check_ranges: bool = False):
+                            backward: str = "kernels", check_ranges: bool = False):
     """Attention of each sequence over its (shared) prefix followed by its own suffix.
 
     Args:
@@ -255,6 +255,8 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
       plan: a :class:`SharedPrefixPlan` for these shapes
         (:func:`jax_prefix_attn.plan_shared_prefix`), overriding ``impl``'s planning: forces a
         leaf, its tiling and the backward.
+      backward: the backward of the kernel paths when ``plan`` is not given: ``"kernels"``
+        (Triton), ``"mgpu"`` (Mosaic GPU) or ``"reference"`` (:func:`plan_shared_prefix`).
       check_ranges: add ``checkify`` checks of traced lengths and ``seq_to_prefix`` (out-of-range
         values are clamped, the module docstring); the caller wraps the call in
         ``checkify.checkify(..., errors=checkify.user_checks)``.  Off: no check is compiled.
@@ -272,8 +274,12 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
                   head_dim=q.shape[3], groups=prefix_k.shape[0], prefix_len=prefix_k.shape[1],
                   suffix_len=suffix_k.shape[1])
     if plan is None:
-        plan = plan_shared_prefix(**shapes, dtype=q.dtype, impl=impl, interpret=interpret)
+        plan = plan_shared_prefix(**shapes, dtype=q.dtype, impl=impl, interpret=interpret,
+                                  backward=backward)
     else:
+        if backward != "kernels":
+            raise ValueError(f"pass backward= or plan= (whose backward is {plan.backward.mode!r}), "
+                             f"not both; got backward={backward!r}")
         if not isinstance(plan, SharedPrefixPlan):
             raise TypeError(f"plan must be a SharedPrefixPlan (plan_shared_prefix), got "
                             f"{type(plan).__name__}")

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_prefix_attn
+from jax_prefix_attn.planner import BACKWARDS as SHARED_BACKWARDS
 from models.layer_layout import layer_loop
 from models.layers import embed, rms_norm
 from models.llama import Llama
@@ -159,7 +160,7 @@ def _causal_self(model: Llama):
     return attend
 
 
-def _shared_hidden(model, params, prompt_gp, plen_g, comp_bc, n, remat, policy):
+def _shared_hidden(model, params, prompt_gp, plen_g, comp_bc, n, remat, policy, attention_backward):
     """Hidden states ``[G*N, C, H]`` predicting each completion token; prompts run once."""
     g, p = prompt_gp.shape
     b, c = comp_bc.shape
@@ -177,7 +178,7 @@ def _shared_hidden(model, params, prompt_gp, plen_g, comp_bc, n, remat, policy):
         def over_prompt(q, k, v):
             return jax_prefix_attn.shared_prefix_attention(
                 q, k_p, v_p, k, v, suffix_lengths=full, prefix_lengths=plen_g, seq_to_prefix=s2p,
-                impl=model.impl, interpret=model.interpret)
+                impl=model.impl, interpret=model.interpret, backward=attention_backward)
         x_c, _ = model.layer_forward(lp, x_c, pos_c, over_prompt)
         return x_p, x_c
 
@@ -351,7 +352,7 @@ def token_logprobs(h_mh, params: dict, targets_m, *, logits_chunk: int | None = 
 def completion_logprobs(model: Llama, params: dict, prompt_tokens, prompt_lengths, completion_tokens,
                         completion_lengths, *, impl: str = "auto", return_entropy: bool = False, remat: bool = True,
                         remat_policy=None, logits_chunk: int | None = None, vocab_chunk: int | None = None,
-                        temperature: float = 1.0):
+                        temperature: float = 1.0, attention_backward: str = "kernels"):
     """Log-probabilities ``[G, N, C]`` float32 of ``N`` completions of each of ``G`` prompts.
 
     Args:
@@ -370,6 +371,9 @@ def completion_logprobs(model: Llama, params: dict, prompt_tokens, prompt_length
       logits_chunk: tokens per LM-head chunk (default: about 128M logits, 512 MB, per chunk);
         vocab_chunk: vocabulary entries per slice (must divide the vocabulary; default all).
       temperature: log-probabilities of ``softmax(logits / temperature)``.
+      attention_backward: the backward of the shared path's attention over the prompts
+        (``backward`` of :func:`jax_prefix_attn.shared_prefix_attention`: ``"kernels"``,
+        ``"mgpu"`` or ``"reference"``); the Llama only.
 
     Returns:
       ``logprobs [G, N, C]`` (0 past each completion's length), or ``(logprobs, entropy)``.
@@ -382,9 +386,13 @@ def completion_logprobs(model: Llama, params: dict, prompt_tokens, prompt_length
     prompt_gp = jnp.asarray(prompt_tokens, jnp.int32)
     plen_g = jnp.asarray(prompt_lengths, jnp.int32)
     comp_bc = jnp.asarray(completion_tokens, jnp.int32).reshape(b, c)
-    if isinstance(model, Llama):
-        hidden_fn = _shared_hidden if path == "shared" else _flat_hidden
-        hidden = hidden_fn(model, params, prompt_gp, plen_g, comp_bc, n, remat, remat_policy)
+    if attention_backward not in SHARED_BACKWARDS:
+        raise ValueError(f"attention_backward must be one of {SHARED_BACKWARDS}, got {attention_backward!r}")
+    if isinstance(model, Llama) and path == "shared":
+        hidden = _shared_hidden(model, params, prompt_gp, plen_g, comp_bc, n, remat, remat_policy,
+                                attention_backward)
+    elif isinstance(model, Llama):
+        hidden = _flat_hidden(model, params, prompt_gp, plen_g, comp_bc, n, remat, remat_policy)
     else:
         hidden = model.completion_hidden(params, prompt_gp, plen_g, comp_bc, n, shared=path == "shared",
                                          remat=remat, policy=remat_policy)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.llama import Llama
-from models.training.logprobs import IMPLS, completion_logprobs
+from models.training.logprobs import IMPLS, SHARED_BACKWARDS, completion_logprobs
 
 __all__ = ["GRPOBatch", "GRPOConfig", "NORMALISATIONS", "group_advantages", "grpo_loss", "grpo_objective",
            "make_train_step"]
@@ -54,8 +54,9 @@ class GRPOConfig:
     clip_eps_high]`` (``clip_eps_high`` defaults to ``clip_eps``; a larger one is DAPO's
     "clip higher"); ``kl_beta``: weight of the k3 KL estimate against the reference policy (needs
     ``ref_logprobs`` in the batch when > 0); ``normalisation``: see the module docstring;
-    ``impl``, ``remat``, ``logits_chunk``, ``vocab_chunk``, ``temperature``: passed to
-    :func:`~models.training.logprobs.completion_logprobs` (use the sampling temperature).
+    ``impl``, ``remat``, ``logits_chunk``, ``vocab_chunk``, ``temperature``,
+    ``attention_backward``: passed to :func:`~models.training.logprobs.completion_logprobs` (use
+    the sampling temperature).
     """
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
@@ -66,6 +67,7 @@ class GRPOConfig:
     logits_chunk: int | None = None
     vocab_chunk: int | None = None
     temperature: float = 1.0
+    attention_backward: str = "kernels"
 
     def __post_init__(self):
         for name in ("clip_eps", "kl_beta"):
@@ -79,6 +81,9 @@ class GRPOConfig:
             raise ValueError(f"normalisation must be one of {NORMALISATIONS}, got {self.normalisation!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.attention_backward not in SHARED_BACKWARDS:
+            raise ValueError(f"attention_backward must be one of {SHARED_BACKWARDS}, got "
+                             f"{self.attention_backward!r}")
 
 
 @struct.dataclass
@@ -178,7 +183,7 @@ def grpo_objective(model: Llama, params: dict, batch: GRPOBatch,
     lp = completion_logprobs(model, params, batch.prompt_tokens, batch.prompt_lengths, batch.completion_tokens,
                              batch.completion_lengths, impl=config.impl, remat=config.remat,
                              logits_chunk=config.logits_chunk, vocab_chunk=config.vocab_chunk,
-                             temperature=config.temperature)
+                             temperature=config.temperature, attention_backward=config.attention_backward)
     return grpo_loss(lp, batch.advantages, batch.completion_lengths, config, old_logprobs=batch.old_logprobs,
                      ref_logprobs=batch.ref_logprobs)
 

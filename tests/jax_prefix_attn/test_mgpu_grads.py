@@ -124,3 +124,17 @@ def test_plans_differ_only_in_the_backward():
                 suffix_len=8, dtype=BF16, impl="shared", device=H200)
     a, k = plan_shared_prefix(**base, backward="mgpu"), plan_shared_prefix(**base)
     assert dataclasses.replace(a, backward=k.backward) == k
+
+
+def test_backward_argument_or_a_plan_not_both():
+    """``shared_prefix_attention(backward=...)`` plans with that backward; given a plan too, it
+    refuses anything but the default."""
+    args, kw, _ = make_case(5, b=2, tq=2, hq=4, hkv=2, d=16, g=0, p=8, s=3, dtype=BF16)
+    plan = plan_shared_prefix(batch=2, tq=2, heads_q=4, heads_kv=2, head_dim=16, groups=1,
+                              prefix_len=8, suffix_len=3, dtype=BF16, impl="reference")
+    with pytest.raises(ValueError, match="pass backward= or plan="):
+        shared_prefix_attention(*args, **kw, plan=plan, backward="mgpu")
+    with pytest.raises(ValueError, match="backward must be one of"):
+        shared_prefix_attention(*args, **kw, backward="nope")
+    shared_prefix_attention(*args, **kw, impl="reference", backward="mgpu")   # reference: accepted
+

@@ -146,6 +146,21 @@ def test_impl_rule_and_default_chunk():
     assert default_logits_chunk(96, 21) == 24
 
 
+def test_attention_backward_option(case):
+    """``attention_backward`` reaches the shared path's attention: off a GPU the plan is the
+    reference's whatever it says (same values); an unknown value names the argument, in
+    ``completion_logprobs`` and in ``GRPOConfig``."""
+    from models.training.rl import GRPOConfig
+    m, p, args = case["model"], case["params"], case["args"]
+    got = completion_logprobs(m, p, *args, impl="shared", attention_backward="mgpu")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(completion_logprobs(m, p, *args, impl="shared")),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="attention_backward must be one of .*got 'triton'"):
+        completion_logprobs(m, p, *args, attention_backward="triton")
+    with pytest.raises(ValueError, match="attention_backward must be one of"):
+        GRPOConfig(attention_backward="fast")
+
+
 def test_bad_inputs_raise(case):
     m, p, (pt, pl, ct, cl) = case["model"], case["params"], case["args"]
 
@@ -221,6 +236,28 @@ def test_smollm2_gguf_matches_transformers():
         assert err < 2e-4, (i, err)
         assert (lp[0, i, len(ids):] == 0).all()
     assert lp[0, 0, 0] > lp[0, 1, 0]          # " Paris" is likelier than " Lyon"
+
+
+@pytest.mark.gpu
+def test_gpu_mgpu_attention_backward_matches_kernels():
+    """On an H200, bf16, G=2 prompts of 1K tokens and N=8 completions of 256: parameter
+    gradients with the Mosaic GPU shared-prefix backward (``attention_backward="mgpu"``) against
+    the Triton one."""
+    cfg = LlamaConfig.preset("Llama-3.1-8B").replace(num_hidden_layers=2, hidden_size=1024, intermediate_size=2048,
+                                                     num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                                                     vocab_size=32000, eos_token_ids=(2,), bos_token_id=1)
+    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), init_params(cfg, jax.random.PRNGKey(1), jnp.float32))
+    rng = np.random.default_rng(1)
+    args = tuple(jnp.asarray(a, jnp.int32) for a in (
+        rng.integers(0, cfg.vocab_size, (2, 1024)), np.array([1024, 700]),
+        rng.integers(0, cfg.vocab_size, (2, 8, 256)), rng.integers(1, 257, (2, 8))))
+    model = Llama(cfg)
+    grad = jax.jit(jax.grad(lambda q, bw: completion_logprobs(model, q, *args, impl="shared",
+                                                              attention_backward=bw).sum()),
+                   static_argnums=1)
+    want, got = grad(params, "kernels"), grad(params, "mgpu")
+    errs = [rel_err(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))]
+    assert max(errs) < 3e-2, errs
 
 
 @pytest.mark.gpu
