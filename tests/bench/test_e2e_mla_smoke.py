@@ -58,7 +58,9 @@ def test_smoke_records_both_layouts_with_roofline(smoke):
     assert pts["flat"]["rel_err_first_logits_vs_shared"] < 1e-5
     assert pts["flat"]["roofline_cache_bytes_per_step"] > pts["shared"]["roofline_cache_bytes_per_step"]
     assert doc["runs"][-1]["commit"] == "abc123"
-    assert any("shared / flat" in line for line in doc["runs"][-1]["targets"]["lines"])
+    # (the tiny smoke steps can be shorter than the timing noise: a ratio only where both timed)
+    timed = all(p["timing_valid"] for p in pts.values())
+    assert any("shared / flat" in line for line in doc["runs"][-1]["targets"]["lines"]) == timed
 
 
 def test_existing_file_needs_resume_which_keeps_it(smoke):
