@@ -48,11 +48,10 @@ infinity crosses rows).  The collectives form one chain (the collectives of one 
 run in order anyway), none can be combined with another, and no matmul waits for a collective
 it does not read: the dependence enters through a one-element in-place update after the GEMM,
 not through an elementwise op on its whole output, which XLA could fuse into the GEMM as an
-epilogue (the GEMM would then wait for the previous all-reduce).  Two other ways do not hold on
-XLA:CPU: an ``optimization_barrier`` tying each operand to the previous result (XLA expands
-barriers into their operands before it combines collectives, and it combined the chunks'
-all-reduces in pairs), and a scalar token reduced beside each chunk (``psum`` of a tuple lowers
-to one all-reduce per operand, which XLA then combines anew).
+epilogue (the GEMM would then wait for the previous all-reduce).  Neither an
+``optimization_barrier`` tying each operand to the previous result nor a scalar token reduced
+beside each chunk keeps them apart: XLA expands barriers into their operands before it combines
+collectives, and ``psum`` of a tuple lowers to one all-reduce per operand, which XLA combines.
 
 The result equals the plain step's: every row goes through the same ops; only the matmuls are
 issued per chunk (on a GPU the chunked GEMMs may pick other kernels, so the sums can differ in
