@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.grad_common import compare_grads, kernel_ratios, measure_columns, print_row  # noqa: E402
-from bench.timing import device_info, gpu_slug, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+from bench.timing import device_info, git_commit, gpu_slug, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
 from jax_prefix_attn import plan_shared_prefix, shared_prefix_attention  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 
@@ -137,6 +137,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--cols", default=None, help=f"comma-separated columns (default {','.join(COLS)})")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD of this checkout)")
     args = ap.parse_args()
     global INTERPRET
     points = POINTS
@@ -150,7 +151,8 @@ def main():
           f"{mma / 1e12:.0f} TFLOP/s", flush=True)
     cols = (args.cols.split(",") if args.cols else
             [c for c in COLS if not (args.smoke and c == "mgpu")])
-    doc = dict(info=device_info(), copy_bw_Bps=bw, matmul_flops=mma, columns=cols, notes=__doc__,
+    doc = dict(info=device_info(), jax=jax.__version__, commit=git_commit(args.commit)[0],
+               copy_bw_Bps=bw, matmul_flops=mma, columns=cols, notes=__doc__,
                results=[])
     for pt in points:
         t0 = time.time()

@@ -310,6 +310,7 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="timed steps per point (default 5; quick 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (default 1)")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot of --out and print the targets")
+    ap.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD of this checkout)")
     args = ap.parse_args(argv)
     if args.quick:
         args.models = ["llama3.2-1b"]
@@ -337,6 +338,7 @@ def main(argv=None) -> dict:
                            "attention forward flops, at the measured bf16 matmul rate"}
 
     def after(store, bench, counts):
+        store.note("commit", args.commit or ec.commit_of_checkout())
         add_oom_analysis(store.data["points"])
         store.save()
         ec.report_targets(store, targets)
