@@ -137,6 +137,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--cols", default=None, help=f"comma-separated columns (default {','.join(COLS)})")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--points", default=None,
+                    help="comma-separated indices into the grid (default: every point)")
     ap.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD of this checkout)")
     args = ap.parse_args()
     global INTERPRET
@@ -144,6 +146,8 @@ def main():
     if args.smoke:
         INTERPRET = True
         points = SMOKE_POINTS
+    if args.points:
+        points = [points[int(i)] for i in args.points.split(",")]
     out = args.out or f"bench/results/shared_prefix_grad_{gpu_slug()}.json"
     bw = measure_copy_bandwidth(1 << 24 if args.smoke else 2 << 30)
     mma = measure_matmul_rate(256 if args.smoke else 8192)

@@ -9,23 +9,30 @@ flash-attention backward evaluated with the merged ``lse`` and ``delta = rowsum(
 * **Suffix part**: the kernel on ``q [B, Tq, Hq, D]`` and ``suffix_k/v [B, S, Hkv, D]``, causal
   and aligned to ``suffix_lengths``: query ``i`` sees suffix keys ``j < sl - Tq + i + 1``, the
   library's convention.
-* **Prefix part**, when the ``G`` prefix groups are contiguous runs of ``M = B / G`` sequences
-  (``seq_to_prefix = [0]*M + [1]*M + ...``, the layout of GRPO-style batches): the rows of each
-  group fold into one query axis, ``q [G, M * Tq, Hq, D]``, and one non-causal kernel call over
-  ``prefix_k/v [G, P, Hkv, D]`` with ``kv_lengths = prefix_lengths`` gives ``dK``/``dV`` summed
-  over the group's sequences inside the kernel (float32 accumulators), the prefix read once per
-  group as in the forward.
+* **Prefix part**, when each of the ``G`` prefix groups holds ``M = B / G`` sequences (the
+  layout of GRPO-style batches; the rows are permuted so that the groups are contiguous runs):
+  the rows of each group fold into one query axis, ``q [G, M * Tq, Hq, D]``, and one non-causal
+  kernel call over ``prefix_k/v [G, P, Hkv, D]`` with ``kv_lengths = prefix_lengths`` gives
+  ``dK``/``dV`` summed over the group's sequences inside the kernel (float32 accumulators), the
+  prefix read once per group as in the forward.
 
 That call is exact for the rows that see the whole prefix.  A row of sequence ``b`` at query
 index ``i < Tq - sl_b`` sits inside the prefix (bottom-right alignment) and sees only its first
 ``pl + sl_b - Tq + i + 1`` keys; in the folded call such a row's ``lse`` is ``+inf``
-(probabilities 0: it contributes nothing).  Those rows take one more call, only when one of them
-has a non-zero cotangent (a branch on the device: batches whose padding rows carry no loss never
-take it): per sequence, over a copy of its prefix (zero past the prefix length) followed by
-``Tq`` zero keys, causal with length ``pl + min(sl, Tq)``, every other row's ``lse`` at ``+inf``;
-its per-sequence ``dK``/``dV`` are summed into the groups in float32.  Prefix groups in another
-layout (or ``B`` not a multiple of ``G``) take the per-sequence form for the whole rows too
-(non-causal, length ``pl``): the same flops, with per-sequence copies of the prefix.
+(probabilities 0: it contributes nothing).  When one of those rows has a non-zero cotangent (a
+branch on the device: batches whose padding rows carry no loss never take it), the prefix part
+splits at ``start = max(pl - Tq, 0)``, a point every row of the sequence sees past:
+
+* the **head** ``[0, start)``: the folded call above with ``kv_lengths = start`` and every row;
+* the **tail** ``[start, pl)`` (at most ``Tq`` keys): per sequence, a gathered ``[B, Tq]`` copy
+  followed by ``Tq`` zero keys, causal with length ``(pl - start) + min(sl, Tq)``, so each row
+  sees exactly the tail keys before it (a zero key has ``V = 0`` and its ``dK``/``dV`` are
+  dropped: it adds nothing); its ``dK``/``dV`` are added into the groups' rows in float32.
+
+The extra memory is ``[B, 2 Tq]`` keys, not a per-sequence copy of the prefix.  Groups of
+unequal sizes (or ``B`` not a multiple of ``G``) take the whole-prefix or head call ``C``
+sequences at a time in a loop (``C`` the largest divisor of ``B`` up to ``G``), each over copies
+of its own prefix: the same flops, and the memory of the folded call.
 
 :func:`mgpu_backward_why_not` says when the kernels cannot take the shapes.
 """
@@ -54,25 +61,20 @@ def mgpu_backward_why_not(batch: int, tq: int, heads_q: int, heads_kv: int, head
     return None
 
 
-def _contiguous_groups(seq_to_prefix: jax.Array, groups: int) -> jax.Array:
-    """Whether ``seq_to_prefix [B]`` (clamped) is ``M`` sequences of group 0, then ``M`` of
-    group 1, ... (``M = B / groups``; the caller checks that ``groups`` divides ``B``)."""
-    b = seq_to_prefix.shape[0]
-    return jnp.all(seq_to_prefix == jnp.arange(b, dtype=jnp.int32) // (b // groups))
-
-
 def _row_has_cotangent(d_out: jax.Array, d_lse: jax.Array) -> jax.Array:
     """``[B, Tq]``: rows with a non-zero (or NaN) cotangent of ``out`` or of ``lse``."""
     return (d_out != 0).any(axis=(2, 3)) | (d_lse != 0).any(axis=2)
 
 
 def _flash_bwd(q, k, v, d_out, lse, delta, rows, *, causal, lengths, scale, interpret):
-    """The Mosaic GPU flash backward of the rows of the mask ``rows [B, Tq]`` (the others get
-    ``lse = +inf`` and zero cotangents: probabilities 0, no contribution, and no NaN of theirs
-    crosses into another row's gradients), float32 gradients."""
-    lse_r = jnp.where(rows[..., None], lse, jnp.inf)
-    d_out_r = jnp.where(rows[..., None, None], d_out, 0)
-    delta_r = jnp.where(rows[..., None], delta, 0)
+    """The Mosaic GPU flash backward of the rows of the mask ``rows [B, Tq]`` with a finite or
+    NaN ``lse`` (the others -- rows left out, heads that see no key -- get ``lse = +inf`` and
+    zero cotangents: probabilities 0, no contribution from the zero keys a call appends, and no
+    NaN of theirs crosses into another row's gradients), float32 gradients."""
+    keep = rows[..., None] & (lse != -jnp.inf)                              # [B, Tq, Hq]
+    lse_r = jnp.where(keep, lse, jnp.inf)
+    d_out_r = jnp.where(keep[..., None], d_out, 0)
+    delta_r = jnp.where(keep, delta, 0)
     out = flash_attention_mgpu_bwd(q, k, v, d_out_r, lse_r, delta_r, causal=causal,
                                    kv_lengths=lengths, sm_scale=scale, interpret=interpret)
     return tuple(x.astype(jnp.float32) for x in out)
@@ -102,38 +104,64 @@ def mgpu_grads(q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix, prefix_
     lim, _ = row_limits(tq, plen_b, suffix_lengths)                        # [B, Tq]
     whole = lim == plen_b[:, None]                                          # sees every prefix key
 
-    def to_groups(dq, dk_b, dv_b):
-        return (dq, jax.ops.segment_sum(dk_b, seq_to_prefix, num_segments=g),
-                jax.ops.segment_sum(dv_b, seq_to_prefix, num_segments=g))
-
-    def per_sequence(rows, causal):
-        keep = (jnp.arange(p, dtype=jnp.int32)[None, :] < plen_b[:, None])[..., None, None]
-        extra = tq if causal else 0                       # zero keys after the prefix (causal form)
-        k_b, v_b = (jnp.pad(jnp.where(keep, x[seq_to_prefix], 0), ((0, 0), (0, extra), (0, 0), (0, 0)))
-                    for x in (prefix_k, prefix_v))
-        lengths = plen_b + jnp.minimum(suffix_lengths, tq) if causal else plen_b
-        dq, dk_b, dv_b = _flash_bwd(q, k_b, v_b, d_out, lse, delta, rows, causal=causal,
-                                    lengths=lengths, **kw)
-        return to_groups(dq, dk_b[:, :p], dv_b[:, :p])
-
-    def folded():
+    def folded(rows, lengths_g, order=None):
+        """Every group's ``M = B / G`` sequences (in ``order``, a permutation making the groups
+        contiguous runs) folded into one query axis, one call over the prefixes."""
         m = b // g
-        fold = lambda x: x.reshape((g, m * tq) + x.shape[2:])  # noqa: E731
+        take = (lambda x: x) if order is None else (lambda x: x[order])  # noqa: E731
+        fold = lambda x: take(x).reshape((g, m * tq) + x.shape[2:])       # noqa: E731
         dq_f, dpk, dpv = _flash_bwd(fold(q), prefix_k, prefix_v, fold(d_out), fold(lse),
-                                    fold(delta), fold(whole), causal=False, lengths=prefix_lengths,
+                                    fold(delta), fold(rows), causal=False, lengths=lengths_g,
                                     **kw)
-        return dq_f.reshape(q.shape), dpk, dpv
+        dq_f = dq_f.reshape(q.shape)
+        return (dq_f if order is None else dq_f[jnp.argsort(order)]), dpk, dpv
 
-    if b % g:
-        main = per_sequence(whole, causal=False)
-    elif g == 1:
-        main = folded()
-    else:
-        main = jax.lax.cond(_contiguous_groups(seq_to_prefix, g), folded,
-                            lambda: per_sequence(whole, causal=False))
-    inside = ~whole
-    need = jnp.any(inside & _row_has_cotangent(d_out, d_lse))
-    extra = jax.lax.cond(need, lambda: per_sequence(inside, causal=True),
-                         lambda: tuple(jnp.zeros_like(x) for x in main))
-    dq_p, dpk, dpv = (x + y for x, y in zip(main, extra))
+    def chunked(rows, lengths_g):
+        """``C`` sequences per call (``C`` the largest divisor of ``B`` up to ``G``: the memory
+        of the folded call), each over copies of its own prefix, in a loop."""
+        c = max(x for x in range(1, g + 1) if b % x == 0)
+        split_ = lambda x: x.reshape((b // c, c) + x.shape[1:])  # noqa: E731
+
+        def body(acc, xs):
+            q_c, do_c, lse_c, delta_c, rows_c, s2p_c = xs
+            lengths = lengths_g[s2p_c]
+            keep = (jnp.arange(p, dtype=jnp.int32)[None, :] < lengths[:, None])[..., None, None]
+            k_c, v_c = (jnp.where(keep, x[s2p_c], 0) for x in (prefix_k, prefix_v))
+            dq_c, dk_c, dv_c = _flash_bwd(q_c, k_c, v_c, do_c, lse_c, delta_c, rows_c,
+                                          causal=False, lengths=lengths, **kw)
+            return (acc[0].at[s2p_c].add(dk_c), acc[1].at[s2p_c].add(dv_c)), dq_c
+        zeros = jnp.zeros(prefix_k.shape, f32)
+        (dpk, dpv), dq = jax.lax.scan(body, (zeros, zeros), tuple(
+            split_(x) for x in (q, d_out, lse, delta, rows, seq_to_prefix)))
+        return dq.reshape(q.shape), dpk, dpv
+
+    def full_keys(rows, lengths_g):        # rows that see the first lengths_g[group] keys
+        if g == 1:
+            return folded(rows, lengths_g)
+        if b % g:
+            return chunked(rows, lengths_g)
+        equal = jnp.all(jnp.bincount(seq_to_prefix, length=g) == b // g)
+        return jax.lax.cond(
+            equal, lambda: folded(rows, lengths_g, jnp.argsort(seq_to_prefix, stable=True)),
+            lambda: chunked(rows, lengths_g))
+
+    def tail():                            # every row over the last <= Tq keys of its prefix
+        start = jnp.maximum(plen_b - tq, 0)                                 # [B]
+        n_tail = plen_b - start                                             # [B], <= Tq
+        pos = start[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]     # [B, Tq]
+        valid = (pos < plen_b[:, None])[..., None, None]
+        k_t, v_t = (jnp.pad(jnp.where(valid, x[seq_to_prefix[:, None], jnp.minimum(pos, p - 1)], 0),
+                            ((0, 0), (0, tq), (0, 0), (0, 0))) for x in (prefix_k, prefix_v))
+        dq, dk_t, dv_t = _flash_bwd(q, k_t, v_t, d_out, lse, delta, everyone, causal=True,
+                                    lengths=n_tail + jnp.minimum(suffix_lengths, tq), **kw)
+        scatter = lambda x: jnp.zeros((g, p) + x.shape[2:], f32).at[             # noqa: E731
+            seq_to_prefix[:, None], pos].add(jnp.where(valid, x[:, :tq], 0), mode="drop")
+        return dq, scatter(dk_t), scatter(dv_t)
+
+    def split():
+        head = full_keys(everyone, jnp.maximum(prefix_lengths - tq, 0))
+        return tuple(x + y for x, y in zip(head, tail()))
+
+    need = jnp.any(~whole & _row_has_cotangent(d_out, d_lse))
+    dq_p, dpk, dpv = jax.lax.cond(need, split, lambda: full_keys(whole, prefix_lengths))
     return dq_p + dq_s, dpk, dpv, dsk, dsv

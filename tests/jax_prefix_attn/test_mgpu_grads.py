@@ -1,7 +1,8 @@
 """The shared-prefix backward on the Mosaic GPU flash backward kernels (``backward="mgpu"``,
 jax_prefix_attn/mgpu_grads.py), in Mosaic GPU's CPU interpreter against autodiff of the
-reference in float32: contiguous groups, groups in another order (per-sequence copies of the
-prefix), rows inside the prefix (short suffixes) with and without a cotangent; the plan's
+reference in float32: contiguous groups, groups in another order (rows permuted), groups of
+unequal sizes (a loop over copies of the prefix), rows inside the prefix (short suffixes) with
+and without a cotangent, rows that see no key; the plan's
 refusals; CUDA lowering of the gradient program (a batch the groups do not divide too); on an
 H200 at training sizes (one prefix too)."""
 import dataclasses
@@ -31,20 +32,20 @@ def _grads(args, kw, call, w, row_weight):
 
 
 def _check(seed, *, b, tq, hq, hkv, d, g, p, s, suffix_lengths, prefix_lengths=None, s2p=None,
-           padding_loss=True):
+           padding_loss=True, interpret=True):
     args, kw, _ = make_case(seed, b=b, tq=tq, hq=hq, hkv=hkv, d=d, g=g, p=p, s=s, dtype=BF16,
                             suffix_lengths=suffix_lengths, prefix_lengths=prefix_lengths)
     if s2p is not None:
         kw["seq_to_prefix"] = jnp.asarray(s2p, jnp.int32)
     shapes = dict(batch=b, tq=tq, heads_q=hq, heads_kv=hkv, head_dim=d, groups=max(g, 1),
                   prefix_len=p, suffix_len=s, dtype=BF16)
-    mgpu = plan_shared_prefix(**shapes, impl="shared", interpret=True, backward="mgpu")
+    mgpu = plan_shared_prefix(**shapes, impl="shared", interpret=interpret, backward="mgpu")
     assert mgpu.backward.mode == "mgpu"
     w = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(args[0].shape, np.float32))
     sl = np.asarray(suffix_lengths)
     inside = np.arange(tq)[None, :] < (tq - sl)[:, None]          # rows that sit in the prefix
     row_weight = jnp.asarray(np.where(inside & (not padding_loss), 0.0, 1.0), jnp.float32)
-    got = _grads(args, kw, dict(plan=mgpu, interpret=True), w, row_weight)
+    got = _grads(args, kw, dict(plan=mgpu, interpret=interpret), w, row_weight)
     f32_args = tuple(x.astype(jnp.float32) for x in args)
     want = _grads(f32_args, kw, dict(impl="reference"), w, row_weight)
     for name, a, w_ in zip(("q", "prefix_k", "prefix_v", "suffix_k", "suffix_v"), got, want):
@@ -55,13 +56,18 @@ def _check(seed, *, b, tq, hq, hkv, d, g, p, s, suffix_lengths, prefix_lengths=N
 
 @pytest.mark.parametrize("case", [
     # two contiguous groups of 2 (the folded prefix call), ragged prefixes, GQA 2, suffixes
-    # shorter than Tq: rows inside the prefix with a cotangent (the per-sequence causal call)
+    # shorter than Tq: rows inside the prefix with a cotangent (the head/tail split)
     dict(b=4, tq=4, hq=2, hkv=1, d=64, g=2, p=29, s=6, suffix_lengths=[6, 1, 4, 0],
          prefix_lengths=[29, 11], s2p=[0, 0, 1, 1]),
-    # groups in another order (per-sequence copies of the prefix), GQA 4, head_dim 48
-    # (zero-padded), the rows inside the prefix without a cotangent
-    dict(b=4, tq=3, hq=4, hkv=1, d=48, g=2, p=21, s=5, suffix_lengths=[5, 3, 5, 0],
-         prefix_lengths=[21, 8], s2p=[1, 0, 0, 1], padding_loss=False),
+    # groups of unequal sizes (two sequences per call in a loop) with rows inside the prefix
+    # that carry a cotangent (the head/tail split); a prefix shorter than Tq (no head) and an
+    # empty one, whose sequence with no suffix has rows that see no key (lse = -inf, grad 0)
+    dict(b=4, tq=5, hq=2, hkv=1, d=64, g=2, p=12, s=4, suffix_lengths=[4, 0, 2, 3],
+         prefix_lengths=[3, 0], s2p=[0, 1, 0, 0]),
+    # three groups of two in another order (the rows permuted into contiguous groups), GQA 1,
+    # head_dim 48 (zero-padded), the rows inside the prefix without a cotangent
+    dict(b=6, tq=3, hq=2, hkv=2, d=48, g=3, p=16, s=3, suffix_lengths=[3, 1, 0, 3, 2, 3],
+         prefix_lengths=[16, 9, 5], s2p=[2, 0, 1, 1, 2, 0], padding_loss=False),
 ])
 def test_mgpu_backward_in_cpu_interpreter_matches_reference(case):
     _check(len(case) * 7 + case["b"], **case)
@@ -116,7 +122,7 @@ def test_gpu_mgpu_backward_matches_reference(g, s2p):
     _check(40 + g, b=b, tq=tq, hq=hq, hkv=hkv, d=d, g=0 if g == 1 else g, p=p, s=s,
            suffix_lengths=rng.integers(tq // 2, s + 1, size=b),
            prefix_lengths=None if g == 1 else rng.integers(p // 2, p + 1, size=g),
-           s2p=None if g == 1 else order)
+           s2p=None if g == 1 else order, interpret=False)
 
 
 def test_plans_differ_only_in_the_backward():
