@@ -48,7 +48,8 @@ class Tuning:
     ``one_launch_min_group``; ``joint_regions`` ``((prefix, suffix, min_group, min_ctas),
     ...)``, ``joint_stages``, ``joint_schedule_barrier``; ``split_regions`` ``((prefix,
     suffix), ...)``, ``split_group``, ``split_min_rows``: the one-launch, one-pass and
-    role-split Mosaic GPU leaves."""
+    role-split Mosaic GPU leaves; ``mgpu_backward_min_tq``: from this many query rows per
+    sequence the shared-prefix plans' ``backward="auto"`` runs the Mosaic GPU flash backward."""
     decode_suffix_tiling: tuple
     row_suffix_tiling: tuple
     overlap_below_programs: int
@@ -74,6 +75,7 @@ class Tuning:
     split_regions: tuple
     split_group: int
     split_min_rows: int
+    mgpu_backward_min_tq: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +267,7 @@ _TUNING = types.MappingProxyType({
     "one_launch_min_group": _count, "joint_regions": _regions("min_group", "min_ctas"),
     "joint_stages": _count, "joint_schedule_barrier": _flag,
     "split_regions": _regions(), "split_group": _count, "split_min_rows": _count,
+    "mgpu_backward_min_tq": _count,
 })
 
 

@@ -48,7 +48,7 @@ SHARED_PATHS = ("triton_two_launch", "triton_overlap", "mgpu_two_launch", "mgpu_
 FLAT_PATHS = ("flat_own", "flat_rows")
 PATHS = ("reference",) + FLAT_PATHS + SHARED_PATHS
 IMPLS = ("auto", "shared", "flat", "reference")
-BACKWARDS = ("kernels", "mgpu", "reference")
+BACKWARDS = ("auto", "kernels", "mgpu", "reference")
 # Queries per sequence up to which attention over per-sequence buffers (no shared prefix) runs
 # the flat decode kernels rather than flash attention (:func:`use_flat_decode`).
 FLAT_DECODE_MAX_TQ = 8
@@ -130,6 +130,12 @@ def _backward(s: Shapes, dev: DeviceInfo, mode: str, interpret: bool, kernels: b
     differentiates the reference whatever ``mode`` says)."""
     if mode not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {mode!r}")
+    if mode == "auto":
+        mode = "mgpu" if (kernels and not interpret and dev.mosaic_gpu_ok
+                          and s.tq >= device_profile(planning_part(dev))[0].tuning.mgpu_backward_min_tq
+                          and mgpu_backward_why_not(s.batch, s.tq, s.heads_q, s.heads_kv,
+                                                    s.head_dim, s.groups, s.prefix_len,
+                                                    s.suffix_len, s.dtype) is None) else "kernels"
     if mode == "mgpu" and kernels:
         why = mgpu_backward_why_not(s.batch, s.tq, s.heads_q, s.heads_kv, s.head_dim, s.groups,
                                     s.prefix_len, s.suffix_len, s.dtype)
@@ -151,7 +157,7 @@ def _backward(s: Shapes, dev: DeviceInfo, mode: str, interpret: bool, kernels: b
 def plan_shared_prefix(*, batch: int, tq: int, heads_q: int, heads_kv: int, head_dim: int,
                        groups: int, prefix_len: int, suffix_len: int, dtype, impl: str = "auto",
                        path: str | None = None, device: DeviceInfo | None = None,
-                       interpret: bool = False, backward: str = "kernels") -> SharedPrefixPlan:
+                       interpret: bool = False, backward: str = "auto") -> SharedPrefixPlan:
     """Plan ``shared_prefix_attention`` for these static shapes (``q [batch, tq, heads_q,
     head_dim]``, ``groups`` prefixes of ``prefix_len`` keys, suffix capacity ``suffix_len``).
 
@@ -161,10 +167,14 @@ def plan_shared_prefix(*, batch: int, tq: int, heads_q: int, heads_kv: int, head
     path and the reason when it cannot run these shapes.  ``device``: default
     :func:`device_info` (tests pass a known part such as ``device.H100_SXM``).  ``interpret``:
     the plan's kernels run in interpret mode (CPU); Mosaic GPU leaves are then taken only when
-    forced.  ``backward``: ``"kernels"`` (the Triton flash backward kernels), ``"mgpu"`` (the
-    Mosaic GPU flash backward kernels, :mod:`jax_prefix_attn.mgpu_grads`; ``ValueError`` where
-    the plan's kernels run and they cannot) or ``"reference"`` (autodiff of the pure-JAX
-    decomposition); a reference plan differentiates the reference either way.
+    forced.  ``backward``: ``"auto"`` (``"mgpu"`` where the plan's kernels run compiled on a
+    Mosaic GPU device, the kernels take the shapes and ``tq`` reaches the device's
+    ``mgpu_backward_min_tq``; else ``"kernels"``), ``"kernels"`` (the Triton flash backward
+    kernels), ``"mgpu"`` (the Mosaic GPU flash backward kernels,
+    :mod:`jax_prefix_attn.mgpu_grads`; ``ValueError`` where the plan's kernels run and they
+    cannot) or ``"reference"`` (autodiff of the pure-JAX decomposition); a reference plan
+    differentiates the reference either way.  The plan's ``backward.mode`` is the resolved
+    one.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

@@ -36,15 +36,16 @@ clamps them with the rest of its metadata arithmetic.
 ``interpret=True`` runs the chosen kernels in interpret mode (CPU).
 
 Gradients: the kernel paths have a ``custom_vjp`` whose backward runs flash backward kernels
-(the plan's ``backward="kernels"``, the default): with the merged ``out`` and ``lse`` saved by
+(the plan's ``backward="kernels"``): with the merged ``out`` and ``lse`` saved by
 the forward, each part's gradient is a flash-attention backward evaluated with those merged
 statistics, so the merge needs no backward of its own.  The prefix part's kernels
 (:mod:`pallas_kernels.prefix_attention_bwd`) batch the rows of every sequence that shares a
 prefix, as the forward does: ``dK``/``dV`` of a prefix are summed over its sequences inside
 the kernel.  The suffix part is :func:`pallas_kernels.suffix_attention_bwd.suffix_part_grads`.
 Nothing of size ``[B, Tq, Hq, P]`` is materialised.  ``backward="mgpu"`` runs both parts on the
-Mosaic GPU flash backward kernels instead (:mod:`jax_prefix_attn.mgpu_grads`).
-``backward="reference"`` differentiates
+Mosaic GPU flash backward kernels instead (:mod:`jax_prefix_attn.mgpu_grads`); the default
+``backward="auto"`` takes it on Hopper from the device profile's ``mgpu_backward_min_tq`` query
+rows per sequence (faster there), the Triton kernels below.  ``backward="reference"`` differentiates
 the pure-JAX reference decomposition instead (it materialises the probabilities).
 Second-order derivatives (grad of grad) work either way: differentiating the kernel backward
 goes through the reference's autodiff.  Both families share the backward: it depends only on
@@ -236,7 +237,7 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
                             prefix_lengths=None, seq_to_prefix=None, sm_scale=None,
                             return_lse: bool = False, impl: str = "auto",
                             interpret: bool = False, plan: SharedPrefixPlan | None = None,
-                            backward: str = "kernels", check_ranges: bool = False):
+                            backward: str = "auto", check_ranges: bool = False):
     """Attention of each sequence over its (shared) prefix followed by its own suffix.
 
     Args:
@@ -255,8 +256,9 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
       plan: a :class:`SharedPrefixPlan` for these shapes
         (:func:`jax_prefix_attn.plan_shared_prefix`), overriding ``impl``'s planning: forces a
         leaf, its tiling and the backward.
-      backward: the backward of the kernel paths when ``plan`` is not given: ``"kernels"``
-        (Triton), ``"mgpu"`` (Mosaic GPU) or ``"reference"`` (:func:`plan_shared_prefix`).
+      backward: the backward of the kernel paths when ``plan`` is not given: ``"auto"``,
+        ``"kernels"`` (Triton), ``"mgpu"`` (Mosaic GPU) or ``"reference"``
+        (:func:`plan_shared_prefix`).
       check_ranges: add ``checkify`` checks of traced lengths and ``seq_to_prefix`` (out-of-range
         values are clamped, the module docstring); the caller wraps the call in
         ``checkify.checkify(..., errors=checkify.user_checks)``.  Off: no check is compiled.
@@ -277,7 +279,7 @@ def shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix
         plan = plan_shared_prefix(**shapes, dtype=q.dtype, impl=impl, interpret=interpret,
                                   backward=backward)
     else:
-        if backward != "kernels":
+        if backward != "auto":
             raise ValueError(f"pass backward= or plan= (whose backward is {plan.backward.mode!r}), "
                              f"not both; got backward={backward!r}")
         if not isinstance(plan, SharedPrefixPlan):

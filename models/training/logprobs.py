@@ -352,7 +352,7 @@ def token_logprobs(h_mh, params: dict, targets_m, *, logits_chunk: int | None = 
 def completion_logprobs(model: Llama, params: dict, prompt_tokens, prompt_lengths, completion_tokens,
                         completion_lengths, *, impl: str = "auto", return_entropy: bool = False, remat: bool = True,
                         remat_policy=None, logits_chunk: int | None = None, vocab_chunk: int | None = None,
-                        temperature: float = 1.0, attention_backward: str = "kernels"):
+                        temperature: float = 1.0, attention_backward: str = "auto"):
     """Log-probabilities ``[G, N, C]`` float32 of ``N`` completions of each of ``G`` prompts.
 
     Args:
@@ -372,8 +372,8 @@ def completion_logprobs(model: Llama, params: dict, prompt_tokens, prompt_length
         vocab_chunk: vocabulary entries per slice (must divide the vocabulary; default all).
       temperature: log-probabilities of ``softmax(logits / temperature)``.
       attention_backward: the backward of the shared path's attention over the prompts
-        (``backward`` of :func:`jax_prefix_attn.shared_prefix_attention`: ``"kernels"``,
-        ``"mgpu"`` or ``"reference"``); the Llama only.
+        (``backward`` of :func:`jax_prefix_attn.shared_prefix_attention`: ``"auto"``,
+        ``"kernels"``, ``"mgpu"`` or ``"reference"``); the Llama only.
 
     Returns:
       ``logprobs [G, N, C]`` (0 past each completion's length), or ``(logprobs, entropy)``.

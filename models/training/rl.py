@@ -67,7 +67,7 @@ class GRPOConfig:
     logits_chunk: int | None = None
     vocab_chunk: int | None = None
     temperature: float = 1.0
-    attention_backward: str = "kernels"
+    attention_backward: str = "auto"
 
     def __post_init__(self):
         for name in ("clip_eps", "kl_beta"):

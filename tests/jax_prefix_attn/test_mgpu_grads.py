@@ -125,6 +125,24 @@ def test_gpu_mgpu_backward_matches_reference(g, s2p):
            s2p=None if g == 1 else order, interpret=False)
 
 
+def test_auto_backward_takes_mgpu_from_the_profiles_query_rows():
+    """``backward="auto"`` (the default): Mosaic GPU on Hopper from the profile's
+    ``mgpu_backward_min_tq`` query rows, compiled, shapes it takes; the Triton kernels below
+    that, in interpret mode, off Hopper, in float32; a reference plan keeps ``"kernels"``."""
+    from jax_prefix_attn.device_profile import device_profile
+    min_tq = device_profile(H200)[0].tuning.mgpu_backward_min_tq
+    base = dict(batch=8, heads_q=8, heads_kv=2, head_dim=128, groups=2, prefix_len=1024,
+                suffix_len=512, dtype=BF16, impl="shared", device=H200)
+    mode = lambda **kw: plan_shared_prefix(**dict(base, **kw)).backward.mode  # noqa: E731
+    assert mode(tq=min_tq) == "mgpu" and mode(tq=2 * min_tq, suffix_len=2 * min_tq) == "mgpu"
+    assert mode(tq=min_tq - 1) == "kernels"
+    assert mode(tq=min_tq, interpret=True) == "kernels"
+    assert mode(tq=min_tq, device=A100) == "kernels"
+    assert mode(tq=min_tq, dtype=jnp.float32) == "kernels"
+    assert mode(tq=min_tq, impl="reference") == "kernels"
+    assert mode(tq=min_tq, backward="kernels") == "kernels"
+
+
 def test_plans_differ_only_in_the_backward():
     base = dict(batch=2, tq=4, heads_q=4, heads_kv=2, head_dim=64, groups=1, prefix_len=64,
                 suffix_len=8, dtype=BF16, impl="shared", device=H200)
