@@ -8,7 +8,8 @@ sum.  This kernel runs them *at the same time on different SMs*: its first ``pre
 are persistent prefix workers (the prefix kernel's task -- two ping-pong compute warpgroups and
 a memory warpgroup -- looped over ``Hkv x row blocks x splits`` tasks, round robin), the other
 ``stream_ctas`` CTAs stream the suffixes (three compute warpgroups, each a worker over
-``(row block, kv head)`` tasks with the swapped products of :mod:`suffix_stream_mgpu`).  Each
+``(row block, kv head)`` tasks with the swapped products of :mod:`suffix_stream_mgpu`: the
+stream role of :mod:`suffix_decode_mgpu`, which also launches it alone).  Each
 stream CTA moves only a small share of the memory bandwidth (its workers are bound by their
 steps' latency), so the split pays where the suffix is a modest share of the work
 (measurements: ``docs/performance.md``, "Kernel design measurements", and ``SPLIT_REGIONS`` in
@@ -51,20 +52,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import prefix_attention_mgpu as pm
+from pallas_kernels import suffix_decode_mgpu as sdm
 from pallas_kernels import suffix_stream_mgpu as ss
+from pallas_kernels.suffix_decode_mgpu import STREAM_WGS, stream_smem_limit
 from pallas_kernels._common import LOG2E, partial_state_types
 from pallas_kernels.mgpu_compat import gpu_interpret_params, plgpu
 
 __all__ = ["split_decode_partials_mgpu", "split_supported", "stream_smem_limit", "STREAM_WGS"]
-
-STREAM_WGS = 3          # stream workers per CTA (the prefix role's three warpgroups)
-
-
-def stream_smem_limit(smem_bytes: int, wgs: int = STREAM_WGS) -> int:
-    """Bytes of the stream role's buffers that fit in ``smem_bytes`` of shared memory per CTA,
-    less the workers' reduction scratch and room for barriers."""
-    return smem_bytes - 1024 - max(2, wgs) * ss.red_bytes(wgs)
-
 
 def split_supported(*, batch: int, heads_q: int, heads_kv: int, prefix_len: int, suffix_cap: int,
                     head_dim: int, dtype, smem_bytes: int) -> str | None:
@@ -109,7 +103,7 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     g = int(group)
     dtype = q_hmd.dtype
     n_pre, n_str = int(prefix_ctas), int(stream_ctas)
-    block_q, block_kv, bs, wgs = 64, 128, ss.BLOCK_S, int(stream_wgs)
+    block_q, block_kv, wgs = 64, 128, int(stream_wgs)
     if wgs not in (2, 3):
         raise ValueError(f"stream_wgs={stream_wgs} must be 2 or 3")
     why = (pm.mgpu_supported(rows=m, prefix_len=p, head_dim=d, dtype=dtype, block_q=block_q,
@@ -125,7 +119,6 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
         raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
                          f"{sk_bshd.shape} and {sv_bshd.shape}")
     cols = ss.cols_for(g)
-    spt = cols // g
     n_blk = -(-b * g // cols)
     if m < max(n_blk * cols, b * g):
         raise ValueError(f"q_hmd has {m} rows; needs at least {max(n_blk * cols, b * g)}")
@@ -145,34 +138,11 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
     lse_in_smem = steps <= 2
 
     # ---- stream role: STREAM_WGS self-issuing workers per CTA on the other n_str CTAs
-    s_tasks = n_blk * hkv
-    workers = wgs * n_str
-    if not 1 <= n_str or workers > wgs * s_tasks:
-        raise ValueError(f"stream_ctas={stream_ctas} must be in [1, {s_tasks}] (the suffix tasks)")
-    s_rounds = -(-s_tasks // workers)
-    s_tiles = s_cap // bs
-    per_task = spt * s_tiles
-    n_steps = s_rounds * per_task
-    isz = jnp.dtype(dtype).itemsize
-    red = ss.red_bytes(wgs)
-    smem_limit = stream_smem_limit(smem_bytes, wgs)
-
-    def fits(st):
-        return ss.stream_smem_bytes(st, ss.n_q_buffers(st, per_task), cols, d, isz, wgs,
-                                    bs) <= smem_limit
-    if stream_stages is None:
-        stream_stages = max([st for st in (1, 2, 3, 4) if fits(st)], default=0)
-    st = int(stream_stages)
-    if not 1 <= st <= 4 or not fits(st):
-        raise ValueError(f"stream_stages={stream_stages} must be in [1, 4] and fit in shared memory")
-    n_q = ss.n_q_buffers(st, per_task)
-
     cpu = bool(interpret)
+    launch = sdm.stream_launch(b=b, s_cap=s_cap, hkv=hkv, group=g, d=d, dtype=dtype,
+                               stream_ctas=n_str, smem_bytes=smem_bytes, scale=scale,
+                               stream_stages=stream_stages, wgs=wgs, cpu=cpu)
     scale_log2 = float(scale) * LOG2E
-    geo = ss.StreamGeometry(b=b, s_cap=s_cap, hkv=hkv, d=d, cols=cols, spt=spt, s_tiles=s_tiles,
-                            per_task=per_task, workers=workers, n_blk=n_blk, bs=bs,
-                            log2_g=g.bit_length() - 1, scale_log2=scale_log2, dtype=dtype,
-                            cpu=cpu)
     pk_phd, pv_phd = pk_phd.astype(dtype), pv_phd.astype(dtype)
     sk_bshd, sv_bshd = sk_bshd.astype(dtype), sv_bshd.astype(dtype)
     qs = q_hmd
@@ -227,99 +197,8 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
 
         # -------------------------------------------------------------- stream CTAs
         def stream_role():
-            cs = c - n_pre
-
-            def read_len(seq):
-                return jnp.where(seq < b, slen_ref[jnp.minimum(seq, b - 1)], 0)
-
-            def body(k_smem, v_smem, q_smem, p_smem, k_bar, v_bar, q_bar):
-                def worker_code(w: int):
-                    worker = wgs * cs + w
-
-                    def issue(u, n_prev):
-                        """Start step ``u``'s loads (and, at a task's first step, its queries)
-                        into slot ``u % stages``; returns the length of its sequence: read from
-                        memory at the sequence's first step, whose tile 0 needs no length (so
-                        the read's latency is hidden until the value is used, a step or more
-                        later), carried (``n_prev``, step ``u - 1``'s) otherwise."""
-                        _, h, blk, _, seq, bc, t = ss.stream_step_geometry(worker, u, geo)
-                        if s_tiles > 1:
-                            n, tile = lax.cond(
-                                t == 0, lambda: (read_len(seq), jnp.int32(0)),
-                                lambda: (n_prev, jnp.minimum(t, ss.last_tile(n_prev, geo))))
-                        else:
-                            n, tile = read_len(seq), jnp.int32(0)
-                        ss.stream_issue_loads(
-                            u, w=w, i=w * st + lax.rem(u, st), h=h, blk=blk, bc=bc, tile=tile,
-                            n_q=n_q, q_ref=qs_ref, k_ref=sk_ref, v_ref=sv_ref, q_smem=q_smem,
-                            k_smem=k_smem, v_smem=v_smem, q_bar=q_bar, k_bar=k_bar, v_bar=v_bar,
-                            geo=geo)
-                        return n
-
-                    # the lengths of the steps in flight (u .. u + stages - 1), as issued
-                    ring, n_iss = [], jnp.int32(0)
-                    for u0 in range(min(st, n_steps)):   # the pipeline's first steps
-                        n_iss = issue(jnp.int32(u0), n_iss)
-                        ring.append(n_iss)
-                    ring += [jnp.int32(0)] * (st - len(ring))
-
-                    def step(u, carry):
-                        ring, state = carry
-                        n = ring[0]
-                        task, _, _, j, _, _, t = ss.stream_step_geometry(worker, u, geo)
-                        key0 = t * bs
-                        i = w * st + lax.rem(u, st)
-                        iq = w * n_q + lax.rem(lax.div(u, per_task), n_q)
-
-                        @pl.when(lax.rem(u, per_task) == 0)
-                        def _():
-                            plgpu.barrier_wait(q_bar.at[iq])
-                        plgpu.barrier_wait(k_bar.at[i])
-                        plgpu.barrier_wait(v_bar.at[i])
-                        k_tile, v_tile, q_tile = k_smem.at[i], v_smem.at[i], q_smem.at[iq]
-
-                        def attend(*state):
-                            return ss.stream_attend(
-                                state, k_tile=k_tile, v_tile=v_tile, q_tile=q_tile,
-                                p_tile=lambda: p_smem.at[w], key0=key0, n=n, j=j, geo=geo,
-                                before_max=lambda: None, after_max=lambda: None)
-                        state = lax.cond(key0 < n, attend, lambda *s: s, *state)
-                        # slot i is consumed (both products waited on): refill it
-                        nxt = u + st
-                        n_new = lax.cond(nxt < n_steps, lambda: issue(nxt, ring[-1]),
-                                         lambda: ring[-1])
-
-                        def finish(*state):
-                            ss.stream_finish(state, o_dst=o_st_ref.at[task],
-                                             lse_dst=lse_st_ref.at[task], o_stage=None, geo=geo,
-                                             before_sum=lambda: None, after_sum=lambda: None)
-                            return ss.stream_fresh(geo)
-                        state = lax.cond(lax.rem(u, per_task) == per_task - 1, finish,
-                                         lambda *s: s, *state)
-                        return tuple(ring[1:]) + (n_new,), state
-
-                    lax.fori_loop(0, n_steps, step, (tuple(ring), ss.stream_fresh(geo)))
-
-                # Worker w's code is traced inside w nested collective allocations of one
-                # reduction scratch's size, so the workers' cross-warp reduction scratch lies at
-                # different offsets (see suffix_stream_mgpu: one shared area races).
-                def place(w):
-                    if w < wgs - 1:
-                        pl.run_scoped(lambda _pad: place(w + 1),
-                                      plgpu.SMEM((red // 4,), jnp.float32), collective_axes="wg")
-                    pl.when(wg == w)(functools.partial(worker_code, w))
-                place(0)
-
-            pl.run_scoped(
-                body,
-                plgpu.SMEM((wgs * st, bs, d), dtype),
-                plgpu.SMEM((wgs * st,) + ((d, bs) if cpu else (bs, d)), dtype),
-                plgpu.SMEM((wgs * n_q,) + ((d, cols) if cpu else (cols, d)), dtype),
-                plgpu.SMEM((wgs, bs, cols), dtype),
-                plgpu.Barrier(num_barriers=wgs * st),
-                plgpu.Barrier(num_barriers=wgs * st),
-                plgpu.Barrier(num_barriers=wgs * n_q),
-                collective_axes="wg")
+            sdm.stream_role(c - n_pre, wg, launch, slen_ref=slen_ref, q_ref=qs_ref,
+                            k_ref=sk_ref, v_ref=sv_ref, o_ref=o_st_ref, lse_ref=lse_st_ref)
 
         # The stream role's code comes first in program order: the prefix role changes the
         # per-thread register limit (setmaxnreg: 232 for its compute warpgroups, 40 for its
@@ -328,7 +207,6 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
         pl.when(jnp.logical_not(is_pre))(stream_role)
         pl.when(is_pre)(prefix_role)
 
-    n_out = s_rounds * workers
     o_pre, lse_pre, o_t, lse_t = plgpu.kernel(
         kernel,
         grid=(n_pre + n_str,),
@@ -336,15 +214,12 @@ def split_decode_partials_mgpu(q_hmd, pk_phd, pv_phd, p_len, sk_bshd, sv_bshd, s
         num_threads=3,
         thread_name="wg",
         out_type=(*partial_state_types(splits, hkv, m, d, dtype),
-                  jax.ShapeDtypeStruct((n_out, d, cols), dtype),
-                  jax.ShapeDtypeStruct((n_out, cols), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=red,
+                  jax.ShapeDtypeStruct((launch.n_out, d, cols), dtype),
+                  jax.ShapeDtypeStruct((launch.n_out, cols), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             reduction_scratch_bytes=ss.red_bytes(wgs),
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": gpu_interpret_params()} if interpret else {}),
     )(jnp.asarray(p_len, jnp.int32).reshape(1), s_len, q_hmd, qs, pk_phd, pv_phd, sk_bshd,
       sv_bshd)
-    # suffix task i = block i // Hkv of kv head i % Hkv -> the row layout [1, Hkv, B * G(, D)]
-    o = o_t[:s_tasks].reshape(n_blk, hkv, d, cols)
-    o = jnp.transpose(o, (1, 0, 3, 2)).reshape(hkv, n_blk * cols, d)[None, :, :b * g]
-    lse = jnp.swapaxes(lse_t[:s_tasks].reshape(n_blk, hkv, cols), 0, 1).reshape(hkv, n_blk * cols)
-    return (o_pre, lse_pre), (o, lse[None, :, :b * g])
+    return (o_pre, lse_pre), sdm.stream_rows(o_t, lse_t, launch)

@@ -1,0 +1,87 @@
+"""The stream-only Mosaic GPU decode suffix launch (``pallas_kernels.suffix_decode_mgpu``): the
+stream role of the role-split kernel on every CTA.
+
+CPU: support and validation; the launch lowered for CUDA (Mosaic GPU layout inference, the
+role's shared-memory budget; no PTX is compiled); Mosaic GPU's interpreter: the suffix states
+against float64 NumPy with random suffix lengths (0 and the capacity included), NaN in the
+cache past them and more tasks than workers.  GPU (marker ``gpu``): the same at decode sizes.
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from helpers import check_row_states, decode_row_states, decode_rows_case, lower_for_cuda
+from jax_prefix_attn.device import H100_SXM
+from pallas_kernels import suffix_decode_mgpu as sdm
+from pallas_kernels._common import rows_128
+
+S = jax.ShapeDtypeStruct
+HOPPER_SMEM = H100_SXM.smem_per_block
+BF = jnp.bfloat16
+
+
+def _states(q_hmd, sk, sv, sl, *, group, ctas, stages=None, wgs=3, interpret=False):
+    return [sdm.suffix_decode_partials_mgpu(
+        q_hmd, sk, sv, sl, scale=q_hmd.shape[-1] ** -0.5, group=group, stream_ctas=ctas,
+        smem_bytes=HOPPER_SMEM, stream_stages=stages, stream_wgs=wgs, interpret=interpret)]
+
+
+def test_supported_and_validation():
+    ok = dict(batch=64, heads_q=32, heads_kv=8, suffix_cap=128, head_dim=128, dtype=BF,
+              smem_bytes=HOPPER_SMEM)
+    assert sdm.suffix_decode_supported(**ok) is None
+    assert "power of two" in sdm.suffix_decode_supported(**{**ok, "heads_q": 24})
+    assert "suffix capacity" in sdm.suffix_decode_supported(**{**ok, "suffix_cap": 100})
+    assert "shared memory" in sdm.suffix_decode_supported(**{**ok, "smem_bytes": 60000})
+    q = jnp.zeros((8, 128, 128), BF)
+    skv = jnp.zeros((32, 64, 8, 128), BF)
+    sl = jnp.zeros((32,), jnp.int32)
+    with pytest.raises(ValueError, match="stream_ctas=65"):      # 8 tasks per kv head: 64
+        _states(q, skv, skv, sl, group=4, ctas=65)
+    with pytest.raises(ValueError, match="stream_wgs=4"):
+        _states(q, skv, skv, sl, group=4, ctas=2, wgs=4)
+    with pytest.raises(ValueError, match="q_hmd has 16 rows"):
+        _states(q[:, :16], skv, skv, sl, group=4, ctas=2)
+    with pytest.raises(ValueError, match="suffix k/v must have shape"):
+        _states(q, skv, skv[:, :, :4], sl, group=4, ctas=2)
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,s,ctas,wgs", [(1024, 32, 8, 128, 128, 132, 3),
+                                                   (256, 8, 1, 128, 1024, 64, 2),
+                                                   (6, 4, 2, 64, 192, 1, 3)])
+def test_lowers_for_cuda_on_cpu(b, hq, hkv, d, s, ctas, wgs):
+    g = hq // hkv
+
+    def fn(q, sk, sv, sl):
+        return _states(rows_128(q[:, None], hkv, g)[0], sk, sv, sl, group=g, ctas=ctas, wgs=wgs)
+    txt = lower_for_cuda(fn, S((b, hq, d), BF), S((b, s, hkv, d), BF), S((b, s, hkv, d), BF),
+                         S((b,), jnp.int32))
+    assert "mosaic_gpu" in txt
+
+
+def _check(b, hq, hkv, d, s, *, interpret=False, **kw):
+    g = hq // hkv
+    q, pk, pv, sk, sv, sl = decode_rows_case(b + 7, b, hq, hkv, d, 128, s)
+    fn = lambda *a: _states(*a, group=g, interpret=interpret, **kw)  # noqa: E731
+    got = jax.jit(fn)(q, sk, sv, jnp.asarray(sl, jnp.int32))
+    want = decode_row_states(q, pk, pv, 0, sk, sv, sl, g, d ** -0.5)
+    check_row_states(got, want, b, g, names=("suf",))
+
+
+# Mosaic GPU's CPU interpreter, about 10-20 s a case.
+@pytest.mark.parametrize("b,hq,hkv,d,s,kw", [
+    (10, 8, 2, 64, 128, dict(ctas=1, wgs=3)),     # G=4: 3 workers, several rounds
+    (5, 16, 1, 64, 64, dict(ctas=2, wgs=2)),      # G=16: one sequence per task, padding tasks
+])
+def test_interpreter_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, kw):
+    _check(b, hq, hkv, d, s, interpret=True, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,s,ctas,wgs", [
+    (1024, 32, 8, 128, 128, 132, 3),   # Llama-3 heads, B=1024
+    (256, 8, 1, 128, 1024, 128, 3),    # G=8, long suffixes: 128 tasks
+    (33, 4, 2, 64, 192, 3, 2),         # G=2, D=64, two workers
+])
+def test_gpu_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, ctas, wgs):
+    _check(b, hq, hkv, d, s, ctas=ctas, wgs=wgs)
