@@ -49,7 +49,9 @@ class Tuning:
     ...)``, ``joint_stages``, ``joint_schedule_barrier``; ``split_regions`` ``((prefix,
     suffix), ...)``, ``split_group``, ``split_min_rows``: the one-launch, one-pass and
     role-split Mosaic GPU leaves; ``mgpu_backward_min_tq``: from this many query rows per
-    sequence the shared-prefix plans' ``backward="auto"`` runs the Mosaic GPU flash backward."""
+    sequence the shared-prefix plans' ``backward="auto"`` runs the Mosaic GPU flash backward;
+    ``stream_two_launch_regions`` ``((prefix, suffix), ...)``: where the planner takes the
+    all-Mosaic two-launch leaf (``mgpu_stream_two_launch``; empty: only when forced)."""
     decode_suffix_tiling: tuple
     row_suffix_tiling: tuple
     overlap_below_programs: int
@@ -76,6 +78,7 @@ class Tuning:
     split_group: int
     split_min_rows: int
     mgpu_backward_min_tq: int
+    stream_two_launch_regions: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,10 +233,10 @@ def _bounds(v, path, key):
     return lo, hi
 
 
-def _regions(*counts):
+def _regions(*counts, allow_empty: bool = False):
     def parse(v, path, key):
-        if not isinstance(v, list) or not v:
-            _fail(path, key, "must be a non-empty list")
+        if not isinstance(v, list) or not (v or allow_empty):
+            _fail(path, key, "must be a " + ("list" if allow_empty else "non-empty list"))
         out = []
         for i, r in enumerate(v):
             where = f"{key}[{i}]"
@@ -267,7 +270,7 @@ _TUNING = types.MappingProxyType({
     "one_launch_min_group": _count, "joint_regions": _regions("min_group", "min_ctas"),
     "joint_stages": _count, "joint_schedule_barrier": _flag,
     "split_regions": _regions(), "split_group": _count, "split_min_rows": _count,
-    "mgpu_backward_min_tq": _count,
+    "mgpu_backward_min_tq": _count, "stream_two_launch_regions": _regions(allow_empty=True),
 })
 
 

@@ -4,14 +4,19 @@ stream role of the role-split kernel on every CTA.
 CPU: support and validation; the launch lowered for CUDA (Mosaic GPU layout inference, the
 role's shared-memory budget; no PTX is compiled); Mosaic GPU's interpreter: the suffix states
 against float64 NumPy with random suffix lengths (0 and the capacity included), NaN in the
-cache past them and more tasks than workers.  GPU (marker ``gpu``): the same at decode sizes.
+cache past them and more tasks than workers; the whole shared path through the leaf that runs
+it beside the Mosaic GPU prefix kernel (``mgpu_stream_two_launch``, forced by a plan) against
+the concatenation oracle, and its CUDA lowering.  GPU (marker ``gpu``): the same at decode sizes.
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from helpers import check_row_states, decode_row_states, decode_rows_case, lower_for_cuda
-from jax_prefix_attn.device import H100_SXM
+from helpers import (check, check_row_states, decode_row_states, decode_rows_case, forced_plan,
+                     lower_for_cuda, make_case, oracle)
+from jax_prefix_attn import shared_prefix_attention
+from jax_prefix_attn.device import H100_SXM, device_info
 from pallas_kernels import suffix_decode_mgpu as sdm
 from pallas_kernels._common import rows_128
 
@@ -85,3 +90,41 @@ def test_interpreter_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, kw)
 ])
 def test_gpu_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, ctas, wgs):
     _check(b, hq, hkv, d, s, ctas=ctas, wgs=wgs)
+
+
+def _shared_path(b, hq, hkv, d, p, s, seed, interpret):
+    """The whole shared path through ``mgpu_stream_two_launch`` against the oracle."""
+    sl = np.random.default_rng(seed).integers(0, s + 1, size=b)
+    sl[:2] = [0, s]
+    args, kw, meta = make_case(seed, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=BF,
+                               suffix_lengths=sl)
+    plan = forced_plan(args[0], args[1], args[3], "mgpu_stream_two_launch",
+                       device=H100_SXM if interpret else device_info(), interpret=interpret)
+    fn = lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, plan=plan,  # noqa: E731
+                                            interpret=interpret)
+    out, lse = jax.jit(fn)(*args)
+    check(out, lse, oracle(args, kw, meta), BF)
+
+
+def test_shared_path_in_cpu_interpreter():
+    _shared_path(20, 8, 2, 64, 256, 64, 13, interpret=True)
+
+
+def test_shared_path_lowers_for_cuda_on_cpu():
+    b, hq, hkv, d, p, s = 1024, 32, 8, 128, 4096, 256
+    args = (S((b, 1, hq, d), BF), S((1, p, hkv, d), BF), S((1, p, hkv, d), BF),
+            S((b, s, hkv, d), BF), S((b, s, hkv, d), BF))
+    plan = forced_plan(args[0], args[1], args[3], "mgpu_stream_two_launch", device=H100_SXM,
+                       interpret=False)
+    sl = jnp.full((b,), s, jnp.int32)
+    txt = lower_for_cuda(lambda *a: shared_prefix_attention(*a, suffix_lengths=sl, plan=plan),
+                         *args)
+    assert txt.count("mosaic_gpu") >= 2 and "triton" not in txt.lower()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,p,s", [(1024, 32, 8, 128, 4096, 256),
+                                            (96, 8, 1, 128, 1024, 256),
+                                            (64, 16, 4, 64, 512, 192)])
+def test_gpu_shared_path(b, hq, hkv, d, p, s):
+    _shared_path(b, hq, hkv, d, p, s, 90 + b, interpret=False)
