@@ -6,8 +6,10 @@ For each point (Tq = 1, one prefix, every suffix full, bf16), all in one run:
 * ``shared_ms``: the whole shared path as the planner runs it (leaf ``shared_path``);
   ``shared_triton_ms`` / ``shared_mgpu_ms``: with the Triton two-launch leaf (or, below the
   device's ``overlap_below_programs`` (sequence, kv head) pairs, the overlap leaf) / the Mosaic
-  GPU two-launch leaf forced (``plan_shared_prefix(..., path=...)``), each checked against the
-  reference;
+  GPU two-launch leaf forced (``plan_shared_prefix(..., path=...)``), and
+  ``shared_mgpu_stream_ms`` with the all-Mosaic two-launch leaf (``mgpu_stream_two_launch``:
+  the stream-only Mosaic GPU suffix launch in place of the Triton one), each checked against
+  the reference;
 * ``prefix_triton_ms`` / ``prefix_mgpu_ms[...]``: the prefix launch alone (prefix partials),
   Triton with the planner's tiling, the Mosaic GPU kernel at a few ``(num_splits,
   schedule_barrier)`` settings (``None``: the planner's splits), with achieved TFLOP/s
@@ -78,7 +80,8 @@ def run_point(b, p, s, hq, hkv, d, bw, mma):
     triton = "triton_overlap" if b * hkv < overlap_below else "triton_two_launch"
     ref = jax.jit(ours(plan_for(b, p, s, hq, hkv, d, impl="reference")))(q, pk, pv, sk, sv, sl)
     for name, path in (("shared", None), ("shared_triton", triton),
-                       ("shared_mgpu", "mgpu_two_launch")):
+                       ("shared_mgpu", "mgpu_two_launch"),
+                       ("shared_mgpu_stream", "mgpu_stream_two_launch")):
         try:
             plan = plan_for(b, p, s, hq, hkv, d, impl="shared", path=path)
             rec[name + "_path"] = plan.path
@@ -187,7 +190,7 @@ def main():
             json.dump(doc, fh, indent=1)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
                           if "error" not in k}), flush=True)
-    print("\nb p s hq/hkv | floor | shared (path) | shared_triton | shared_mgpu | prefix tri (TF/s) | best mgpu (TF/s) | suffix+merge (BW) | best suffix")
+    print("\nb p s hq/hkv | floor | shared (path) | shared_triton | shared_mgpu | shared_mgpu_stream | prefix tri (TF/s) | best mgpu (TF/s) | suffix+merge (BW) | best suffix")
     for r in doc["results"]:
         if "floor_ms" not in r:
             continue
@@ -197,6 +200,7 @@ def main():
         print(f"{r['batch']} {r['prefix']} {r['suffix']} {r['heads_q']}/{r['heads_kv']} | "
               f"{r['floor_ms']:.3f} | {fmt(r.get('shared_ms'))} ({r.get('shared_path')}) | "
               f"{fmt(r.get('shared_triton_ms'))} | {fmt(r.get('shared_mgpu_ms'))} | "
+              f"{fmt(r.get('shared_mgpu_stream_ms'))} | "
               f"{fmt(r.get('prefix_triton_ms'))} ({r.get('prefix_triton_tflops', 0):.0f}) | "
               f"{best[0]:.3f} {best[1][14:]} ({r.get(best[1].replace('_ms', '_tflops'), 0):.0f}) | "
               f"{fmt(r.get('suffix_merge_ms'))} ({r.get('suffix_merge_bw_frac_of_copy', 0):.2f}) | "
