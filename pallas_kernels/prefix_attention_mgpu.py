@@ -21,6 +21,11 @@ q's 16-bit dtype (written through the queries' shared-memory buffer: a float32 s
 does not fit next to the K/V pipeline), and ``lse [splits, Hkv, M]`` float32, natural log,
 ``-inf`` (and ``o = 0``) where a split sees no key.
 
+Several prefixes (``block_group``): ``k/v [G, P, Hkv, D]``, ``length [G]``, and
+``block_group [M / (2 * block_q)]`` int32 naming the prefix of each CTA's ``2 * block_q`` rows
+(the caller places each group's rows in blocks of their own; :func:`grouped_rows` plans that
+layout): a CTA reads its group's keys ``[0, length[g])``.
+
 Kernel: grid ``(Hkv, M / (2 * block_q), splits)``; three warpgroups per CTA: two compute
 warpgroups of ``block_q`` rows each and one memory warpgroup streaming the split's K/V tiles
 through shared memory (``emit_pipeline_warp_specialized``).  Per tile: ``S = Q K^T`` (wgmma,
@@ -105,8 +110,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
                          scale: float, num_splits: int = 1, block_q: int = 64,
                          block_kv: int = 128, max_concurrent_steps: int | None = None,
                          schedule_barrier: bool = True, out_rows: int | None = None,
-                         persistent_ctas: int | None = None, interpret: bool = False,
-                         _cpu_check: bool = False):
+                         persistent_ctas: int | None = None, block_group: jax.Array | None = None,
+                         interpret: bool = False, _cpu_check: bool = False):
     """Partial states of every row over the prefix keys ``[0, length)``, split along the prefix.
 
     ``num_splits``: prefix splits, one CTA each, of ``ceil(n_tiles / num_splits)`` of the
@@ -126,10 +131,12 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     instead of computing a padding row block.  ``persistent_ctas``: launch that many CTAs, each
     looping over the ``Hkv * M / (2 * block_q) * splits`` tasks (round robin), instead of one CTA
     per task: the kernel then holds at most that many SMs, and the rest are free for a kernel
-    running beside it.
+    running beside it.  ``block_group``: int32 ``[M / (2 * block_q)]``, the prefix of each row
+    block, with ``k/v [G, P, Hkv, D]`` and ``length [G]`` (module docstring); None: one prefix.
     """
     hkv, m, d = q_hmd.shape
-    p = k_phd.shape[0]
+    grouped = block_group is not None
+    p = k_phd.shape[-3]
     m_out = m if out_rows is None else -(-int(out_rows) // 16) * 16  # (TMA tiling of the rows)
     if m_out < m:
         raise ValueError(f"out_rows={out_rows} must be at least the {m} query rows")
@@ -137,15 +144,19 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
                          block_kv=block_kv)
     if why is not None:
         raise ValueError(f"prefix_partials_mgpu cannot run these shapes: {why}")
-    if k_phd.shape != (p, hkv, d) or v_phd.shape != k_phd.shape:
-        raise ValueError(f"k/v must have shape {(p, hkv, d)}, got {k_phd.shape} and {v_phd.shape}")
+    want = (k_phd.shape[0], p, hkv, d) if grouped else (p, hkv, d)
+    if k_phd.shape != want or v_phd.shape != k_phd.shape:
+        raise ValueError(f"k/v must have shape {want}, got {k_phd.shape} and {v_phd.shape}")
     dtype = q_hmd.dtype
     k_phd = k_phd.astype(dtype)
     v_phd = v_phd.astype(dtype)
     if _cpu_check:  # CPU-interpreter check only: its wgmma cannot read a transposed ref
-        k_phd = jnp.transpose(k_phd, (1, 2, 0))  # [Hkv, D, P]
+        k_phd = jnp.transpose(k_phd, (0, 2, 3, 1) if grouped else (1, 2, 0))  # [(G,) Hkv, D, P]
     n_tiles = p // block_kv
     m_blocks = m // (2 * block_q)
+    if grouped and tuple(block_group.shape) != (m_blocks,):
+        raise ValueError(f"block_group must have shape {(m_blocks,)} (one entry per "
+                         f"{2 * block_q}-row block), got {tuple(block_group.shape)}")
     splits = int(num_splits)
     tiles_per_split = -(-n_tiles // max(splits, 1))
     if not 1 <= splits <= n_tiles or (splits - 1) * tiles_per_split >= n_tiles:
@@ -162,15 +173,25 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
     if persistent_ctas is not None and not 1 <= int(persistent_ctas) <= n_tasks:
         raise ValueError(f"persistent_ctas={persistent_ctas} must be in [1, {n_tasks}] (the tasks)")
 
-    def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, *rest):
+    def kernel(len_ref, *refs):
+        grp_ref, refs = (refs[0], refs[1:]) if grouped else (None, refs)
+        q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem2, *rest = refs
         lse_smem2, q_barriers, sched_barrier, *maybe_p = rest if lse_in_smem else (None, *rest)
-        task = functools.partial(
-            prefix_task, n_keys=jnp.minimum(len_ref[0], p), n_tiles=n_tiles, q_ref=q_ref,
-            k_ref=k_ref, v_ref=v_ref, o_ref=o_ref,
-            lse_ref=lse_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers,
-            sched_barrier=sched_barrier, p_smem2=maybe_p[0] if _cpu_check else None,
-            tiles_per_split=tiles_per_split, steps=steps, block_q=block_q, block_kv=block_kv,
-            scale_log2=scale_log2, schedule_barrier=schedule_barrier, cpu_check=_cpu_check)
+        common = dict(n_tiles=n_tiles, q_ref=q_ref, o_ref=o_ref,
+                      lse_ref=lse_ref, q_smem2=q_smem2, lse_smem2=lse_smem2, q_barriers=q_barriers,
+                      sched_barrier=sched_barrier, p_smem2=maybe_p[0] if _cpu_check else None,
+                      tiles_per_split=tiles_per_split, steps=steps, block_q=block_q,
+                      block_kv=block_kv, scale_log2=scale_log2, schedule_barrier=schedule_barrier,
+                      cpu_check=_cpu_check)
+        if grouped:
+            def task(*, h, mb, sp, allocations=None):
+                g = grp_ref[mb]
+                prefix_task(h=h, mb=mb, sp=sp, n_keys=jnp.minimum(len_ref[g], p),
+                            k_ref=k_ref.at[g], v_ref=v_ref.at[g], allocations=allocations,
+                            **common)
+        else:
+            task = functools.partial(prefix_task, n_keys=jnp.minimum(len_ref[0], p), k_ref=k_ref,
+                                     v_ref=v_ref, **common)
         if persistent_ctas is None:
             task(h=lax.axis_index("h"), mb=lax.axis_index("m"), sp=lax.axis_index("s"))
             return
@@ -179,7 +200,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
         allocs = prefix_pipeline(None, None, first_tile=0, tiles_per_split=tiles_per_split,
                                  n_tiles=n_tiles, steps=steps, d=d, block_kv=block_kv,
                                  cpu_check=_cpu_check).get_allocations(
-                                     *head_refs(k_ref, v_ref, 0, _cpu_check))
+                                     *head_refs(k_ref.at[0] if grouped else k_ref,
+                                                v_ref.at[0] if grouped else v_ref, 0, _cpu_check))
 
         def scope(**pipeline_allocs):
             @plgpu.nd_loop((n_tasks,), collective_axes="c")
@@ -206,7 +228,8 @@ def prefix_partials_mgpu(q_hmd: jax.Array, k_phd: jax.Array, v_phd: jax.Array, l
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": gpu_interpret_params()} if interpret else {}),
-    )(jnp.asarray(length, jnp.int32).reshape(1), q_hmd, k_phd, v_phd)
+    )(jnp.asarray(length, jnp.int32).reshape(k_phd.shape[0] if grouped else 1),
+      *((jnp.asarray(block_group, jnp.int32),) if grouped else ()), q_hmd, k_phd, v_phd)
     return o, lse
 
 

@@ -17,7 +17,7 @@ from pallas_kernels.prefix_attention_mgpu import mgpu_supported, prefix_partials
 
 __all__ = ["even_enough", "choose_splits", "mgpu_ctas", "mgpu_splits", "mosaic_unsupported",
            "mosaic_region", "region_why_not", "mgpu_suffix_splits", "decode_operands",
-           "mgpu_prefix_partials"]
+           "mgpu_prefix_partials", "grouped_rows", "mgpu_grouped_prefix_partials"]
 
 
 def even_enough(n_tiles: int, splits: int, split_waste: int | None = None) -> bool:
@@ -134,3 +134,46 @@ def mgpu_prefix_partials(q_bhd, k_phd, v_phd, length, *, scale, num_splits, inte
     return prefix_partials_mgpu(qm, k_phd, v_phd, length, scale=scale, interpret=interpret,
                                 num_splits=num_splits, out_rows=max(m128, m - r2 + r16),
                                 schedule_barrier=True, _cpu_check=interpret)
+
+
+def grouped_rows(seq_to_prefix, groups: int, rows_per_seq: int, block_rows: int = 128):
+    """A row layout with each prefix group in row blocks of its own, for the Mosaic GPU prefix
+    kernel's ``block_group``: ``B`` sequences (``seq_to_prefix [B]`` int32, in ``[0, G)``) of
+    ``rows_per_seq`` rows each (a power of two up to ``block_rows``).  Group ``g`` takes
+    ``ceil(n_g * rows_per_seq / block_rows)`` consecutive blocks (its sequences in batch order),
+    so ``ceil(B * rows_per_seq / block_rows) + G - 1`` blocks hold any assignment; blocks past
+    the groups' belong to the last group and hold zero rows.  Returns ``(first_row [B] int32,
+    block_group [n_blocks] int32)``."""
+    b = seq_to_prefix.shape[0]
+    r = int(rows_per_seq)
+    n_blocks = cdiv(b * r, block_rows) + groups - 1
+    counts = jnp.bincount(seq_to_prefix, length=groups)                       # [G]
+    blocks = cdiv(counts * r, block_rows)                                      # [G]
+    first_block = jnp.cumsum(blocks) - blocks
+    first_seq = jnp.cumsum(counts) - counts                   # group g's first sorted position
+    order = jnp.argsort(seq_to_prefix, stable=True)
+    sorted_pos = jnp.zeros((b,), jnp.int32).at[order].set(jnp.arange(b, dtype=jnp.int32))
+    rank = sorted_pos - first_seq[seq_to_prefix]
+    first_row = (first_block[seq_to_prefix] * block_rows + rank * r).astype(jnp.int32)
+    block_group = jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(n_blocks), side="right")
+    return first_row, jnp.minimum(block_group, groups - 1).astype(jnp.int32)
+
+
+def mgpu_grouped_prefix_partials(q_bhd, k_gphd, v_gphd, lengths_g, seq_to_prefix, *, scale,
+                                 num_splits, interpret):
+    """The Mosaic GPU prefix kernel on ``q_bhd [B, Hq, D]`` over ``G`` prefixes ``k/v [G, P,
+    Hkv, D]`` (keys ``[0, lengths_g[g])``; sequence ``b`` reads group ``seq_to_prefix[b]``):
+    each group's rows in row blocks of their own (:func:`grouped_rows`).  Returns ``(o [n, Hkv,
+    B * R2, D], lse [n, Hkv, B * R2])`` with query head ``h * G + j`` of sequence ``b`` at row
+    ``b * R2 + j`` (``R2 = next_pow2(Hq / Hkv)``), as :func:`mgpu_prefix_partials`."""
+    b, hq, d = q_bhd.shape
+    groups, _, hkv, _ = k_gphd.shape
+    r2 = next_pow2(hq // hkv)
+    first_row, block_group = grouped_rows(seq_to_prefix, groups, r2)
+    rows = (first_row[:, None] + jnp.arange(r2, dtype=jnp.int32)[None, :]).reshape(-1)  # [B R2]
+    m = block_group.shape[0] * 128
+    qm = jnp.zeros((hkv, m, d), q_bhd.dtype).at[:, rows].set(rows_from_q(q_bhd[:, None], hkv, r2))
+    o, lse = prefix_partials_mgpu(qm, k_gphd, v_gphd, lengths_g, scale=scale, interpret=interpret,
+                                  num_splits=num_splits, schedule_barrier=True,
+                                  block_group=block_group, _cpu_check=interpret)
+    return o[:, :, rows], lse[:, :, rows]

@@ -2,10 +2,13 @@
 suffix launch (:mod:`pallas_kernels.suffix_decode_mgpu`, every CTA streaming suffixes), then one
 XLA merge: the two-launch decode step with no Triton kernel.
 
-It runs where the Mosaic GPU prefix kernel and the stream role take the shapes (decode, one
-prefix, ``G = Hq / Hkv`` a power of two up to 16, head_dim 64 or 128, suffix capacity a multiple
-of 64).  The planner chooses it only inside the device's ``stream_two_launch_regions`` (within
-the Mosaic GPU region); a device whose data file lists none leaves it to ``path=``.
+It runs where the Mosaic GPU prefix kernel and the stream role take the shapes (decode,
+``Hq / Hkv`` a power of two up to 16, head_dim 64 or 128, whole 128-key prefix tiles, suffix
+capacity a multiple of 64), with one prefix or several: with several, each prefix group's rows
+take row blocks of their own and each block reads its group's prefix
+(:func:`jax_prefix_attn.leaves.mgpu_prefix.mgpu_grouped_prefix_partials`).  The planner chooses
+it only inside the device's ``stream_two_launch_regions`` (within the Mosaic GPU region, one
+prefix); a device whose data file lists none leaves it to ``path=``.
 """
 from __future__ import annotations
 
@@ -13,10 +16,12 @@ import dataclasses
 
 from jax_prefix_attn.leaves import mgpu_two_launch
 from jax_prefix_attn.leaves.base import Shapes, describe_regions, supported, tuning
-from jax_prefix_attn.leaves.mgpu_prefix import (decode_operands, mgpu_prefix_partials,
-                                                mgpu_splits, mosaic_unsupported, region_why_not)
+from jax_prefix_attn.leaves.mgpu_prefix import (decode_operands, mgpu_grouped_prefix_partials,
+                                                mgpu_prefix_partials, mgpu_splits,
+                                                region_why_not)
 from pallas_kernels import suffix_decode_mgpu, suffix_stream_mgpu
 from pallas_kernels._common import cdiv, merge_row_parts, next_pow2, rows_128
+from pallas_kernels.prefix_attention_mgpu import mgpu_supported
 
 __all__ = ["MgpuStreamTwoLaunch", "PATH", "FAMILY", "PLAN", "unsupported", "why_not", "build",
            "seconds", "run"]
@@ -43,8 +48,18 @@ def _stream_why_not(s: Shapes, dev) -> str | None:
         head_dim=s.head_dim, dtype=s.dtype, smem_bytes=dev.smem_per_block)
 
 
+def _prefix_why_not(s: Shapes, dev, interpret: bool) -> str | None:
+    if s.tq != 1:
+        return f"the Mosaic GPU decode leaves take Tq=1, got Tq={s.tq}"
+    if not interpret and not dev.mosaic_gpu_ok:
+        return f"Mosaic GPU kernels need a GPU of compute capability >= 9.0, got {dev.name}"
+    blocks = cdiv(s.batch * next_pow2(s.group), 128) + s.groups - 1     # (grouped_rows)
+    return mgpu_supported(rows=blocks * 128, prefix_len=s.prefix_len, head_dim=s.head_dim,
+                          dtype=s.dtype)
+
+
 def unsupported(s: Shapes, dev, interpret: bool) -> str | None:
-    return supported(s) or mosaic_unsupported(s, dev, interpret) or _stream_why_not(s, dev)
+    return supported(s) or _prefix_why_not(s, dev, interpret) or _stream_why_not(s, dev)
 
 
 def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
@@ -74,13 +89,20 @@ def seconds(s: Shapes, dev, interpret: bool) -> float:
 
 def run(leaf: MgpuStreamTwoLaunch, q, prefix_k, prefix_v, suffix_k, suffix_v, seq_to_prefix,
         lim_p, lim_s, *, scale, interpret, prefix_len_g):
-    """The prefix kernel and the stream-only suffix launch (independent), then one XLA merge."""
-    q, pk, pv, p_len = decode_operands(q, prefix_k, prefix_v, lim_p, prefix_len_g)
+    """The prefix kernel (one prefix, or each group's rows in blocks of their own) and the
+    stream-only suffix launch (independent), then one XLA merge."""
     b, _, hq, d = q.shape
-    hkv = pk.shape[1]
+    hkv = prefix_k.shape[2]
     g = hq // hkv
-    o_pre, lse_pre = mgpu_prefix_partials(q[:, 0], pk, pv, p_len, scale=scale,
-                                          num_splits=leaf.num_splits, interpret=interpret)
+    if prefix_k.shape[0] == 1:
+        q, pk, pv, p_len = decode_operands(q, prefix_k, prefix_v, lim_p, prefix_len_g)
+        o_pre, lse_pre = mgpu_prefix_partials(q[:, 0], pk, pv, p_len, scale=scale,
+                                              num_splits=leaf.num_splits, interpret=interpret)
+    else:
+        q = q.astype(prefix_k.dtype)
+        o_pre, lse_pre = mgpu_grouped_prefix_partials(
+            q[:, 0], prefix_k, prefix_v, prefix_len_g, seq_to_prefix, scale=scale,
+            num_splits=leaf.num_splits, interpret=interpret)
     qm, _ = rows_128(q, hkv, g)
     o_s, lse_s = suffix_decode_mgpu.suffix_decode_partials_mgpu(
         qm, suffix_k, suffix_v, lim_s[:, 0], scale=float(scale), group=g,

@@ -226,6 +226,68 @@ def test_persistent_ctas_validation_and_lowering():
     assert "mosaic_gpu" in txt
 
 
+def _grouped_case(hkv, blocks, groups, d, p, seed):
+    rng = np.random.default_rng(seed)
+    f = lambda *sh: jnp.asarray(rng.standard_normal(sh, np.float32), jnp.bfloat16)  # noqa: E731
+    return f(hkv, blocks * 128, d), f(groups, p, hkv, d), f(groups, p, hkv, d)
+
+
+def _check_grouped(q, k, v, lengths, block_group, o, lse, scale):
+    """Each 128-row block against the reference over its own group's prefix."""
+    o, lse = merge_partials(o.astype(jnp.float32), lse)
+    for mb, g in enumerate(np.asarray(block_group)):
+        rows = slice(mb * 128, (mb + 1) * 128)
+        ro, rl = _reference_partials(q[:, rows], k[g], v[g], int(lengths[g]), scale)
+        if int(lengths[g]) <= 0:
+            assert bool(jnp.all(jnp.isneginf(lse[:, rows]))) and bool(jnp.all(o[:, rows] == 0))
+            continue
+        assert float(jnp.linalg.norm(o[:, rows] - ro) / jnp.linalg.norm(ro)) < 2e-2, mb
+        np.testing.assert_allclose(np.asarray(lse[:, rows]), np.asarray(rl), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(num_splits=2), dict(num_splits=2, persistent_ctas=3)])
+def test_grouped_prefixes_in_cpu_interpreter(kw):
+    """``block_group``: each 128-row block reads its own prefix group (groups out of order, one
+    twice, one empty, a length past P clamped), split and persistent."""
+    hkv, d, p = 2, 64, 256
+    lengths = np.array([200, 0, 256, 999])
+    block_group = jnp.array([2, 0, 3, 0], jnp.int32)
+    q, k, v = _grouped_case(hkv, 4, 4, d, p, seed=3)
+    o, lse = prefix_partials_mgpu(q, k, v, jnp.asarray(lengths, jnp.int32), scale=d ** -0.5,
+                                  block_group=block_group, interpret=True, _cpu_check=True, **kw)
+    assert o.shape == (2, hkv, 512, d)
+    _check_grouped(q, k, v, np.minimum(lengths, p), block_group, o, lse, d ** -0.5)
+
+
+def test_grouped_prefixes_validation_and_lowering():
+    q, k, v = _grouped_case(1, 2, 3, 64, 256, seed=0)
+    with pytest.raises(ValueError, match="block_group must have shape \\(1,\\)"):
+        prefix_partials_mgpu(q[:, :128], k, v, jnp.zeros(3, jnp.int32), scale=0.1,
+                             block_group=jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="k/v must have shape"):
+        prefix_partials_mgpu(q, k[0], v[0], jnp.zeros(3, jnp.int32), scale=0.1,
+                             block_group=jnp.zeros(2, jnp.int32))
+    for kw in (dict(num_splits=4), dict(num_splits=2, persistent_ctas=100)):
+        txt = lower_for_cuda(
+            lambda q, k, v, n, bg: prefix_partials_mgpu(q, k, v, n, scale=0.125, block_group=bg,
+                                                        **kw),
+            S((8, 1280, 128), jnp.bfloat16), S((3, 4096, 8, 128), jnp.bfloat16),
+            S((3, 4096, 8, 128), jnp.bfloat16), S((3,), jnp.int32), S((10,), jnp.int32))
+        assert "mosaic_gpu" in txt
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_prefixes():
+    hkv, d, p, groups = 8, 128, 2048, 4
+    lengths = np.array([2048, 1000, 0, 1537])
+    block_group = jnp.array([3, 0, 0, 1, 2, 3, 1, 0], jnp.int32)
+    q, k, v = _grouped_case(hkv, 8, groups, d, p, seed=11)
+    o, lse = jax.jit(lambda *a: prefix_partials_mgpu(*a, scale=d ** -0.5, num_splits=2,
+                                                     block_group=block_group))(
+        q, k, v, jnp.asarray(lengths, jnp.int32))
+    _check_grouped(q, k, v, lengths, block_group, o, lse, d ** -0.5)
+
+
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [(3, 8, 2, 64, 256, 20),
                                            (32, 8, 2, 64, 128, 9)])  # 128 rows: unwritten tail rows read
 def test_shared_path_with_mgpu_backend_in_cpu_interpreter(b, hq, hkv, d, p, s):

@@ -92,11 +92,12 @@ def test_gpu_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, ctas, wgs):
     _check(b, hq, hkv, d, s, ctas=ctas, wgs=wgs)
 
 
-def _shared_path(b, hq, hkv, d, p, s, seed, interpret):
-    """The whole shared path through ``mgpu_stream_two_launch`` against the oracle."""
+def _shared_path(b, hq, hkv, d, p, s, seed, interpret, g=0):
+    """The whole shared path through ``mgpu_stream_two_launch`` against the oracle (``g``
+    prefixes with random lengths and a random assignment; 0: one)."""
     sl = np.random.default_rng(seed).integers(0, s + 1, size=b)
     sl[:2] = [0, s]
-    args, kw, meta = make_case(seed, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=0, p=p, s=s, dtype=BF,
+    args, kw, meta = make_case(seed, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=g, p=p, s=s, dtype=BF,
                                suffix_lengths=sl)
     plan = forced_plan(args[0], args[1], args[3], "mgpu_stream_two_launch",
                        device=H100_SXM if interpret else device_info(), interpret=interpret)
@@ -108,6 +109,12 @@ def _shared_path(b, hq, hkv, d, p, s, seed, interpret):
 
 def test_shared_path_in_cpu_interpreter():
     _shared_path(20, 8, 2, 64, 256, 64, 13, interpret=True)
+
+
+def test_shared_path_with_prefix_groups_in_cpu_interpreter():
+    """Three prefixes: each group's rows in row blocks of their own (groups of unequal sizes,
+    maybe one empty), a prefix length of 0 possible."""
+    _shared_path(12, 8, 2, 64, 128, 64, 5, interpret=True, g=3)
 
 
 def test_shared_path_lowers_for_cuda_on_cpu():
@@ -122,9 +129,29 @@ def test_shared_path_lowers_for_cuda_on_cpu():
     assert txt.count("mosaic_gpu") >= 2 and "triton" not in txt.lower()
 
 
+def test_shared_path_with_prefix_groups_lowers_for_cuda_on_cpu():
+    b, hq, hkv, d, p, s, g = 512, 32, 8, 128, 2048, 128, 4
+    args = (S((b, 1, hq, d), BF), S((g, p, hkv, d), BF), S((g, p, hkv, d), BF),
+            S((b, s, hkv, d), BF), S((b, s, hkv, d), BF))
+    plan = forced_plan(args[0], args[1], args[3], "mgpu_stream_two_launch", device=H100_SXM,
+                       interpret=False)
+    lens = dict(suffix_lengths=jnp.full((b,), s, jnp.int32),
+                prefix_lengths=jnp.full((g,), p, jnp.int32),
+                seq_to_prefix=jnp.arange(b, dtype=jnp.int32) % g)
+    txt = lower_for_cuda(lambda *a: shared_prefix_attention(*a, **lens, plan=plan), *args)
+    assert txt.count("mosaic_gpu") >= 2 and "triton" not in txt.lower()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [(1024, 32, 8, 128, 4096, 256),
                                             (96, 8, 1, 128, 1024, 256),
                                             (64, 16, 4, 64, 512, 192)])
 def test_gpu_shared_path(b, hq, hkv, d, p, s):
     _shared_path(b, hq, hkv, d, p, s, 90 + b, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,p,s,g", [(512, 32, 8, 128, 2048, 128, 4),
+                                              (64, 8, 1, 64, 1024, 256, 3)])
+def test_gpu_shared_path_with_prefix_groups(b, hq, hkv, d, p, s, g):
+    _shared_path(b, hq, hkv, d, p, s, 70 + b, interpret=False, g=g)
