@@ -131,8 +131,8 @@ def _backward(s: Shapes, dev: DeviceInfo, mode: str, interpret: bool, kernels: b
     if mode not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {mode!r}")
     if mode == "auto":
-        mode = "mgpu" if (kernels and not interpret and dev.mosaic_gpu_ok
-                          and s.tq >= device_profile(planning_part(dev))[0].tuning.mgpu_backward_min_tq
+        min_tq = device_profile(planning_part(dev))[0].tuning.mgpu_backward_min_tq
+        mode = "mgpu" if (kernels and not interpret and dev.mosaic_gpu_ok and s.tq >= min_tq
                           and mgpu_backward_why_not(s.batch, s.tq, s.heads_q, s.heads_kv,
                                                     s.head_dim, s.groups, s.prefix_len,
                                                     s.suffix_len, s.dtype) is None) else "kernels"
