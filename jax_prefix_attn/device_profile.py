@@ -51,7 +51,8 @@ class Tuning:
     role-split Mosaic GPU leaves; ``mgpu_backward_min_tq``: from this many query rows per
     sequence the shared-prefix plans' ``backward="auto"`` runs the Mosaic GPU flash backward;
     ``stream_two_launch_regions`` ``((prefix, suffix), ...)``: where the planner takes the
-    all-Mosaic two-launch leaf (``mgpu_stream_two_launch``; empty: only when forced)."""
+    all-Mosaic two-launch leaf (``mgpu_stream_two_launch``; empty: only when forced);
+    ``flat_stream_regions``: the same for the Mosaic GPU flat decode (``flat_mgpu_stream``)."""
     decode_suffix_tiling: tuple
     row_suffix_tiling: tuple
     overlap_below_programs: int
@@ -79,6 +80,7 @@ class Tuning:
     split_min_rows: int
     mgpu_backward_min_tq: int
     stream_two_launch_regions: tuple
+    flat_stream_regions: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +273,7 @@ _TUNING = types.MappingProxyType({
     "joint_stages": _count, "joint_schedule_barrier": _flag,
     "split_regions": _regions(), "split_group": _count, "split_min_rows": _count,
     "mgpu_backward_min_tq": _count, "stream_two_launch_regions": _regions(allow_empty=True),
+    "flat_stream_regions": _regions(allow_empty=True),
 })
 
 

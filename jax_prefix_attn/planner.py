@@ -19,9 +19,9 @@ import jax.numpy as jnp
 
 from jax_prefix_attn.device import DeviceInfo, device_info
 from jax_prefix_attn.device_profile import device_profile
-from jax_prefix_attn.leaves import (flat_own, flat_rows, mgpu_joint, mgpu_one_launch,
-                                    mgpu_split, mgpu_stream_two_launch, mgpu_two_launch,
-                                    triton_overlap, triton_two_launch)
+from jax_prefix_attn.leaves import (flat_mgpu_stream, flat_own, flat_rows, mgpu_joint,
+                                    mgpu_one_launch, mgpu_split, mgpu_stream_two_launch,
+                                    mgpu_two_launch, triton_overlap, triton_two_launch)
 from jax_prefix_attn.leaves.base import (planning_part, query_chunks, shared_prefix_supported,
                                          supported)
 from jax_prefix_attn.mgpu_grads import mgpu_backward_why_not
@@ -41,11 +41,11 @@ __all__ = ["plan_shared_prefix", "SharedPrefixPlan", "LEAVES", "leaf_module", "c
 # Mosaic GPU leaves are charged as the two launches they replace, and each was measured to beat
 # those launches (and the ones after it) in its region.
 LEAVES = (mgpu_split, mgpu_joint, mgpu_one_launch, mgpu_stream_two_launch, mgpu_two_launch,
-          triton_overlap, triton_two_launch, flat_own, flat_rows)
+          triton_overlap, triton_two_launch, flat_mgpu_stream, flat_own, flat_rows)
 _BY_PATH = types.MappingProxyType({leaf.PATH: leaf for leaf in LEAVES})
 SHARED_PATHS = ("triton_two_launch", "triton_overlap", "mgpu_two_launch", "mgpu_one_launch",
                 "mgpu_joint", "mgpu_split", "mgpu_stream_two_launch")
-FLAT_PATHS = ("flat_own", "flat_rows")
+FLAT_PATHS = ("flat_own", "flat_rows", "flat_mgpu_stream")
 PATHS = ("reference",) + FLAT_PATHS + SHARED_PATHS
 IMPLS = ("auto", "shared", "flat", "reference")
 BACKWARDS = ("auto", "kernels", "mgpu", "reference")

@@ -18,7 +18,9 @@ roles, and the launch that runs it alone (:func:`suffix_decode_partials_mgpu`).
 Layouts: ``q_hmd [Hkv, M, D]`` (row ``b * G + j`` is query head ``h * G + j`` of sequence
 ``b``; ``M >= ceil(B G / cols) cols``, ``cols = max(16, G)``), suffix ``k/v [B, S, Hkv, D]``
 (``S`` a multiple of 64), ``s_len [B]`` int32 (dynamic, in ``[0, S]``; NaN past it never
-reaches the output).  The partial states come back in the row layout ``(o [1, Hkv, B G, D],
+reaches the output).  With ``kv_rows [B]`` int32 sequence ``b`` reads row ``kv_rows[b]`` of
+``k/v [R, S, Hkv, D]`` instead: several sequences stream one shared buffer, e.g. their prefix
+group's (the flat decode's prefix pass).  The partial states come back in the row layout ``(o [1, Hkv, B G, D],
 lse [1, Hkv, B G])`` (an empty sequence's rows: ``lse = -inf``, ``o = 0``) for the caller to
 merge with other parts.  ``interpret=True`` runs Mosaic GPU's CPU interpreter (with ``Q^T`` and
 ``V^T`` in memory, ``P`` staged through shared memory).
@@ -99,11 +101,13 @@ def stream_launch(*, b: int, s_cap: int, hkv: int, group: int, d: int, dtype, st
                         n_steps=n_steps, s_tasks=s_tasks, n_out=s_rounds * workers)
 
 
-def stream_role(cs, wg, launch: StreamLaunch, *, slen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+def stream_role(cs, wg, launch: StreamLaunch, *, slen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+                kv_rows_ref=None):
     """The code of stream CTA ``cs`` (its index among the stream CTAs) for warpgroup ``wg``:
     its workers' tasks into ``o_ref [n_out, D, cols]`` and ``lse_ref [n_out, cols]`` (task ``i``
     = row block ``i // Hkv`` of kv head ``i % Hkv``).  ``q_ref``: ``q_hmd`` (``Q^T [Hkv, D, M]``
-    in the interpreter); ``k_ref``/``v_ref`` the suffix (``V^T [B, Hkv, D, S]`` there)."""
+    in the interpreter); ``k_ref``/``v_ref`` the suffix (``V^T [B, Hkv, D, S]`` there), row
+    ``kv_rows_ref[b]`` of them for sequence ``b`` where given."""
     geo, wgs, st, n_q, n_steps = launch.geo, launch.wgs, launch.stages, launch.n_q, launch.n_steps
     b, s_tiles, per_task, bs, d, cols = geo.b, geo.s_tiles, geo.per_task, geo.bs, geo.d, geo.cols
     dtype, cpu, red = geo.dtype, geo.cpu, ss.red_bytes(wgs)
@@ -128,6 +132,8 @@ def stream_role(cs, wg, launch: StreamLaunch, *, slen_ref, q_ref, k_ref, v_ref, 
                         lambda: (n_prev, jnp.minimum(t, ss.last_tile(n_prev, geo))))
                 else:
                     n, tile = read_len(seq), jnp.int32(0)
+                if kv_rows_ref is not None:
+                    bc = kv_rows_ref[bc]
                 ss.stream_issue_loads(
                     u, w=w, i=w * st + lax.rem(u, st), h=h, blk=blk, bc=bc, tile=tile,
                     n_q=n_q, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, q_smem=q_smem,
@@ -234,14 +240,16 @@ def suffix_decode_supported(*, batch: int, heads_q: int, heads_kv: int, suffix_c
 def suffix_decode_partials_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float, group: int,
                                 stream_ctas: int, smem_bytes: int,
                                 stream_stages: int | None = None, stream_wgs: int = STREAM_WGS,
-                                interpret: bool = False):
+                                kv_rows: jax.Array | None = None, interpret: bool = False):
     """The suffix partial states of every row, ``(o [1, Hkv, B G, D], lse [1, Hkv, B G])``
     (layouts: the module docstring), in one launch of ``stream_ctas`` CTAs of ``stream_wgs``
     (2 or 3) workers.  ``stream_stages``: steps in flight per worker (None: the most, up to 4,
-    that fit in ``smem_bytes``).  Raises ``ValueError`` for shapes it cannot run or
-    out-of-range counts."""
+    that fit in ``smem_bytes``).  ``kv_rows [B]`` int32: the row of ``sk/sv [R, S, Hkv, D]``
+    each sequence reads (in ``[0, R)``; None: its own, ``R = B``).  Raises ``ValueError`` for
+    shapes it cannot run or out-of-range counts."""
     hkv, m, d = q_hmd.shape
-    b, s_cap = sk_bshd.shape[:2]
+    s_cap = sk_bshd.shape[1]
+    b = int(jnp.size(s_len))                                   # sequences
     g = int(group)
     dtype = q_hmd.dtype
     wgs = int(stream_wgs)
@@ -251,9 +259,12 @@ def suffix_decode_partials_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float,
                               dtype=dtype)
     if why is not None:
         raise ValueError(f"suffix_decode_partials_mgpu cannot run these shapes: {why}")
-    if sk_bshd.shape != (b, s_cap, hkv, d) or sv_bshd.shape != sk_bshd.shape:
-        raise ValueError(f"suffix k/v must have shape {(b, s_cap, hkv, d)}, got "
+    rows = sk_bshd.shape[0] if kv_rows is not None else b
+    if sk_bshd.shape != (rows, s_cap, hkv, d) or sv_bshd.shape != sk_bshd.shape:
+        raise ValueError(f"suffix k/v must have shape {(rows, s_cap, hkv, d)}, got "
                          f"{sk_bshd.shape} and {sv_bshd.shape}")
+    if kv_rows is not None and tuple(kv_rows.shape) != (b,):
+        raise ValueError(f"kv_rows must have shape ({b},), got {tuple(kv_rows.shape)}")
     cols = ss.cols_for(g)
     need = max(-(-b * g // cols) * cols, b * g)
     if m < need:
@@ -269,9 +280,12 @@ def suffix_decode_partials_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float,
         sv_bshd = jnp.transpose(sv_bshd, (0, 2, 3, 1))   # [B, Hkv, D, S]
     s_len = jnp.asarray(s_len, jnp.int32).reshape(b)
 
-    def kernel(slen_ref, qs_ref, sk_ref, sv_ref, o_ref, lse_ref):
+    def kernel(slen_ref, *refs):
+        rows_ref, refs = (refs[0], refs[1:]) if kv_rows is not None else (None, refs)
+        qs_ref, sk_ref, sv_ref, o_ref, lse_ref = refs
         stream_role(lax.axis_index("c"), lax.axis_index("wg"), launch, slen_ref=slen_ref,
-                    q_ref=qs_ref, k_ref=sk_ref, v_ref=sv_ref, o_ref=o_ref, lse_ref=lse_ref)
+                    q_ref=qs_ref, k_ref=sk_ref, v_ref=sv_ref, o_ref=o_ref, lse_ref=lse_ref,
+                    kv_rows_ref=rows_ref)
 
     o_t, lse_t = plgpu.kernel(
         kernel,
@@ -285,5 +299,6 @@ def suffix_decode_partials_mgpu(q_hmd, sk_bshd, sv_bshd, s_len, *, scale: float,
                                              reduction_scratch_bytes=ss.red_bytes(wgs),
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": gpu_interpret_params()} if interpret else {}),
-    )(s_len, qs, sk_bshd, sv_bshd)
+    )(s_len, *(() if kv_rows is None else (jnp.asarray(kv_rows, jnp.int32),)), qs, sk_bshd,
+      sv_bshd)
     return stream_rows(o_t, lse_t, launch)

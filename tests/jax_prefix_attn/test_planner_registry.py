@@ -100,7 +100,10 @@ def test_every_shape_gets_a_leaf_and_why_not_agrees_with_the_planner(dev_name, i
     if dev.mosaic_gpu_ok and not interpret:
         # every leaf with a measured region on the part (a data file may list none for a leaf,
         # which then runs only when forced)
-        unmeasured = set() if tuning(dev).stream_two_launch_regions else {"mgpu_stream_two_launch"}
+        t = tuning(dev)
+        unmeasured = {path for path, regions in (("mgpu_stream_two_launch", t.stream_two_launch_regions),
+                                                  ("flat_mgpu_stream", t.flat_stream_regions))
+                      if not regions}
         assert chosen == set(SHARED_PATHS + FLAT_PATHS) - unmeasured, chosen
     else:
         assert not any(p.startswith("mgpu") for p in chosen), chosen

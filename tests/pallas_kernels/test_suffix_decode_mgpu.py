@@ -6,7 +6,9 @@ role's shared-memory budget; no PTX is compiled); Mosaic GPU's interpreter: the 
 against float64 NumPy with random suffix lengths (0 and the capacity included), NaN in the
 cache past them and more tasks than workers; the whole shared path through the leaf that runs
 it beside the Mosaic GPU prefix kernel (``mgpu_stream_two_launch``, forced by a plan) against
-the concatenation oracle, and its CUDA lowering.  GPU (marker ``gpu``): the same at decode sizes.
+the concatenation oracle, and its CUDA lowering; the same for the flat decode leaf that runs
+the launch twice (``flat_mgpu_stream``: the prefix through ``kv_rows``, then the suffix).  GPU
+(marker ``gpu``): the same at decode sizes.
 """
 import jax
 import jax.numpy as jnp
@@ -49,6 +51,10 @@ def test_supported_and_validation():
         _states(q[:, :16], skv, skv, sl, group=4, ctas=2)
     with pytest.raises(ValueError, match="suffix k/v must have shape"):
         _states(q, skv, skv[:, :, :4], sl, group=4, ctas=2)
+    with pytest.raises(ValueError, match="kv_rows must have shape \\(32,\\)"):
+        sdm.suffix_decode_partials_mgpu(q, skv[:3], skv[:3], sl, scale=1.0, group=4,
+                                        stream_ctas=2, smem_bytes=HOPPER_SMEM,
+                                        kv_rows=jnp.zeros((31,), jnp.int32))
 
 
 @pytest.mark.parametrize("b,hq,hkv,d,s,ctas,wgs", [(1024, 32, 8, 128, 128, 132, 3),
@@ -155,3 +161,46 @@ def test_gpu_shared_path(b, hq, hkv, d, p, s):
                                               (64, 8, 1, 64, 1024, 256, 3)])
 def test_gpu_shared_path_with_prefix_groups(b, hq, hkv, d, p, s, g):
     _shared_path(b, hq, hkv, d, p, s, 70 + b, interpret=False, g=g)
+
+
+def _flat_path(b, hq, hkv, d, p, s, g, seed, interpret):
+    """The whole flat path through ``flat_mgpu_stream`` against the oracle (``g`` prefixes;
+    0: one)."""
+    sl = np.random.default_rng(seed).integers(0, s + 1, size=b)
+    sl[:2] = [0, s]
+    args, kw, meta = make_case(seed, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=g, p=p, s=s, dtype=BF,
+                               suffix_lengths=sl)
+    plan = forced_plan(args[0], args[1], args[3], "flat_mgpu_stream",
+                       device=H100_SXM if interpret else device_info(), interpret=interpret)
+    assert plan.impl == "flat"
+    fn = lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, plan=plan,  # noqa: E731
+                                            interpret=interpret)
+    out, lse = jax.jit(fn)(*args)
+    check(out, lse, oracle(args, kw, meta), BF)
+
+
+@pytest.mark.parametrize("g", [0, 3])
+def test_flat_path_in_cpu_interpreter(g):
+    """One prefix, and three (each sequence streams its group's row of the prefix buffer;
+    ragged prefix lengths, 0 possible)."""
+    _flat_path(9, 8, 2, 64, 128, 64, g, 21 + g, interpret=True)
+
+
+def test_flat_path_lowers_for_cuda_on_cpu():
+    b, hq, hkv, d, p, s, g = 16, 32, 8, 128, 4096, 256, 2
+    args = (S((b, 1, hq, d), BF), S((g, p, hkv, d), BF), S((g, p, hkv, d), BF),
+            S((b, s, hkv, d), BF), S((b, s, hkv, d), BF))
+    plan = forced_plan(args[0], args[1], args[3], "flat_mgpu_stream", device=H100_SXM,
+                       interpret=False)
+    lens = dict(suffix_lengths=jnp.full((b,), s, jnp.int32),
+                prefix_lengths=jnp.full((g,), p, jnp.int32),
+                seq_to_prefix=jnp.arange(b, dtype=jnp.int32) % g)
+    txt = lower_for_cuda(lambda *a: shared_prefix_attention(*a, **lens, plan=plan), *args)
+    assert txt.count("mosaic_gpu") >= 2 and "triton" not in txt.lower()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,d,p,s,g", [(8, 32, 8, 128, 4096, 256, 0),
+                                              (16, 8, 1, 64, 1024, 128, 3)])
+def test_gpu_flat_path(b, hq, hkv, d, p, s, g):
+    _flat_path(b, hq, hkv, d, p, s, g, 50 + b, interpret=False)
