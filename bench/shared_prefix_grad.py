@@ -53,6 +53,8 @@ POINTS = [
     (64, 16, 4096, 256, 8, 1, 128, 1),     # Hq=8 / Hkv=1
     (64, 4, 2048, 256, 32, 8, 128, 4),     # four prefix groups
     (16, 256, 2048, 256, 32, 8, 128, 2),   # GRPO-like: 2 prompts x 8 completions of 256 tokens
+    (16, 128, 2048, 128, 32, 8, 128, 2),   # completions of 128: below backward="auto"'s threshold
+    (8, 512, 4096, 512, 32, 8, 128, 1),    # one prompt x 8 completions of 512
 ]
 SMOKE_POINTS = [(3, 2, 40, 24, 4, 2, 16, 1), (4, 2, 32, 16, 4, 1, 16, 2)]
 COLS = ("kernels", "mgpu", "refbwd", "concat_flash")
