@@ -23,8 +23,8 @@ does not fit next to the K/V pipeline), and ``lse [splits, Hkv, M]`` float32, na
 
 Several prefixes (``block_group``): ``k/v [G, P, Hkv, D]``, ``length [G]``, and
 ``block_group [M / (2 * block_q)]`` int32 naming the prefix of each CTA's ``2 * block_q`` rows
-(the caller places each group's rows in blocks of their own; :func:`grouped_rows` plans that
-layout): a CTA reads its group's keys ``[0, length[g])``.
+(the caller places each group's rows in blocks of their own): a CTA reads its group's keys
+``[0, length[g])``.
 
 Kernel: grid ``(Hkv, M / (2 * block_q), splits)``; three warpgroups per CTA: two compute
 warpgroups of ``block_q`` rows each and one memory warpgroup streaming the split's K/V tiles
