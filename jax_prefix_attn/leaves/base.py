@@ -22,7 +22,7 @@ from pallas_kernels.decode_attention import supported as triton_supported
 
 __all__ = ["Shapes", "PrefixTiling", "SuffixTiling", "Leaf", "shared_prefix_supported",
            "supported", "query_chunks", "planning_part", "tuning", "suffix_tiling",
-           "decode_suffix_tiling", "describe_regions", "two_per_sm", "splits_to_fill",
+           "decode_suffix_tiling", "describe_regions", "measured_region_why_not", "two_per_sm", "splits_to_fill",
            "suffix_splits", "TreeShapes", "TreeCall", "TreeForwards", "TreeLeaf",
            "tree_kernels_supported", "tree_auto_why_not", "tiling_pairs", "tree_backend"]
 
@@ -95,6 +95,17 @@ def describe_regions(regions: tuple, extra: tuple = ()) -> str:
         more = ", ".join(f"{name} {v}" for name, v in zip(extra, r[2:]))
         return f"P {p0}-{p1} and S {s0}-{s1}" + (f" ({more})" if more else "")
     return ", or ".join(one(r) for r in regions)
+
+
+def measured_region_why_not(s: Shapes, regions: tuple, dev) -> str | None:
+    """``None`` when ``(P, S)`` of ``s`` lies in one of a data file's ``((prefix, suffix), ...)``
+    regions, else the reason (an empty list: the leaf was never timed on ``dev``, so only
+    ``path=`` runs it)."""
+    if any(p0 <= s.prefix_len <= p1 and s0 <= s.suffix_len <= s1
+           for (p0, p1), (s0, s1) in regions):
+        return None
+    return (f"outside its measured region ({describe_regions(regions)})" if regions else
+            f"no measured region on {dev.name} (path= forces it)")
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_prefix_attn.leaves import flat_rows
-from jax_prefix_attn.leaves.base import Shapes, describe_regions, supported, tuning
+from jax_prefix_attn.leaves.base import Shapes, measured_region_why_not, supported, tuning
 from pallas_kernels import suffix_decode_mgpu, suffix_stream_mgpu
 from pallas_kernels._common import cdiv, merge_row_parts, rows_128
 
@@ -62,12 +62,7 @@ def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
         return why
     if interpret:
         return "interpret mode runs a Mosaic GPU leaf only when the plan forces it"
-    regions = tuning(dev).flat_stream_regions
-    if not any(p0 <= s.prefix_len <= p1 and s0 <= s.suffix_len <= s1
-               for (p0, p1), (s0, s1) in regions):
-        return (f"outside its measured region ({describe_regions(regions)})" if regions else
-                f"no measured region on {dev.name} (path= forces it)")
-    return None
+    return measured_region_why_not(s, tuning(dev).flat_stream_regions, dev)
 
 
 def build(s: Shapes, dev, interpret: bool) -> FlatMgpuStream:

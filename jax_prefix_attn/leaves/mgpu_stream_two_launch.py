@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_prefix_attn.leaves import mgpu_two_launch
-from jax_prefix_attn.leaves.base import Shapes, describe_regions, supported, tuning
+from jax_prefix_attn.leaves.base import Shapes, measured_region_why_not, supported, tuning
 from jax_prefix_attn.leaves.mgpu_prefix import (decode_operands, mgpu_grouped_prefix_partials,
                                                 mgpu_prefix_partials, mgpu_splits,
                                                 region_why_not)
@@ -66,12 +66,7 @@ def why_not(s: Shapes, dev, interpret: bool = False) -> str | None:
     why = unsupported(s, dev, interpret) or region_why_not(s, dev, interpret)
     if why is not None:
         return why
-    regions = tuning(dev).stream_two_launch_regions
-    if not any(p0 <= s.prefix_len <= p1 and s0 <= s.suffix_len <= s1
-               for (p0, p1), (s0, s1) in regions):
-        return (f"outside its measured region ({describe_regions(regions)})" if regions else
-                f"no measured region on {dev.name} (path= forces it)")
-    return None
+    return measured_region_why_not(s, tuning(dev).stream_two_launch_regions, dev)
 
 
 def build(s: Shapes, dev, interpret: bool) -> MgpuStreamTwoLaunch:

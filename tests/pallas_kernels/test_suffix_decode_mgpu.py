@@ -98,109 +98,78 @@ def test_gpu_matches_float64_with_nan_past_lengths(b, hq, hkv, d, s, ctas, wgs):
     _check(b, hq, hkv, d, s, ctas=ctas, wgs=wgs)
 
 
-def _shared_path(b, hq, hkv, d, p, s, seed, interpret, g=0):
-    """The whole shared path through ``mgpu_stream_two_launch`` against the oracle (``g``
+def _leaf_path(path, b, hq, hkv, d, p, s, seed, interpret, g=0):
+    """The whole path through leaf ``path`` (forced by a plan) against the oracle (``g``
     prefixes with random lengths and a random assignment; 0: one)."""
     sl = np.random.default_rng(seed).integers(0, s + 1, size=b)
     sl[:2] = [0, s]
     args, kw, meta = make_case(seed, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=g, p=p, s=s, dtype=BF,
                                suffix_lengths=sl)
-    plan = forced_plan(args[0], args[1], args[3], "mgpu_stream_two_launch",
+    plan = forced_plan(args[0], args[1], args[3], path,
                        device=H100_SXM if interpret else device_info(), interpret=interpret)
+    assert plan.path == path
     fn = lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, plan=plan,  # noqa: E731
                                             interpret=interpret)
     out, lse = jax.jit(fn)(*args)
     check(out, lse, oracle(args, kw, meta), BF)
+    return plan
+
+
+def _lowers_without_triton(path, b, hq, hkv, d, p, s, g):
+    """Leaf ``path`` lowered for CUDA at ``g`` full prefixes (0: one, given as ``[1, P]``): only
+    Mosaic GPU kernels in the program."""
+    gg = max(g, 1)
+    args = (S((b, 1, hq, d), BF), S((gg, p, hkv, d), BF), S((gg, p, hkv, d), BF),
+            S((b, s, hkv, d), BF), S((b, s, hkv, d), BF))
+    plan = forced_plan(args[0], args[1], args[3], path, device=H100_SXM, interpret=False)
+    lens = dict(suffix_lengths=jnp.full((b,), s, jnp.int32))
+    if g:
+        lens.update(prefix_lengths=jnp.full((g,), p, jnp.int32),
+                    seq_to_prefix=jnp.arange(b, dtype=jnp.int32) % g)
+    txt = lower_for_cuda(lambda *a: shared_prefix_attention(*a, **lens, plan=plan), *args)
+    assert txt.count("mosaic_gpu") >= 2 and "triton" not in txt.lower()
 
 
 def test_shared_path_in_cpu_interpreter():
-    _shared_path(20, 8, 2, 64, 256, 64, 13, interpret=True)
+    _leaf_path("mgpu_stream_two_launch", 20, 8, 2, 64, 256, 64, 13, interpret=True)
 
 
 def test_shared_path_with_prefix_groups_in_cpu_interpreter():
     """Three prefixes: each group's rows in row blocks of their own (groups of unequal sizes,
     maybe one empty), a prefix length of 0 possible."""
-    _shared_path(12, 8, 2, 64, 128, 64, 5, interpret=True, g=3)
+    _leaf_path("mgpu_stream_two_launch", 12, 8, 2, 64, 128, 64, 5, interpret=True, g=3)
 
 
-def test_shared_path_lowers_for_cuda_on_cpu():
-    b, hq, hkv, d, p, s = 1024, 32, 8, 128, 4096, 256
-    args = (S((b, 1, hq, d), BF), S((1, p, hkv, d), BF), S((1, p, hkv, d), BF),
-            S((b, s, hkv, d), BF), S((b, s, hkv, d), BF))
-    plan = forced_plan(args[0], args[1], args[3], "mgpu_stream_two_launch", device=H100_SXM,
-                       interpret=False)
-    sl = jnp.full((b,), s, jnp.int32)
-    txt = lower_for_cuda(lambda *a: shared_prefix_attention(*a, suffix_lengths=sl, plan=plan),
-                         *args)
-    assert txt.count("mosaic_gpu") >= 2 and "triton" not in txt.lower()
-
-
-def test_shared_path_with_prefix_groups_lowers_for_cuda_on_cpu():
-    b, hq, hkv, d, p, s, g = 512, 32, 8, 128, 2048, 128, 4
-    args = (S((b, 1, hq, d), BF), S((g, p, hkv, d), BF), S((g, p, hkv, d), BF),
-            S((b, s, hkv, d), BF), S((b, s, hkv, d), BF))
-    plan = forced_plan(args[0], args[1], args[3], "mgpu_stream_two_launch", device=H100_SXM,
-                       interpret=False)
-    lens = dict(suffix_lengths=jnp.full((b,), s, jnp.int32),
-                prefix_lengths=jnp.full((g,), p, jnp.int32),
-                seq_to_prefix=jnp.arange(b, dtype=jnp.int32) % g)
-    txt = lower_for_cuda(lambda *a: shared_prefix_attention(*a, **lens, plan=plan), *args)
-    assert txt.count("mosaic_gpu") >= 2 and "triton" not in txt.lower()
+@pytest.mark.parametrize("b,hq,hkv,d,p,s,g", [(1024, 32, 8, 128, 4096, 256, 0),
+                                              (512, 32, 8, 128, 2048, 128, 4)])
+def test_shared_path_lowers_for_cuda_on_cpu(b, hq, hkv, d, p, s, g):
+    _lowers_without_triton("mgpu_stream_two_launch", b, hq, hkv, d, p, s, g)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,hq,hkv,d,p,s", [(1024, 32, 8, 128, 4096, 256),
-                                            (96, 8, 1, 128, 1024, 256),
-                                            (64, 16, 4, 64, 512, 192)])
-def test_gpu_shared_path(b, hq, hkv, d, p, s):
-    _shared_path(b, hq, hkv, d, p, s, 90 + b, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,hq,hkv,d,p,s,g", [(512, 32, 8, 128, 2048, 128, 4),
+@pytest.mark.parametrize("b,hq,hkv,d,p,s,g", [(1024, 32, 8, 128, 4096, 256, 0),
+                                              (96, 8, 1, 128, 1024, 256, 0),
+                                              (64, 16, 4, 64, 512, 192, 0),
+                                              (512, 32, 8, 128, 2048, 128, 4),
                                               (64, 8, 1, 64, 1024, 256, 3)])
-def test_gpu_shared_path_with_prefix_groups(b, hq, hkv, d, p, s, g):
-    _shared_path(b, hq, hkv, d, p, s, 70 + b, interpret=False, g=g)
-
-
-def _flat_path(b, hq, hkv, d, p, s, g, seed, interpret):
-    """The whole flat path through ``flat_mgpu_stream`` against the oracle (``g`` prefixes;
-    0: one)."""
-    sl = np.random.default_rng(seed).integers(0, s + 1, size=b)
-    sl[:2] = [0, s]
-    args, kw, meta = make_case(seed, b=b, tq=1, hq=hq, hkv=hkv, d=d, g=g, p=p, s=s, dtype=BF,
-                               suffix_lengths=sl)
-    plan = forced_plan(args[0], args[1], args[3], "flat_mgpu_stream",
-                       device=H100_SXM if interpret else device_info(), interpret=interpret)
-    assert plan.impl == "flat"
-    fn = lambda *a: shared_prefix_attention(*a, **kw, return_lse=True, plan=plan,  # noqa: E731
-                                            interpret=interpret)
-    out, lse = jax.jit(fn)(*args)
-    check(out, lse, oracle(args, kw, meta), BF)
+def test_gpu_shared_path(b, hq, hkv, d, p, s, g):
+    _leaf_path("mgpu_stream_two_launch", b, hq, hkv, d, p, s, 90 + b + g, interpret=False, g=g)
 
 
 @pytest.mark.parametrize("g", [0, 3])
 def test_flat_path_in_cpu_interpreter(g):
     """One prefix, and three (each sequence streams its group's row of the prefix buffer;
     ragged prefix lengths, 0 possible)."""
-    _flat_path(9, 8, 2, 64, 128, 64, g, 21 + g, interpret=True)
+    plan = _leaf_path("flat_mgpu_stream", 9, 8, 2, 64, 128, 64, 21 + g, interpret=True, g=g)
+    assert plan.impl == "flat"
 
 
 def test_flat_path_lowers_for_cuda_on_cpu():
-    b, hq, hkv, d, p, s, g = 16, 32, 8, 128, 4096, 256, 2
-    args = (S((b, 1, hq, d), BF), S((g, p, hkv, d), BF), S((g, p, hkv, d), BF),
-            S((b, s, hkv, d), BF), S((b, s, hkv, d), BF))
-    plan = forced_plan(args[0], args[1], args[3], "flat_mgpu_stream", device=H100_SXM,
-                       interpret=False)
-    lens = dict(suffix_lengths=jnp.full((b,), s, jnp.int32),
-                prefix_lengths=jnp.full((g,), p, jnp.int32),
-                seq_to_prefix=jnp.arange(b, dtype=jnp.int32) % g)
-    txt = lower_for_cuda(lambda *a: shared_prefix_attention(*a, **lens, plan=plan), *args)
-    assert txt.count("mosaic_gpu") >= 2 and "triton" not in txt.lower()
+    _lowers_without_triton("flat_mgpu_stream", 16, 32, 8, 128, 4096, 256, 2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,hq,hkv,d,p,s,g", [(8, 32, 8, 128, 4096, 256, 0),
                                               (16, 8, 1, 64, 1024, 128, 3)])
 def test_gpu_flat_path(b, hq, hkv, d, p, s, g):
-    _flat_path(b, hq, hkv, d, p, s, g, 50 + b, interpret=False)
+    _leaf_path("flat_mgpu_stream", b, hq, hkv, d, p, s, 50 + b, interpret=False, g=g)
